@@ -1,0 +1,124 @@
+"""The one door through which kvj touches the disk.
+
+Every write, fsync, rename, create and unlink the engine performs goes through an
+``FS`` object, so tests can swap in a recording or fault-injecting implementation
+(see ``tests/crashfs.py``) and construct the crash states a real disk allows.
+Reads go through plain ``open``: a crash state is materialised as real files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Files kvj creates are owner-only unless the caller asks otherwise.
+DEFAULT_FILE_MODE = 0o600
+DEFAULT_DIR_MODE = 0o700
+
+
+class DurabilityError(OSError):
+    """A write or fsync failed; nothing after it may be reported durable."""
+
+
+class FS:
+    """Real file operations (the default). Subclasses record or inject faults."""
+
+    def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
+        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+
+    def write(self, fd: int, data: Union[bytes, bytearray, memoryview]) -> None:
+        """Write all of ``data`` at the current offset (loops over short writes)."""
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(fd, view)
+            if n <= 0:  # pragma: no cover - os.write raises instead on real errors
+                raise OSError(errno.EIO, "short write")
+            view = view[n:]
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        if hasattr(os, "fdatasync"):
+            os.fdatasync(fd)
+        else:  # pragma: no cover - macOS
+            os.fsync(fd)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def rename(self, src: PathLike, dst: PathLike) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: PathLike) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: PathLike, mode: int = DEFAULT_DIR_MODE) -> None:
+        os.mkdir(path, mode)
+
+    def fsync_dir(self, path: PathLike) -> None:
+        """fsync a directory so that entries created or renamed in it survive power loss."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+#: The process-wide default; engine objects take an ``fs=`` argument to override it.
+REAL_FS = FS()
+
+
+def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_MODE) -> None:
+    """Create ``path`` and any missing parents, fsyncing each new entry's parent."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent != path:
+        makedirs_durable(parent, fs, mode)
+    try:
+        fs.mkdir(path, mode)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+        return
+    fs.fsync_dir(parent)
+
+
+def atomic_write(path: PathLike, data: Union[bytes, bytearray, memoryview], fs: FS = REAL_FS,
+                 mode: int = DEFAULT_FILE_MODE) -> None:
+    """Durably replace ``path`` with ``data``: temp file, fsync, rename, fsync directory.
+
+    After this returns the new content survives power loss; if it raises, ``path``
+    holds either its old content or the new one, never a mix.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        fs.write(fd, data)
+        fs.fsync(fd)
+    except BaseException:
+        fs.close(fd)
+        try:
+            fs.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fs.close(fd)
+    fs.rename(tmp, path)
+    fs.fsync_dir(directory)
+
+
+def read_file(path: PathLike) -> bytes:
+    """Read a whole file (a helper so callers need not repeat the open/close dance)."""
+    with open(path, "rb") as f:
+        return f.read()

@@ -1,0 +1,143 @@
+"""The journal's on-disk framing, shared by writer and reader (spec: man/kvj-journal.5).
+
+A log file is a 32-byte file header followed by commit groups. A commit group is
+what one fdatasync made durable: a 24-byte group header, then ``count`` records.
+Each record is a 20-byte header and a msgpack payload. All integers little-endian.
+
+    file header   magic[8] version:u16 flags:u16 seq:u64 base_lsn:u64 crc:u32
+    group header  magic[4] crc:u32 body_len:u32 count:u32 first_lsn:u64
+    record header crc:u32 length:u32 type:u16 flags:u16 lsn:u64
+
+Every CRC is CRC32C: the file header's over its first 28 bytes, the group header's
+over its last 16 bytes, a record's over its header after the CRC field and its payload.
+Type 0 is reserved, so zero-filled space never parses as a record.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from crc32c import crc32c
+
+FILE_MAGIC = b"\x89KVJLOG\n"
+FORMAT_VERSION = 1
+GROUP_MAGIC = b"KVJG"
+
+FILE_HEADER = struct.Struct("<8sHHQQI")
+GROUP_HEADER = struct.Struct("<4sIIIQ")
+RECORD_HEADER = struct.Struct("<IIHHQ")
+RECORD_TAIL = struct.Struct("<IHHQ")  # the record header after its CRC field
+CRC = struct.Struct("<I")
+
+FILE_HEADER_SIZE = FILE_HEADER.size  # 32
+GROUP_HEADER_SIZE = GROUP_HEADER.size  # 24
+RECORD_HEADER_SIZE = RECORD_HEADER.size  # 20
+
+#: Records are small (tensor data lives in the segment store); anything larger is damage.
+MAX_RECORD_PAYLOAD = 16 << 20
+#: A group never exceeds this many bytes; a larger declared length is damage.
+MAX_GROUP_BODY = 1 << 30
+
+
+def encode_file_header(seq: int, base_lsn: int) -> bytes:
+    head = FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, seq, base_lsn, 0)[:-4]
+    return head + CRC.pack(crc32c(head))
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    version: int
+    seq: int
+    base_lsn: int
+
+
+def decode_file_header(data: bytes) -> Optional[FileHeader]:
+    """Return the header, or None when the bytes are not a valid kvj log file header."""
+    if len(data) < FILE_HEADER_SIZE:
+        return None
+    magic, version, _flags, seq, base_lsn, crc = FILE_HEADER.unpack_from(data, 0)
+    if magic != FILE_MAGIC or crc32c(data[: FILE_HEADER_SIZE - 4]) != crc:
+        return None
+    return FileHeader(version, seq, base_lsn)
+
+
+def encode_record(rtype: int, lsn: int, payload: bytes) -> bytes:
+    """Frame one record (header with CRC, then payload)."""
+    tail = RECORD_TAIL.pack(len(payload), rtype, 0, lsn)
+    return CRC.pack(crc32c(payload, crc32c(tail))) + tail + payload
+
+
+def encode_group_header(body_len: int, count: int, first_lsn: int) -> bytes:
+    tail = GROUP_HEADER.pack(GROUP_MAGIC, 0, body_len, count, first_lsn)[8:]
+    return GROUP_MAGIC + CRC.pack(crc32c(tail)) + tail
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One framed record as found on disk."""
+
+    lsn: int
+    rtype: int
+    payload: bytes
+    path: str
+    offset: int  # of the record header within its file
+
+
+def group_header_at(data: bytes, off: int) -> Optional[Tuple[int, int, int]]:
+    """(body_len, count, first_lsn) if a valid group header starts at ``off``."""
+    if off + GROUP_HEADER_SIZE > len(data) or data[off:off + 4] != GROUP_MAGIC:
+        return None
+    _magic, crc, body_len, count, first_lsn = GROUP_HEADER.unpack_from(data, off)
+    if crc32c(data[off + 8:off + GROUP_HEADER_SIZE]) != crc or body_len > MAX_GROUP_BODY:
+        return None
+    return body_len, count, first_lsn
+
+
+def parse_group(data: bytes, off: int, path: str) -> Optional[Tuple[List[RawRecord], int]]:
+    """Parse the commit group at ``off``: (records, end offset), or None if any check fails.
+
+    A group is all-or-nothing: one bad record, a short body or an LSN out of sequence
+    invalidates the whole group.
+    """
+    head = group_header_at(data, off)
+    if head is None:
+        return None
+    body_len, count, first_lsn = head
+    pos = off + GROUP_HEADER_SIZE
+    end = pos + body_len
+    if end > len(data) or count == 0:
+        return None
+    records: List[RawRecord] = []
+    lsn = first_lsn
+    for _ in range(count):
+        if pos + RECORD_HEADER_SIZE > end:
+            return None
+        crc, length, rtype, _flags, rec_lsn = RECORD_HEADER.unpack_from(data, pos)
+        stop = pos + RECORD_HEADER_SIZE + length
+        if rtype == 0 or rec_lsn != lsn or length > MAX_RECORD_PAYLOAD or stop > end:
+            return None
+        if crc32c(data[pos + RECORD_HEADER_SIZE:stop], crc32c(data[pos + 4:pos + RECORD_HEADER_SIZE])) != crc:
+            return None
+        records.append(RawRecord(lsn, rtype, bytes(data[pos + RECORD_HEADER_SIZE:stop]), path, pos))
+        pos = stop
+        lsn += 1
+    if pos != end:
+        return None
+    return records, end
+
+
+def later_group_exists(data: bytes, off: int, after_lsn: int) -> Optional[int]:
+    """Offset of a valid group header past ``off`` whose LSNs follow ``after_lsn``, if any.
+
+    Groups are written one at a time, each only after the previous one was fdatasynced,
+    so a valid group after a damaged one proves the damage is not a torn tail.
+    """
+    pos = data.find(GROUP_MAGIC, off + 1)
+    while pos != -1:
+        head = group_header_at(data, pos)
+        if head is not None and head[2] > after_lsn:
+            return pos
+        pos = data.find(GROUP_MAGIC, pos + 1)
+    return None
