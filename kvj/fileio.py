@@ -38,6 +38,11 @@ class FS:
                 raise OSError(errno.EIO, "short write")
             view = view[n:]
 
+    def writev(self, fd: int, parts: "list[Union[bytes, bytearray, memoryview]]") -> None:
+        """Write several buffers in order without joining them (one ``write`` each)."""
+        for part in parts:
+            self.write(fd, part)
+
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 

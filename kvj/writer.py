@@ -17,13 +17,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+import msgpack
+from crc32c import crc32c
+
 from .errors import JournalClosed, JournalFailed, JournalLocked
 from .fileio import FS, REAL_FS, DurabilityError
 from .framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header
-from .records import encode_payload
-from crc32c import crc32c
 
 LOCK_NAME = "LOCK"
+_RECORD_TAIL_PACK = RECORD_TAIL.pack
+_CRC_PACK = CRC.pack
 
 
 def log_name(seq: int) -> str:
@@ -87,6 +90,9 @@ class LogWriter:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # committer waits here
         self._done = threading.Condition(self._lock)  # sync() and full-buffer appends wait here
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._max_buffer = policy.max_buffer_bytes
+        self._max_records = policy.max_records
         self._buf = bytearray()
         self._count = 0
         self._first_lsn = next_lsn
@@ -108,30 +114,36 @@ class LogWriter:
 
     def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
         """Frame a record into the buffer and return its LSN; with ``durable``, wait for it."""
-        body = encode_payload(payload)
         with self._lock:
             if self._error is not None or self._closing:
                 self._raise_state()
-            while len(self._buf) >= self.policy.max_buffer_bytes:
-                self._done.wait()
-                if self._error is not None or self._closing:
-                    self._raise_state()
+            buf = self._buf
+            if len(buf) >= self._max_buffer:
+                buf = self._wait_for_room()
+            body = self._pack(payload)  # a reused Packer is not thread-safe: pack under the lock
             lsn = self._next_lsn
             self._next_lsn = lsn + 1
-            tail = RECORD_TAIL.pack(len(body), rtype, 0, lsn)
-            buf = self._buf
-            buf += CRC.pack(crc32c(body, crc32c(tail)))
+            tail = _RECORD_TAIL_PACK(len(body), rtype, 0, lsn)
+            buf += _CRC_PACK(crc32c(body, crc32c(tail)))
             buf += tail
             buf += body
-            self._count += 1
-            if self._count == 1:
+            count = self._count = self._count + 1
+            if count == 1:
                 self._first_time = time.monotonic()
                 self._wake.notify()
-            elif self._count == self.policy.max_records:
+            elif count == self._max_records:
                 self._wake.notify()
         if durable:
             self.wait_durable(lsn)
         return lsn
+
+    def _wait_for_room(self) -> bytearray:
+        """Block (lock held) while the buffer is full: backpressure instead of memory growth."""
+        while len(self._buf) >= self._max_buffer:
+            self._done.wait()
+            if self._error is not None or self._closing:
+                self._raise_state()
+        return self._buf
 
     def sync(self) -> int:
         """Block until every record appended so far is durable; return the last LSN."""
@@ -235,7 +247,7 @@ class LogWriter:
                 if group is None:
                     return
                 data, count, first = group
-                self.fs.write(self._fd, encode_group_header(len(data), count, first) + data)
+                self.fs.writev(self._fd, [encode_group_header(len(data), count, first), data])
                 self.fs.fdatasync(self._fd)
                 self._size += len(data) + 24
                 with self._lock:

@@ -1,0 +1,179 @@
+"""Journal benchmark: kvj's group commit against what a user would pick instead.
+
+Side by side in one run, on the same disk, with the same record (a segment-flush
+record of a realistic size):
+
+- kvj at the default commit policy (records/s until ``sync`` returns);
+- the seed design: one JSON line plus fsync per record, and its batched variant
+  (fsync every 100 lines);
+- SQLite in WAL mode, synchronous=FULL, committing every 100 records;
+- the floor: pre-encoded bytes, one fdatasync per 100 records;
+- the caller-thread cost of ``append`` (p50, p99).
+
+Every contender starts from the same Python dicts, so encoding is inside each timing
+(kvj: msgpack and framing; the others: ``json.dumps``); only the floor is pre-encoded.
+
+Run ``python -m kvj.bench.journal`` or ``kvj bench journal``. Disks here are shared and
+noisy, so compare the ratio columns, which come from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+from ..journal import Journal
+from ..records import RecordType
+from ..writer import CommitPolicy
+
+BATCH = 100
+
+
+def sample_payload(i: int) -> Dict[str, object]:
+    """A realistic segment-flush record (about 300 bytes encoded)."""
+    return {"id": f"req-{i % 64:04d}", "seg": i, "key": f"{i:064x}", "tokens": [i * 16, i * 16 + 16],
+            "layout": {"model": "llama-3-8b", "block_size": 16, "layers": 32, "kv_heads": 8, "head_dim": 128,
+                       "dtype": "bfloat16"},
+            "raw_size": 2097152, "stored_size": 1503221, "digest": f"{i:064x}", "codec": "byteplane"}
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_kvj(directory: str, n: int, policy: Optional[CommitPolicy] = None) -> float:
+    payloads = [sample_payload(i) for i in range(n)]
+    with Journal.open(directory, policy=policy) as j:
+        append = j.writer.append
+
+        def work() -> None:
+            for p in payloads:
+                append(RecordType.SEGMENT, p)
+            j.sync()
+        return n / _timed(work)
+
+
+def append_latency(directory: str, n: int) -> List[float]:
+    """Caller-thread nanoseconds per ``Journal.flush``-record append, committer running."""
+    payloads = [sample_payload(i) for i in range(n)]
+    lat = []
+    clock = time.perf_counter_ns
+    with Journal.open(directory) as j:
+        append = j.writer.append
+        for p in payloads:
+            t0 = clock()
+            append(RecordType.SEGMENT, p)
+            lat.append(clock() - t0)
+        j.sync()
+    lat.sort()
+    return lat
+
+
+def bench_jsonl(directory: str, n: int, every: int) -> float:
+    payloads = [sample_payload(i) for i in range(n)]
+    path = os.path.join(directory, "journal.jsonl")
+
+    def work() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for i, payload in enumerate(payloads, 1):
+                os.write(fd, (json.dumps(payload) + "\n").encode())
+                if i % every == 0 or i == n:
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
+    return n / _timed(work)
+
+
+def bench_sqlite(directory: str, n: int) -> float:
+    payloads = [sample_payload(i) for i in range(n)]
+    db = sqlite3.connect(os.path.join(directory, "journal.db"), isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("CREATE TABLE rec (lsn INTEGER PRIMARY KEY, body TEXT)")
+
+    def work() -> None:
+        for start in range(0, n, BATCH):
+            db.execute("BEGIN")
+            db.executemany("INSERT INTO rec VALUES (?, ?)",
+                           [(i, json.dumps(payloads[i])) for i in range(start, min(start + BATCH, n))])
+            db.execute("COMMIT")
+    try:
+        return n / _timed(work)
+    finally:
+        db.close()
+
+
+def bench_floor(directory: str, n: int) -> float:
+    record = json.dumps(sample_payload(0)).encode()
+    chunk = record * BATCH
+    path = os.path.join(directory, "floor.bin")
+
+    def work() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for _ in range(0, n, BATCH):
+                os.write(fd, chunk)
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    return n / _timed(work)
+
+
+def run(directory: Optional[str] = None, n: int = 100_000, n_slow: int = 2_000) -> List[Dict[str, object]]:
+    """Run every contender in fresh subdirectories of ``directory``; return table rows."""
+    base = tempfile.mkdtemp(prefix="kvj-bench-", dir=directory)
+    results: Dict[str, float] = {}
+    try:
+        def fresh(name: str) -> str:
+            path = os.path.join(base, name)
+            os.mkdir(path)
+            return path
+        results["kvj (default policy)"] = bench_kvj(fresh("kvj"), n)
+        results["seed: JSON line + fsync per record"] = bench_jsonl(fresh("seed1"), n_slow, 1)
+        results[f"seed batched: fsync per {BATCH} lines"] = bench_jsonl(fresh("seedb"), n, BATCH)
+        results[f"SQLite WAL, synchronous=FULL, commit per {BATCH}"] = bench_sqlite(fresh("sqlite"), n)
+        results[f"floor: raw bytes, fdatasync per {BATCH}"] = bench_floor(fresh("floor"), n)
+        lat = append_latency(fresh("lat"), n)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    sqlite_rate = results[f"SQLite WAL, synchronous=FULL, commit per {BATCH}"]
+    rows: List[Dict[str, object]] = [{"system": name, "records_per_s": rate, "vs_sqlite": rate / sqlite_rate}
+                                     for name, rate in results.items()]
+    rows.append({"system": "kvj append, caller thread", "p50_us": lat[len(lat) // 2] / 1000,
+                 "p99_us": lat[int(len(lat) * 0.99)] / 1000})
+    return rows
+
+
+def format_table(rows: List[Dict[str, object]]) -> str:
+    lines = [f"{'system':<46} {'durable rec/s':>14} {'x SQLite':>9}", "-" * 71]
+    for row in rows:
+        if "records_per_s" in row:
+            lines.append(f"{row['system']:<46} {row['records_per_s']:>14,.0f} {row['vs_sqlite']:>9.2f}")
+    for row in rows:
+        if "p50_us" in row:
+            lines.append(f"{row['system']:<46} p50 {row['p50_us']:.2f} us, p99 {row['p99_us']:.2f} us")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvj.bench.journal", description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: $TMPDIR)")
+    parser.add_argument("--records", type=int, default=100_000, help="records per contender")
+    parser.add_argument("--json", action="store_true", help="print rows as JSON")
+    args = parser.parse_args(argv)
+    rows = run(args.dir, args.records)
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
