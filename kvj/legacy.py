@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Iterator, Optional, Tuple
 
-from .errors import CorruptionError, FormatError
+from .errors import CorruptionError, FormatError, KvjError
 from .reader import TornTail
 from .records import RecordType, check_request_id
 
@@ -74,7 +74,7 @@ class LegacyScan:
                     offset = end + 1
                     continue
                 rtype, payload = _convert(json.loads(text))
-            except (ValueError, FormatError) as exc:
+            except (ValueError, KvjError) as exc:
                 if is_last and not self.strict:
                     self.tail = TornTail(self.path, offset, len(data) - offset)
                     return

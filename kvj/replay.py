@@ -83,6 +83,8 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False) -> 
 
     ``path`` is a kvj journal directory, or a legacy JSON-lines journal (file or directory).
     """
+    if not os.path.exists(path):
+        raise FormatError(f"no journal at {path}")
     state = None if is_legacy(path) else load_latest(path)
     if state is None:
         state = JournalState()
