@@ -100,7 +100,7 @@ def run_ops(path, sequence):
         j.close()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_replay_equals_the_model(sequence):
     path = tempfile.mkdtemp(prefix="kvj-model-")
