@@ -128,26 +128,34 @@ def bench_floor(directory: str, n: int) -> float:
     return n / _timed(work)
 
 
-def run(directory: Optional[str] = None, n: int = 100_000, n_slow: int = 2_000) -> List[Dict[str, object]]:
-    """Run every contender in fresh subdirectories of ``directory``; return table rows."""
+def run(directory: Optional[str] = None, n: int = 100_000, n_slow: int = 2_000,
+        repeat: int = 3) -> List[Dict[str, object]]:
+    """Run every contender ``repeat`` times, interleaved, in fresh directories; median rates."""
     base = tempfile.mkdtemp(prefix="kvj-bench-", dir=directory)
-    results: Dict[str, float] = {}
+    sqlite_name = f"SQLite WAL, synchronous=FULL, commit per {BATCH}"
+    contenders: Dict[str, Callable[[str], float]] = {
+        "kvj (default policy)": lambda d: bench_kvj(d, n),
+        "seed: JSON line + fsync per record": lambda d: bench_jsonl(d, n_slow, 1),
+        f"seed batched: fsync per {BATCH} lines": lambda d: bench_jsonl(d, n, BATCH),
+        sqlite_name: lambda d: bench_sqlite(d, n),
+        f"floor: raw bytes, fdatasync per {BATCH}": lambda d: bench_floor(d, n),
+    }
+    rates: Dict[str, List[float]] = {name: [] for name in contenders}
     try:
-        def fresh(name: str) -> str:
-            path = os.path.join(base, name)
-            os.mkdir(path)
-            return path
-        results["kvj (default policy)"] = bench_kvj(fresh("kvj"), n)
-        results["seed: JSON line + fsync per record"] = bench_jsonl(fresh("seed1"), n_slow, 1)
-        results[f"seed batched: fsync per {BATCH} lines"] = bench_jsonl(fresh("seedb"), n, BATCH)
-        results[f"SQLite WAL, synchronous=FULL, commit per {BATCH}"] = bench_sqlite(fresh("sqlite"), n)
-        results[f"floor: raw bytes, fdatasync per {BATCH}"] = bench_floor(fresh("floor"), n)
-        lat = append_latency(fresh("lat"), n)
+        for round_ in range(repeat):
+            for i, (name, fn) in enumerate(contenders.items()):
+                path = os.path.join(base, f"{round_}-{i}")
+                os.mkdir(path)
+                rates[name].append(fn(path))
+                shutil.rmtree(path)
+        lat_dir = os.path.join(base, "latency")
+        os.mkdir(lat_dir)
+        lat = append_latency(lat_dir, n)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    sqlite_rate = results[f"SQLite WAL, synchronous=FULL, commit per {BATCH}"]
-    rows: List[Dict[str, object]] = [{"system": name, "records_per_s": rate, "vs_sqlite": rate / sqlite_rate}
-                                     for name, rate in results.items()]
+    median = {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
+    rows: List[Dict[str, object]] = [{"system": name, "records_per_s": rate, "vs_sqlite": rate / median[sqlite_name]}
+                                     for name, rate in median.items()]
     rows.append({"system": "kvj append, caller thread", "p50_us": lat[len(lat) // 2] / 1000,
                  "p99_us": lat[int(len(lat) * 0.99)] / 1000})
     return rows
@@ -155,6 +163,7 @@ def run(directory: Optional[str] = None, n: int = 100_000, n_slow: int = 2_000) 
 
 def format_table(rows: List[Dict[str, object]]) -> str:
     lines = [f"{'system':<46} {'durable rec/s':>14} {'x SQLite':>9}", "-" * 71]
+    lines[0] = lines[0].replace("durable rec/s", "median rec/s ")
     for row in rows:
         if "records_per_s" in row:
             lines.append(f"{row['system']:<46} {row['records_per_s']:>14,.0f} {row['vs_sqlite']:>9.2f}")
@@ -168,9 +177,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvj.bench.journal", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: $TMPDIR)")
     parser.add_argument("--records", type=int, default=100_000, help="records per contender")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the table shows medians")
     parser.add_argument("--json", action="store_true", help="print rows as JSON")
     args = parser.parse_args(argv)
-    rows = run(args.dir, args.records)
+    rows = run(args.dir, args.records, repeat=args.repeat)
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0
 
