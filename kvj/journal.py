@@ -14,7 +14,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import FormatError, JournalClosed
-from .fileio import FS, REAL_FS, atomic_write, makedirs_durable, read_file
+from .fileio import FS, REAL_FS, atomic_write, makedirs_durable
+from .framing import FILE_HEADER_SIZE, decode_file_header
 from .reader import Scan, TornTail, list_logs, log_seq
 from .records import RecordType, check_key, check_request_id, decode_payload, encode_payload
 from .snapshot import list_snapshots
@@ -67,9 +68,7 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
     last = logs[-1]
     scan = Scan(directory, after_lsn=0, logs=[last])
     with open(last, "rb") as f:
-        head = f.read(32)
-    from .framing import decode_file_header
-    header = decode_file_header(head)
+        header = decode_file_header(f.read(FILE_HEADER_SIZE))
     if header is None:  # crashed while creating the file: nothing in it was ever acknowledged
         aside = cut_torn_tail(TornTail(last, 0, os.path.getsize(last)), fs)
         fs.unlink(last)

@@ -78,7 +78,8 @@ class Scan:
             self.bytes_read += len(data)
             header = decode_file_header(data)
             if header is None:
-                if is_last and expected is not None or (is_last and len(self.logs) == 1):
+                if is_last and later_group_exists(data, -1, 0) is None:
+                    # crashed while creating the newest file: no record in it was acknowledged
                     self._torn(path, 0, len(data))
                     return
                 raise CorruptionError(path, 0, "bad log file header")

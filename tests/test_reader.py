@@ -224,3 +224,13 @@ class TestLegacyJsonLines:
         self.write(f, [{"op": "start", "id": "../../etc/passwd"}, {"op": "end", "id": "x"}])
         with pytest.raises(CorruptionError, match="invalid request id"):
             kvj.replay(str(f))
+
+
+def test_damaged_header_of_a_newest_file_with_records_is_corruption(tmp_path):
+    write_journal(tmp_path, 5)
+    last = list_logs(str(tmp_path))[-1]
+    data = bytearray(open(last, "rb").read())
+    data[3] ^= 0xFF
+    open(last, "wb").write(data)
+    with pytest.raises(CorruptionError, match="bad log file header"):
+        kvj.replay(str(tmp_path))
