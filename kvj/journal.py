@@ -13,9 +13,9 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from .errors import FormatError, JournalClosed
+from .errors import CorruptionError, FormatError, JournalClosed
 from .fileio import FS, REAL_FS, atomic_write, makedirs_durable
-from .framing import FILE_HEADER_SIZE, decode_file_header
+from .framing import decode_file_header, later_group_exists
 from .reader import Scan, TornTail, list_logs, log_seq
 from .records import RecordType, check_key, check_request_id, decode_payload, encode_payload
 from .snapshot import list_snapshots
@@ -68,7 +68,10 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
     last = logs[-1]
     scan = Scan(directory, after_lsn=0, logs=[last])
     with open(last, "rb") as f:
-        header = decode_file_header(f.read(FILE_HEADER_SIZE))
+        data = f.read()
+    header = decode_file_header(data)
+    if header is None and later_group_exists(data, -1, 0) is not None:
+        raise CorruptionError(last, 0, "bad log file header")
     if header is None:  # crashed while creating the file: nothing in it was ever acknowledged
         aside = cut_torn_tail(TornTail(last, 0, os.path.getsize(last)), fs)
         fs.unlink(last)

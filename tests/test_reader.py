@@ -234,3 +234,6 @@ def test_damaged_header_of_a_newest_file_with_records_is_corruption(tmp_path):
     open(last, "wb").write(data)
     with pytest.raises(CorruptionError, match="bad log file header"):
         kvj.replay(str(tmp_path))
+    with pytest.raises(CorruptionError, match="bad log file header"):
+        Journal.open(tmp_path)
+    assert open(last, "rb").read() == bytes(data)  # the writer touched nothing
