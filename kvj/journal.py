@@ -82,6 +82,15 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
     for _ in scan:
         pass
     aside = cut_torn_tail(scan.tail, fs) if scan.tail else None
+    if aside is None:
+        # What was just read may sit unsynced in the page cache (a writer killed between a
+        # group's write and its fdatasync). The new writer builds on it, so make it durable
+        # before any later record is acknowledged (the cut above already fsynced the file).
+        fd = fs.open(last, os.O_RDONLY)
+        try:
+            fs.fsync(fd)
+        finally:
+            fs.close(fd)
     next_lsn = max(scan.last_lsn + 1, header.base_lsn, snap_lsn + 1)
     return log_seq(last) + 1, next_lsn, aside
 
