@@ -27,6 +27,15 @@ from kvj.replay import RecordStream
 from kvj.state import JournalState
 
 
+#: Figures the suite reports at the end of a run (see conftest.py): name -> number.
+FIGURES: Dict[str, float] = {}
+
+
+def add_figure(name: str, value: float) -> None:
+    """Add ``value`` to the figure ``name`` (printed in pytest's terminal summary)."""
+    FIGURES[name] = FIGURES.get(name, 0) + value
+
+
 def normalize(payload: Dict[str, Any]) -> Dict[str, Any]:
     """The payload as it comes back from disk (msgpack turns tuples into lists, etc.)."""
     return msgpack.unpackb(msgpack.packb(payload, use_bin_type=True), raw=False)

@@ -557,8 +557,10 @@ class Fault:
     persistent: bool = False
     path_contains: Optional[str] = None
     partial: int = 0
+    gate: Optional[threading.Event] = None  # when set, the failing call waits for it first
     seen: int = 0
     fired: int = 0
+    entered: threading.Event = field(default_factory=threading.Event)  # set when it first fires
 
     def matches(self, op: str, path: Optional[str]) -> bool:
         if self.op != op and not (self.op == "sync" and op in ("fsync", "fdatasync")):
@@ -607,6 +609,9 @@ class FaultFS(FS):
             return call, None
 
     def _raise(self, fault: Fault, op: str, path: Optional[str]) -> None:
+        fault.entered.set()
+        if fault.gate is not None:
+            fault.gate.wait(30)
         raise OSError(fault.err, f"injected {errno_mod.errorcode.get(fault.err, fault.err)} on {op}", path)
 
     @property

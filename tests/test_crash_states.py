@@ -20,20 +20,18 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import pytest
 
-from crashcheck import Truth, check_journal, random_record
+from crashcheck import Truth, add_figure, check_journal, random_record
 from crashfs import (FAST_FS, FIXED_PLANS, CrashPlan, RecordingFS, SimulatedKill, crash_state, iter_crash_states,
                      random_plans)
 from kvj import CommitPolicy, Journal
-from kvj.errors import JournalFailed
+from kvj.errors import JournalFailed, KvjError
 
 #: Groups form only at sync points (no timer, no record-count trigger), so a seed fixes the op log.
 DETERMINISTIC = dict(max_delay=3600.0, max_records=1 << 30)
-
-COUNTS: Dict[str, int] = {"states": 0, "workloads": 0}
 
 
 @dataclass
@@ -150,8 +148,7 @@ def check_all_states(rec: Recorded, scratch: str, points: Sequence[int], plans_f
                 exc.add_note("recent ops:\n  " + "\n  ".join(op.describe() for op in rec.fs.ops[max(0, k - 12):k]))
                 raise
         n += 1
-    COUNTS["states"] += n
-    COUNTS["workloads"] += 1
+    add_figure("crash states checked", n)
     return n
 
 
@@ -201,11 +198,11 @@ def run_double_crash(tmp: str, seed: int, n_first: int, n_random: int) -> int:
 
 # -- default (fast) subset ------------------------------------------------------------------
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_crash_states_fast(tmp_path, seed):
     """A few hundred crash states of short workloads with rotation and kills."""
     t0 = time.monotonic()
-    n = run_seed(str(tmp_path), seed, steps=50, n_random=4, limit=60)
+    n = run_seed(str(tmp_path), seed, steps=60, n_random=4, limit=None)
     print(f"\ncrash states (seed {seed}): {n} distinct, {time.monotonic() - t0:.1f}s")
     assert n >= 60
 
@@ -250,6 +247,30 @@ def test_kill_then_reopen_then_power_loss(tmp_path):
     state = str(tmp_path / "state")
     crash_state(fs, len(fs.ops), CrashPlan("synced-only"), state)
     check_journal(os.path.join(state, "j"), truth, truth.acked, reopen_fs=FAST_FS)
+
+
+class _NoDirSyncFS(RecordingFS):
+    """A broken disk layer: directory fsyncs never happen."""
+
+    def fsync_dir(self, path):  # type: ignore[override]
+        pass
+
+
+class _NoDataSyncFS(RecordingFS):
+    """A broken disk layer: fdatasync never happens."""
+
+    def fdatasync(self, fd):  # type: ignore[override]
+        pass
+
+
+@pytest.mark.parametrize("broken", [_NoDirSyncFS, _NoDataSyncFS])
+def test_checker_catches_a_journal_that_skips_syncs(tmp_path, monkeypatch, broken):
+    """The suite itself can fail: with fsyncs silently skipped, some crash state loses an
+    acknowledged record or a log file, and the checker says so."""
+    import test_crash_states as me
+    monkeypatch.setattr(me, "RecordingFS", broken)
+    with pytest.raises((AssertionError, KvjError)):
+        run_seed(str(tmp_path), 1, steps=50, n_random=2, limit=None)
 
 
 # -- full run --------------------------------------------------------------------------------

@@ -1,0 +1,14 @@
+"""Prints the figures of the crash, kill, corruption and I/O-error suite (crash states
+checked, kills survived, corruption detection rate) in pytest's terminal summary."""
+
+
+def pytest_terminal_summary(terminalreporter):
+    try:
+        from crashcheck import FIGURES
+    except ImportError:  # the crash suite was not collected
+        return
+    if FIGURES:
+        terminalreporter.section("kvj crash-suite figures")
+        for name, value in sorted(FIGURES.items()):
+            shown = f"{value:.4g}" if isinstance(value, float) and not value.is_integer() else f"{int(value)}"
+            terminalreporter.write_line(f"{name}: {shown}")
