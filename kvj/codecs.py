@@ -1,0 +1,450 @@
+"""Chunk codecs for segment payloads, looked up by name (zarr-v3 style).
+
+A codec turns one chunk of raw tensor bytes into stored bytes and back. Every codec has a
+``name`` and a ``params`` dict that the segment header records, so a reader rebuilds the exact
+codec with :func:`get_codec`. Codecs are stateless and thread-safe: chunks of one segment are
+encoded and decoded in parallel threads (zstandard and numpy release the GIL).
+
+* ``raw``       - the bytes as they are.
+* ``zstd``      - zstandard at ``level``; ``long`` turns on long-distance matching.
+* ``byteplane`` - for floating point: each element is rotated left by one bit (the sign moves
+  to the lowest bit, so the top byte holds the exponent, or its high bits for wide types),
+  split into byte planes, and each plane is stored raw (``r``), entropy-coded (``e``: zstd
+  tuned so that it is close to Huffman-only on literals) or zstd-compressed (``z``). A plane
+  that does not shrink in a chunk is stored raw there.
+
+:class:`RowDedup` is a segment-level filter (not a chunk codec): it finds rows repeated anywhere
+in a tensor, as prompts sharing a prefix produce in a KV cache, and stores each once.
+
+:func:`auto_codec` picks a codec per segment from a cheap sample test, and steps down to faster
+choices when the caller reports backpressure (see :class:`Backpressure`).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type, Union
+
+import numpy as np
+import zstandard
+
+from .errors import FormatError
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+#: Largest zstd window a reader accepts (bounds decoder memory on hostile input).
+MAX_WINDOW_LOG = 27
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_local = threading.local()
+
+
+def _compressor(key: Tuple[Any, ...]) -> zstandard.ZstdCompressor:
+    """A per-thread compressor for ``key`` (zstd contexts must not be shared across threads)."""
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    comp = cache.get(key)
+    if comp is None:
+        kind = key[0]
+        if kind == "entropy":
+            # Fast strategy, minimum-size hash table and 7-byte matches: almost no matches are
+            # found, so the block is Huffman-coded literals, close to the order-0 entropy.
+            params = zstandard.ZstdCompressionParameters(
+                strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=6, chain_log=6,
+                search_log=1, window_log=17, target_length=0, write_content_size=True)
+        else:
+            _, level, long = key
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, enable_ldm=bool(long), window_log=MAX_WINDOW_LOG if long else 0,
+                write_content_size=True)
+        comp = cache[key] = zstandard.ZstdCompressor(compression_params=params)
+    return comp
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dec = getattr(_local, "decompressor", None)
+    if dec is None:
+        dec = _local.decompressor = zstandard.ZstdDecompressor(max_window_size=1 << MAX_WINDOW_LOG)
+    return dec
+
+
+def zstd_decompress(data: Buffer, raw_len: int) -> bytes:
+    """Decompress one zstd frame that must hold exactly ``raw_len`` bytes.
+
+    The declared size is checked before any allocation, so a hostile frame cannot make the
+    reader allocate more than ``raw_len``.
+    """
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"bad zstd frame: {exc}") from None
+    if declared != raw_len:
+        raise FormatError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+    try:
+        out = _decompressor().decompress(data, max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd frame does not decode: {exc}") from None
+    if len(out) != raw_len:
+        raise FormatError(f"zstd frame decoded to {len(out)} bytes, expected {raw_len}")
+    return out
+
+
+class Codec(ABC):
+    """One chunk codec. ``encode`` output must decode bit-exactly with the same params."""
+
+    name: ClassVar[str]
+
+    def __init__(self, **params: Any) -> None:
+        self.params: Dict[str, Any] = params
+
+    @abstractmethod
+    def encode(self, buf: memoryview, itemsize: int) -> Buffer:
+        """Encode one chunk (``len(buf)`` is a multiple of ``itemsize``)."""
+
+    @abstractmethod
+    def decode_into(self, data: memoryview, out: memoryview, itemsize: int) -> None:
+        """Decode ``data`` into ``out``, which it must fill exactly; FormatError otherwise."""
+
+    def decode(self, data: Buffer, raw_len: int, itemsize: int) -> bytearray:
+        """Decode into a new buffer of ``raw_len`` bytes."""
+        out = bytearray(raw_len)
+        self.decode_into(memoryview(data).cast("B"), memoryview(out), itemsize)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{self.name}{self.params}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and (self.name, self.params) == (other.name, other.params)
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.params.items()))))
+
+
+class RawCodec(Codec):
+    """Stores the bytes unchanged."""
+
+    name = "raw"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def encode(self, buf: memoryview, itemsize: int) -> Buffer:
+        return buf
+
+    def decode_into(self, data: memoryview, out: memoryview, itemsize: int) -> None:
+        if len(data) != len(out):
+            raise FormatError(f"raw chunk holds {len(data)} bytes, expected {len(out)}")
+        out[:] = data
+
+
+class ZstdCodec(Codec):
+    """zstandard on the plain bytes; ``long`` enables long-distance matching (large window)."""
+
+    name = "zstd"
+
+    def __init__(self, level: int = 3, long: bool = False) -> None:
+        if not isinstance(level, int) or not -7 <= level <= 22:
+            raise FormatError(f"zstd level {level!r} out of range")
+        super().__init__(level=level, long=bool(long))
+
+    def encode(self, buf: memoryview, itemsize: int) -> Buffer:
+        return _compressor(("zstd", self.params["level"], self.params["long"])).compress(buf)
+
+    def decode_into(self, data: memoryview, out: memoryview, itemsize: int) -> None:
+        out[:] = zstd_decompress(data, len(out))
+
+
+_PLANE_MODES = "rez"
+_PLANE_HEADER = struct.Struct("<BI")  # mode, stored length
+
+
+def _rotate(words: np.ndarray, bits: int, left: bool) -> np.ndarray:
+    if left:
+        return (words << 1) | (words >> (bits - 1))
+    return (words >> 1) | (words << (bits - 1))
+
+
+class BytePlaneCodec(Codec):
+    """Byte planes of (optionally bit-rotated) elements, each plane coded on its own.
+
+    ``planes`` has one letter per byte plane, least significant first: ``r`` raw, ``e``
+    entropy-coded, ``z`` zstd at ``level``. With ``rotate`` each element is rotated left by one
+    bit first, which puts the sign bit beside the mantissa and the whole exponent of bf16/fp32
+    (the top of it for fp16/fp64) in the top plane.
+
+    Encoded chunk: ``u8 nplanes`` then per plane ``u8 mode, u32le length`` (mode 0 raw, 1 zstd
+    frame), then the plane bodies in order.
+    """
+
+    name = "byteplane"
+
+    def __init__(self, planes: str, rotate: bool = True, level: int = 1) -> None:
+        if not isinstance(planes, str) or not 1 <= len(planes) <= 8 or len(planes) & (len(planes) - 1) \
+                or any(c not in _PLANE_MODES for c in planes):
+            raise FormatError(f"byteplane planes {planes!r} invalid")
+        if not isinstance(level, int) or not -7 <= level <= 22:
+            raise FormatError(f"byteplane level {level!r} out of range")
+        super().__init__(planes=planes, rotate=bool(rotate), level=level)
+
+    def _split(self, buf: memoryview, itemsize: int) -> list:
+        if itemsize == 1:
+            return [np.frombuffer(buf, np.uint8)]
+        words = np.frombuffer(buf, _UINT[itemsize])
+        if self.params["rotate"]:
+            words = _rotate(words, itemsize * 8, left=True)
+        return [(words >> np.array(8 * p, words.dtype)).astype(np.uint8) if p else words.astype(np.uint8)
+                for p in range(itemsize)]
+
+    def encode(self, buf: memoryview, itemsize: int) -> Buffer:
+        planes = self.params["planes"]
+        if len(planes) != itemsize:
+            raise FormatError(f"byteplane codec has {len(planes)} planes, element has {itemsize} bytes")
+        heads, bodies = [bytes([itemsize])], []
+        for mode, plane in zip(planes, self._split(buf, itemsize)):
+            body: Buffer = memoryview(plane)
+            kind = 0
+            if mode != "r" and len(plane):
+                key = ("entropy",) if mode == "e" else ("zstd", self.params["level"], False)
+                packed = _compressor(key).compress(plane)
+                if len(packed) < len(plane):
+                    body, kind = packed, 1
+            heads.append(_PLANE_HEADER.pack(kind, len(body)))
+            bodies.append(body)
+        return b"".join(heads + bodies)
+
+    def decode_into(self, data: memoryview, out: memoryview, itemsize: int) -> None:
+        raw_len = len(out)
+        if itemsize != len(self.params["planes"]) or raw_len % itemsize:
+            raise FormatError("byteplane chunk does not match its element size")
+        plane_len = raw_len // itemsize
+        head = 1 + itemsize * _PLANE_HEADER.size
+        if len(data) < head or data[0] != itemsize:
+            raise FormatError("byteplane chunk header is damaged")
+        pos, planes = head, []
+        for p in range(itemsize):
+            kind, length = _PLANE_HEADER.unpack_from(data, 1 + p * _PLANE_HEADER.size)
+            body = data[pos:pos + length]
+            if len(body) != length:
+                raise FormatError("byteplane plane runs past the chunk")
+            pos += length
+            if kind == 0:
+                if length != plane_len:
+                    raise FormatError(f"raw plane holds {length} bytes, expected {plane_len}")
+                planes.append(np.frombuffer(body, np.uint8))
+            elif kind == 1:
+                planes.append(np.frombuffer(zstd_decompress(body, plane_len), np.uint8))
+            else:
+                raise FormatError(f"byteplane plane mode {kind} unknown")
+        if pos != len(data):
+            raise FormatError("byteplane chunk has trailing bytes")
+        if itemsize == 1:
+            np.frombuffer(out, np.uint8)[:] = planes[0]
+            return
+        utype = _UINT[itemsize]
+        words = np.frombuffer(out, utype)
+        words[:] = planes[0]
+        for p in range(1, itemsize):
+            words |= planes[p].astype(utype) << np.array(8 * p, utype)
+        if self.params["rotate"]:
+            words[:] = _rotate(words, itemsize * 8, left=False)
+
+
+_REGISTRY: Dict[str, Type[Codec]] = {}
+
+
+def register(cls: Type[Codec]) -> Type[Codec]:
+    """Add a codec class to the registry under its ``name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+for _cls in (RawCodec, ZstdCodec, BytePlaneCodec):
+    register(_cls)
+
+
+def get_codec(name: str, params: Optional[Mapping[str, Any]] = None) -> Codec:
+    """Build the codec ``name`` with ``params``; FormatError for unknown names or bad params."""
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise FormatError(f"unknown codec {name!r}")
+    if params is not None and not isinstance(params, Mapping):
+        raise FormatError("codec params must be a map")
+    try:
+        return cls(**dict(params or {}))
+    except TypeError as exc:
+        raise FormatError(f"bad params for codec {name}: {exc}") from None
+
+
+def codec_names() -> Tuple[str, ...]:
+    """Registered codec names (plus ``auto``, which resolves to one of them per segment)."""
+    return tuple(_REGISTRY) + ("auto",)
+
+
+# --------------------------------------------------------------------------- row dedup
+
+
+class RowDedup:
+    """Segment filter that stores each distinct row once.
+
+    The tensor is viewed as rows of ``row_bytes``; ``src[i]`` is the index of the first row
+    equal to row ``i`` (``i`` itself when row ``i`` is the first of its kind). The filtered
+    payload is the first-of-kind rows in order; the map is stored as ``i - src[i]`` (uint32,
+    mostly zeros or a constant stride, so it compresses to almost nothing).
+    """
+
+    #: Smallest row worth deduplicating; shorter rows cost more in map than they save.
+    MIN_ROW_BYTES = 64
+
+    @staticmethod
+    def row_bytes_for(shape: Tuple[int, ...], itemsize: int) -> int:
+        """Bytes of the smallest trailing sub-tensor that is at least MIN_ROW_BYTES (0: none)."""
+        size = itemsize
+        for dim in reversed(shape):
+            size *= dim
+            if size >= RowDedup.MIN_ROW_BYTES:
+                return size if size % 8 == 0 else 0
+        return 0
+
+    @staticmethod
+    def _keys(rows: np.ndarray) -> np.ndarray:
+        words = rows.shape[1]
+        cols = sorted({0, 1, words // 3, words // 2, (2 * words) // 3, words - 2, words - 1})
+        keys = np.zeros(rows.shape[0], np.uint64)
+        mult = np.uint64(0x9E3779B97F4A7C15)
+        for c in cols:
+            keys *= mult
+            keys ^= rows[:, c]
+        return keys
+
+    @staticmethod
+    def sample_dup_fraction(buf: memoryview, row_bytes: int, sample_rows: int = 4096) -> float:
+        """Estimated share of rows in ``buf`` that repeat an earlier row (from a sample)."""
+        n = len(buf) // row_bytes
+        if n < 2:
+            return 0.0
+        rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
+        if n > sample_rows:
+            idx = np.sort(np.random.default_rng(0x6B766A).choice(n, sample_rows, replace=False))
+            rows = rows[idx]
+        keys = RowDedup._keys(rows)
+        return 1.0 - len(np.unique(keys)) / len(keys)
+
+    @staticmethod
+    def find(buf: memoryview, row_bytes: int) -> np.ndarray:
+        """``src`` for every row of ``buf`` (rows verified byte-equal, not just hash-equal)."""
+        n = len(buf) // row_bytes
+        rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
+        _, first, inverse = np.unique(RowDedup._keys(rows), return_index=True, return_inverse=True)
+        src = first[inverse.reshape(-1)].astype(np.int64)
+        cand = np.flatnonzero(src != np.arange(n))
+        if len(cand):
+            for lo in range(0, len(cand), 4096):
+                part = cand[lo:lo + 4096]
+                same = (rows[part] == rows[src[part]]).all(axis=1)
+                src[part[~same]] = part[~same]
+        return src
+
+    @staticmethod
+    def encode_map(src: np.ndarray) -> bytes:
+        return (np.arange(len(src), dtype=np.int64) - src).astype("<u4").tobytes()
+
+    @staticmethod
+    def decode_map(data: Buffer, n_rows: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Validate a stored map; return (src, positions of first-of-kind rows)."""
+        if len(data) != 4 * n_rows:
+            raise FormatError("dedup map has the wrong length")
+        back = np.frombuffer(data, "<u4").astype(np.int64)
+        src = np.arange(n_rows, dtype=np.int64) - back
+        if n_rows and (src.min() < 0 or (back[src] != 0).any()):
+            raise FormatError("dedup map points outside the first-of-kind rows")
+        return src, np.flatnonzero(back == 0)
+
+    @staticmethod
+    def gather(buf: memoryview, row_bytes: int, src: np.ndarray) -> np.ndarray:
+        """The first-of-kind rows of ``buf`` in order, as one contiguous array."""
+        rows = np.frombuffer(buf, np.uint8).reshape(-1, row_bytes)
+        return rows[np.flatnonzero(src == np.arange(len(src)))]
+
+    @staticmethod
+    def scatter(unique: np.ndarray, out: memoryview, row_bytes: int, src: np.ndarray,
+                firsts: np.ndarray) -> None:
+        """Rebuild every row of ``out`` from the first-of-kind rows."""
+        rows = np.frombuffer(out, np.uint8).reshape(-1, row_bytes)
+        rows[firsts] = unique.reshape(-1, row_bytes)
+        dups = np.flatnonzero(src != np.arange(len(src)))
+        if len(dups):
+            rows[dups] = rows[src[dups]]
+
+
+# --------------------------------------------------------------------------- auto + pressure
+
+
+class Backpressure:
+    """Shared hint from the flush path to :func:`auto_codec`: 0 normal, 1 busy, 2 saturated.
+
+    At 1 only codecs that save a lot are kept (and no row dedup search); at 2 everything is
+    stored raw so that compression can never be what holds the queue up.
+    """
+
+    NORMAL, BUSY, SATURATED = 0, 1, 2
+
+    def __init__(self) -> None:
+        self._level = self.NORMAL
+
+    @property
+    def level(self) -> int:
+        return self._level
+
+    def set(self, level: int) -> None:
+        self._level = max(self.NORMAL, min(self.SATURATED, int(level)))
+
+
+#: Minimum sampled ratio for compression to be worth its CPU, by pressure level.
+_MIN_GAIN = {Backpressure.NORMAL: 1.03, Backpressure.BUSY: 1.15}
+_SAMPLE_SLICE = 64 << 10
+_SAMPLE_SLICES = 4
+
+
+def _sample(buf: memoryview, itemsize: int) -> memoryview:
+    n = len(buf)
+    if n <= _SAMPLE_SLICE * _SAMPLE_SLICES:
+        return buf
+    step = (n - _SAMPLE_SLICE) // (_SAMPLE_SLICES - 1)
+    parts = [buf[(i * step) // itemsize * itemsize:][:_SAMPLE_SLICE] for i in range(_SAMPLE_SLICES)]
+    return memoryview(b"".join(parts))
+
+
+def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0) -> Codec:
+    """Pick a codec for one segment from a sample of at most 256 KiB.
+
+    Float data gets byte planes with a per-plane choice; everything is compared against plain
+    zstd and raw. Returns raw when nothing saves ``_MIN_GAIN`` (more under pressure).
+    """
+    if pressure >= Backpressure.SATURATED or len(buf) < 4096:
+        return RawCodec()
+    sample = _sample(buf, itemsize)
+    n = len(sample)
+    best: Codec = RawCodec()
+    best_size = n / _MIN_GAIN[pressure]
+    zsize = len(_compressor(("zstd", 1, False)).compress(sample))
+    if zsize < best_size:
+        best, best_size = ZstdCodec(level=1), zsize
+    if itemsize > 1 or is_float:
+        probe = BytePlaneCodec("r" * itemsize, rotate=is_float)
+        modes, total = [], 0
+        for plane in probe._split(sample, itemsize):
+            raw = len(plane)
+            esize = len(_compressor(("entropy",)).compress(plane))
+            zsz = len(_compressor(("zstd", 1, False)).compress(plane)) if pressure == 0 else raw
+            choice, size = min((("r", raw), ("e", esize), ("z", zsz)), key=lambda t: t[1])
+            if size > raw * 0.98:
+                choice, size = "r", raw
+            modes.append(choice)
+            total += size
+        if total < best_size and set(modes) != {"r"}:
+            best, best_size = BytePlaneCodec("".join(modes), rotate=is_float, level=1), total
+    return best

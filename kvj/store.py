@@ -1,0 +1,378 @@
+"""Content-addressed segment store: durable puts, verified gets, behind a small backend.
+
+A segment's key is the lowercase hex SHA-256 digest defined in ``segment.py`` (raw bytes,
+dtype, shape and layout), so identical blocks are stored once and a key can only ever name the
+bytes it was computed from. Keys are validated before they touch a path. The bytes live
+behind :class:`StorageBackend`; :class:`LocalDirBackend` (the default) keeps one file per
+segment, written temp file -> fsync -> rename -> fsync directory (``man/kvj-store.5``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
+
+import torch
+
+from . import segment as seg
+from .codecs import Backpressure, Codec
+from .errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from .fileio import FS, REAL_FS, DurabilityError, makedirs_durable
+
+KEY_RE = re.compile(r"[0-9a-f]{64}")
+SEGMENT_SUFFIX = ".kvjseg"
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+def check_key(key: object) -> str:
+    """Return ``key`` if it is 64 lowercase hex digits; InvalidName otherwise (never a path)."""
+    if not isinstance(key, str) or KEY_RE.fullmatch(key) is None:
+        raise InvalidName(f"invalid segment key {key!r}: expected 64 lowercase hex digits")
+    return key
+
+
+class StorageBackend(ABC):
+    """Where segment bytes live. Keys reaching a backend are already validated."""
+
+    @abstractmethod
+    def put_durable(self, key: str, parts: Iterable[Buffer]) -> int:
+        """Store the concatenation of ``parts`` under ``key``; durable when it returns.
+
+        Returns the byte count. A key that already exists is replaced atomically.
+        """
+
+    @abstractmethod
+    def get(self, key: str) -> Buffer:
+        """All bytes of ``key``; SegmentMissing when absent."""
+
+    @abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of ``key`` from ``offset``; SegmentMissing when absent."""
+
+    @abstractmethod
+    def size(self, key: str) -> int:
+        """Byte size of ``key``; SegmentMissing when absent."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` durably (no error when absent)."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]: ...
+
+    @abstractmethod
+    def mtime(self, key: str) -> float: ...
+
+    @abstractmethod
+    def quarantine(self, key: str) -> str:
+        """Move ``key`` aside so that it no longer resolves; returns where it went."""
+
+    def describe(self, key: str) -> str:
+        """A human-readable location for error messages."""
+        return key
+
+
+class LocalDirBackend(StorageBackend):
+    """One file per segment under ``root/objects/<k[:2]>/<key>.kvjseg``.
+
+    New files are written as ``.<key>.<pid>.<random>.tmp`` in the same directory, fsynced,
+    renamed into place, and the directory fsynced. Quarantined files move to
+    ``root/quarantine/<key>.<unix-ns>.kvjseg``.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike], fs: FS = REAL_FS):
+        self.root = os.path.abspath(os.fspath(root))
+        self.fs = fs
+        self.objects = os.path.join(self.root, "objects")
+        self.quarantine_dir = os.path.join(self.root, "quarantine")
+        makedirs_durable(self.objects, fs)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.objects, key[:2], key + SEGMENT_SUFFIX)
+
+    def describe(self, key: str) -> str:
+        return self.path(key)
+
+    def put_durable(self, key: str, parts: Iterable[Buffer]) -> int:
+        final = self.path(key)
+        directory = os.path.dirname(final)
+        makedirs_durable(directory, self.fs)
+        tmp = os.path.join(directory, f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = self.fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        total = 0
+        try:
+            for part in parts:
+                self.fs.write(fd, part)
+                total += len(part)
+            self.fs.fsync(fd)
+        except OSError as exc:
+            self._abandon(fd, tmp)
+            raise DurabilityError(exc.errno, f"writing segment {final}: {exc.strerror or exc}") from exc
+        except BaseException:
+            self._abandon(fd, tmp)
+            raise
+        self.fs.close(fd)
+        self.fs.rename(tmp, final)
+        self.fs.fsync_dir(directory)
+        return total
+
+    def _abandon(self, fd: int, tmp: str) -> None:
+        try:
+            self.fs.close(fd)
+        finally:
+            try:
+                self.fs.unlink(tmp)
+            except OSError:
+                pass
+
+    def get(self, key: str) -> Buffer:
+        """A read-only memory map of the file (segment files are immutable once renamed)."""
+        try:
+            with open(self.path(key), "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return b""
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            with open(self.path(key), "rb", buffering=0) as f:
+                return os.pread(f.fileno(), length, offset)
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self.path(key)).st_size
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self.path(key))
+
+    def delete(self, key: str) -> None:
+        path = self.path(key)
+        try:
+            self.fs.unlink(path)
+        except FileNotFoundError:
+            return
+        self.fs.fsync_dir(os.path.dirname(path))
+
+    def keys(self) -> Iterator[str]:
+        try:
+            fans = sorted(os.listdir(self.objects))
+        except FileNotFoundError:
+            return
+        for fan in fans:
+            if len(fan) != 2:
+                continue
+            try:
+                names = sorted(os.listdir(os.path.join(self.objects, fan)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                key = name[:-len(SEGMENT_SUFFIX)]
+                if name.endswith(SEGMENT_SUFFIX) and KEY_RE.fullmatch(key) and key[:2] == fan:
+                    yield key
+
+    def mtime(self, key: str) -> float:
+        try:
+            return os.stat(self.path(key)).st_mtime
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def quarantine(self, key: str) -> str:
+        makedirs_durable(self.quarantine_dir, self.fs)
+        src = self.path(key)
+        dst = os.path.join(self.quarantine_dir, f"{key}.{time.time_ns()}{SEGMENT_SUFFIX}")
+        try:
+            self.fs.rename(src, dst)
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({src})") from None
+        self.fs.fsync_dir(self.quarantine_dir)
+        self.fs.fsync_dir(os.path.dirname(src))
+        return dst
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What a segment holds, from its header; ``to_dict()`` is what a journal record carries."""
+
+    key: str
+    dtype: str
+    shape: Tuple[int, ...]
+    codec: str
+    raw_size: int
+    stored_size: int
+    digest: str
+    layout: Optional[Dict[str, Any]]
+
+    @classmethod
+    def from_header(cls, header: seg.Header) -> "SegmentInfo":
+        return cls(key=header.digest.hex(), dtype=header.dtype, shape=tuple(header.shape),
+                   codec=header.codec, raw_size=header.raw_size, stored_size=header.stored_size,
+                   digest=header.digest.hex(), layout=header.layout)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain msgpack/JSON-safe fields (shape as a list)."""
+        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "codec": self.codec,
+                "raw_size": self.raw_size, "stored_size": self.stored_size, "digest": self.digest,
+                "layout": self.layout}
+
+
+def layouts_match(actual: Optional[Dict[str, Any]], expected: Optional[Dict[str, Any]]) -> bool:
+    """Exact equality after canonicalisation (tuples and lists compare equal)."""
+    return seg.canonical_layout(actual) == seg.canonical_layout(expected)
+
+
+class SegmentStore:
+    """Durable, deduplicated, verified tensor segments.
+
+    ``threads`` sizes the pool that hashes, compresses and decompresses chunks in parallel.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike, None] = None, fs: FS = REAL_FS,
+                 backend: Optional[StorageBackend] = None, threads: Optional[int] = None):
+        if backend is None:
+            if root is None:
+                raise ValueError("SegmentStore needs a root directory or a backend")
+            backend = LocalDirBackend(root, fs)
+        self.backend = backend
+        self.pool = ThreadPoolExecutor(max_workers=threads or max(2, os.cpu_count() or 2),
+                                       thread_name_prefix="kvj-chunk")
+        self._locks = [threading.Lock() for _ in range(64)]
+        self._failed: Optional[BaseException] = None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> "SegmentStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        return self._locks[int(key[:2], 16) % len(self._locks)]
+
+    def key_for(self, tensor: torch.Tensor, layout: Optional[Dict[str, Any]] = None) -> str:
+        """The key ``put`` would give ``tensor`` (a CPU tensor) under ``layout``."""
+        raw = seg.tensor_bytes(tensor)
+        return seg.compute_digest(raw, seg.dtype_name(tensor.dtype), tensor.shape,
+                                  seg.canonical_layout(layout), self.pool).hex()
+
+    def put(self, tensor: torch.Tensor, *, layout: Optional[Dict[str, Any]] = None,
+            codec: Union[str, Codec] = "auto", pressure: int = Backpressure.NORMAL) -> SegmentInfo:
+        """Store a CPU tensor; durable when this returns.
+
+        When the key already exists and its header and chunk CRCs check out, nothing is written
+        (a stored block is never rewritten); a damaged copy is quarantined and written anew.
+        After a failed write or fsync the store refuses further puts (fsync is never retried).
+        """
+        if tensor.device.type != "cpu":
+            raise ValueError("SegmentStore.put takes CPU tensors; use Flusher for device tensors")
+        return self.put_bytes(seg.tensor_bytes(tensor), dtype=tensor.dtype, shape=tuple(tensor.shape),
+                              layout=layout, codec=codec, pressure=pressure)
+
+    def put_bytes(self, raw: memoryview, *, dtype: torch.dtype, shape: Tuple[int, ...],
+                  layout: Optional[Dict[str, Any]] = None, codec: Union[str, Codec] = "auto",
+                  pressure: int = Backpressure.NORMAL) -> SegmentInfo:
+        """``put`` for the C-order bytes of a tensor (the flusher's staging buffers)."""
+        if self._failed is not None:
+            raise DurabilityError(getattr(self._failed, "errno", None) or 0,
+                                  f"segment store failed earlier: {self._failed}")
+        layout = seg.canonical_layout(layout)
+        name = seg.dtype_name(dtype)
+        key = seg.compute_digest(raw, name, shape, layout, self.pool).hex()
+        with self._key_lock(key):
+            if self.backend.exists(key):
+                try:
+                    header = seg.check_stored(self.backend.get(key), self.backend.describe(key))
+                    if header.digest.hex() == key:
+                        return SegmentInfo.from_header(header)
+                except SegmentCorrupt:
+                    pass
+                self.backend.quarantine(key)
+            enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=bytes.fromhex(key),
+                             codec=codec, pool=self.pool, pressure=pressure)
+            try:
+                self.backend.put_durable(key, enc.parts())
+            except OSError as exc:
+                self._failed = exc
+                raise
+            assert enc.header is not None
+            return SegmentInfo.from_header(enc.header)
+
+    def _header(self, key: str) -> seg.Header:
+        name = self.backend.describe(key)
+        size = self.backend.size(key)
+        if size < seg.PREAMBLE.size + seg.TRAILER.size:
+            raise SegmentCorrupt(name, None, f"file too short for a segment ({size} bytes)")
+        tail = self.backend.get_range(key, size - seg.TRAILER.size, seg.TRAILER.size)
+        off, hlen, crc = seg.header_location(tail, size, name)
+        head = self.backend.get_range(key, off, hlen)
+        pre = self.backend.get_range(key, 0, seg.PREAMBLE.size)
+        header = seg.parse_header(pre, head, crc, size, name)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "header digest does not match the key")
+        return header
+
+    def info(self, key: str) -> SegmentInfo:
+        """Header-only look-up (the chunks are not read)."""
+        return SegmentInfo.from_header(self._header(check_key(key)))
+
+    def get(self, key: str, device: Union[str, torch.device] = "cpu",
+            expect_layout: Optional[Dict[str, Any]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Read, verify (every chunk CRC and the digest) and return the tensor on ``device``.
+
+        ``expect_layout``, when given, must equal the segment's layout (LayoutMismatch
+        otherwise). ``out`` is an optional uint8 CPU staging buffer (e.g. pinned).
+        """
+        check_key(key)
+        name = self.backend.describe(key)
+        data = self.backend.get(key)
+        if expect_layout is not None:
+            header = seg.read_header(data, name)
+            if not layouts_match(header.layout, expect_layout):
+                raise LayoutMismatch(f"segment {name} has layout {header.layout}, expected {expect_layout}")
+        header, tensor = seg.decode_into(data, out, name=name, pool=self.pool)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        device = torch.device(device)
+        if device.type == "cpu":
+            return tensor
+        return tensor.to(device, non_blocking=tensor.is_pinned())
+
+    def verify(self, key: str) -> SegmentInfo:
+        """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
+        check_key(key)
+        name = self.backend.describe(key)
+        header, _ = seg.decode_into(self.backend.get(key), name=name, pool=self.pool)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        return SegmentInfo.from_header(header)
+
+    def exists(self, key: str) -> bool:
+        return self.backend.exists(check_key(key))
+
+    def keys(self) -> Iterator[str]:
+        return self.backend.keys()
+
+    def delete(self, key: str) -> None:
+        self.backend.delete(check_key(key))
+
+    def quarantine(self, key: str) -> str:
+        """Move a (damaged) segment aside; later gets see it as missing."""
+        return self.backend.quarantine(check_key(key))
