@@ -1,0 +1,237 @@
+"""Real SIGKILLs of a writer process under load, each followed by recovery and checks.
+
+The child (``killchild.py``) appends from several threads, syncs in a loop and (once the
+segment store's flush path exists) flushes KV segments, reporting each acknowledged LSN
+on a side channel. The parent kills it at a random moment, sometimes before it finished
+opening the journal (so recovery itself is killed), and checks:
+
+* replay succeeds and reaches every LSN acknowledged before the kill;
+* every record is exactly what its writer appended (records are a pure function of
+  run, thread and sequence number), runs appear in order, and no appender's sequence has
+  a hole (nothing lost in the middle, nothing from nowhere);
+* every flushed segment the journal references restores bit-exactly;
+* the next writer opens the journal (the next child, or the parent at the end).
+
+Also: a second writer on a live journal fails with an error naming the holder's pid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+from crashcheck import add_figure, read_records
+from killchild import alloc_payload, flush_tensor, parse_device
+from kvj import Journal, RecordType
+from kvj.errors import JournalLocked
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "killchild.py")
+HAS_FLUSH = importlib.util.find_spec("kvj.flusher") is not None
+KILLS_PER_JOURNAL = 25
+
+
+@dataclass
+class Child:
+    proc: subprocess.Popen
+    side: str
+    run: int
+
+
+@dataclass
+class Tally:
+    """What the kill runs saw, for the figures."""
+
+    kills: int = 0
+    killed_in_recovery: int = 0
+    acked_max: int = 0
+    records_checked: int = 0
+    segments_checked: int = 0
+    kill_times: List[float] = field(default_factory=list)
+
+
+def spawn(journal: str, side_dir: str, run: int, seed: int, flush: bool) -> Child:
+    side = os.path.join(side_dir, f"side-{run}.txt")
+    args = [sys.executable, CHILD, journal, side, str(run), str(seed), "--threads", "2"]
+    if flush:
+        args.append("--flush")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return Child(proc, side, run)
+
+
+def side_lines(child: Child) -> List[str]:
+    try:
+        with open(child.side) as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def wait_ready(child: Child, timeout: float = 60.0) -> None:
+    """Wait until the child opened the journal; fail with its stderr if it died instead."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(line.startswith("ready") for line in side_lines(child)):
+            return
+        if child.proc.poll() is not None:
+            raise AssertionError(f"writer run {child.run} exited with {child.proc.returncode} before it was "
+                                 f"ready:\n{child.proc.stderr.read().decode(errors='replace')}")
+        time.sleep(0.005)
+    raise AssertionError(f"writer run {child.run} not ready after {timeout}s")
+
+
+def kill(child: Child) -> Tuple[int, int]:
+    """SIGKILL the child; returns (highest acknowledged LSN, highest LSN acknowledged by a flush)."""
+    child.proc.send_signal(signal.SIGKILL)
+    child.proc.wait(30)
+    err = child.proc.stderr.read().decode(errors="replace")
+    assert child.proc.returncode == -signal.SIGKILL, f"writer died on its own ({child.proc.returncode}):\n{err}"
+    acked = flushed = 0
+    for line in side_lines(child):
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "A":
+            acked = max(acked, int(parts[1]))
+        elif len(parts) == 2 and parts[0] == "S":
+            flushed = max(flushed, int(parts[1]))
+    return max(acked, flushed), flushed
+
+
+def check_journal_after_kill(journal: str, acked: int, tally: Tally) -> int:
+    """The checks listed in the module docstring; returns the journal's last LSN."""
+    state, records = read_records(journal)
+    last = records[-1][0] if records else state.snapshot_lsn
+    assert last >= acked, f"acknowledged LSN {acked} lost: the journal ends at {last}"
+    run_seen = 0
+    for lsn, rtype, payload in records:
+        if rtype == RecordType.ALLOC:
+            run, tid = parse_device(payload["device"])
+            assert payload == alloc_payload(run, tid, payload["addr"]), f"LSN {lsn}: record is not what was appended"
+        elif rtype in (RecordType.START, RecordType.SEGMENT, RecordType.END):
+            run = int(payload["id"][1:].split("-")[0])
+        else:
+            raise AssertionError(f"LSN {lsn}: a record type the writer never appends ({rtype})")
+        assert run >= run_seen, f"LSN {lsn}: run {run} after run {run_seen}"
+        run_seen = run
+    # no holes: each appender's records are a prefix of its sequence (also across a snapshot)
+    for device, allocs in state.allocations.items():
+        run, tid = parse_device(device)
+        addrs = sorted(allocs)
+        assert addrs == list(range(len(addrs))), f"{device}: missing records in the middle of its sequence"
+        lsns = [allocs[a].lsn for a in addrs]
+        assert lsns == sorted(lsns), f"{device}: records out of order"
+        for a in addrs:
+            want = alloc_payload(run, tid, a)
+            assert (allocs[a].size, allocs[a].tag) == (want["size"], want["tag"]), f"{device}/{a} differs"
+    tally.records_checked += len(records)
+    tally.segments_checked += check_segments(journal, state)
+    return last
+
+
+def check_segments(journal: str, state) -> int:
+    """Every flushed segment of an in-flight request restores to exactly the flushed tensor."""
+    n = 0
+    for req in state.in_flight():
+        run, q = (int(x) for x in req.id[1:].split("-q"))
+        segs = sorted(req.segments)
+        assert segs == list(range(len(segs))), f"{req.id}: segments {segs} have a hole"
+        if not segs:
+            continue
+        from kvj.store import SegmentStore
+        store = SegmentStore(os.path.join(journal, "segments"))
+        for s in segs:
+            got = store.get(req.segments[s].key)
+            want = flush_tensor(run, q, s)
+            assert got.dtype == want.dtype and got.shape == want.shape, f"{req.id}/{s}: wrong dtype or shape"
+            assert bytes(got.contiguous().view(-1).view(__import__("torch").uint8).numpy()) == \
+                bytes(want.contiguous().view(-1).view(__import__("torch").uint8).numpy()), \
+                f"{req.id}/{s}: restored bytes differ from what was flushed"
+            n += 1
+    return n
+
+
+def run_kills(tmp: str, n_kills: int, seed: int, flush_every: int = 0) -> Tally:
+    """``n_kills`` kill cycles on journals of ``KILLS_PER_JOURNAL`` kills each."""
+    rng = random.Random(seed)
+    tally = Tally()
+    acked = 0
+    journal = ""
+    for run in range(n_kills):
+        if run % KILLS_PER_JOURNAL == 0:
+            journal = os.path.join(tmp, f"journal-{run // KILLS_PER_JOURNAL}")
+            acked = 0
+        flush = bool(flush_every) and HAS_FLUSH and run % flush_every == flush_every - 1
+        child = spawn(journal, tmp, run, seed, flush)
+        early = rng.random() < 0.1 and run % KILLS_PER_JOURNAL != 0
+        if early:
+            time.sleep(rng.uniform(0.0, 0.4))  # maybe still importing, maybe recovering, maybe writing
+            tally.killed_in_recovery += 1
+        else:
+            wait_ready(child)
+            delay = rng.uniform(0.01, 0.5)
+            tally.kill_times.append(delay)
+            time.sleep(delay)
+        run_acked, _ = kill(child)
+        acked = max(acked, run_acked)
+        tally.kills += 1
+        tally.acked_max = max(tally.acked_max, acked)
+        if os.path.isdir(journal):
+            try:
+                check_journal_after_kill(journal, acked, tally)
+            except Exception as exc:
+                exc.add_note(f"seed {seed}, kill #{run} ({'early' if early else 'after ready'}), journal {journal}")
+                raise
+        if run % KILLS_PER_JOURNAL == KILLS_PER_JOURNAL - 1 or run == n_kills - 1:
+            # the parent is the last writer: it recovers the journal and continues it
+            with Journal.open(journal) as j:
+                lsn = j.alloc("parent", 0, 1, durable=True)
+            assert lsn > acked
+    add_figure("writer processes SIGKILLed", tally.kills)
+    return tally
+
+
+def test_kills_fast(tmp_path):
+    """A handful of real kills (about 10 s)."""
+    t0 = time.monotonic()
+    tally = run_kills(str(tmp_path), n_kills=12, seed=1, flush_every=4)
+    print(f"\nkills: {tally.kills} ({tally.killed_in_recovery} early), records checked {tally.records_checked}, "
+          f"segments checked {tally.segments_checked}, {time.monotonic() - t0:.1f}s")
+    assert tally.acked_max > 0
+
+
+@pytest.mark.slow
+def test_kills_full(tmp_path):
+    """At least 200 real kills under load."""
+    t0 = time.monotonic()
+    tally = run_kills(str(tmp_path), n_kills=200, seed=2, flush_every=3)
+    print(f"\nkills: {tally.kills} ({tally.killed_in_recovery} during start-up/recovery), records checked "
+          f"{tally.records_checked}, segments checked {tally.segments_checked}, {time.monotonic() - t0:.0f}s")
+    assert tally.kills >= 200
+
+
+def test_second_writer_fails_naming_the_holder(tmp_path):
+    """A second writer, in this process or another, gets JournalLocked naming the live
+    writer's pid; once that writer is killed, the lock is free."""
+    journal = str(tmp_path / "j")
+    child = spawn(journal, str(tmp_path), 0, 0, flush=False)
+    try:
+        wait_ready(child)
+        with pytest.raises(JournalLocked) as info:
+            Journal.open(journal)
+        assert info.value.pid == child.proc.pid
+        assert str(child.proc.pid) in str(info.value)
+        second = subprocess.run([sys.executable, "-c", "import sys, kvj; kvj.Journal.open(sys.argv[1])", journal],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0
+        assert "JournalLocked" in second.stderr and f"pid {child.proc.pid}" in second.stderr, second.stderr
+    finally:
+        acked, _ = kill(child)
+    with Journal.open(journal) as j:
+        assert j.alloc("parent", 0, 1, durable=True) > acked
