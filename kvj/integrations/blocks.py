@@ -1,0 +1,250 @@
+"""KV blocks as journal segments: the convention both cache integrations share.
+
+A request's KV cache is journaled in blocks of ``block_size`` token positions. Block ``b``
+covers positions ``[b*block_size, (b+1)*block_size)`` and is segment number ``b`` of its
+request: one tensor ``[layers, 2, block_size, kv_heads, head_dim]`` (K then V, every
+layer), which is exactly one block of a vLLM-style paged cache, so a block written by the
+transformers integration can be scattered into a paged cache and vice versa.
+
+Each segment's layout names the model and cache geometry (loading into another is refused)
+and carries ``token_ids``: the ids at positions ``[start, end]``, the block's own tokens
+plus the one after it. The token after a block is the one sampled from the logits of the
+block's last position, so a request resumed from its last durable block knows its next
+input without recomputing anything before the block's end.
+
+``BlockJournal`` writes this (start, one segment per completed block, end); ``resume_points``
+reads it back from ``kvj.replay`` state or a ``kvj recover`` manifest; ``BlockJournal.load``
+fetches the blocks, falling back to the longest intact prefix when a segment is damaged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from ..state import JournalState, RequestState
+
+if TYPE_CHECKING:
+    from ..journal import Journal
+    from ..store import SegmentStore
+
+#: Layout ``format`` tag of a KV block segment.
+BLOCK_FORMAT = "kvj-kv-block/1"
+#: Layout fields that identify the model and geometry (everything but per-block data).
+_IDENTITY = ("format", "model", "layers", "kv_heads", "head_dim", "block_size", "dtype")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Geometry of one KV block segment, and the model it belongs to."""
+
+    model: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @classmethod
+    def from_config(cls, config: Any, *, model: str, block_size: int, dtype: torch.dtype) -> "BlockLayout":
+        """The layout for a transformers config (``num_key_value_heads``, ``head_dim``...)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(model, config.num_hidden_layers, kv_heads, head_dim, block_size, str(dtype).replace("torch.", ""))
+
+    @property
+    def shape(self) -> Tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def identity(self) -> Dict[str, Any]:
+        return {"format": BLOCK_FORMAT, "model": self.model, "layers": self.layers, "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "block_size": self.block_size, "dtype": self.dtype}
+
+    def segment_layout(self, token_ids: Sequence[int]) -> Dict[str, Any]:
+        """The layout recorded with a block: identity plus the block's (and the next) token ids."""
+        return {**self.identity(), "token_ids": [int(t) for t in token_ids]}
+
+    def check(self, layout: Mapping[str, Any], where: str) -> None:
+        """Refuse a segment journaled for another model or geometry (``LayoutMismatch``)."""
+        mine = self.identity()
+        diff = [f"{k}={layout.get(k)!r} (cache has {mine[k]!r})" for k in _IDENTITY if layout.get(k) != mine[k]]
+        if diff:
+            raise LayoutMismatch(f"{where} belongs to another cache layout: " + ", ".join(diff))
+
+
+def prompt_hash(prompt: Sequence[int]) -> str:
+    """SHA-256 of the prompt's token ids (int64 little-endian), as recorded in the start record."""
+    return hashlib.sha256(torch.tensor(list(prompt), dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class ResumePoint:
+    """Where a journaled request can continue: its durable KV prefix and the tokens it knows.
+
+    ``tokens`` holds the prompt and every token known up to and including position
+    ``position`` (the next input), so ``tokens[position]`` is fed next when
+    ``position`` < len(tokens); KV for ``[0, position)`` comes from ``keys``.
+    """
+
+    request_id: str
+    prompt: List[int]
+    max_new_tokens: int
+    meta: Dict[str, Any]
+    position: int
+    tokens: List[int]
+    keys: List[str]
+    layouts: List[Dict[str, Any]]  #: each block's recorded layout; its segment must carry the same
+    fallback: Optional[str] = None  #: why fewer blocks are used than the journal lists, if so
+
+
+def _point(req_id: str, prompt: Optional[Sequence[int]], meta: Mapping[str, Any],
+           segments: Iterable[Tuple[int, Optional[str], Optional[Sequence[int]], Mapping[str, Any]]],
+           layout: BlockLayout) -> ResumePoint:
+    if prompt is None:
+        raise FormatError(f"request {req_id}: its start record has no token ids; it cannot be resumed")
+    prompt = [int(t) for t in prompt]
+    max_new = meta.get("max_new_tokens")
+    if not isinstance(max_new, int):
+        raise FormatError(f"request {req_id}: its start record has no max_new_tokens")
+    by_seg = {seg: (key, tokens, lay) for seg, key, tokens, lay in segments}
+    bs = layout.block_size
+    tokens, keys, layouts, fallback = list(prompt), [], [], None
+    for b in range(len(by_seg) + 1):
+        if b not in by_seg:
+            later = [s for s in by_seg if s > b]
+            if later:
+                fallback = f"block {b} is not durable; blocks {sorted(later)} after it are not used"
+            break
+        key, span, lay = by_seg[b]
+        layout.check(lay, f"request {req_id} segment {b}")
+        ids = [int(t) for t in lay.get("token_ids", [])]
+        start = b * bs
+        known = tokens[start:start + bs + 1]  # the prompt's part of the block, and earlier blocks' next token
+        if (key is None or span is None or tuple(span) != (start, start + bs) or len(ids) != bs + 1
+                or ids[:len(known)] != known):
+            fallback = f"segment {b} does not continue the request's tokens; resuming before it"
+            break
+        tokens[start:start + bs + 1] = ids
+        keys.append(key)
+        layouts.append(dict(lay))
+    position = len(keys) * bs
+    return ResumePoint(req_id, prompt, max_new, dict(meta), position, tokens[:max(position + 1, len(prompt))],
+                       keys, layouts, fallback)
+
+
+def resume_points(source: Union[JournalState, Mapping[str, Any]], layout: BlockLayout) -> List[ResumePoint]:
+    """Resume points of every in-flight request, from ``kvj.replay`` state or a recovery manifest.
+
+    Requests are ordered by their start LSN. Raises ``LayoutMismatch`` if a segment was
+    journaled for another model or geometry.
+    """
+    if isinstance(source, JournalState):
+        reqs: List[RequestState] = sorted(source.in_flight(), key=lambda r: r.start_lsn)
+        return [_point(r.id, r.tokens, r.meta,
+                       ((s.seg, s.key, s.tokens, s.layout) for s in r.segments.values()), layout)
+                for r in reqs]
+    return [_point(r["id"], r.get("tokens"), r.get("meta") or {},
+                   ((s["seg"], s.get("key"), s.get("tokens"), s.get("layout") or {}) for s in r.get("segments", [])),
+                   layout)
+            for r in source.get("requests", [])]
+
+
+@dataclass
+class _Tracked:
+    next_block: int = 0
+    pending: List["Future[int]"] = field(default_factory=list)
+
+
+class BlockJournal:
+    """Journals requests' KV block by block: ``start``, ``flush`` per completed block, ``end``.
+
+    ``flush`` returns at once (the store compresses and writes in the background); ``end``
+    waits for the request's flushes so its end record follows every segment record.
+    """
+
+    def __init__(self, journal: "Journal", layout: BlockLayout):
+        self.journal = journal
+        self.layout = layout
+        self._requests: Dict[str, _Tracked] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def store(self) -> "SegmentStore":
+        return self.journal.store
+
+    def start(self, request_id: str, prompt: Sequence[int], max_new_tokens: int,
+              meta: Optional[Mapping[str, Any]] = None) -> None:
+        """Journal a new request: its prompt token ids and how many tokens it will generate."""
+        self.journal.start(request_id, prompt_hash(prompt), [int(t) for t in prompt],
+                           {**dict(meta or {}), "max_new_tokens": int(max_new_tokens),
+                            "block_size": self.layout.block_size, "model": self.layout.model})
+        self._requests[request_id] = _Tracked()
+
+    def adopt(self, point: ResumePoint) -> None:
+        """Track a resumed request: its blocks below ``point.position`` are durable already."""
+        self._requests[point.request_id] = _Tracked(next_block=point.position // self.layout.block_size)
+
+    def next_block(self, request_id: str) -> int:
+        """Index of the request's first block not yet flushed."""
+        return self._requests[request_id].next_block
+
+    def flush(self, request_id: str, index: int, block: torch.Tensor, token_ids: Sequence[int]) -> "Future[int]":
+        """Flush block ``index`` (``layout.shape``); ``token_ids`` are its tokens and the next one."""
+        tracked = self._requests[request_id]
+        bs = self.layout.block_size
+        if index != tracked.next_block:
+            raise FormatError(f"request {request_id}: block {index} flushed out of order "
+                              f"(expected {tracked.next_block}); a stored block is never rewritten")
+        if tuple(block.shape) != self.layout.shape or len(token_ids) != bs + 1:
+            raise LayoutMismatch(f"block of shape {tuple(block.shape)} with {len(token_ids)} token ids does not "
+                                 f"fit layout {self.layout.shape} (+{bs + 1} ids)")
+        fut = self.journal.flush(request_id, index, block, token_range=(index * bs, (index + 1) * bs),
+                                 layout=self.layout.segment_layout(token_ids))
+        tracked.next_block += 1
+        tracked.pending = [f for f in tracked.pending if not f.done()] + [fut]
+        return fut
+
+    def end(self, request_id: str, status: str = "ok") -> None:
+        """Wait for the request's flushes, then journal its end."""
+        tracked = self._requests.pop(request_id)
+        for fut in tracked.pending:
+            fut.result()
+        self.journal.end(request_id, status)
+
+    def load(self, point: ResumePoint, device: Union[str, torch.device] = "cpu") -> List[torch.Tensor]:
+        """Fetch a resume point's blocks onto ``device``, in order.
+
+        A missing or damaged segment (digest mismatch) ends the usable prefix there:
+        ``point`` is cut back to the blocks before it and says so in ``fallback``.
+        """
+        blocks: List[torch.Tensor] = []
+        for b, key in enumerate(point.keys):
+            try:
+                block = self.store.get(key, device=device, expect_layout=point.layouts[b])
+            except (SegmentMissing, SegmentCorrupt) as exc:
+                _cut(point, b, self.layout.block_size, f"segment {b} unreadable ({exc}); resuming before it")
+                break
+            if tuple(block.shape) != self.layout.shape or block.dtype != self.layout.torch_dtype:
+                raise LayoutMismatch(f"request {point.request_id} segment {b} holds {tuple(block.shape)} "
+                                     f"{block.dtype}, the cache wants {self.layout.shape} {self.layout.dtype}")
+            blocks.append(block)
+        return blocks
+
+
+def _cut(point: ResumePoint, blocks: int, block_size: int, why: str) -> None:
+    point.position = blocks * block_size
+    point.keys = point.keys[:blocks]
+    point.layouts = point.layouts[:blocks]
+    point.tokens = point.tokens[:max(point.position + 1, len(point.prompt))]
+    point.fallback = why
