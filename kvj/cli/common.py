@@ -1,0 +1,195 @@
+"""What every command shares: the journal/store/json options, output, progress and parsers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import typer
+from rich.console import Console
+
+try:  # typer >= 0.20 vendors click; older releases depend on it
+    from typer import _click as click
+except ImportError:  # pragma: no cover - depends on the installed typer
+    import click  # type: ignore[no-redef]
+
+from ..journal import default_store_path
+from ..reader import LOG_RE
+from ..snapshot import SNAP_RE
+
+JOURNAL_ENV = "KVJ_JOURNAL"
+STORE_ENV = "KVJ_STORE"
+
+JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=True, metavar="DIR",
+                          help="Journal directory.")
+StoreOpt = typer.Option("--store", "-s", envvar=STORE_ENV, show_envvar=True, metavar="DIR",
+                        help="Segment store directory [default: JOURNAL/segments].")
+JsonOpt = typer.Option("--json", help="Print JSON (one object, or NDJSON for record streams) for scripts and jq.")
+
+#: Standard output for results; diagnostics and progress go to stderr.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def emit_json(obj: Any) -> None:
+    """Print one JSON object on one line (NDJSON-friendly)."""
+    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=_jsonable) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
+
+
+def note(message: str) -> None:
+    """A diagnostic line on stderr (not an error)."""
+    err.print(message, markup=False)
+
+
+def interactive() -> bool:
+    """Progress bars and colour only for a person at a terminal."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+@contextmanager
+def progress() -> Iterator[Callable[[str, int, int], None]]:
+    """A ``progress(description, done, total)`` callback: a rich bar on a terminal, else silent.
+
+    The bar appears only once the work has taken more than a second.
+    """
+    if not interactive():
+        yield lambda _d, _n, _t: None
+        return
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                   console=err, transient=True)
+    tasks: dict = {}
+    started = time.monotonic()
+
+    def update(description: str, done: int, total: int) -> None:
+        if not bar.live.is_started:
+            if time.monotonic() - started < 1.0:
+                return
+            bar.start()
+        if description not in tasks:
+            tasks[description] = bar.add_task(description, total=total)
+        bar.update(tasks[description], completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+
+
+# -- journal and store paths ---------------------------------------------------------------
+
+
+def journal_path(path: Optional[Path], *, legacy_ok: bool = True, must_exist: bool = True) -> str:
+    """Check that ``path`` names a journal; returns it absolute.
+
+    Missing, not a directory, or holding no journal files are reported as missing input
+    (``FileNotFoundError``); unreadable ones as permission errors, by the OS itself.
+    """
+    if path is None:
+        raise click.UsageError(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
+    full = os.path.abspath(os.fspath(path))
+    if not must_exist:
+        return full
+    os.stat(full)  # missing or unreachable: FileNotFoundError, PermissionError, NotADirectoryError
+    if not os.path.isdir(full):
+        if legacy_ok:
+            with open(full, "rb"):
+                pass
+            return full
+        raise FileNotFoundError(2, "not a journal directory", full)
+    names = os.listdir(full)
+    if not any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names):
+        if legacy_ok and any(n.endswith((".jsonl", ".ndjson")) for n in names):
+            return full
+        raise FileNotFoundError(2, "not a kvj journal (no log files)", full)
+    return full
+
+
+def store_path(journal: str, store: Optional[Path]) -> str:
+    """The store directory: ``--store``, or ``segments/`` inside the journal."""
+    if store is not None:
+        return os.path.abspath(os.fspath(store))
+    return default_store_path(journal if os.path.isdir(journal) else os.path.dirname(journal))
+
+
+# -- parsers -------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
+_UNITS = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``1h``, ``2d``."""
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not a duration (use e.g. 90s, 15m, 1h, 2d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_time(text: str, now: Optional[float] = None) -> float:
+    """A point in time: ISO 8601 (``2026-11-29T15:00``), Unix seconds, or a duration ago (``10m``)."""
+    text = text.strip()
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        pass
+    if re.fullmatch(r"\d{9,}(\.\d+)?", text):
+        return float(text)
+    try:
+        return (time.time() if now is None else now) - parse_duration(text)
+    except typer.BadParameter:
+        raise typer.BadParameter(f"{text!r} is not a time (use ISO 8601, Unix seconds, or e.g. 10m for "
+                                 "ten minutes ago)") from None
+
+
+def parse_range(text: str, what: str = "range") -> Tuple[int, int]:
+    """``A:B`` (end exclusive) as two non-negative ints."""
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) > int(m.group(2)):
+        raise typer.BadParameter(f"{text!r} is not a {what} START:END with START <= END")
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_int(text: str) -> int:
+    """A non-negative int, decimal or 0x-hex (addresses)."""
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not an integer (decimal or 0x hex)") from None
+    if value < 0:
+        raise typer.BadParameter(f"{text!r} is negative")
+    return value
+
+
+def parse_pairs(items: Optional[list], what: str, typed: bool = True) -> dict:
+    """``key=value`` options into a dict; with ``typed``, values that parse as JSON keep their type."""
+    result: dict = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=what)
+        try:
+            result[key] = json.loads(value) if typed else value
+        except ValueError:
+            result[key] = value
+    return result
+

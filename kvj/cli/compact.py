@@ -1,0 +1,44 @@
+"""``kvj compact``: fold sealed logs into a snapshot and collect unreferenced segments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..compact import DEFAULT_GRACE, compact as compact_journal
+from ..inspection import human_size
+from .common import JournalOpt, JsonOpt, StoreOpt, emit_json, journal_path, out, parse_duration, progress, store_path
+
+
+def compact(journal: Annotated[Optional[Path], JournalOpt] = None,
+            store: Annotated[Optional[Path], StoreOpt] = None,
+            grace: Annotated[str, typer.Option(metavar="DURATION", help="Never collect a segment younger than this "
+                                               "(90s, 15m, 1h, 2d).")] = f"{int(DEFAULT_GRACE)}s",
+            segments: Annotated[bool, typer.Option("--segments/--no-segments",
+                                                   help="Collect unreferenced segments.")] = True,
+            as_json: Annotated[bool, JsonOpt] = False) -> None:
+    """Compact the journal; safe from cron while the writer runs.
+
+    Folds every sealed log file (all but the newest) into a snapshot of the live state,
+    makes it durable, then deletes the log files and older snapshots it replaces. Collects
+    segments that no live record references and that are older than the grace period, so
+    a segment written just before its record is never collected. A second compactor exits
+    with status 75 naming the first one's pid. Reports the bytes reclaimed.
+    """
+    path = journal_path(journal, legacy_ok=False)
+    with progress() as update:
+        result = compact_journal(path, store_path(path, store), grace=parse_duration(grace), collect=segments,
+                                 progress=update)
+    if as_json:
+        emit_json(result.to_dict())
+        return
+    if result.snapshot:
+        out.print(f"snapshot at LSN {result.snapshot_lsn} written ({human_size(result.snapshot_bytes)})", markup=False)
+    else:
+        out.print("no sealed records to fold: no new snapshot", markup=False)
+    out.print(f"removed {len(result.logs_removed)} log files, {len(result.snapshots_removed)} old snapshots, "
+              f"{len(result.segments_removed)} unreferenced segments "
+              f"({result.segments_kept_young} kept: younger than the grace period)", markup=False)
+    out.print(f"reclaimed {human_size(result.bytes_reclaimed)}", markup=False)

@@ -1,0 +1,61 @@
+"""``kvj fsck``: check a journal and its store; --repair fixes what can be fixed without loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from ..fsck import fsck as check_journal
+from .common import JournalOpt, JsonOpt, StoreOpt, emit_json, journal_path, out, progress, store_path
+from .errors import fail, fsck_status
+
+STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
+
+
+def fsck(journal: Annotated[Optional[Path], JournalOpt] = None,
+         store: Annotated[Optional[Path], StoreOpt] = None,
+         repair: Annotated[bool, typer.Option("--repair", "-y", help="Cut torn tails (bytes kept in torn/), set "
+                                              "disagreeing snapshots aside, quarantine damaged segments.")] = False,
+         as_json: Annotated[bool, JsonOpt] = False) -> None:
+    """Check framing and CRCs, LSN order, snapshots and every segment; list orphans.
+
+    Every log file's header, commit groups and record CRCs; LSNs in order within and
+    across files; each snapshot's checksum, its place in the log and its agreement with
+    the log it was compacted from (while that log exists); that every segment the live
+    state needs exists with a matching digest; damaged and orphan segments. Without
+    --repair nothing is changed (a live writer is allowed: its unfinished tail is not an
+    error). --repair needs the writer stopped and never deletes data: cut bytes go to
+    torn/, damaged segments to the store's quarantine.
+
+    Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
+    (5 when both); 8 operational error (no journal, locked, permission denied, I/O
+    error); 16 usage error.
+    """
+    try:
+        path = journal_path(journal)
+        with progress() as update:
+            result = check_journal(path, store_path(path, store), repair=repair, progress=update)
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        raise typer.Exit(fsck_status(fail("kvj", exc))) from None
+    if as_json:
+        emit_json(result.to_dict())
+    else:
+        for f in result.findings:
+            where = f" [{f.path}" + (f" at offset {f.offset}" if f.offset is not None else "") + "]" if f.path else ""
+            line = Text.assemble((f"{f.severity}: ", STYLE[f.severity]), f"{f.message}{where}")
+            if f.action:
+                line.append(f" -> {f.action}", style="green" if f.fixed else "yellow")
+            out.print(line)
+        errors = result.errors
+        fixed = sum(1 for f in errors if f.fixed)
+        summary = (f"{path}: {result.logs} log files, {result.records} records (LSN {result.first_lsn}.."
+                   f"{result.last_lsn}), {result.snapshots} snapshots, {result.segments_checked} segments checked, "
+                   f"{len(result.orphans)} orphans; ")
+        summary += (f"{len(errors)} errors, {fixed} corrected" if errors else "clean")
+        out.print(summary, markup=False)
+    raise typer.Exit(result.exit_code)

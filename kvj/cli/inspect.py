@@ -1,0 +1,154 @@
+"""``kvj inspect``: records as a table or NDJSON, statistics, and pictures of a journal."""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Deque, List, Optional
+
+import typer
+from rich.console import RenderableType
+
+from ..follow import Follower
+from ..inspection import Entries, Filter, Stats, file_windows, record_json, record_time
+from ..reader import list_logs
+from ..records import BY_NAME
+from ..replay import is_legacy, replay
+from .common import JournalOpt, JsonOpt, click, emit_json, journal_path, out, parse_time
+from .render import (EXPORT_SUFFIXES, export, layout_picture, record_line, record_row, record_table, stats_view,
+                     timeline_picture)
+
+RecordTypeName = Enum("RecordTypeName", {name: name for name in BY_NAME}, type=str)  # type: ignore[misc]
+
+FOLLOW_BACKLOG = 10
+
+
+def _check_export(value: Optional[Path]) -> Optional[Path]:
+    if value is not None and value.suffix.lower() not in EXPORT_SUFFIXES:
+        raise typer.BadParameter(f"{value} must end in .svg or .html")
+    return value
+
+
+def inspect(
+    journal: Annotated[Optional[Path], JournalOpt] = None,
+    request: Annotated[Optional[List[str]], typer.Option("--request", "-r", metavar="ID",
+                                                         help="Only records of this request (repeatable).")] = None,
+    rtype: Annotated[Optional[List[RecordTypeName]], typer.Option("--type", "-t", case_sensitive=False, metavar="TYPE", show_choices=False,
+                                                                  help="Only records of this type (repeatable): "
+                                                                  + ", ".join(BY_NAME) + ".")] = None,
+    from_lsn: Annotated[Optional[int], typer.Option("--from-lsn", metavar="LSN", min=0,
+                                                    help="First LSN to show.")] = None,
+    to_lsn: Annotated[Optional[int], typer.Option("--to-lsn", metavar="LSN", min=0, help="Last LSN to show.")] = None,
+    since: Annotated[Optional[str], typer.Option(metavar="TIME", help="Only records written at or after TIME "
+                                                 "(ISO 8601, Unix seconds, or a duration ago like 10m).")] = None,
+    until: Annotated[Optional[str], typer.Option(metavar="TIME", help="Only records written at or before TIME.")] = None,
+    last: Annotated[Optional[int], typer.Option("--last", "-n", min=1, metavar="N",
+                                                help="Only the last N matching records.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing records as they become durable "
+                                         "(like tail -f; starts with the last 10 unless --last or --from-lsn).")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Counts and bytes by type, records per commit, "
+                                        "compression ratio, largest requests.")] = False,
+    layout: Annotated[bool, typer.Option("--layout", help="Draw the device memory map from alloc/free records "
+                                         "(as of --at).")] = False,
+    timeline: Annotated[bool, typer.Option("--timeline", help="Draw request lifetimes (as of --at).")] = False,
+    at: Annotated[Optional[int], typer.Option("--at", metavar="LSN", min=0,
+                                              help="Point in time for --layout and --timeline.")] = None,
+    export_to: Annotated[Optional[Path], typer.Option("--export", metavar="FILE", callback=_check_export,
+                                                      help="Also write the table or picture to FILE "
+                                                      "(.svg or .html) for an incident report.")] = None,
+    as_json: Annotated[bool, JsonOpt] = False,
+) -> None:
+    """Show journal records: a table (one per line, pg_waldump style) or NDJSON with --json.
+
+    Filter by request, type, LSN range and time. Records carry no timestamps: a record
+    matches --since/--until when the log file holding it was written in that window
+    (exactly, for recovery epochs). --follow tails a live journal and never shows a
+    record that is not completely written. --stats, --layout and --timeline summarise
+    instead of listing; --export saves what is shown as SVG or HTML.
+    """
+    path = journal_path(journal)
+    modes = [name for name, on in (("--follow", follow), ("--stats", stats), ("--layout", layout),
+                                   ("--timeline", timeline)) if on]
+    if len(modes) > 1:
+        raise click.UsageError(f"{' and '.join(modes)} cannot be combined")
+    if at is not None and not (layout or timeline):
+        raise click.UsageError("--at applies to --layout and --timeline (use --to-lsn to cut a listing)")
+    if follow and (is_legacy(path) or export_to is not None):
+        raise click.UsageError("--follow needs a kvj journal directory and cannot --export")
+    if layout or timeline:
+        state = replay(path, at_lsn=at)
+        if as_json:
+            emit_json({"allocations": state.to_dict()["allocations"]} if layout else
+                      {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,
+                       "last_lsn": state.last_lsn})
+        else:
+            _show(layout_picture(state, at) if layout else timeline_picture(state), export_to,
+                  "kvj memory layout" if layout else "kvj request timeline")
+        return
+    flt = Filter(requests=set(request or []), types={BY_NAME[t.value] for t in rtype or []},
+                 lsn_from=from_lsn, lsn_to=to_lsn,
+                 since=parse_time(since) if since else None, until=parse_time(until) if until else None)
+    entries = Entries(path)
+    windows = {} if entries.legacy else file_windows(list_logs(path))
+    if stats:
+        acc = Stats()
+        for entry in entries:
+            if flt(entry.record, record_time(entry.record, windows)):
+                acc.add(entry)
+        if as_json:
+            emit_json(acc.to_dict())
+        else:
+            _show(stats_view(acc.to_dict(), path), export_to, "kvj journal statistics")
+        return
+    keep = last if last is not None else (FOLLOW_BACKLOG if follow and from_lsn is None else None)
+    shown: Deque = deque(maxlen=keep)
+    seen = entries.after_lsn
+    table = record_table() if export_to is not None else None
+    for entry in entries:
+        seen = entry.record.lsn
+        if not flt(entry.record, record_time(entry.record, windows)):
+            continue
+        if keep is None and table is None:
+            _print_record(entry.record, as_json)
+        else:
+            shown.append(entry.record)
+    for rec in shown:
+        if table is not None:
+            record_row(table, rec)
+        _print_record(rec, as_json)
+    if table is not None and export_to is not None:
+        export(table, str(export_to), "kvj journal records")
+    if follow:
+        _follow(path, seen, flt, as_json)
+
+
+def _lifetime(req) -> dict:  # type: ignore[no-untyped-def]
+    return {"id": req.id, "start_lsn": req.start_lsn, "end_lsn": req.end_lsn, "status": req.status,
+            "segment_lsns": sorted(r.lsn for r in req.segments.values()), "resume_position": req.resume_position}
+
+
+def _print_record(rec, as_json: bool) -> None:  # type: ignore[no-untyped-def]
+    if as_json:
+        emit_json(record_json(rec))
+    else:
+        out.print(record_line(rec))
+
+
+def _show(renderable: RenderableType, export_to: Optional[Path], title: str) -> None:
+    out.print(renderable)
+    if export_to is not None:
+        export(renderable, str(export_to), title)
+
+
+def _follow(path: str, after_lsn: int, flt: Filter, as_json: bool) -> None:
+    """Print matching records as they become durable, until interrupted."""
+    follower = Follower(path, after_lsn=after_lsn)
+    try:
+        for rec in follower.follow():
+            if flt(rec):
+                _print_record(rec, as_json)
+                sys.stdout.flush()
+    except KeyboardInterrupt:  # the normal way to stop following
+        return

@@ -1,0 +1,180 @@
+"""``kvj record``: append records durably from a shell or from NDJSON on stdin."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Dict, List, Optional, Tuple
+
+import typer
+
+from ..errors import FormatError
+from ..journal import Journal
+from ..records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
+from .common import JournalOpt, JsonOpt, StoreOpt, emit_json, journal_path, out, parse_int, parse_pairs, store_path
+
+app = typer.Typer(no_args_is_help=True, help="""Append records to the journal; exits only once they are durable.
+
+One record from the command line (kvj record start ID, kvj record end ID, ...) or many
+from NDJSON (kvj record ndjson < records.ndjson). Takes the writer lock, so it fails
+while a writer holds the journal. Records that point at segments (checkpoint, delta,
+segment) are refused unless the store holds those segments.
+""")
+
+JournalArg = Annotated[Optional[Path], JournalOpt]
+StoreArg = Annotated[Optional[Path], StoreOpt]
+JsonArg = Annotated[bool, JsonOpt]
+MetaOpt = Annotated[Optional[List[str]], typer.Option("--meta", metavar="KEY=VALUE",
+                                                      help="Metadata entry (repeatable); JSON values keep their type.")]
+KeysOpt = Annotated[List[str], typer.Option("--key", metavar="NAME=KEY",
+                                            help="Tensor name and its segment key (repeatable).")]
+
+#: Fields ``kvj inspect --json`` adds to a record; ignored on input so its output can be fed back.
+LOCATION_FIELDS = ("lsn", "file", "offset")
+
+
+def _append(journal: Optional[Path], store: Optional[Path], records: List[Tuple[int, Dict[str, Any]]],
+            as_json: bool) -> None:
+    """Validate, append and sync ``records``; print their LSNs."""
+    from ..segcheck import require_segments
+
+    path = journal_path(journal, legacy_ok=False, must_exist=False)
+    keys = [key for rtype, payload in records for key in _segment_keys(rtype, payload)]
+    if keys:
+        require_segments(store_path(path, store), keys)
+    with Journal.open(path) as j:
+        lsns = [j.append(rtype, payload) for rtype, payload in records]
+        j.sync()
+    if as_json:
+        for (rtype, _payload), lsn in zip(records, lsns):
+            emit_json({"lsn": lsn, "type": NAMES[RecordType(rtype)], "durable": True})
+    elif len(lsns) == 1:
+        out.print(f"LSN {lsns[0]} durable", markup=False)
+    elif lsns:
+        out.print(f"{len(lsns)} records durable, LSN {lsns[0]}..{lsns[-1]}", markup=False)
+    else:
+        out.print("no records", markup=False)
+
+
+def _segment_keys(rtype: int, payload: Dict[str, Any]) -> List[Tuple[str, Optional[str]]]:
+    """(key, digest the record claims) for every segment a record points at."""
+    if rtype == RecordType.SEGMENT:
+        return [(payload["key"], payload.get("digest"))]
+    if rtype in (RecordType.CHECKPOINT, RecordType.DELTA):
+        return [(key, None) for key in payload["keys"].values()]
+    return []
+
+
+def _checked(rtype: int, payload: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+    decode_payload(rtype, encode_payload(payload))
+    return rtype, payload
+
+
+@app.command()
+def start(request: Annotated[str, typer.Argument(help="Request id.")],
+          journal: JournalArg = None,
+          prompt_hash: Annotated[Optional[str], typer.Option(help="Hash of the prompt.")] = None,
+          tokens: Annotated[Optional[str], typer.Option(metavar="ID,ID,...",
+                                                        help="Prompt token ids, comma-separated.")] = None,
+          meta: MetaOpt = None, as_json: JsonArg = False) -> None:
+    """Record that a request started."""
+    token_ids = None
+    if tokens is not None:
+        try:
+            token_ids = [int(t) for t in tokens.split(",") if t.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of integers",
+                                     param_hint="--tokens") from None
+    _append(journal, None, [_checked(RecordType.START, {"id": request, "prompt_hash": prompt_hash,
+                                                        "tokens": token_ids, "meta": parse_pairs(meta, "--meta")})],
+            as_json)
+
+
+@app.command()
+def end(request: Annotated[str, typer.Argument(help="Request id.")],
+        journal: JournalArg = None,
+        status: Annotated[str, typer.Option(help="How it ended (ok, aborted, error, ...).")] = "ok",
+        as_json: JsonArg = False) -> None:
+    """Record that a request ended (its segments become collectable)."""
+    _append(journal, None, [_checked(RecordType.END, {"id": request, "status": status})], as_json)
+
+
+@app.command()
+def alloc(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
+          addr: Annotated[str, typer.Argument(help="Address (decimal or 0x hex).")],
+          size: Annotated[str, typer.Argument(help="Size in bytes (decimal or 0x hex).")],
+          journal: JournalArg = None,
+          tag: Annotated[str, typer.Option(help="What the memory holds (e.g. kv:req-42).")] = "",
+          as_json: JsonArg = False) -> None:
+    """Record a device memory allocation."""
+    _append(journal, None, [_checked(RecordType.ALLOC, {"device": device, "addr": parse_int(addr),
+                                                        "size": parse_int(size), "tag": tag})], as_json)
+
+
+@app.command()
+def free(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
+         addr: Annotated[str, typer.Argument(help="Address (decimal or 0x hex).")],
+         journal: JournalArg = None, as_json: JsonArg = False) -> None:
+    """Record that a device allocation was freed."""
+    _append(journal, None, [_checked(RecordType.FREE, {"device": device, "addr": parse_int(addr)})], as_json)
+
+
+@app.command()
+def checkpoint(step: Annotated[int, typer.Argument(min=0, help="Training step.")],
+               key: KeysOpt, journal: JournalArg = None, store: StoreArg = None,
+               meta: MetaOpt = None, as_json: JsonArg = False) -> None:
+    """Record a full training checkpoint whose tensors are already in the store."""
+    _append(journal, store, [_checked(RecordType.CHECKPOINT, {"step": step, "keys": parse_pairs(key, "--key", typed=False),
+                                                              "meta": parse_pairs(meta, "--meta")})], as_json)
+
+
+@app.command()
+def delta(step: Annotated[int, typer.Argument(min=0, help="Training step.")],
+          base_step: Annotated[int, typer.Argument(min=0, help="Step the delta applies to.")],
+          key: KeysOpt, journal: JournalArg = None, store: StoreArg = None,
+          meta: MetaOpt = None, as_json: JsonArg = False) -> None:
+    """Record an optimizer/model delta against the state at BASE_STEP."""
+    _append(journal, store, [_checked(RecordType.DELTA, {"step": step, "base_step": base_step,
+                                                         "keys": parse_pairs(key, "--key", typed=False),
+                                                         "meta": parse_pairs(meta, "--meta")})], as_json)
+
+
+@app.command()
+def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON file, or - for stdin.")] = "-",
+           journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg = False) -> None:
+    """Append many records from NDJSON, all validated before any is appended.
+
+    One object per line: {"type": "start", "id": "req-1", "prompt_hash": null,
+    "tokens": null, "meta": {}}, with the fields of that record type (man kvj-journal(5)).
+    Types: start, end, alloc, free, checkpoint, delta, segment. The fields lsn, file and
+    offset that kvj inspect --json prints are ignored, so its output can be fed back.
+    """
+    stream = sys.stdin if source == "-" else open(source, encoding="utf-8")
+    try:
+        records = list(parse_ndjson(stream))
+    finally:
+        if stream is not sys.stdin:
+            stream.close()
+    _append(journal, store, records, as_json)
+
+
+def parse_ndjson(lines: Any) -> Any:
+    """Yield (type, payload) from NDJSON lines; a bad line raises ``FormatError`` naming it."""
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise FormatError("not a JSON object")
+            name = obj.pop("type", None)
+            rtype = BY_NAME.get(name) if isinstance(name, str) else None
+            if rtype is None or rtype == RecordType.EPOCH:
+                allowed = ", ".join(n for t, n in NAMES.items() if t != RecordType.EPOCH)
+                raise FormatError(f"'type' must be one of {allowed}, not {name!r}")
+            for location in LOCATION_FIELDS:
+                obj.pop(location, None)
+            yield _checked(rtype, obj)
+        except (ValueError, FormatError) as exc:
+            raise FormatError(f"NDJSON line {lineno}: {exc}") from None

@@ -1,0 +1,242 @@
+"""Rich renderings: summaries, tables and the two pictures (memory layout, request timeline).
+
+Everything here returns a rich renderable; ``export`` writes any of them to SVG or HTML
+for incident reports. Colour follows the console (off with NO_COLOR or when piped).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any, Dict, List, Optional
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..inspection import describe, human_size as size, type_name
+from ..replay import Record
+from ..state import JournalState
+
+PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
+           "bright_green", "bright_yellow", "bright_blue", "bright_red"]
+TYPE_STYLE = {"start": "green", "segment": "cyan", "end": "blue", "alloc": "yellow", "free": "magenta",
+              "checkpoint": "bright_green", "delta": "bright_cyan", "epoch": "bold red"}
+
+
+def _color(name: str) -> str:
+    """A stable colour per tag or request (crc32, not the per-process salted hash())."""
+    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
+
+
+# -- replay summary ------------------------------------------------------------------------
+
+
+def state_summary(path: str, state: JournalState, at: Optional[int] = None) -> RenderableType:
+    parts: List[RenderableType] = []
+    lsns = f"LSN {state.first_lsn}..{state.last_lsn}" if state.first_lsn is not None else "no records"
+    snap = f", snapshot at LSN {state.snapshot_lsn}" if state.snapshot_lsn else ""
+    point = f" (as of LSN {at})" if at is not None else ""
+    parts.append(Text.assemble(("journal ", "bold"), path, f"  {lsns}{snap}{point}"))
+    inflight = sorted(state.in_flight(), key=lambda r: r.start_lsn)
+    parts.append(Text(f"in flight: {len(inflight)} requests", style="bold"))
+    if inflight:
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for col in ("request", "resume at", "segments", "prompt tokens", "started (LSN)"):
+            table.add_column(col, justify="left" if col == "request" else "right")
+        for req in inflight:
+            table.add_row(req.id, str(req.resume_position), str(len(req.segments)),
+                          "-" if req.tokens is None else str(len(req.tokens)), str(req.start_lsn))
+        parts.append(table)
+    ended = state.ended()
+    compacted = f" (+{state.ended_compacted} compacted away)" if state.ended_compacted else ""
+    parts.append(Text(f"ended: {len(ended)} requests{compacted}"))
+    parts.append(Text(training_line(state)))
+    for device, allocs in sorted(state.allocations.items()):
+        total = sum(a.size for a in allocs.values())
+        parts.append(Text(f"device {device}: {len(allocs)} allocations, {size(total)}"))
+    if state.epochs:
+        last = state.epochs[-1]
+        parts.append(Text(f"recovered {len(state.epochs)} times; last epoch {last['epoch']} at LSN {last['lsn']}"))
+    if state.tail:
+        t = state.tail
+        parts.append(Text(f"damage: torn tail of {t['length']} bytes in {os.path.basename(t['path'])} at offset "
+                          f"{t['offset']} (never acknowledged; recovery cuts it and keeps the bytes)", style="yellow"))
+    else:
+        parts.append(Text("damage: none found in the journal", style="green"))
+    for warning in state.warnings[:20]:
+        parts.append(Text(f"warning: {warning}", style="yellow"))
+    if len(state.warnings) > 20:
+        parts.append(Text(f"... and {len(state.warnings) - 20} more warnings (--json lists them)", style="yellow"))
+    return Group(*parts)
+
+
+def training_line(state: JournalState) -> str:
+    ckpt = state.checkpoint
+    if ckpt is None:
+        return "training: no checkpoint"
+    line = f"training: checkpoint step {ckpt['step']} ({len(ckpt['keys'])} tensors, LSN {ckpt['lsn']})"
+    if state.deltas:
+        line += f", {len(state.deltas)} deltas after it (steps {state.deltas[0]['step']}..{state.deltas[-1]['step']})"
+    return line
+
+
+# -- records -------------------------------------------------------------------------------
+
+
+def record_table() -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    table.add_column("LSN", justify="right")
+    table.add_column("type")
+    table.add_column("file:offset")
+    table.add_column("description", overflow="fold")
+    return table
+
+
+def record_row(table: Table, rec: Record) -> None:
+    name = type_name(rec.rtype)
+    table.add_row(str(rec.lsn), Text(name, style=TYPE_STYLE.get(name, "")),
+                  f"{os.path.basename(rec.path)}:{rec.offset}", describe(rec))
+
+
+def record_line(rec: Record) -> Text:
+    """One record as one line (for --follow and piped output)."""
+    name = type_name(rec.rtype)
+    return Text.assemble(f"{rec.lsn:>10} ", (f"{name:<10}", TYPE_STYLE.get(name, "")),
+                         f" {os.path.basename(rec.path)}:{rec.offset:<10} ", describe(rec))
+
+
+def stats_view(stats: Dict[str, Any], path: str) -> RenderableType:
+    parts: List[RenderableType] = [Text.assemble(("journal ", "bold"), path,
+                                                 f"  LSN {stats['first_lsn']}..{stats['last_lsn']}")]
+    table = Table(title="records by type", box=None, header_style="bold", title_justify="left")
+    for col in ("type", "count", "bytes", "share"):
+        table.add_column(col, justify="left" if col == "type" else "right")
+    total = stats["bytes"] or 1
+    for name, row in sorted(stats["by_type"].items(), key=lambda kv: -kv[1]["bytes"]):
+        table.add_row(Text(name, style=TYPE_STYLE.get(name, "")), f"{row['count']:,}", size(row["bytes"]),
+                      f"{100 * row['bytes'] / total:.1f}%")
+    table.add_row("total", f"{stats['records']:,}", size(stats["bytes"]), "100%", style="bold")
+    parts.append(table)
+    parts.append(Text(f"commits: {stats['commit_groups']:,} groups, {stats['records_per_commit']} records per "
+                      f"commit on average, at most {stats['largest_commit']}"))
+    seg = stats["segments"]
+    if seg["stored_bytes"]:
+        codecs = ", ".join(f"{name} {c['segments']} ({c['raw'] / c['stored']:.2f}x)" if c["stored"] else name
+                           for name, c in sorted(seg["by_codec"].items()))
+        parts.append(Text(f"segments: {size(seg['raw_bytes'])} raw -> {size(seg['stored_bytes'])} stored, "
+                          f"ratio {seg['ratio']}x; by codec: {codecs}"))
+    if stats["largest_requests"]:
+        big = Table(title="largest requests", box=None, header_style="bold", title_justify="left")
+        for col in ("request", "segments", "tokens", "raw", "stored", "state"):
+            big.add_column(col, justify="left" if col in ("request", "state") else "right")
+        for r in stats["largest_requests"]:
+            big.add_row(r["id"], str(r["segments"]), str(r["tokens"]), size(r["raw"]), size(r["stored"]),
+                        "ended" if r["ended"] else "in flight")
+        parts.append(big)
+    return Group(*parts)
+
+
+# -- pictures ------------------------------------------------------------------------------
+
+
+def layout_picture(state: JournalState, at: Optional[int], width: int = 64, rows: int = 8) -> RenderableType:
+    """Each device's address range as a grid of cells, coloured by the tag that fills them."""
+    parts: List[RenderableType] = [Text(f"device memory as of LSN {at if at is not None else state.last_lsn}",
+                                        style="bold")]
+    if not state.allocations or not any(state.allocations.values()):
+        parts.append(Text("no live allocations"))
+        return Group(*parts)
+    for device, allocs in sorted(state.allocations.items()):
+        if not allocs:
+            continue
+        spans = sorted(allocs.values(), key=lambda a: a.addr)
+        lo, hi = spans[0].addr, max(a.addr + a.size for a in spans)
+        used = sum(a.size for a in spans)
+        cells = width * rows
+        per_cell = max(1, -(-(hi - lo) // cells))
+        parts.append(Text(f"\n{device}  {lo:#x}..{hi:#x}  {size(used)} in {len(spans)} allocations, "
+                          f"{100 * used / max(1, hi - lo):.1f}% of the span; one cell = {size(per_cell)}",
+                          style="bold"))
+        owner: List[Optional[str]] = [None] * cells
+        fill = [0] * cells
+        for a in spans:
+            first, last = (a.addr - lo) // per_cell, min(cells - 1, (a.addr + a.size - 1 - lo) // per_cell)
+            for c in range(first, last + 1):
+                start, stop = lo + c * per_cell, lo + (c + 1) * per_cell
+                covered = min(stop, a.addr + a.size) - max(start, a.addr)
+                if covered > fill[c]:
+                    owner[c], fill[c] = a.tag or "(untagged)", covered
+        grid = Text()
+        for r in range(-(-(-(-(hi - lo) // per_cell)) // width)):
+            grid.append(f"{lo + r * width * per_cell:#14x} ", style="dim")
+            for c in range(r * width, min(cells, (r + 1) * width)):
+                tag = owner[c]
+                grid.append("█" if tag else "·", style=_color(tag) if tag else "dim")
+            grid.append("\n")
+        parts.append(grid)
+        legend = Table(box=None, pad_edge=False, header_style="bold")
+        for col in ("", "tag", "allocations", "bytes"):
+            legend.add_column(col, justify="right" if col in ("allocations", "bytes") else "left")
+        by_tag: Dict[str, List[int]] = {}
+        for a in spans:
+            by_tag.setdefault(a.tag or "(untagged)", []).append(a.size)
+        for tag, sizes in sorted(by_tag.items(), key=lambda kv: -sum(kv[1]))[:16]:
+            legend.add_row(Text("█", style=_color(tag)), tag, str(len(sizes)), size(sum(sizes)))
+        parts.append(legend)
+    return Group(*parts)
+
+
+def timeline_picture(state: JournalState, width: int = 60, limit: int = 50) -> RenderableType:
+    """One bar per request from its start to its end (or now), with its segment flushes marked."""
+    reqs = sorted(state.requests.values(), key=lambda r: r.start_lsn)
+    if not reqs:
+        return Text("no requests in the journal (ended requests compacted away are not shown)")
+    shown = reqs[-limit:]
+    lo = shown[0].start_lsn
+    hi = max(state.last_lsn, lo + 1)
+    scale = (hi - lo) / (width - 1)
+
+    def col(lsn: int) -> int:
+        return min(width - 1, int((lsn - lo) / scale))
+
+    table = Table(box=None, pad_edge=False, header_style="bold",
+                  title=f"request lifetimes, LSN {lo}..{hi} ('=' alive, '#' segment flushed, '|' ended)",
+                  title_justify="left")
+    table.add_column("request", no_wrap=True)
+    table.add_column("lifetime", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for req in shown:
+        end = req.end_lsn if req.ended and req.end_lsn is not None else hi
+        bar = [" "] * width
+        for c in range(col(req.start_lsn), col(end) + 1):
+            bar[c] = "="
+        for ref in req.segments.values():
+            bar[col(ref.lsn)] = "#"
+        if req.ended:
+            bar[col(end)] = "|"
+        line = Text("".join(bar), style=_color(req.id))
+        status = f"ended {req.status}" if req.ended else f"in flight @{req.resume_position}"
+        table.add_row(req.id, line, status)
+    parts: List[RenderableType] = [table]
+    if len(reqs) > limit:
+        parts.append(Text(f"(oldest {len(reqs) - limit} requests not shown)", style="dim"))
+    for epoch in state.epochs:
+        if lo <= epoch["lsn"] <= hi:
+            parts.append(Text(f"recovery epoch {epoch['epoch']} at LSN {epoch['lsn']}", style="bold red"))
+    return Group(*parts)
+
+
+EXPORT_SUFFIXES = (".svg", ".html", ".htm")
+
+
+def export(renderable: RenderableType, target: str, title: str) -> None:
+    """Write ``renderable`` to ``target`` as SVG, or HTML for any other suffix in EXPORT_SUFFIXES."""
+    from ..fileio import atomic_write
+
+    suffix = os.path.splitext(target)[1].lower()
+    console = Console(record=True, width=120, file=open(os.devnull, "w"), force_terminal=True, color_system="truecolor")
+    console.print(renderable)
+    text = console.export_svg(title=title) if suffix == ".svg" else console.export_html(inline_styles=True)
+    console.file.close()
+    atomic_write(target, text.encode("utf-8"), mode=0o644)

@@ -1,0 +1,33 @@
+"""``kvj replay``: what recovery would do, from the journal alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..replay import is_legacy, replay as replay_journal
+from .common import JournalOpt, JsonOpt, emit_json, journal_path, out
+from .render import state_summary
+
+
+def replay(journal: Annotated[Optional[Path], JournalOpt] = None,
+           at: Annotated[Optional[int], typer.Option("--at", metavar="LSN", min=0,
+                                                     help="Replay only up to this LSN (point in time).")] = None,
+           strict: Annotated[bool, typer.Option(help="Fail on any damage, a torn tail included.")] = False,
+           as_json: Annotated[bool, JsonOpt] = False) -> None:
+    """Show what recovery would do, without touching any device or file.
+
+    Requests in flight with their resume positions (tokens covered by durable segments)
+    and segment counts, ended requests, the training checkpoint and the deltas after it,
+    device allocations, the LSN range, and any damage found (a torn tail, which recovery
+    cuts; records replay had to skip). Segments are not read: kvj recover --dry-run
+    verifies them. Reads legacy JSON-lines journals too.
+    """
+    path = journal_path(journal)
+    state = replay_journal(path, at_lsn=at, strict=strict)
+    if as_json:
+        emit_json({"journal": path, "legacy": is_legacy(path), "at_lsn": at, **state.to_dict()})
+        return
+    out.print(state_summary(path, state, at))
