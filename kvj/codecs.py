@@ -7,9 +7,9 @@ encoded and decoded in parallel threads (zstandard and numpy release the GIL).
 
 * ``raw``       - the bytes as they are.
 * ``zstd``      - zstandard at ``level``; ``long`` turns on long-distance matching.
-* ``byteplane`` - for floating point: each element is rotated left by one bit (the sign moves
-  to the lowest bit, so the top byte holds the exponent, or its high bits for wide types),
-  split into byte planes, and each plane is stored raw (``r``), entropy-coded (``e``: zstd
+* ``byteplane`` - for floating point: the sign bit of each element moves down beside the
+  mantissa (so the top byte holds the exponent, or its high bits for fp16/fp64), the elements
+  are split into byte planes, and each plane is stored raw (``r``), entropy-coded (``e``: zstd
   tuned so that it is close to Huffman-only on literals) or zstd-compressed (``z``). A plane
   that does not shrink in a chunk is stored raw there.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import struct
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 import zstandard
@@ -160,21 +160,74 @@ class ZstdCodec(Codec):
 
 _PLANE_MODES = "rez"
 _PLANE_HEADER = struct.Struct("<BI")  # mode, stored length
+_BLOCK = 1 << 17  # elements per numpy pass: keeps temporaries in cache
 
 
-def _rotate(words: np.ndarray, bits: int, left: bool) -> np.ndarray:
-    if left:
-        return (words << 1) | (words >> (bits - 1))
-    return (words >> 1) | (words << (bits - 1))
+def split_planes(buf: memoryview, itemsize: int, fp: bool) -> List[np.ndarray]:
+    """Byte planes of the elements in ``buf``, least significant first.
+
+    With ``fp`` the sign bit moves to bit 7 of plane 0 (beside the low mantissa bits) and the
+    bits below it move up by one, so plane ``k-1`` holds the exponent's top 8 bits (all of it
+    for bf16 and fp32) with no sign mixed in.
+    """
+    if itemsize == 1:
+        return [np.frombuffer(buf, np.uint8)]
+    utype = _UINT[itemsize]
+    bits = 8 * itemsize
+    words = np.frombuffer(buf, utype)
+    n = len(words)
+    planes = [np.empty(n, np.uint8) for _ in range(itemsize)]
+    keep = utype(0x7F | (1 << (bits - 1)))
+    for lo in range(0, n, _BLOCK):
+        w = words[lo:lo + _BLOCK]
+        hi = lo + len(w)
+        if fp:
+            for p in range(1, itemsize):
+                planes[p][lo:hi] = w >> (8 * p - 1)
+            t = w & keep
+            t |= t >> (bits - 8)
+            planes[0][lo:hi] = t
+        else:
+            for p in range(itemsize):
+                planes[p][lo:hi] = w >> (8 * p) if p else w
+    return planes
+
+
+def merge_planes(planes: Sequence[np.ndarray], out: memoryview, itemsize: int, fp: bool) -> None:
+    """Inverse of :func:`split_planes`, writing the elements into ``out``."""
+    if itemsize == 1:
+        np.frombuffer(out, np.uint8)[:] = planes[0]
+        return
+    utype = _UINT[itemsize]
+    bits = 8 * itemsize
+    words = np.frombuffer(out, utype)
+    n = len(words)
+    tmp = np.empty(min(n, _BLOCK), utype)
+    for lo in range(0, n, _BLOCK):
+        w = words[lo:lo + _BLOCK]
+        hi = lo + len(w)
+        t = tmp[:len(w)]
+        top = itemsize - 1
+        w[:] = planes[top][lo:hi]
+        w <<= (8 * top - 1) if fp else 8 * top
+        for p in range(1, top):
+            t[:] = planes[p][lo:hi]
+            t <<= (8 * p - 1) if fp else 8 * p
+            w |= t
+        t[:] = planes[0][lo:hi]
+        if fp:
+            w |= t & utype(0x7F)
+            t &= utype(0x80)
+            t <<= bits - 8
+        w |= t
 
 
 class BytePlaneCodec(Codec):
-    """Byte planes of (optionally bit-rotated) elements, each plane coded on its own.
+    """Byte planes of the elements, each plane coded on its own.
 
     ``planes`` has one letter per byte plane, least significant first: ``r`` raw, ``e``
-    entropy-coded, ``z`` zstd at ``level``. With ``rotate`` each element is rotated left by one
-    bit first, which puts the sign bit beside the mantissa and the whole exponent of bf16/fp32
-    (the top of it for fp16/fp64) in the top plane.
+    entropy-coded, ``z`` zstd at ``level``. ``fp`` applies the float bit move of
+    :func:`split_planes` first (exponent alone in the top plane).
 
     Encoded chunk: ``u8 nplanes`` then per plane ``u8 mode, u32le length`` (mode 0 raw, 1 zstd
     frame), then the plane bodies in order.
@@ -182,29 +235,20 @@ class BytePlaneCodec(Codec):
 
     name = "byteplane"
 
-    def __init__(self, planes: str, rotate: bool = True, level: int = 1) -> None:
-        if not isinstance(planes, str) or not 1 <= len(planes) <= 8 or len(planes) & (len(planes) - 1) \
+    def __init__(self, planes: str, fp: bool = True, level: int = 1) -> None:
+        if not isinstance(planes, str) or len(planes) not in _UINT \
                 or any(c not in _PLANE_MODES for c in planes):
             raise FormatError(f"byteplane planes {planes!r} invalid")
         if not isinstance(level, int) or not -7 <= level <= 22:
             raise FormatError(f"byteplane level {level!r} out of range")
-        super().__init__(planes=planes, rotate=bool(rotate), level=level)
-
-    def _split(self, buf: memoryview, itemsize: int) -> list:
-        if itemsize == 1:
-            return [np.frombuffer(buf, np.uint8)]
-        words = np.frombuffer(buf, _UINT[itemsize])
-        if self.params["rotate"]:
-            words = _rotate(words, itemsize * 8, left=True)
-        return [(words >> np.array(8 * p, words.dtype)).astype(np.uint8) if p else words.astype(np.uint8)
-                for p in range(itemsize)]
+        super().__init__(planes=planes, fp=bool(fp), level=level)
 
     def encode(self, buf: memoryview, itemsize: int) -> Buffer:
         planes = self.params["planes"]
         if len(planes) != itemsize:
             raise FormatError(f"byteplane codec has {len(planes)} planes, element has {itemsize} bytes")
         heads, bodies = [bytes([itemsize])], []
-        for mode, plane in zip(planes, self._split(buf, itemsize)):
+        for mode, plane in zip(planes, split_planes(buf, itemsize, self.params["fp"])):
             body: Buffer = memoryview(plane)
             kind = 0
             if mode != "r" and len(plane):
@@ -241,16 +285,7 @@ class BytePlaneCodec(Codec):
                 raise FormatError(f"byteplane plane mode {kind} unknown")
         if pos != len(data):
             raise FormatError("byteplane chunk has trailing bytes")
-        if itemsize == 1:
-            np.frombuffer(out, np.uint8)[:] = planes[0]
-            return
-        utype = _UINT[itemsize]
-        words = np.frombuffer(out, utype)
-        words[:] = planes[0]
-        for p in range(1, itemsize):
-            words |= planes[p].astype(utype) << np.array(8 * p, utype)
-        if self.params["rotate"]:
-            words[:] = _rotate(words, itemsize * 8, left=False)
+        merge_planes(planes, out, itemsize, self.params["fp"])
 
 
 _REGISTRY: Dict[str, Type[Codec]] = {}
@@ -434,9 +469,8 @@ def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0
     if zsize < best_size:
         best, best_size = ZstdCodec(level=1), zsize
     if itemsize > 1 or is_float:
-        probe = BytePlaneCodec("r" * itemsize, rotate=is_float)
         modes, total = [], 0
-        for plane in probe._split(sample, itemsize):
+        for plane in split_planes(sample, itemsize, is_float):
             raw = len(plane)
             esize = len(_compressor(("entropy",)).compress(plane))
             zsz = len(_compressor(("zstd", 1, False)).compress(plane)) if pressure == 0 else raw
@@ -446,5 +480,5 @@ def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0
             modes.append(choice)
             total += size
         if total < best_size and set(modes) != {"r"}:
-            best, best_size = BytePlaneCodec("".join(modes), rotate=is_float, level=1), total
+            best, best_size = BytePlaneCodec("".join(modes), fp=is_float, level=1), total
     return best

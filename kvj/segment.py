@@ -221,7 +221,7 @@ def _default_params(name: str, dtype: torch.dtype) -> Dict[str, Any]:
     if name == "byteplane":
         n = word_size(dtype)
         top = "e" if is_float(dtype) else "z"
-        return {"planes": "r" * (n - 1) + top, "rotate": is_float(dtype)}
+        return {"planes": "r" * (n - 1) + top, "fp": is_float(dtype)}
     return {}
 
 

@@ -1,0 +1,234 @@
+"""The flush path: snapshot a tensor quickly, compress and write it durably in the background.
+
+``submit`` copies the tensor into bounded staging memory (pinned, on a side CUDA stream, for
+device tensors; a plain CPU snapshot otherwise) and returns a future. Worker threads compress
+and write the segment through :class:`~kvj.store.SegmentStore`; ``on_durable(info)`` runs only
+after the segment file and its directory entry are fsynced, so a journal record appended there
+never points at data that could vanish. When staging is full ``submit`` blocks (backpressure,
+never out-of-memory); when work queues up the codec steps down to faster choices.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .codecs import Backpressure, Codec
+from .segment import dtype_name
+from .store import SegmentInfo, SegmentStore
+
+OnDurable = Callable[[SegmentInfo], None]
+
+
+class StagingPool:
+    """Bounded staging memory: reusable uint8 buffers, power-of-two size classes.
+
+    ``acquire`` blocks while the bytes in use plus the request would exceed ``capacity``; a
+    single request larger than ``capacity`` is served once nothing else is in use, so it
+    cannot deadlock. Freed buffers are kept for reuse (pinned ones are costly to allocate) and
+    evicted when a new size class needs the room.
+    """
+
+    def __init__(self, capacity: int, pinned: bool = False):
+        self.capacity = int(capacity)
+        self.pinned = pinned
+        self._cond = threading.Condition()
+        self._in_use = 0
+        self._cached: Dict[int, List[torch.Tensor]] = {}
+        self._cached_bytes = 0
+        self.peak_in_use = 0
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        return 1 << max(12, (max(nbytes, 1) - 1).bit_length())
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self._in_use
+
+    def acquire(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        size = self._size_class(nbytes)
+        with self._cond:
+            while self._in_use and self._in_use + size > self.capacity:
+                self._cond.wait()
+            self._in_use += size
+            self.peak_in_use = max(self.peak_in_use, self._in_use)
+            free = self._cached.get(size)
+            if free:
+                self._cached_bytes -= size
+                buf = free.pop()
+                if buf.is_pinned() == pinned:
+                    return buf
+            while self._cached_bytes and self._cached_bytes + self._in_use > self.capacity:
+                self._evict_one()
+        try:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        except BaseException:
+            self.release_size(size)
+            raise
+
+    def _evict_one(self) -> None:
+        for cls, bufs in self._cached.items():
+            if bufs:
+                bufs.pop()
+                self._cached_bytes -= cls
+                return
+
+    def release(self, buf: torch.Tensor) -> None:
+        size = buf.numel()
+        with self._cond:
+            self._in_use -= size
+            if self._cached_bytes + self._in_use + size <= self.capacity:
+                self._cached.setdefault(size, []).append(buf)
+                self._cached_bytes += size
+            self._cond.notify_all()
+
+    def release_size(self, size: int) -> None:
+        with self._cond:
+            self._in_use -= size
+            self._cond.notify_all()
+
+
+class Flusher:
+    """Background, bounded, durable segment writer.
+
+    ``workers`` threads each compress and write one segment at a time (chunks of a segment are
+    further parallelised by the store's pool). ``staging_bytes`` bounds snapshot memory.
+    """
+
+    def __init__(self, store: SegmentStore, workers: int = 2, staging_bytes: int = 256 << 20,
+                 codec: Union[str, Codec] = "auto"):
+        self.store = store
+        self.codec = codec
+        self.workers = max(1, int(workers))
+        self.staging = StagingPool(staging_bytes)
+        self.pressure = Backpressure()
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvj-flush")
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._streams: Dict[torch.device, Any] = {}
+
+    # ------------------------------------------------------------------ submit side
+
+    def submit(self, tensor: torch.Tensor, layout: Optional[Dict[str, Any]] = None,
+               on_durable: Optional[OnDurable] = None,
+               codec: Optional[Union[str, Codec]] = None) -> "Future[SegmentInfo]":
+        """Snapshot ``tensor`` and queue it; the caller may modify ``tensor`` once this returns.
+
+        Blocks while staging memory is full. Raises the first earlier worker error (sticky).
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("submit() on a closed Flusher")
+            if self._error is not None:
+                raise self._error
+        dtype_name(tensor.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        is_cuda = tensor.device.type == "cuda"
+        buf = self.staging.acquire(nbytes, pinned=is_cuda)
+        try:
+            event = self._copy_in(tensor, buf[:nbytes], is_cuda)
+        except BaseException:
+            self.staging.release(buf)
+            raise
+        with self._lock:
+            self._pending += 1
+            self._update_pressure()
+        meta = (tensor.dtype, tuple(tensor.shape), layout, codec or self.codec)
+        return self._pool.submit(self._work, buf, nbytes, event, meta, on_durable)
+
+    def _copy_in(self, tensor: torch.Tensor, dest: torch.Tensor, is_cuda: bool) -> Optional[Any]:
+        """Copy ``tensor``'s bytes into ``dest``; for CUDA on a side stream, returning its event."""
+        if tensor.numel() == 0:
+            return None
+        if not is_cuda:
+            dest.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            return None
+        stream = self._side_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            dest.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        tensor.record_stream(stream)
+        return event
+
+    def _side_stream(self, device: torch.device) -> Any:
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            return stream
+
+    def _update_pressure(self) -> None:
+        queued = self._pending - self.workers
+        full = self.staging.in_use / max(1, self.staging.capacity)
+        if queued >= 4 * self.workers or full >= 0.9:
+            self.pressure.set(Backpressure.SATURATED)
+        elif queued >= self.workers or full >= 0.5:
+            self.pressure.set(Backpressure.BUSY)
+        else:
+            self.pressure.set(Backpressure.NORMAL)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _work(self, buf: torch.Tensor, nbytes: int, event: Optional[Any],
+              meta: Tuple[torch.dtype, Tuple[int, ...], Optional[Dict[str, Any]], Union[str, Codec]],
+              on_durable: Optional[OnDurable]) -> SegmentInfo:
+        dtype, shape, layout, codec = meta
+        try:
+            if event is not None:
+                event.synchronize()
+            raw = memoryview(buf[:nbytes].numpy()).cast("B") if nbytes else memoryview(b"")
+            info = self.store.put_bytes(raw, dtype=dtype, shape=shape, layout=layout,
+                                        codec=codec, pressure=self.pressure.level)
+            if on_durable is not None:
+                on_durable(info)
+            return info
+        except BaseException as exc:
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+            raise
+        finally:
+            self.staging.release(buf)
+            with self._lock:
+                self._pending -= 1
+                self._update_pressure()
+                if self._pending == 0:
+                    self._idle.notify_all()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The first worker error, if any (then every later submit raises it)."""
+        return self._error
+
+    def drain(self) -> None:
+        """Wait until every submitted segment is durable (or failed); raise the sticky error."""
+        with self._lock:
+            while self._pending:
+                self._idle.wait()
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        """Finish queued work and stop the workers (the store stays open)."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "Flusher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
