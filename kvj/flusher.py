@@ -11,7 +11,7 @@ never out-of-memory); when work queues up the codec steps down to faster choices
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -109,8 +109,8 @@ class Flusher:
         self.pressure = Backpressure()
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvj-flush")
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._pending = 0
+        self._futures: "set[Future[SegmentInfo]]" = set()
         self._error: Optional[BaseException] = None
         self._closed = False
         self._streams: Dict[torch.device, Any] = {}
@@ -142,7 +142,15 @@ class Flusher:
             self._pending += 1
             self._update_pressure()
         meta = (tensor.dtype, tuple(tensor.shape), layout, codec or self.codec)
-        return self._pool.submit(self._work, buf, nbytes, event, meta, on_durable)
+        future = self._pool.submit(self._work, buf, nbytes, event, meta, on_durable)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: "Future[SegmentInfo]") -> None:
+        with self._lock:
+            self._futures.discard(future)
 
     def _copy_in(self, tensor: torch.Tensor, dest: torch.Tensor, is_cuda: bool) -> Optional[Any]:
         """Copy ``tensor``'s bytes into ``dest``; for CUDA on a side stream, returning its event."""
@@ -159,6 +167,9 @@ class Flusher:
             event = torch.cuda.Event()
             event.record(stream)
         tensor.record_stream(stream)
+        # Later work on the caller's stream (e.g. overwriting this block) waits for the copy,
+        # on the GPU, without blocking the host.
+        torch.cuda.current_stream(tensor.device).wait_event(event)
         return event
 
     def _side_stream(self, device: torch.device) -> Any:
@@ -203,8 +214,6 @@ class Flusher:
             with self._lock:
                 self._pending -= 1
                 self._update_pressure()
-                if self._pending == 0:
-                    self._idle.notify_all()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,12 +223,15 @@ class Flusher:
         return self._error
 
     def drain(self) -> None:
-        """Wait until every submitted segment is durable (or failed); raise the sticky error."""
+        """Wait until every segment submitted so far is durable and reported (or failed).
+
+        Raises the sticky error if any worker failed.
+        """
         with self._lock:
-            while self._pending:
-                self._idle.wait()
-            if self._error is not None:
-                raise self._error
+            outstanding = list(self._futures)
+        wait(outstanding)
+        if self._error is not None:
+            raise self._error
 
     def close(self) -> None:
         """Finish queued work and stop the workers (the store stays open)."""
