@@ -74,7 +74,7 @@ class LegacyScan:
                     offset = end + 1
                     continue
                 rtype, payload = _convert(json.loads(text))
-            except (ValueError, KvjError) as exc:
+            except (ValueError, RecursionError, KvjError) as exc:  # deep nesting: RecursionError
                 if is_last and not self.strict:
                     self.tail = TornTail(self.path, offset, len(data) - offset)
                     return
