@@ -4,7 +4,8 @@ The demo and the end-to-end tests run these, SIGKILL them mid-flight, recover, a
 them again with ``--resume``. Progress and results are JSON lines on stdout (one object per
 line, flushed at once) so the parent can pick its moment to kill and read what was done:
 
-* generate: ``{"event": "step", "id", "computed", "tokens"}`` after every forward pass,
+* generate: ``{"event": "step", "id", "start", "computed", "tokens"}`` after every forward
+  pass (positions ``start`` to ``computed`` went through the model),
   ``{"event": "finish", "id"}`` once a request's output is durably in ``--results``, and
   ``{"event": "done", "requests": {...}}`` with per-request resume figures.
 * train: ``{"event": "step", "step", "loss"}`` and ``{"event": "done", "params_sha256", ...}``.
@@ -78,15 +79,19 @@ def generate(args: argparse.Namespace) -> None:
     from .paged import PagedBackend
     from .serving import GenerationLoop, RequestRun
 
-    spec = ModelSpec(args.arch, args.size, args.seed)
-    work = GenerationWorkload(spec, args.requests, args.block_size, args.max_new, args.stagger)
+    spec = ModelSpec(args.arch, args.size, args.seed, args.dtype)
+    work = GenerationWorkload(spec, args.requests, args.block_size, args.max_new, args.stagger, args.prompt_seed,
+                              args.shared_prefix)
     model = spec.build(args.device)
     makedirs_durable(args.results)
     done = read_results(args.results)
     with Journal.open(args.journal) as journal:
+        state = replay(args.journal) if args.resume else None
         if args.backend == "paged":
+            # A restarted server's free list is in another order: resumed requests land in new block ids.
+            order_seed = args.order_seed if args.order_seed is not None else len(state.epochs) if state else 0
             backend: Any = PagedBackend(model, args.block_size, spec.model_id, num_blocks=args.num_blocks,
-                                        order_seed=args.order_seed, journal=journal)
+                                        order_seed=order_seed, journal=journal)
         else:
             backend = HFBackend(model, args.block_size, spec.model_id)
         blocks = BlockJournal(journal, backend.layout)
@@ -97,10 +102,10 @@ def generate(args: argparse.Namespace) -> None:
             emit(event="finish", id=run.id)
 
         loop = GenerationLoop(backend, blocks, on_finish=on_finish,
-                              on_step=lambda r: emit(event="step", id=r.id, computed=r.computed, tokens=len(r.tokens)))
+                              on_step=lambda r: emit(event="step", id=r.id, start=r.positions_run[-1],
+                                                     computed=r.computed, tokens=len(r.tokens)))
         before: Dict[str, List[int]] = {}
-        if args.resume:
-            state = replay(args.journal)
+        if state is not None:
             if args.backend == "paged":
                 before = backend.cache.forget_previous(state)
             manifest = _manifest(args.manifest)
@@ -139,8 +144,8 @@ def train_main(args: argparse.Namespace) -> None:
     from .training import TrainSpec, recover_training, train
 
     torch.use_deterministic_algorithms(True)
-    spec = TrainSpec(ModelSpec(args.arch, args.size, args.seed), steps=args.steps, batch=args.batch,
-                     seq_len=args.seq_len, lr=args.lr, full_every=args.full_every)
+    spec = TrainSpec(ModelSpec(args.arch, args.size, args.seed, args.dtype), steps=args.steps, batch=args.batch,
+                     seq_len=args.seq_len, lr=args.lr, full_every=args.full_every, data_seed=args.data_seed)
     with Journal.open(args.journal) as journal:
         resume = None
         if args.resume:
@@ -165,6 +170,7 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     common.add_argument("--size", default="tiny", choices=sorted(SIZES))
     common.add_argument("--seed", type=int, default=0, help="model initialisation seed")
+    common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     common.add_argument("--device", default="cpu")
     common.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (keep equal across runs that must agree bit for bit)")
@@ -177,14 +183,18 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new", type=int, default=40)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--stagger", type=int, default=4)
+    g.add_argument("--prompt-seed", type=int, default=1)
+    g.add_argument("--shared-prefix", type=int, default=32, help="tokens of system prompt every request shares")
     g.add_argument("--num-blocks", type=int, default=256, help="paged cache pool size")
-    g.add_argument("--order-seed", type=int, default=0, help="paged cache free-list order")
+    g.add_argument("--order-seed", type=int, help="paged cache free-list order (default: 0, or the "
+                   "recovery epoch when resuming)")
     t = sub.add_parser("train", parents=[common], help="fine-tune with AdamW, journaling state")
     t.add_argument("--steps", type=int, default=40)
     t.add_argument("--full-every", type=int, default=10)
     t.add_argument("--batch", type=int, default=4)
     t.add_argument("--seq-len", type=int, default=32)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--data-seed", type=int, default=7)
     return p
 
 

@@ -20,7 +20,6 @@ fetches the blocks, falling back to the longest intact prefix when a segment is 
 from __future__ import annotations
 
 import hashlib
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, 
 import torch
 
 from ..errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from ..restore import load as load_segment
 from ..state import JournalState, RequestState
 
 if TYPE_CHECKING:
@@ -177,11 +177,19 @@ class BlockJournal:
         self.journal = journal
         self.layout = layout
         self._requests: Dict[str, _Tracked] = {}
-        self._lock = threading.Lock()
+        self._staging: Any = None
 
     @property
     def store(self) -> "SegmentStore":
         return self.journal.store
+
+    @property
+    def layout_bytes(self) -> int:
+        """Bytes of one block."""
+        n = 1
+        for d in self.layout.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.layout.torch_dtype).element_size()
 
     def start(self, request_id: str, prompt: Sequence[int], max_new_tokens: int,
               meta: Optional[Mapping[str, Any]] = None) -> None:
@@ -228,10 +236,14 @@ class BlockJournal:
         A missing or damaged segment (digest mismatch) ends the usable prefix there:
         ``point`` is cut back to the blocks before it and says so in ``fallback``.
         """
+        device = torch.device(device)
+        if device.type == "cuda" and self._staging is None:  # reused pinned buffers for host-to-device copies
+            from ..flusher import StagingPool
+            self._staging = StagingPool(4 * self.layout_bytes, pinned=True)
         blocks: List[torch.Tensor] = []
         for b, key in enumerate(point.keys):
             try:
-                block = self.store.get(key, device=device, expect_layout=point.layouts[b])
+                block = load_segment(self.store, key, device, expect_layout=point.layouts[b], staging=self._staging)
             except (SegmentMissing, SegmentCorrupt) as exc:
                 _cut(point, b, self.layout.block_size, f"segment {b} unreadable ({exc}); resuming before it")
                 break

@@ -103,12 +103,17 @@ class PagedKVCache:
         return previous
 
     def restore(self, request_id: str, blocks: List[torch.Tensor]) -> List[int]:
-        """Allocate fresh blocks for a resumed request and scatter ``blocks`` into them."""
-        from ..restore import scatter_blocks
+        """Allocate fresh blocks for a resumed request and scatter ``blocks`` into them:
+        block ``i`` goes to the ``i``-th new id of every layer's pool (one ``index_copy_``
+        per layer, as ``kvj.restore.restore_paged`` does for segments of its own layout)."""
         if request_id in self.tables:
             raise FormatError(f"request {request_id} already has blocks in the cache")
         new = self.ensure(request_id, len(blocks) * self.layout.block_size)
-        scatter_blocks(self.pools, blocks, new)
+        if blocks:
+            stacked = torch.stack(blocks).to(self.device)  # [blocks, layers, 2, block_size, kv_heads, head_dim]
+            index = torch.tensor(new, dtype=torch.long, device=self.device)
+            for layer, pool in enumerate(self.pools):
+                pool.index_copy_(0, index, stacked[:, layer])
         return new
 
 

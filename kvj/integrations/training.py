@@ -267,6 +267,12 @@ class TrainSpec:
     full_every: int = 10
     data_seed: int = 7
 
+    def argv(self) -> List[str]:
+        """Arguments of ``python -m kvj.integrations train`` that run this fine-tuning."""
+        return self.model.argv() + ["--steps", str(self.steps), "--batch", str(self.batch), "--seq-len",
+                                    str(self.seq_len), "--lr", repr(self.lr), "--full-every", str(self.full_every),
+                                    "--data-seed", str(self.data_seed)]
+
 
 class Trainer:
     """AdamW fine-tuning of a ``ModelSpec`` model on ``training_batch`` data."""

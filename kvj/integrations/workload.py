@@ -41,6 +41,10 @@ class ModelSpec:
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
         return f"kvj-{self.arch}-{self.size}-seed{self.seed}-{digest}"
 
+    def argv(self) -> List[str]:
+        """Arguments of ``python -m kvj.integrations`` that build this model."""
+        return ["--arch", self.arch, "--size", self.size, "--seed", str(self.seed), "--dtype", self.dtype]
+
     def config(self):  # -> transformers.PretrainedConfig (import deferred: transformers is optional)
         vocab, hidden, inter, layers, heads, kv_heads = SIZES[self.size]
         kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -103,6 +107,12 @@ class GenerationWorkload:
     stagger: int = 4  #: loop steps between arrivals
     prompt_seed: int = 1
     shared_prefix: int = 32
+
+    def argv(self) -> List[str]:
+        """Arguments of ``python -m kvj.integrations generate`` that run this workload."""
+        return self.model.argv() + ["--requests", str(self.requests), "--block-size", str(self.block_size),
+                                    "--max-new", str(self.max_new_tokens), "--stagger", str(self.stagger),
+                                    "--prompt-seed", str(self.prompt_seed), "--shared-prefix", str(self.shared_prefix)]
 
     def items(self) -> List[Tuple[str, List[int], int, int]]:
         """(request id, prompt, max_new_tokens, arrival step) of every request."""
