@@ -110,6 +110,8 @@ class Flusher:
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvj-flush")
         self._lock = threading.Lock()
         self._pending = 0
+        #: Moving share of put time spent waiting for compression rather than the disk.
+        self._cpu_share = 0.0
         self._futures: "set[Future[SegmentInfo]]" = set()
         self._error: Optional[BaseException] = None
         self._closed = False
@@ -180,14 +182,28 @@ class Flusher:
             return stream
 
     def _update_pressure(self) -> None:
+        """Step the codec down only when the queue backs up *and* compression is the bottleneck.
+
+        When the disk is what holds the queue up, compression is free (the CPU waits anyway)
+        and writing fewer bytes drains the queue sooner, so the codec is left alone.
+        """
         queued = self._pending - self.workers
         full = self.staging.in_use / max(1, self.staging.capacity)
-        if queued >= 4 * self.workers or full >= 0.9:
-            self.pressure.set(Backpressure.SATURATED)
+        if self._cpu_share <= 0.5:
+            level = Backpressure.NORMAL
+        elif queued >= 4 * self.workers or full >= 0.9:
+            level = Backpressure.SATURATED
         elif queued >= self.workers or full >= 0.5:
-            self.pressure.set(Backpressure.BUSY)
+            level = Backpressure.BUSY
         else:
-            self.pressure.set(Backpressure.NORMAL)
+            level = Backpressure.NORMAL
+        self.pressure.set(level)
+
+    def _observe(self, timings: Dict[str, float]) -> None:
+        cpu = timings.get("compression", 0.0)
+        total = cpu + timings.get("io", 0.0)
+        if total > 0:
+            self._cpu_share += 0.25 * (cpu / total - self._cpu_share)
 
     # ------------------------------------------------------------------ worker side
 
@@ -199,8 +215,11 @@ class Flusher:
             if event is not None:
                 event.synchronize()
             raw = memoryview(buf[:nbytes].numpy()).cast("B") if nbytes else memoryview(b"")
+            timings: Dict[str, float] = {}
             info = self.store.put_bytes(raw, dtype=dtype, shape=shape, layout=layout,
-                                        codec=codec, pressure=self.pressure.level)
+                                        codec=codec, pressure=self.pressure.level, timings=timings)
+            with self._lock:
+                self._observe(timings)
             if on_durable is not None:
                 on_durable(info)
             return info

@@ -244,7 +244,7 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
     row_bytes = RowDedup.row_bytes_for(shape, dtype.itemsize) if len(raw) >= 2 * CHUNK_SIZE else 0
     if dedup is None:
         dedup = bool(row_bytes) and pressure == Backpressure.NORMAL \
-            and RowDedup.sample_dup_fraction(raw, row_bytes) >= 0.01
+            and RowDedup.sample_dup_fraction(raw, row_bytes) >= 0.004
     if dedup and row_bytes:
         src = RowDedup.find(raw, row_bytes)
         unique = RowDedup.gather(raw, row_bytes, src)

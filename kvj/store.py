@@ -18,7 +18,7 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -232,6 +232,19 @@ class SegmentInfo:
                 "layout": self.layout}
 
 
+def _timed_parts(parts: Iterator[Buffer], waited: List[float]) -> Iterator[Buffer]:
+    """Pass ``parts`` through, adding the time spent waiting for each to ``waited[0]``."""
+    while True:
+        t = time.perf_counter()
+        try:
+            part = next(parts)
+        except StopIteration:
+            return
+        finally:
+            waited[0] += time.perf_counter() - t
+        yield part
+
+
 def layouts_match(actual: Optional[Dict[str, Any]], expected: Optional[Dict[str, Any]]) -> bool:
     """Exact equality after canonicalisation (tuples and lists compare equal)."""
     return seg.canonical_layout(actual) == seg.canonical_layout(expected)
@@ -288,14 +301,23 @@ class SegmentStore:
 
     def put_bytes(self, raw: memoryview, *, dtype: torch.dtype, shape: Tuple[int, ...],
                   layout: Optional[Dict[str, Any]] = None, codec: Union[str, Codec] = "auto",
-                  pressure: int = Backpressure.NORMAL) -> SegmentInfo:
-        """``put`` for the C-order bytes of a tensor (the flusher's staging buffers)."""
+                  pressure: int = Backpressure.NORMAL,
+                  timings: Optional[Dict[str, float]] = None) -> SegmentInfo:
+        """``put`` for the C-order bytes of a tensor (the flusher's staging buffers).
+
+        ``timings``, when given, receives seconds spent ``hashing``, waiting for
+        ``compression`` and in ``io`` (writes, fsyncs, rename): the flusher uses them to tell
+        a CPU-bound queue (step the codec down) from a disk-bound one (keep compressing).
+        """
         if self._failed is not None:
             raise DurabilityError(getattr(self._failed, "errno", None) or 0,
                                   f"segment store failed earlier: {self._failed}")
+        t0 = time.perf_counter()
         layout = seg.canonical_layout(layout)
         name = seg.dtype_name(dtype)
         key = seg.compute_digest(raw, name, shape, layout, self.pool).hex()
+        t_hash = time.perf_counter() - t0
+        waited = [0.0]
         with self._key_lock(key):
             if self.backend.exists(key):
                 try:
@@ -305,13 +327,18 @@ class SegmentStore:
                 except SegmentCorrupt:
                     pass
                 self.backend.quarantine(key)
+            t1 = time.perf_counter()
             enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=bytes.fromhex(key),
                              codec=codec, pool=self.pool, pressure=pressure)
             try:
-                self.backend.put_durable(key, enc.parts())
+                self.backend.put_durable(key, _timed_parts(enc.parts(), waited))
             except OSError as exc:
                 self._failed = exc
                 raise
+            if timings is not None:
+                t_setup = time.perf_counter() - t1
+                timings.update(hashing=t_hash, compression=waited[0],
+                               io=max(0.0, t_setup - waited[0]))
             assert enc.header is not None
             return SegmentInfo.from_header(enc.header)
 

@@ -1,0 +1,408 @@
+"""Codec benchmark: kvj's segment store against what a user would pick instead.
+
+Side by side in one run, on identical tensors, every contender writing durably (file fsync,
+rename, directory fsync) to the same disk and loading from a warm page cache:
+
+- kvj: ``SegmentStore.put``/``get`` with each codec and ``auto`` (hashing, compression,
+  per-chunk CRCs, digest verification on load all inside the timings), and for the KV data
+  also the real flush path: one segment per 16-token block through the ``Flusher``, restored
+  with ``restore_paged`` into a paged cache;
+- torch.save / torch.load(weights_only=True); safetensors save_file / load_file (load
+  materialised: every page touched); zstd level 1 on the plain bytes (and, for reference,
+  with ``--long`` matching); ZipNN and blosc2 (shuffle + zstd) when they are installed.
+
+Data: Gaussian bf16; Adam ``exp_avg_sq``-like fp32 moments; and K/V from a small, randomly
+initialised transformer (RMSNorm, RoPE, grouped-query attention, SwiGLU) run over prompts that
+share a long prefix, stacked per request as ``[prompts, layers, 2, tokens, kv_heads, head_dim]``.
+
+Run ``python -m kvj.bench.codecs [--size MiB]`` or ``kvj bench codecs``. Disk speed swings
+between runs here, so compare the ratio columns, which come from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import zstandard
+
+from ..flusher import Flusher
+from ..restore import paged_layout, restore_paged
+from ..store import SegmentStore
+
+KVJ_CODECS = ("raw", "zstd", "byteplane", "auto")
+BLOCK_TOKENS = 16
+
+
+# --------------------------------------------------------------------------- data
+
+
+def gaussian_bf16(nbytes: int, seed: int = 0) -> torch.Tensor:
+    """i.i.d. N(0, 1) in bf16 (numpy's generator: torch.randn pairs values via Box-Muller)."""
+    x = np.random.default_rng(seed).standard_normal(nbytes // 2, dtype=np.float32)
+    return torch.from_numpy(x).to(torch.bfloat16).reshape(-1, 4096)
+
+
+def adam_moments_fp32(nbytes: int, seed: int = 1) -> torch.Tensor:
+    """``exp_avg_sq`` after 8 AdamW steps (beta2 0.999) of gradients whose scale varies by row."""
+    rng = np.random.default_rng(seed)
+    n = nbytes // 4
+    rows = max(1, n // 4096)
+    scale = (np.exp(rng.normal(-7.0, 1.5, rows)).astype(np.float32))[:, None]
+    v = np.zeros((rows, n // rows), np.float32)
+    for _ in range(8):
+        g = rng.standard_normal(v.shape, dtype=np.float32) * scale
+        v *= np.float32(0.999)
+        v += np.float32(0.001) * g * g
+    return torch.from_numpy(v)
+
+
+def _rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding on ``[batch, heads, tokens, head_dim]`` (half-split layout)."""
+    t, d = x.shape[-2], x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * freqs[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+@torch.no_grad()
+def shared_prefix_kv(nbytes: int, seed: int = 2, layers: int = 16, kv_heads: int = 4, head_dim: int = 128,
+                     q_heads: int = 8, hidden: int = 256, prompts: int = 4, shared: float = 0.75,
+                     vocab: int = 8192) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """K/V of a random-init decoder run over ``prompts`` prompts sharing ``shared`` of their tokens.
+
+    Returns ``[prompts, layers, 2, tokens, kv_heads, head_dim]`` bf16 and a description. The
+    prompts run as one batch, so shared-prefix rows come out bit-identical only because the
+    attention is causal, as in a real server without prefix caching.
+    """
+    per_token = layers * 2 * kv_heads * head_dim * 2
+    tokens = max(BLOCK_TOKENS, nbytes // per_token // prompts // BLOCK_TOKENS * BLOCK_TOKENS)
+    prefix = int(tokens * shared) // BLOCK_TOKENS * BLOCK_TOKENS
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (prompts, tokens), generator=g)
+    ids[:, :prefix] = ids[0, :prefix]
+
+    def w(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    x = w(vocab, hidden, std=1.0)[ids]
+    kv = torch.empty(prompts, layers, 2, tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+    group = q_heads // kv_heads
+    for layer in range(layers):
+        wq, wk, wv = w(hidden, q_heads * head_dim), w(hidden, kv_heads * head_dim), w(hidden, kv_heads * head_dim)
+        wo = w(q_heads * head_dim, hidden)
+        w1, w3, w2 = w(hidden, 2 * hidden), w(hidden, 2 * hidden), w(2 * hidden, hidden)
+        h = _rms(x, 1.0 + w(hidden))
+        q = (h @ wq).view(prompts, tokens, q_heads, head_dim).transpose(1, 2)
+        k = (h @ wk).view(prompts, tokens, kv_heads, head_dim).transpose(1, 2)
+        v = (h @ wv).view(prompts, tokens, kv_heads, head_dim).transpose(1, 2)
+        q, k = _rope(q), _rope(k)
+        kv[:, layer, 0] = k.transpose(1, 2).to(torch.bfloat16)
+        kv[:, layer, 1] = v.transpose(1, 2).to(torch.bfloat16)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
+        x = x + att.transpose(1, 2).reshape(prompts, tokens, -1) @ wo
+        h = _rms(x, 1.0 + w(hidden))
+        x = x + (torch.nn.functional.silu(h @ w1) * (h @ w3)) @ w2
+    rows = kv.view(prompts, -1, kv_heads * head_dim).view(torch.int16)
+    same = (rows[1:] == rows[:1]).all(-1).float().mean().item()
+    desc = {"prompts": prompts, "tokens": tokens, "shared_prefix": prefix, "layers": layers,
+            "kv_heads": kv_heads, "head_dim": head_dim, "identical_rows_vs_prompt0": round(same, 3)}
+    return kv, desc
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _durable_write(path: str, write: Callable[[str], None]) -> None:
+    """Temp file, fsync, rename, directory fsync: the same durability kvj gives."""
+    tmp = path + ".tmp"
+    write(tmp)
+    _fsync_path(tmp)
+    os.rename(tmp, path)
+    _fsync_path(os.path.dirname(path))
+
+
+def _write_bytes(data: Any) -> Callable[[str], None]:
+    def write(p: str) -> None:
+        with open(p, "wb") as f:
+            f.write(data)
+    return write
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _timed(fn: Callable[[], Any]) -> Tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _best_load(load: Callable[[], Any], reps: int = 2) -> Tuple[float, Any]:
+    best, out = math.inf, None
+    for _ in range(reps):
+        dt, out = _timed(load)
+        best = min(best, dt)
+    return best, out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+Result = Tuple[int, float, float, bool]  # stored bytes, save s, load s, round trip exact
+
+
+def bench_kvj(t: torch.Tensor, d: str, codec: str) -> Result:
+    with SegmentStore(os.path.join(d, f"kvj-{codec}")) as store:
+        save, info = _timed(lambda: store.put(t, layout={"bench": "codecs"}, codec=codec))
+        load, out = _best_load(lambda: store.get(info.key))
+        return info.stored_size + _overhead(store, info.key), save, load, _same(out, t)
+
+
+def _overhead(store: SegmentStore, key: str) -> int:
+    return store.backend.size(key) - store.info(key).stored_size
+
+
+def bench_kvj_blocks(kv: torch.Tensor, d: str) -> Result:
+    """The serving path: one segment per (prompt, 16-token block), all layers, via the Flusher."""
+    prompts, layers, _, tokens, heads, hd = kv.shape
+    n_blocks = tokens // BLOCK_TOKENS
+    blocks = kv.view(prompts, layers, 2, n_blocks, BLOCK_TOKENS, heads, hd).permute(0, 3, 1, 2, 4, 5, 6)
+    caches = [torch.zeros(prompts * n_blocks, 2, BLOCK_TOKENS, heads, hd, dtype=kv.dtype) for _ in range(layers)]
+    layout = paged_layout("bench-tiny-decoder", caches)
+    with SegmentStore(os.path.join(d, "kvj-blocks")) as store:
+        def flush() -> List[str]:
+            with Flusher(store, workers=2) as fl:
+                futs = [fl.submit(blocks[p, b], layout) for p in range(prompts) for b in range(n_blocks)]
+                return [f.result().key for f in futs]
+        save, keys = _timed(flush)
+        stored = sum(store.backend.size(k) for k in set(keys))
+        ids = list(range(len(keys)))
+        load, _ = _best_load(lambda: restore_paged(store, keys, caches, ids, model="bench-tiny-decoder"))
+        ok = all(_same(caches[layer][p * n_blocks + b], blocks[p, b, layer])
+                 for p in range(prompts) for b in range(n_blocks) for layer in range(layers))
+        return stored, save, load, ok
+
+
+def bench_torch(t: torch.Tensor, d: str) -> Result:
+    path = os.path.join(d, "t.pt")
+    save, _ = _timed(lambda: _durable_write(path, lambda p: torch.save({"t": t}, p)))
+    load, out = _best_load(lambda: torch.load(path, weights_only=True)["t"])
+    return os.path.getsize(path), save, load, _same(out, t)
+
+
+def bench_safetensors(t: torch.Tensor, d: str) -> Optional[Result]:
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        return None
+    path = os.path.join(d, "t.safetensors")
+    save, _ = _timed(lambda: _durable_write(path, lambda p: save_file({"t": t.contiguous()}, p)))
+
+    def load() -> torch.Tensor:
+        out = load_file(path)["t"]
+        out.reshape(-1).view(torch.uint8)[::4096].sum()  # materialise: touch every page
+        return out
+    dt, out = _best_load(load)
+    return os.path.getsize(path), save, dt, _same(out, t)
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _from_bytes(data: Any, like: torch.Tensor) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(like.dtype).reshape(like.shape)
+
+
+def bench_zstd(t: torch.Tensor, d: str, long: bool) -> Result:
+    path = os.path.join(d, "t.zst" + ("l" if long else ""))
+    params = zstandard.ZstdCompressionParameters.from_level(1, enable_ldm=long, window_log=27 if long else 0)
+    comp = zstandard.ZstdCompressor(compression_params=params)
+    raw = _raw_bytes(t)
+
+    def save() -> None:
+        _durable_write(path, _write_bytes(comp.compress(raw)))
+    dt_save, _ = _timed(save)
+    dec = zstandard.ZstdDecompressor(max_window_size=1 << 27)
+    load, out = _best_load(lambda: _from_bytes(dec.decompress(_read(path)), t))
+    return os.path.getsize(path), dt_save, load, _same(out, t)
+
+
+def bench_zipnn(t: torch.Tensor, d: str) -> Optional[Result]:
+    dtypes = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    if t.dtype not in dtypes:
+        return None
+    try:
+        zipnn = importlib.import_module("zipnn")
+    except ImportError:
+        return None
+    path = os.path.join(d, "t.znn")
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtypes[t.dtype], threads=os.cpu_count() or 1)
+    work = bytes(_raw_bytes(t))  # ZipNN rewrites its input buffer in place: give it a copy
+    save, _ = _timed(lambda: _durable_write(path, _write_bytes(z.compress(work))))
+    load, out = _best_load(lambda: _from_bytes(z.decompress(_read(path)), t))
+    return os.path.getsize(path), save, load, _same(out, t)
+
+
+def bench_blosc2(t: torch.Tensor, d: str) -> Optional[Result]:
+    try:
+        blosc2 = importlib.import_module("blosc2")
+    except ImportError:
+        return None
+    path = os.path.join(d, "t.b2")
+    raw = _raw_bytes(t)
+    cparams = {"codec": blosc2.Codec.ZSTD, "clevel": 1, "filters": [blosc2.Filter.SHUFFLE],
+               "typesize": t.element_size(), "nthreads": os.cpu_count() or 1}
+    # blosc2 chunks are limited to 2 GiB; compress in 256 MiB pieces like a real user would
+    step = 256 << 20
+
+    def save() -> None:
+        parts = [blosc2.compress2(raw[o:o + step], **cparams) for o in range(0, len(raw), step)]
+        header = json.dumps([len(p) for p in parts]).encode() + b"\n"
+        _durable_write(path, _write_bytes(header + b"".join(parts)))
+
+    def load() -> torch.Tensor:
+        data = _read(path)
+        nl = data.index(b"\n")
+        out, pos = bytearray(), nl + 1
+        for n in json.loads(data[:nl]):
+            out += blosc2.decompress2(data[pos:pos + n], nthreads=os.cpu_count() or 1)
+            pos += n
+        return _from_bytes(out, t)
+    dt_save, _ = _timed(save)
+    dt_load, out = _best_load(load)
+    return os.path.getsize(path), dt_save, dt_load, _same(out, t)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def datasets(size_mib: int) -> List[Tuple[str, torch.Tensor, Dict[str, Any]]]:
+    nbytes = size_mib << 20
+    kv, desc = shared_prefix_kv(nbytes)
+    return [("gaussian-bf16", gaussian_bf16(nbytes), {}),
+            ("adam-v-fp32", adam_moments_fp32(nbytes), {}),
+            ("kv-shared-prefix-bf16", kv, desc)]
+
+
+def run(size_mib: int = 64, directory: Optional[str] = None,
+        only: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """Run every contender on every dataset; one row per (dataset, method)."""
+    rows: List[Dict[str, Any]] = []
+    base = tempfile.mkdtemp(prefix="kvj-bench-codecs-", dir=directory)
+    try:
+        for name, t, desc in datasets(size_mib):
+            if only and name not in only:
+                continue
+            contenders: List[Tuple[str, Callable[[str], Optional[Result]]]] = [
+                (f"kvj {c}", lambda d, c=c: bench_kvj(t, d, c)) for c in KVJ_CODECS]
+            if name.startswith("kv-"):
+                contenders.append(("kvj auto, per-block flush", lambda d: bench_kvj_blocks(t, d)))
+            contenders += [("torch.save", lambda d: bench_torch(t, d)),
+                           ("safetensors", lambda d: bench_safetensors(t, d)),
+                           ("zstd-1", lambda d: bench_zstd(t, d, long=False)),
+                           ("zstd-1 --long", lambda d: bench_zstd(t, d, long=True)),
+                           ("zipnn", lambda d: bench_zipnn(t, d)),
+                           ("blosc2 shuffle+zstd-1", lambda d: bench_blosc2(t, d))]
+            raw = t.numel() * t.element_size()
+            for method, fn in contenders:
+                d = tempfile.mkdtemp(dir=base)
+                try:
+                    res = fn(d)
+                finally:
+                    shutil.rmtree(d, ignore_errors=True)
+                if res is None:
+                    continue
+                stored, save, load, ok = res
+                rows.append({"dataset": name, "method": method, "raw_bytes": raw, "stored_bytes": stored,
+                             "ratio": raw / stored, "save_gbps": raw / save / 1e9,
+                             "load_gbps": raw / load / 1e9, "exact": ok, "data": desc})
+            _relative(rows, name)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return rows
+
+
+def _relative(rows: List[Dict[str, Any]], dataset: str) -> None:
+    mine = [r for r in rows if r["dataset"] == dataset]
+    peer = {r["method"]: r for r in mine}
+    for r in mine:
+        if "torch.save" in peer:
+            r["save_vs_torch"] = r["save_gbps"] / peer["torch.save"]["save_gbps"]
+            r["load_vs_torch"] = r["load_gbps"] / peer["torch.save"]["load_gbps"]
+        if "safetensors" in peer:
+            r["load_vs_safetensors"] = r["load_gbps"] / peer["safetensors"]["load_gbps"]
+        if "zstd-1" in peer:
+            r["ratio_vs_zstd1"] = r["ratio"] / peer["zstd-1"]["ratio"]
+        if "zipnn" in peer:
+            r["ratio_vs_zipnn"] = r["ratio"] / peer["zipnn"]["ratio"]
+
+
+def format_table(rows: List[Dict[str, Any]]) -> str:
+    """A plain-text table; the x-columns compare with torch.save/load, safetensors, zstd-1, ZipNN."""
+    head = ("dataset", "method", "ratio", "save GB/s", "load GB/s", "save/torch", "load/torch",
+            "load/st", "ratio/zstd1", "ratio/zipnn", "exact")
+
+    def f(v: Optional[float], nd: int = 2) -> str:
+        return "-" if v is None else f"{v:.{nd}f}"
+
+    lines = [head]
+    for r in rows:
+        lines.append((r["dataset"], r["method"], f(r["ratio"], 3), f(r["save_gbps"]), f(r["load_gbps"]),
+                      f(r.get("save_vs_torch")), f(r.get("load_vs_torch")), f(r.get("load_vs_safetensors")),
+                      f(r.get("ratio_vs_zstd1")), f(r.get("ratio_vs_zipnn"), 3), "yes" if r["exact"] else "NO"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = []
+    for i, line in enumerate(lines):
+        out.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    notes = {r["dataset"]: r["data"] for r in rows if r["data"]}
+    for name, desc in notes.items():
+        out.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in desc.items()))
+    return "\n".join(out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvj.bench.codecs", description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=64, help="MiB per dataset (default 64)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--dataset", action="append", help="only this dataset (repeatable)")
+    ap.add_argument("--json", action="store_true", help="print rows as JSON")
+    args = ap.parse_args(argv)
+    rows = run(args.size, args.dir, args.dataset)
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
