@@ -9,7 +9,6 @@ crash, and following moves on to the next file.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Iterator, List, Optional
 

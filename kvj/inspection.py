@@ -146,7 +146,8 @@ def describe(rec: Record) -> str:
     t = rec.rtype
     if t == RecordType.START:
         tokens = f" tokens={len(p['tokens'])}" if p.get("tokens") is not None else ""
-        return f"id={p['id']} prompt_hash={p.get('prompt_hash')}{tokens}" + (f" meta={p['meta']}" if p.get("meta") else "")
+        meta = f" meta={p['meta']}" if p.get("meta") else ""
+        return f"id={p['id']} prompt_hash={p.get('prompt_hash')}{tokens}{meta}"
     if t == RecordType.SEGMENT:
         if p.get("key") is None:
             return f"id={p['id']} seg={p['seg']} ptr={p.get('ptr')} size={p['raw_size']}"

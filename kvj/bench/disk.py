@@ -90,16 +90,16 @@ def recommend(fsync: Dict[str, Dict[str, float]], journal: List[Dict[str, object
     if fd["p99_us"] > 10_000:
         advice.append(f"fdatasync p99 is {fd['p99_us'] / 1000:.1f} ms (etcd asks for under 10 ms): keep the "
                       "default policy or a longer delay so groups grow, and give the journal its own fast disk.")
-    default = next(r for r in journal if r["policy"] == POLICIES[0][0])
-    best = max(journal, key=lambda r: float(r["records_per_s"]))  # type: ignore[arg-type]
+    rate = {str(r["policy"]): float(r["records_per_s"]) for r in journal}  # type: ignore[arg-type]
+    default = POLICIES[0][0]
+    best = max((label for label, _p in POLICIES), key=lambda label: rate[label])
     per_record = next((r for r in journal if r["policy"] == "durable=True each record"), None)
-    if best is not default and float(best["records_per_s"]) > 1.2 * float(default["records_per_s"]):  # type: ignore[arg-type]
-        advice.append(f"'{best['policy']}' committed {float(best['records_per_s']):,.0f} records/s against the "
-                      f"default's {float(default['records_per_s']):,.0f}: consider it if the extra delay bound is "
-                      "acceptable.")
+    if best != default and rate[best] > 1.2 * rate[default]:
+        advice.append(f"'{best}' committed {rate[best]:,.0f} records/s against the default's {rate[default]:,.0f}: "
+                      "consider it if its delay bound is acceptable.")
     else:
-        advice.append(f"The default policy (100 ms or 100 records) sustains {float(default['records_per_s']):,.0f} "
-                      "durable records/s here; keep it.")
+        advice.append(f"The default policy (100 ms or 100 records) sustains {rate[default]:,.0f} durable records/s "
+                      "here; keep it.")
     if per_record is not None:
         advice.append(f"Waiting for each record (append(durable=True) or kvj record) costs "
                       f"{float(per_record['us_per_record']):.0f} µs per record here: group them and call sync() "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -17,7 +16,7 @@ app = typer.Typer(no_args_is_help=False)
 
 @app.callback(invoke_without_command=True)
 def bench(ctx: typer.Context,
-          directory: Annotated[Optional[Path], DirOpt] = None,
+          directory: Annotated[Optional[str], DirOpt] = None,
           seconds: Annotated[float, typer.Option(min=0.05, help="Seconds per test.")] = 1.0,
           as_json: Annotated[bool, JsonOpt] = False) -> None:
     """Measure fsync latency, journal throughput per commit policy, and recommend settings.
@@ -40,7 +39,7 @@ def bench(ctx: typer.Context,
 
 
 @app.command("journal")
-def journal(directory: Annotated[Optional[Path], DirOpt] = None,
+def journal(directory: Annotated[Optional[str], DirOpt] = None,
             records: Annotated[int, typer.Option(min=100, help="Records per contender.")] = 100_000,
             as_json: Annotated[bool, JsonOpt] = False) -> None:
     """Compare kvj's group commit with SQLite (WAL, synchronous=FULL), the seed design

@@ -10,15 +10,17 @@ import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Annotated, Any, Callable, Iterator, Optional, Tuple
 
 import typer
 from rich.console import Console
 
 try:  # typer >= 0.20 vendors click; older releases depend on it
     from typer import _click as click
+    from typer._click.globals import get_current_context
 except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
+    from click import get_current_context  # type: ignore[no-redef]
 
 from ..journal import default_store_path
 from ..reader import LOG_RE
@@ -33,9 +35,18 @@ StoreOpt = typer.Option("--store", "-s", envvar=STORE_ENV, show_envvar=True, met
                         help="Segment store directory [default: JOURNAL/segments].")
 JsonOpt = typer.Option("--json", help="Print JSON (one object, or NDJSON for record streams) for scripts and jq.")
 
+#: Paths are plain strings, so an unreadable one fails in the command with the OS's error
+#: (exit status 77), not in option parsing as a usage error.
+JournalArg = Annotated[Optional[str], JournalOpt]
+StoreArg = Annotated[Optional[str], StoreOpt]
+JsonArg = Annotated[bool, JsonOpt]
+
+#: NO_COLOR (no-color.org) turns off every escape sequence, bold included, not just colours.
+_STYLES = None if os.environ.get("NO_COLOR") else "auto"
+
 #: Standard output for results; diagnostics and progress go to stderr.
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True, color_system=_STYLES)  # type: ignore[arg-type]
+err = Console(stderr=True, highlight=False, soft_wrap=True, color_system=_STYLES)  # type: ignore[arg-type]
 
 
 def emit_json(obj: Any) -> None:
@@ -56,6 +67,11 @@ def _jsonable(value: Any) -> Any:
 def note(message: str) -> None:
     """A diagnostic line on stderr (not an error)."""
     err.print(message, markup=False)
+
+
+def usage_error(message: str) -> Exception:
+    """A usage error (exit status 64; 16 for fsck) tied to the command being run."""
+    return click.exceptions.UsageError(message, ctx=get_current_context(silent=True))
 
 
 def interactive() -> bool:
@@ -98,14 +114,14 @@ def progress() -> Iterator[Callable[[str, int, int], None]]:
 # -- journal and store paths ---------------------------------------------------------------
 
 
-def journal_path(path: Optional[Path], *, legacy_ok: bool = True, must_exist: bool = True) -> str:
+def journal_path(path: Optional[str], *, legacy_ok: bool = True, must_exist: bool = True) -> str:
     """Check that ``path`` names a journal; returns it absolute.
 
     Missing, not a directory, or holding no journal files are reported as missing input
     (``FileNotFoundError``); unreadable ones as permission errors, by the OS itself.
     """
     if path is None:
-        raise click.UsageError(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
+        raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
     full = os.path.abspath(os.fspath(path))
     if not must_exist:
         return full
@@ -124,7 +140,7 @@ def journal_path(path: Optional[Path], *, legacy_ok: bool = True, must_exist: bo
     return full
 
 
-def store_path(journal: str, store: Optional[Path]) -> str:
+def store_path(journal: str, store: Optional[str]) -> str:
     """The store directory: ``--store``, or ``segments/`` inside the journal."""
     if store is not None:
         return os.path.abspath(os.fspath(store))

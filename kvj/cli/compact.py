@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from ..compact import DEFAULT_GRACE, compact as compact_journal
 from ..inspection import human_size
-from .common import JournalOpt, JsonOpt, StoreOpt, emit_json, journal_path, out, parse_duration, progress, store_path
+from .common import (JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, parse_duration, progress,
+                     store_path)
 
 
-def compact(journal: Annotated[Optional[Path], JournalOpt] = None,
-            store: Annotated[Optional[Path], StoreOpt] = None,
+def compact(journal: JournalArg = None,
+            store: StoreArg = None,
             grace: Annotated[str, typer.Option(metavar="DURATION", help="Never collect a segment younger than this "
                                                "(90s, 15m, 1h, 2d).")] = f"{int(DEFAULT_GRACE)}s",
             segments: Annotated[bool, typer.Option("--segments/--no-segments",
                                                    help="Collect unreferenced segments.")] = True,
-            as_json: Annotated[bool, JsonOpt] = False) -> None:
+            as_json: JsonArg = False) -> None:
     """Compact the journal; safe from cron while the writer runs.
 
     Folds every sealed log file (all but the newest) into a snapshot of the live state,

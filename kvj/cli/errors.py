@@ -50,7 +50,8 @@ FSCK_USAGE = 16
 #: kvj fsck's statuses, as e2fsck's (a sum when both 1 and 4 apply).
 FSCK_CODES: Dict[int, str] = {
     FSCK_CLEAN: "no errors",
-    FSCK_CORRECTED: "errors found and corrected (torn tail cut and kept aside, damaged segment quarantined)",
+    FSCK_CORRECTED: "errors found and corrected (torn tail cut and kept aside, damaged unreferenced segment "
+                    "quarantined, disagreeing snapshot set aside)",
     FSCK_UNCORRECTED: "errors left uncorrected (run with --repair, or the damage cannot be repaired)",
     FSCK_OPERATIONAL: "operational error: missing or unreadable journal, locked, permission denied, I/O error",
     FSCK_USAGE: "usage error",

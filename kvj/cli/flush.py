@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from enum import Enum
-from pathlib import Path
 from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import typer
@@ -13,8 +12,8 @@ from ..errors import FormatError
 from ..inspection import human_size
 from ..journal import Journal
 from ..replay import replay
-from .common import (JournalOpt, JsonOpt, StoreOpt, click, emit_json, journal_path, out, parse_pairs, parse_range,
-                     progress, store_path)
+from .common import (JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, parse_pairs, parse_range, progress,
+                     store_path, usage_error)
 
 
 class Codec(str, Enum):
@@ -24,51 +23,53 @@ class Codec(str, Enum):
     byteplane = "byteplane"
 
 
-def load_tensors(path: Path) -> List[Tuple[str, Any]]:
+def load_tensors(path: str) -> List[Tuple[str, Any]]:
     """(name, CPU tensor) pairs from a .safetensors, .npy or .pt file, in file order.
 
     .pt files are read with ``torch.load(weights_only=True)``: no pickled code runs.
     """
-    import torch
-
-    suffix = path.suffix.lower()
+    stem, suffix = os.path.splitext(os.path.basename(path))
+    suffix = suffix.lower()
     with open(path, "rb"):  # missing or unreadable: the OS error, with the file name
         pass
     try:
+        if suffix == ".npy":
+            import numpy
+
+            array = numpy.load(path, allow_pickle=False)
+            import torch
+
+            return [(stem, torch.from_numpy(array))]
         if suffix == ".safetensors":
             try:
                 from safetensors.torch import load_file
             except ImportError:
                 raise FormatError("reading .safetensors needs the safetensors package "
                                   "(pip install safetensors)") from None
-            return list(load_file(str(path), device="cpu").items())
-        if suffix == ".npy":
-            import numpy
-
-            return [(path.stem, torch.from_numpy(numpy.load(path, allow_pickle=False)))]
+            return list(load_file(path, device="cpu").items())
         if suffix in (".pt", ".pth"):
+            import torch
+
             obj = torch.load(path, map_location="cpu", weights_only=True)
             if isinstance(obj, torch.Tensor):
-                return [(path.stem, obj)]
+                return [(stem, obj)]
             if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
                 return [(str(k), v) for k, v in obj.items()]
             if isinstance(obj, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in obj):
-                return [(f"{path.stem}.{i}", v) for i, v in enumerate(obj)]
+                return [(f"{stem}.{i}", v) for i, v in enumerate(obj)]
             raise FormatError(f"{path}: holds a {type(obj).__name__}, not a tensor, a list of tensors or a "
                               "dict of tensors")
-    except FormatError:
-        raise
-    except OSError:
+    except (FormatError, OSError):
         raise
     except Exception as exc:  # each format's reader raises its own error types on bad input
         raise FormatError(f"{path}: cannot read tensors: {exc}") from None
-    raise click.UsageError(f"{path}: unsupported file type (use .safetensors, .npy or .pt)")
+    raise usage_error(f"{path}: unsupported file type (use .safetensors, .npy or .pt)")
 
 
 def flush(
-    files: Annotated[List[Path], typer.Argument(metavar="FILE...", help=".safetensors, .npy or .pt files.")],
-    journal: Annotated[Optional[Path], JournalOpt] = None,
-    store: Annotated[Optional[Path], StoreOpt] = None,
+    files: Annotated[List[str], typer.Argument(metavar="FILE...", help=".safetensors, .npy or .pt files.")],
+    journal: JournalArg = None,
+    store: StoreArg = None,
     request: Annotated[Optional[str], typer.Option("--request", "-r", metavar="ID",
                                                    help="Store the tensors as KV segments of this request.")] = None,
     tokens: Annotated[Optional[str], typer.Option(metavar="START:END",
@@ -85,10 +86,11 @@ def flush(
                                                  "STEP (with --base-step).")] = None,
     base_step: Annotated[Optional[int], typer.Option(metavar="STEP", min=0,
                                                      help="The step a --delta applies to.")] = None,
-    layout: Annotated[Optional[List[str]], typer.Option(metavar="KEY=VALUE", help="Model/layout the segments "
-                                                        "belong to (repeatable); loading into another is refused.")] = None,
+    layout: Annotated[Optional[List[str]], typer.Option(
+        metavar="KEY=VALUE", help="Model/layout the segments belong to (repeatable); loading into another is "
+        "refused.")] = None,
     codec: Annotated[Codec, typer.Option(help="Compression codec.")] = Codec.auto,
-    as_json: Annotated[bool, JsonOpt] = False,
+    as_json: JsonArg = False,
 ) -> None:
     """Store tensors from files as durable segments, then journal them.
 
@@ -101,16 +103,16 @@ def flush(
     modes = [m for m, on in (("--request", request is not None), ("--checkpoint", checkpoint is not None),
                              ("--delta", delta is not None)) if on]
     if len(modes) != 1:
-        raise click.UsageError("give exactly one of --request, --checkpoint and --delta")
+        raise usage_error("give exactly one of --request, --checkpoint and --delta")
     if (delta is None) != (base_step is None):
-        raise click.UsageError("--delta and --base-step go together")
+        raise usage_error("--delta and --base-step go together")
     if request is not None and (tokens is None) == (block_tokens is None):
-        raise click.UsageError("with --request, give --tokens START:END (one tensor) or --block-tokens N")
+        raise usage_error("with --request, give --tokens START:END (one tensor) or --block-tokens N")
     token_range = parse_range(tokens, "token range") if tokens else None
     path = journal_path(journal, legacy_ok=False, must_exist=False)
     tensors = [item for f in files for item in load_tensors(f)]
     if token_range is not None and len(tensors) != 1:
-        raise click.UsageError(f"--tokens covers one tensor, but the files hold {len(tensors)}: use --block-tokens")
+        raise usage_error(f"--tokens covers one tensor, but the files hold {len(tensors)}: use --block-tokens")
     from ..store import SegmentStore
 
     layout_map = parse_pairs(layout, "--layout")

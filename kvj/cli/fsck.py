@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.text import Text
 
 from ..fsck import fsck as check_journal
-from .common import JournalOpt, JsonOpt, StoreOpt, emit_json, journal_path, out, progress, store_path
+from .common import JournalArg, click, JsonArg, StoreArg, emit_json, journal_path, out, progress, store_path
 from .errors import fail, fsck_status
 
 STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
 
 
-def fsck(journal: Annotated[Optional[Path], JournalOpt] = None,
-         store: Annotated[Optional[Path], StoreOpt] = None,
+def fsck(journal: JournalArg = None,
+         store: StoreArg = None,
          repair: Annotated[bool, typer.Option("--repair", "-y", help="Cut torn tails (bytes kept in torn/), set "
                                               "disagreeing snapshots aside, quarantine damaged segments.")] = False,
-         as_json: Annotated[bool, JsonOpt] = False) -> None:
+         as_json: JsonArg = False) -> None:
     """Check framing and CRCs, LSN order, snapshots and every segment; list orphans.
 
     Every log file's header, commit groups and record CRCs; LSNs in order within and
@@ -38,7 +37,7 @@ def fsck(journal: Annotated[Optional[Path], JournalOpt] = None,
         path = journal_path(journal)
         with progress() as update:
             result = check_journal(path, store_path(path, store), repair=repair, progress=update)
-    except typer.Exit:
+    except (typer.Exit, click.exceptions.ClickException):
         raise
     except Exception as exc:
         raise typer.Exit(fsck_status(fail("kvj", exc))) from None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import deque
 from enum import Enum
-from pathlib import Path
 from typing import Annotated, Deque, List, Optional
 
 import typer
@@ -16,7 +16,7 @@ from ..inspection import Entries, Filter, Stats, file_windows, record_json, reco
 from ..reader import list_logs
 from ..records import BY_NAME
 from ..replay import is_legacy, replay
-from .common import JournalOpt, JsonOpt, click, emit_json, journal_path, out, parse_time
+from .common import JournalArg, JsonArg, emit_json, journal_path, out, parse_time, usage_error
 from .render import (EXPORT_SUFFIXES, export, layout_picture, record_line, record_row, record_table, stats_view,
                      timeline_picture)
 
@@ -25,29 +25,31 @@ RecordTypeName = Enum("RecordTypeName", {name: name for name in BY_NAME}, type=s
 FOLLOW_BACKLOG = 10
 
 
-def _check_export(value: Optional[Path]) -> Optional[Path]:
-    if value is not None and value.suffix.lower() not in EXPORT_SUFFIXES:
+def _check_export(value: Optional[str]) -> Optional[str]:
+    if value is not None and os.path.splitext(value)[1].lower() not in EXPORT_SUFFIXES:
         raise typer.BadParameter(f"{value} must end in .svg or .html")
     return value
 
 
 def inspect(
-    journal: Annotated[Optional[Path], JournalOpt] = None,
+    journal: JournalArg = None,
     request: Annotated[Optional[List[str]], typer.Option("--request", "-r", metavar="ID",
                                                          help="Only records of this request (repeatable).")] = None,
-    rtype: Annotated[Optional[List[RecordTypeName]], typer.Option("--type", "-t", case_sensitive=False, metavar="TYPE", show_choices=False,
-                                                                  help="Only records of this type (repeatable): "
-                                                                  + ", ".join(BY_NAME) + ".")] = None,
+    rtype: Annotated[Optional[List[RecordTypeName]], typer.Option(
+        "--type", "-t", case_sensitive=False, metavar="TYPE", show_choices=False,
+        help="Only records of this type (repeatable): " + ", ".join(BY_NAME) + ".")] = None,
     from_lsn: Annotated[Optional[int], typer.Option("--from-lsn", metavar="LSN", min=0,
                                                     help="First LSN to show.")] = None,
     to_lsn: Annotated[Optional[int], typer.Option("--to-lsn", metavar="LSN", min=0, help="Last LSN to show.")] = None,
     since: Annotated[Optional[str], typer.Option(metavar="TIME", help="Only records written at or after TIME "
                                                  "(ISO 8601, Unix seconds, or a duration ago like 10m).")] = None,
-    until: Annotated[Optional[str], typer.Option(metavar="TIME", help="Only records written at or before TIME.")] = None,
+    until: Annotated[Optional[str], typer.Option(metavar="TIME",
+                                                 help="Only records written at or before TIME.")] = None,
     last: Annotated[Optional[int], typer.Option("--last", "-n", min=1, metavar="N",
                                                 help="Only the last N matching records.")] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing records as they become durable "
-                                         "(like tail -f; starts with the last 10 unless --last or --from-lsn).")] = False,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="Keep printing records as they become durable (like tail -f; starts with the last "
+        "10 unless --last or --from-lsn).")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Counts and bytes by type, records per commit, "
                                         "compression ratio, largest requests.")] = False,
     layout: Annotated[bool, typer.Option("--layout", help="Draw the device memory map from alloc/free records "
@@ -55,10 +57,10 @@ def inspect(
     timeline: Annotated[bool, typer.Option("--timeline", help="Draw request lifetimes (as of --at).")] = False,
     at: Annotated[Optional[int], typer.Option("--at", metavar="LSN", min=0,
                                               help="Point in time for --layout and --timeline.")] = None,
-    export_to: Annotated[Optional[Path], typer.Option("--export", metavar="FILE", callback=_check_export,
+    export_to: Annotated[Optional[str], typer.Option("--export", metavar="FILE", callback=_check_export,
                                                       help="Also write the table or picture to FILE "
                                                       "(.svg or .html) for an incident report.")] = None,
-    as_json: Annotated[bool, JsonOpt] = False,
+    as_json: JsonArg = False,
 ) -> None:
     """Show journal records: a table (one per line, pg_waldump style) or NDJSON with --json.
 
@@ -72,11 +74,11 @@ def inspect(
     modes = [name for name, on in (("--follow", follow), ("--stats", stats), ("--layout", layout),
                                    ("--timeline", timeline)) if on]
     if len(modes) > 1:
-        raise click.UsageError(f"{' and '.join(modes)} cannot be combined")
+        raise usage_error(f"{' and '.join(modes)} cannot be combined")
     if at is not None and not (layout or timeline):
-        raise click.UsageError("--at applies to --layout and --timeline (use --to-lsn to cut a listing)")
+        raise usage_error("--at applies to --layout and --timeline (use --to-lsn to cut a listing)")
     if follow and (is_legacy(path) or export_to is not None):
-        raise click.UsageError("--follow needs a kvj journal directory and cannot --export")
+        raise usage_error("--follow needs a kvj journal directory and cannot --export")
     if layout or timeline:
         state = replay(path, at_lsn=at)
         if as_json:
@@ -136,7 +138,7 @@ def _print_record(rec, as_json: bool) -> None:  # type: ignore[no-untyped-def]
         out.print(record_line(rec))
 
 
-def _show(renderable: RenderableType, export_to: Optional[Path], title: str) -> None:
+def _show(renderable: RenderableType, export_to: Optional[str], title: str) -> None:
     out.print(renderable)
     if export_to is not None:
         export(renderable, str(export_to), title)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import typer
 
-from ..errors import FormatError
+from ..errors import FormatError, KvjError
 from ..journal import Journal
-from ..records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
-from .common import JournalOpt, JsonOpt, StoreOpt, emit_json, journal_path, out, parse_int, parse_pairs, store_path
+from ..records import BY_NAME, NAMES, RecordType, check_request_id, decode_payload, encode_payload
+from .common import (JournalArg, JsonArg, StoreArg, emit_json, journal_path, out,
+                     parse_int, parse_pairs, store_path)
 
 app = typer.Typer(no_args_is_help=True, help="""Append records to the journal; exits only once they are durable.
 
@@ -22,9 +22,6 @@ while a writer holds the journal. Records that point at segments (checkpoint, de
 segment) are refused unless the store holds those segments.
 """)
 
-JournalArg = Annotated[Optional[Path], JournalOpt]
-StoreArg = Annotated[Optional[Path], StoreOpt]
-JsonArg = Annotated[bool, JsonOpt]
 MetaOpt = Annotated[Optional[List[str]], typer.Option("--meta", metavar="KEY=VALUE",
                                                       help="Metadata entry (repeatable); JSON values keep their type.")]
 KeysOpt = Annotated[List[str], typer.Option("--key", metavar="NAME=KEY",
@@ -34,7 +31,7 @@ KeysOpt = Annotated[List[str], typer.Option("--key", metavar="NAME=KEY",
 LOCATION_FIELDS = ("lsn", "file", "offset")
 
 
-def _append(journal: Optional[Path], store: Optional[Path], records: List[Tuple[int, Dict[str, Any]]],
+def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[int, Dict[str, Any]]],
             as_json: bool) -> None:
     """Validate, append and sync ``records``; print their LSNs."""
     from ..segcheck import require_segments
@@ -67,6 +64,9 @@ def _segment_keys(rtype: int, payload: Dict[str, Any]) -> List[Tuple[str, Option
 
 
 def _checked(rtype: int, payload: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+    """Validate a record against its type's schema (a bad request id is InvalidName)."""
+    if "id" in payload:
+        check_request_id(payload["id"])
     decode_payload(rtype, encode_payload(payload))
     return rtype, payload
 
@@ -125,7 +125,8 @@ def checkpoint(step: Annotated[int, typer.Argument(min=0, help="Training step.")
                key: KeysOpt, journal: JournalArg = None, store: StoreArg = None,
                meta: MetaOpt = None, as_json: JsonArg = False) -> None:
     """Record a full training checkpoint whose tensors are already in the store."""
-    _append(journal, store, [_checked(RecordType.CHECKPOINT, {"step": step, "keys": parse_pairs(key, "--key", typed=False),
+    keys = parse_pairs(key, "--key", typed=False)
+    _append(journal, store, [_checked(RecordType.CHECKPOINT, {"step": step, "keys": keys,
                                                               "meta": parse_pairs(meta, "--meta")})], as_json)
 
 
@@ -176,5 +177,5 @@ def parse_ndjson(lines: Any) -> Any:
             for location in LOCATION_FIELDS:
                 obj.pop(location, None)
             yield _checked(rtype, obj)
-        except (ValueError, FormatError) as exc:
+        except (ValueError, KvjError) as exc:
             raise FormatError(f"NDJSON line {lineno}: {exc}") from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -10,8 +9,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ..inspection import human_size
 from ..recover import RecoveryResult, load_manifest, recover as recover_journal
-from .common import JournalOpt, JsonOpt, StoreOpt, emit_json, journal_path, out, progress, store_path
+from .common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, progress, store_path
 from .errors import FAILURE
 
 DeviceOpt = typer.Option("--device", metavar="DEVICE",
@@ -20,11 +20,11 @@ DeviceOpt = typer.Option("--device", metavar="DEVICE",
 DryRunOpt = typer.Option("--dry-run", "-n", help="Change nothing: no tail cut, no manifest, no epoch record.")
 
 
-def recover(journal: Annotated[Optional[Path], JournalOpt] = None,
-            store: Annotated[Optional[Path], StoreOpt] = None,
+def recover(journal: JournalArg = None,
+            store: StoreArg = None,
             device: Annotated[Optional[str], DeviceOpt] = None,
             dry_run: Annotated[bool, DryRunOpt] = False,
-            as_json: Annotated[bool, JsonOpt] = False) -> None:
+            as_json: JsonArg = False) -> None:
     """Recover after a crash: verify, plan, and write the recovery manifest.
 
     Takes the writer lock (fails with status 75 while a writer runs), cuts a torn tail
@@ -41,14 +41,14 @@ def recover(journal: Annotated[Optional[Path], JournalOpt] = None,
     _run(path, store_path(path, store), device, dry_run, as_json)
 
 
-def journal_replay(log: Annotated[Optional[Path], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
+def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
                                                                help="Journal directory or JSON-lines file.")] = None,
-                   kv_store: Annotated[Optional[Path], typer.Option("--kv-store", metavar="DIR", envvar="KVJ_STORE",
+                   kv_store: Annotated[Optional[str], typer.Option("--kv-store", metavar="DIR", envvar="KVJ_STORE",
                                                                     help="Segment store directory.")] = None,
                    do_recover: Annotated[bool, typer.Option("--recover", help="Recover (as kvj recover); without "
                                                             "it, only show what would be recovered.")] = False,
                    device: Annotated[Optional[str], DeviceOpt] = None,
-                   as_json: Annotated[bool, JsonOpt] = False) -> None:
+                   as_json: JsonArg = False) -> None:
     """Replay a journal and, with --recover, recover it: kvj recover under the name of the
     well-known KVJournal write-up (journal_replay --log DIR --kv-store DIR --recover).
 
@@ -113,7 +113,7 @@ def summary(result: RecoveryResult) -> Group:
         parts.append(Text(f"manifest: {result.manifest_path}{epoch}", style="bold"))
     if result.load is not None:
         load = result.load
-        parts.append(Text(f"loaded {load['segments']} segments ({load['bytes'] / 1e9:.3f} GB) onto {load['device']} "
+        parts.append(Text(f"loaded {load['segments']} segments ({human_size(load['bytes'])}) onto {load['device']} "
                           f"in {load['seconds']:.3f} s: {load['gb_per_s']:.2f} GB/s"
                           + (f"; {len(load['failed'])} FAILED" if load["failed"] else ""),
                           style="red" if load["failed"] else ""))

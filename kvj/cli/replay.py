@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..replay import is_legacy, replay as replay_journal
-from .common import JournalOpt, JsonOpt, emit_json, journal_path, out
+from .common import JournalArg, JsonArg, emit_json, journal_path, out
 from .render import state_summary
 
 
-def replay(journal: Annotated[Optional[Path], JournalOpt] = None,
+def replay(journal: JournalArg = None,
            at: Annotated[Optional[int], typer.Option("--at", metavar="LSN", min=0,
                                                      help="Replay only up to this LSN (point in time).")] = None,
            strict: Annotated[bool, typer.Option(help="Fail on any damage, a torn tail included.")] = False,
-           as_json: Annotated[bool, JsonOpt] = False) -> None:
+           as_json: JsonArg = False) -> None:
     """Show what recovery would do, without touching any device or file.
 
     Requests in flight with their resume positions (tokens covered by durable segments)
