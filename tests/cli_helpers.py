@@ -105,16 +105,20 @@ def flip_byte(path: str, offset_from_end: int = 40) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def append_torn_tail(journal: str, nbytes: int = 30) -> Tuple[str, int]:
-    """Append the start of a commit group that was never finished (what a crash mid-write leaves)."""
+def append_torn_tail(journal: str, nbytes: int = 30) -> Tuple[str, int, bytes]:
+    """Append the start of a commit group that was never finished (what a crash mid-write leaves).
+
+    Returns the log file, its size before, and the bytes appended.
+    """
     from kvj.framing import encode_group_header
     from kvj.reader import list_logs
 
     last = list_logs(journal)[-1]
     size = os.path.getsize(last)
+    data = (encode_group_header(500, 3, 10**6) + b"\x01" * 200)[:nbytes]
     with open(last, "ab") as f:
-        f.write((encode_group_header(500, 3, 10**6) + b"\x01" * 200)[:nbytes])
-    return last, size
+        f.write(data)
+    return last, size, data
 
 
 HOLDER = textwrap.dedent("""

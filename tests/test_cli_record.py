@@ -221,3 +221,14 @@ def test_record_through_the_console_script(tmp_path):
     from kvj.replay import RecordStream
 
     assert [(r.lsn, r.rtype) for r in RecordStream(str(j))] == [(1, RecordType.START)]
+
+
+def test_bench_reports_and_recommends(tmp_path, capsys):
+    status, out, err = run_cli(capsys, "bench", "--seconds", "0.05", "--no-codecs", "--dir", tmp_path, "--json")
+    assert status == 0, err
+    result = json.loads(out)
+    assert set(result["fsync"]) == {"write + fdatasync", "write + fsync", "O_DSYNC write"}
+    assert all(r["ops_per_s"] > 0 and r["p99_us"] >= r["p50_us"] > 0 for r in result["fsync"].values())
+    assert [r["policy"] for r in result["journal"]][-1] == "durable=True each record"
+    assert all(r["records_per_s"] > 0 for r in result["journal"]) and result["advice"]
+    assert os.listdir(tmp_path) == []  # it cleans up after itself

@@ -3,35 +3,39 @@
 from __future__ import annotations
 
 import importlib
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
-from .common import JsonOpt, emit_json, out
+from .common import JsonArg, emit_json, out, usage_error
 
-DirOpt = typer.Option("--dir", metavar="DIR", help="A directory on the disk to measure [default: $TMPDIR].")
+DirArg = Annotated[Optional[str], typer.Option("--dir", metavar="DIR",
+                                               help="A directory on the disk to measure [default: $TMPDIR].")]
 
 app = typer.Typer(no_args_is_help=False)
 
 
 @app.callback(invoke_without_command=True)
 def bench(ctx: typer.Context,
-          directory: Annotated[Optional[str], DirOpt] = None,
-          seconds: Annotated[float, typer.Option(min=0.05, help="Seconds per test.")] = 1.0,
-          as_json: Annotated[bool, JsonOpt] = False) -> None:
+          directory: DirArg = None,
+          seconds: Annotated[float, typer.Option(min=0.05, metavar="SECONDS", help="Seconds per test.")] = 1.0,
+          codecs: Annotated[bool, typer.Option("--codecs/--no-codecs", help="Also time each tensor codec.")] = True,
+          as_json: JsonArg = False) -> None:
     """Measure fsync latency, journal throughput per commit policy, and recommend settings.
 
     Like pg_test_fsync: run it on the disk that will hold the journal. Without a
     subcommand it measures 8 KiB write+fdatasync, write+fsync and O_DSYNC latency, kvj's
-    durable records/s at several commit policies (and when waiting for every record),
-    then prints advice. kvj bench journal compares kvj with SQLite and the seed design;
-    kvj bench codecs measures the tensor codecs.
+    durable records/s at several commit policies (and when waiting for every record), the
+    durable save and verified load speed of each tensor codec, then prints advice.
+
+    kvj bench journal compares kvj with SQLite and the seed design; kvj bench codecs
+    compares the codecs with torch.save, safetensors and zstd.
     """
     if ctx.invoked_subcommand is not None:
         return
     from ..bench.disk import format_report, run
 
-    result = run(str(directory) if directory else None, seconds)
+    result = run(directory, seconds, codecs)
     if as_json:
         emit_json(result)
     else:
@@ -39,15 +43,15 @@ def bench(ctx: typer.Context,
 
 
 @app.command("journal")
-def journal(directory: Annotated[Optional[str], DirOpt] = None,
+def journal(directory: DirArg = None,
             records: Annotated[int, typer.Option(min=100, help="Records per contender.")] = 100_000,
-            as_json: Annotated[bool, JsonOpt] = False) -> None:
+            as_json: JsonArg = False) -> None:
     """Compare kvj's group commit with SQLite (WAL, synchronous=FULL), the seed design
     (a JSON line and fsync per record, and batched) and the fsync floor, side by side.
     """
     from ..bench.journal import format_table, run
 
-    rows = run(str(directory) if directory else None, records)
+    rows = run(directory, records)
     if as_json:
         emit_json(rows)
     else:
@@ -55,13 +59,20 @@ def journal(directory: Annotated[Optional[str], DirOpt] = None,
 
 
 @app.command("codecs")
-def codecs(as_json: Annotated[bool, JsonOpt] = False) -> None:
-    """Compare kvj's tensor codecs with torch.save, safetensors and zstd on identical tensors."""
+def codecs_command(directory: DirArg = None,
+                   size: Annotated[int, typer.Option(min=1, metavar="MIB", help="MiB per dataset.")] = 64,
+                   dataset: Annotated[Optional[List[str]], typer.Option(
+                       metavar="NAME", help="Only this dataset (repeatable): gaussian-bf16, adam-v-fp32, "
+                       "kv-shared-prefix-bf16.")] = None,
+                   as_json: JsonArg = False) -> None:
+    """Compare kvj's tensor codecs with torch.save, safetensors, zstd (and ZipNN, blosc2 when
+    installed) on identical tensors: ratio, durable save GB/s, load GB/s.
+    """
     try:
         module = importlib.import_module("kvj.bench.codecs")
     except ModuleNotFoundError:
-        raise typer.BadParameter("this kvj has no codec benchmark (kvj.bench.codecs)") from None
-    rows = module.run()
+        raise usage_error("this kvj has no codec benchmark (kvj.bench.codecs)") from None
+    rows = module.run(size, directory, dataset)
     if as_json:
         emit_json(rows)
     else:

@@ -1,0 +1,1 @@
+complete --command journal_replay --no-files --arguments "(env _JOURNAL_REPLAY_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) journal_replay)" --condition "env _JOURNAL_REPLAY_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) journal_replay"

@@ -1,0 +1,1 @@
+complete --command kvj --no-files --arguments "(env _KVJ_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) kvj)" --condition "env _KVJ_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) kvj"
