@@ -226,9 +226,12 @@ def _default_params(name: str, dtype: torch.dtype) -> Dict[str, Any]:
 
 
 def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout: Layout,
-           digest: bytes, codec: Union[str, Codec] = "auto", pool: Optional[Executor] = None,
+           digest: Optional[bytes], codec: Union[str, Codec] = "auto", pool: Optional[Executor] = None,
            pressure: int = Backpressure.NORMAL, dedup: Optional[bool] = None) -> EncodedSegment:
-    """Encode the C-order bytes ``raw`` of a tensor (``digest`` from :func:`compute_digest`).
+    """Encode the C-order bytes ``raw`` of a tensor.
+
+    ``digest`` is :func:`compute_digest` of the same data, or None to compute it alongside
+    compression (in the pool, as the chunks go by); either way ``header.digest`` holds it.
 
     ``codec`` is a registered name, ``"auto"`` or a :class:`Codec`. ``dedup`` forces the row
     dedup filter on or off; by default it runs when a sample shows repeated rows.
@@ -254,6 +257,7 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
             map_frame = _codecs.ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
             dedup_info = {"row_bytes": row_bytes, "rows": len(src), "map_raw": len(map_raw)}
     spans = _chunks(len(payload), CHUNK_SIZE)
+    leaf_futures: List[Any] = []
 
     def work(span: Tuple[int, int]) -> Tuple[bytes, int]:
         body = chosen.encode(payload[span[0]:span[0] + span[1]], wsize)
@@ -266,7 +270,14 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
             for span in spans:
                 yield work(span)
             return
-        futures = [pool.submit(work, span) for span in spans]
+        futures = []
+        leaf_spans = _chunks(len(raw), CHUNK_SIZE) if digest is None else []
+        for i in range(max(len(spans), len(leaf_spans))):  # interleaved: hashing keeps pace
+            if i < len(spans):
+                futures.append(pool.submit(work, spans[i]))
+            if i < len(leaf_spans):
+                o, n = leaf_spans[i]
+                leaf_futures.append(pool.submit(_leaf, raw[o:o + n]))
         try:
             for fut in futures:
                 yield fut.result()
@@ -275,6 +286,11 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
                 fut.cancel()
 
     def make_header(table: List[Tuple[int, int]]) -> Header:
+        final = digest
+        if final is None:
+            leaves = [f.result() for f in leaf_futures] if leaf_futures else \
+                [_leaf(raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
+            final = digest_from_leaves(name, shape, layout, CHUNK_SIZE, len(raw), leaves)
         dd = None
         if dedup_info is not None:
             dd = dict(dedup_info, map_stored=table[0][0], map_crc=table[0][1])
@@ -283,7 +299,7 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
                       params=dict(chosen.params), raw_size=len(raw), chunk_size=CHUNK_SIZE,
                       payload_size=len(payload), chunks=tuple(table),
                       stored_size=sum(t[0] for t in table) + (dd["map_stored"] if dd else 0),
-                      digest=digest, dedup=dd)
+                      digest=final, dedup=dd)
 
     return EncodedSegment(make_header, pieces())
 

@@ -24,12 +24,22 @@ import torch
 
 from . import segment as seg
 from .codecs import Backpressure, Codec
-from .errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from .errors import FormatError, InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from .fileio import FS, REAL_FS, DurabilityError, makedirs_durable
 
 KEY_RE = re.compile(r"[0-9a-f]{64}")
 SEGMENT_SUFFIX = ".kvjseg"
 Buffer = Union[bytes, bytearray, memoryview]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_key(key: object) -> str:
@@ -39,15 +49,41 @@ def check_key(key: object) -> str:
     return key
 
 
+class Upload(ABC):
+    """One segment being written: ``write`` parts, then ``commit`` it under its key (or ``abort``).
+
+    The key may be decided only at the end (it is the digest, computed while compressing).
+    """
+
+    @abstractmethod
+    def write(self, part: Buffer) -> None: ...
+
+    @abstractmethod
+    def commit(self, key: str) -> int:
+        """Make the object durable under ``key`` (replacing any old one atomically); its size."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was written (best effort, never raises)."""
+
+
 class StorageBackend(ABC):
     """Where segment bytes live. Keys reaching a backend are already validated."""
 
     @abstractmethod
-    def put_durable(self, key: str, parts: Iterable[Buffer]) -> int:
-        """Store the concatenation of ``parts`` under ``key``; durable when it returns.
+    def begin(self) -> Upload:
+        """Start writing a new object."""
 
-        Returns the byte count. A key that already exists is replaced atomically.
-        """
+    def put_durable(self, key: str, parts: Iterable[Buffer]) -> int:
+        """Store the concatenation of ``parts`` under ``key``; durable when it returns."""
+        upload = self.begin()
+        try:
+            for part in parts:
+                upload.write(part)
+            return upload.commit(key)
+        except BaseException:
+            upload.abort()
+            raise
 
     @abstractmethod
     def get(self, key: str) -> Buffer:
@@ -83,20 +119,82 @@ class StorageBackend(ABC):
         return key
 
 
+class _LocalUpload(Upload):
+    """A temp file in ``root/tmp``; big writes are fdatasynced as they go, so the disk works
+    while later chunks are still being compressed, and the final fsync has little left to do."""
+
+    SYNC_EVERY = 8 << 20
+
+    def __init__(self, backend: "LocalDirBackend"):
+        self.backend = backend
+        self.fs = backend.fs
+        self.tmp = os.path.join(backend.tmp_dir, f"{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        self.fd: Optional[int] = self.fs.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        self.size = 0
+        self.unsynced = 0
+
+    def _failed(self, exc: OSError, what: str) -> DurabilityError:
+        self.abort()
+        return DurabilityError(exc.errno or 0, f"{what} segment temp file {self.tmp}: {exc.strerror or exc}")
+
+    def write(self, part: Buffer) -> None:
+        assert self.fd is not None
+        try:
+            self.fs.write(self.fd, part)
+            self.size += len(part)
+            self.unsynced += len(part)
+            if self.unsynced >= self.SYNC_EVERY:
+                self.fs.fdatasync(self.fd)
+                self.unsynced = 0
+        except OSError as exc:
+            raise self._failed(exc, "writing") from exc
+
+    def commit(self, key: str) -> int:
+        assert self.fd is not None
+        try:
+            self.fs.fsync(self.fd)
+        except OSError as exc:
+            raise self._failed(exc, "fsyncing") from exc
+        self.fs.close(self.fd)
+        self.fd = None
+        final = self.backend.path(key)
+        directory = os.path.dirname(final)
+        makedirs_durable(directory, self.fs)
+        self.fs.rename(self.tmp, final)
+        self.fs.fsync_dir(directory)
+        return self.size
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                self.fs.close(fd)
+            except OSError:
+                pass
+            try:
+                self.fs.unlink(self.tmp)
+            except OSError:
+                pass
+
+
 class LocalDirBackend(StorageBackend):
     """One file per segment under ``root/objects/<k[:2]>/<key>.kvjseg``.
 
-    New files are written as ``.<key>.<pid>.<random>.tmp`` in the same directory, fsynced,
-    renamed into place, and the directory fsynced. Quarantined files move to
-    ``root/quarantine/<key>.<unix-ns>.kvjseg``.
+    New files are written in ``root/tmp/<pid>.<random>.tmp``, fsynced, renamed into place and
+    the target directory fsynced. Quarantined files move to
+    ``root/quarantine/<key>.<unix-ns>.kvjseg``. Temp files of dead writers are removed when a
+    backend opens the directory.
     """
 
     def __init__(self, root: Union[str, os.PathLike], fs: FS = REAL_FS):
         self.root = os.path.abspath(os.fspath(root))
         self.fs = fs
         self.objects = os.path.join(self.root, "objects")
+        self.tmp_dir = os.path.join(self.root, "tmp")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         makedirs_durable(self.objects, fs)
+        makedirs_durable(self.tmp_dir, fs)
+        self.clean_temps()
 
     def path(self, key: str) -> str:
         return os.path.join(self.objects, key[:2], key + SEGMENT_SUFFIX)
@@ -104,37 +202,22 @@ class LocalDirBackend(StorageBackend):
     def describe(self, key: str) -> str:
         return self.path(key)
 
-    def put_durable(self, key: str, parts: Iterable[Buffer]) -> int:
-        final = self.path(key)
-        directory = os.path.dirname(final)
-        makedirs_durable(directory, self.fs)
-        tmp = os.path.join(directory, f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = self.fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        total = 0
-        try:
-            for part in parts:
-                self.fs.write(fd, part)
-                total += len(part)
-            self.fs.fsync(fd)
-        except OSError as exc:
-            self._abandon(fd, tmp)
-            raise DurabilityError(exc.errno, f"writing segment {final}: {exc.strerror or exc}") from exc
-        except BaseException:
-            self._abandon(fd, tmp)
-            raise
-        self.fs.close(fd)
-        self.fs.rename(tmp, final)
-        self.fs.fsync_dir(directory)
-        return total
+    def begin(self) -> Upload:
+        return _LocalUpload(self)
 
-    def _abandon(self, fd: int, tmp: str) -> None:
-        try:
-            self.fs.close(fd)
-        finally:
+    def clean_temps(self) -> int:
+        """Remove temp files left by writers that no longer run; returns how many."""
+        removed = 0
+        for name in os.listdir(self.tmp_dir):
+            pid = name.split(".", 1)[0]
+            if not (name.endswith(".tmp") and pid.isdigit()) or _pid_alive(int(pid)):
+                continue
             try:
-                self.fs.unlink(tmp)
-            except OSError:
+                self.fs.unlink(os.path.join(self.tmp_dir, name))
+                removed += 1
+            except FileNotFoundError:
                 pass
+        return removed
 
     def get(self, key: str) -> Buffer:
         """A read-only memory map of the file (segment files are immutable once renamed)."""
@@ -256,6 +339,9 @@ class SegmentStore:
     ``threads`` sizes the pool that hashes, compresses and decompresses chunks in parallel.
     """
 
+    #: Segments up to this size are hashed before anything else (dedup without a write).
+    HASH_FIRST_BYTES = 2 * seg.CHUNK_SIZE
+
     def __init__(self, root: Union[str, os.PathLike, None] = None, fs: FS = REAL_FS,
                  backend: Optional[StorageBackend] = None, threads: Optional[int] = None):
         if backend is None:
@@ -305,42 +391,84 @@ class SegmentStore:
                   timings: Optional[Dict[str, float]] = None) -> SegmentInfo:
         """``put`` for the C-order bytes of a tensor (the flusher's staging buffers).
 
-        ``timings``, when given, receives seconds spent ``hashing``, waiting for
-        ``compression`` and in ``io`` (writes, fsyncs, rename): the flusher uses them to tell
-        a CPU-bound queue (step the codec down) from a disk-bound one (keep compressing).
+        ``timings``, when given, receives the seconds spent waiting for ``compression`` (and
+        hashing) and the rest, ``io``: the flusher uses them to tell a CPU-bound queue (step
+        the codec down) from a disk-bound one (keep compressing).
         """
         if self._failed is not None:
             raise DurabilityError(getattr(self._failed, "errno", None) or 0,
                                   f"segment store failed earlier: {self._failed}")
-        t0 = time.perf_counter()
         layout = seg.canonical_layout(layout)
         name = seg.dtype_name(dtype)
-        key = seg.compute_digest(raw, name, shape, layout, self.pool).hex()
-        t_hash = time.perf_counter() - t0
         waited = [0.0]
-        with self._key_lock(key):
-            if self.backend.exists(key):
-                try:
-                    header = seg.check_stored(self.backend.get(key), self.backend.describe(key))
-                    if header.digest.hex() == key:
-                        return SegmentInfo.from_header(header)
-                except SegmentCorrupt:
-                    pass
-                self.backend.quarantine(key)
-            t1 = time.perf_counter()
-            enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=bytes.fromhex(key),
+        t0 = time.perf_counter()
+        if len(raw) <= self.HASH_FIRST_BYTES:
+            # Small (a KV block): hash first, so a duplicate costs no compression and no write.
+            key = seg.compute_digest(raw, name, shape, layout, self.pool).hex()
+            with self._key_lock(key):
+                info = self._existing(key)
+                if info is None:
+                    enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=bytes.fromhex(key),
+                                     codec=codec, pool=self.pool, pressure=pressure)
+                    upload = self._write(enc, waited)
+                    info = self._commit(upload, enc, key)
+        else:
+            # Large: hash while compressing and writing; the key is known at the end.
+            enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=None,
                              codec=codec, pool=self.pool, pressure=pressure)
-            try:
-                self.backend.put_durable(key, _timed_parts(enc.parts(), waited))
-            except OSError as exc:
-                self._failed = exc
-                raise
-            if timings is not None:
-                t_setup = time.perf_counter() - t1
-                timings.update(hashing=t_hash, compression=waited[0],
-                               io=max(0.0, t_setup - waited[0]))
+            upload = self._write(enc, waited)
             assert enc.header is not None
-            return SegmentInfo.from_header(enc.header)
+            key = enc.header.digest.hex()
+            with self._key_lock(key):
+                info = self._existing(key)
+                if info is None:
+                    info = self._commit(upload, enc, key)
+                else:
+                    upload.abort()
+        if timings is not None:
+            total = time.perf_counter() - t0
+            timings.update(compression=waited[0], io=max(0.0, total - waited[0]))
+        return info
+
+    def _existing(self, key: str) -> Optional[SegmentInfo]:
+        """The stored copy of ``key`` if it checks out; a damaged copy is quarantined."""
+        if not self.backend.exists(key):
+            return None
+        try:
+            header = seg.check_stored(self.backend.get(key), self.backend.describe(key))
+            if header.digest.hex() == key:
+                return SegmentInfo.from_header(header)
+        except (SegmentCorrupt, FormatError):
+            pass
+        self.backend.quarantine(key)
+        return None
+
+    def _write(self, enc: seg.EncodedSegment, waited: List[float]) -> Upload:
+        try:
+            upload = self.backend.begin()
+        except OSError as exc:
+            self._failed = exc
+            raise
+        try:
+            for part in _timed_parts(enc.parts(), waited):
+                upload.write(part)
+        except BaseException as exc:
+            upload.abort()
+            if isinstance(exc, OSError):
+                self._failed = exc
+            raise
+        return upload
+
+    def _commit(self, upload: Upload, enc: seg.EncodedSegment, key: str) -> SegmentInfo:
+        try:
+            upload.commit(key)
+        except BaseException as exc:
+            upload.abort()
+            if isinstance(exc, OSError):
+                self._failed = exc
+            raise
+        assert enc.header is not None
+        return SegmentInfo.from_header(enc.header)
 
     def _header(self, key: str) -> seg.Header:
         name = self.backend.describe(key)

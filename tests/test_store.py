@@ -10,7 +10,7 @@ import torch
 
 from kvj.errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, DurabilityError
-from kvj.store import SegmentStore, StorageBackend, check_key
+from kvj.store import SegmentStore, StorageBackend, Upload, check_key
 
 
 class RecordingFS(FS):
@@ -33,6 +33,10 @@ class RecordingFS(FS):
     def fsync(self, fd):
         self.log.append(("fsync", self._paths.get(fd)))
         super().fsync(fd)
+
+    def fdatasync(self, fd):
+        self.log.append(("fdatasync", self._paths.get(fd)))
+        super().fdatasync(fd)
 
     def close(self, fd):
         self.log.append(("close", self._paths.pop(fd, None)))
@@ -127,22 +131,50 @@ def test_dedup_does_not_rewrite(tmp_path):
         assert other.key != info.key and len(list(store.keys())) == 2
 
 
-def test_durable_ordering_fsync_rename_dirsync(tmp_path):
+@pytest.mark.parametrize("n", [300_000, 5_000_000], ids=["hash-first", "hash-while-writing"])
+def test_durable_ordering_fsync_rename_dirsync(tmp_path, n):
     fs = RecordingFS()
     with SegmentStore(tmp_path, fs=fs) as store:
         fs.log.clear()
-        info = store.put(torch.randn(300_000))
+        info = store.put(torch.randn(n))
     final = store.backend.path(info.key)
     ops = fs.log
     tmp = next(op[1] for op in ops if op[0] == "open")
-    assert os.path.dirname(tmp) == os.path.dirname(final) and os.path.basename(tmp).startswith(".")
+    assert os.path.dirname(tmp) == store.backend.tmp_dir
     i_write = max(i for i, op in enumerate(ops) if op == ("write", tmp))
     i_fsync = ops.index(("fsync", tmp))
     i_close = ops.index(("close", tmp))
     i_rename = ops.index(("rename", tmp, final))
     i_dir = ops.index(("fsync_dir", os.path.dirname(final)), i_rename)
     assert i_write < i_fsync < i_close < i_rename < i_dir
-    assert not [n for n in os.listdir(os.path.dirname(final)) if n.endswith(".tmp")]
+    if n * 4 > 16 << 20:  # big segments are synced as they are written, overlapping compression
+        assert ("fdatasync", tmp) in ops[:i_write]
+    assert os.listdir(store.backend.tmp_dir) == []
+
+
+def test_large_duplicate_is_not_rewritten(tmp_path):
+    fs = RecordingFS()
+    with SegmentStore(tmp_path, fs=fs) as store:
+        x = torch.randn(1_500_000)  # 6 MiB: its key is computed while it is compressed
+        info = store.put(x)
+        st1 = os.stat(store.backend.path(info.key))
+        fs.log.clear()
+        assert store.put(x.clone()) == info
+        assert not [op for op in fs.log if op[0] in ("rename", "fsync", "fsync_dir")]
+        st2 = os.stat(store.backend.path(info.key))
+        assert (st1.st_ino, st1.st_mtime_ns) == (st2.st_ino, st2.st_mtime_ns)
+        assert os.listdir(store.backend.tmp_dir) == []
+
+
+def test_dead_writers_temp_files_are_cleaned(tmp_path):
+    with SegmentStore(tmp_path) as store:
+        tmp_dir = store.backend.tmp_dir
+    dead = os.path.join(tmp_dir, "999999999.abcdef.tmp")
+    live = os.path.join(tmp_dir, f"{os.getpid()}.abcdef.tmp")
+    for p in (dead, live):
+        open(p, "wb").close()
+    with SegmentStore(tmp_path):
+        assert sorted(os.listdir(tmp_dir)) == [os.path.basename(live)]
 
 
 @pytest.mark.parametrize("fail_on", ["fsync", "write"])
@@ -155,6 +187,7 @@ def test_failed_write_or_fsync_is_not_retried_and_poisons_the_store(tmp_path, fa
     assert [op for op in fs.log if op[0] == "fsync"].__len__() <= 1
     assert not list(store.keys())
     assert not [n for _, _, files in os.walk(tmp_path) for n in files]  # temp file removed
+    assert not [op for op in fs.log if op[0] == "rename"]
     fs.fail_on = None
     with pytest.raises(DurabilityError):
         store.put(torch.randn(10))  # sticky: nothing after a failed fsync is durable
@@ -239,9 +272,24 @@ class DictBackend(StorageBackend):
     def __init__(self):
         self.objects, self.quarantined = {}, {}
 
-    def put_durable(self, key, parts):
-        self.objects[key] = b"".join(bytes(p) for p in parts)
-        return len(self.objects[key])
+    def begin(self):
+        backend = self
+
+        class _Upload(Upload):
+            def __init__(self):
+                self.parts = []
+
+            def write(self, part):
+                self.parts.append(bytes(part))
+
+            def commit(self, key):
+                backend.objects[key] = b"".join(self.parts)
+                return len(backend.objects[key])
+
+            def abort(self):
+                self.parts = []
+
+        return _Upload()
 
     def _obj(self, key):
         try:
@@ -278,9 +326,11 @@ class DictBackend(StorageBackend):
 def test_backend_is_swappable():
     backend = DictBackend()
     with SegmentStore(backend=backend) as store:
+        big = torch.randn(3_000_000)
+        assert torch.equal(store.get(store.put(big).key), big)
         x = torch.randn(3000).to(torch.bfloat16)
         info = store.put(x, layout={"model": "m"})
-        assert _same_bytes(store.get(info.key), x) and list(store.keys()) == [info.key]
+        assert _same_bytes(store.get(info.key), x) and len(list(store.keys())) == 2
         assert store.put(x, layout={"model": "m"}) == info
         damaged = bytearray(backend.objects[info.key])
         damaged[30] ^= 1
