@@ -54,12 +54,11 @@ class CompactResult:
         return asdict(self)
 
 
-def _base_lsn(path: str) -> int:
+def _base_lsn(path: str) -> Optional[int]:
+    """First LSN of a log file; None while the writer is still creating it (no header yet)."""
     with open(path, "rb") as f:
         header = decode_file_header(f.read(FILE_HEADER_SIZE))
-    if header is None:
-        raise CorruptionError(path, 0, "bad log file header in a sealed log file")
-    return header.base_lsn
+    return header.base_lsn if header is not None else None
 
 
 def fold_sealed(directory: str, sealed: List[str]) -> JournalState:
@@ -104,10 +103,10 @@ def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> Jou
     snaps = list_snapshots(directory)
     if sealed:
         # Everything before the newest file's first LSN is in the sealed files, hence in ``state``.
-        covered = _base_lsn(newest[0]) - 1
-        if state.last_lsn < covered:
+        base = _base_lsn(newest[0])
+        if base is not None and state.last_lsn < base - 1:
             raise CorruptionError(sealed[-1], None, f"sealed logs end at LSN {state.last_lsn} but the "
-                                  f"newest log starts at LSN {covered + 1}")
+                                  f"newest log starts at LSN {base}")
         if state.last_lsn > state.snapshot_lsn:
             result.snapshot = write_snapshot(directory, state, fs)
             result.snapshot_lsn = state.last_lsn

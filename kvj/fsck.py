@@ -186,7 +186,11 @@ class _Checker:
                 data = f.read()
             header = decode_file_header(data)
             if header is None:
-                if is_last:
+                if is_last and later_group_exists(data, -1, 0) is not None:
+                    self.add("error", "corruption", "bad log file header before valid commit groups", log, 0)
+                elif is_last and r.writer_live:
+                    self.add("note", "file-in-progress", "the live writer is creating this log file", log, 0)
+                elif is_last:
                     finding = self.add("error", "torn-header",
                                        f"newest log file has no valid header ({len(data)} bytes): "
                                        "the writer crashed while creating it", log, 0)

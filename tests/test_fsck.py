@@ -134,3 +134,17 @@ def test_legacy_journal(tmp_path, capsys):
     assert run_cli(capsys, "fsck", "-j", log)[0] == 4
     assert run_cli(capsys, "fsck", "-j", log, "--repair")[0] == 1
     assert run_cli(capsys, "fsck", "-j", log)[0] == 0
+
+
+def test_newest_file_without_a_header(journal):
+    with Journal.open(journal) as j:
+        j.start("x")
+    last = list_logs(journal)[-1]
+    data = bytearray(open(last, "rb").read())
+    open(last, "wb").write(data[:20])  # crashed while creating the file: nothing in it was acknowledged
+    assert errors(fsck(journal)) == [("torn-header", False)]
+    assert errors(fsck(journal, repair=True)) == [("torn-header", True)]
+    assert not os.path.exists(last) and fsck(journal).exit_code == 0
+    data[3] ^= 0xFF  # a damaged header in front of valid groups is corruption, never cut
+    open(last, "wb").write(data)
+    assert errors(fsck(journal, repair=True)) == [("corruption", False)]
