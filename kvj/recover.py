@@ -207,7 +207,7 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, fs: FS = REA
     elif isinstance(store, (str, os.PathLike)):
         store_root = os.path.abspath(os.fspath(store))
     else:
-        store_root = getattr(store, "root", None)
+        store_root = getattr(getattr(store, "backend", None), "root", None)
     if dry_run or legacy:
         return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress)
     compactor = DirLock(path, COMPACT_LOCK, "compactor").acquire()

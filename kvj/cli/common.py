@@ -64,11 +64,6 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def note(message: str) -> None:
-    """A diagnostic line on stderr (not an error)."""
-    err.print(message, markup=False)
-
-
 def usage_error(message: str) -> Exception:
     """A usage error (exit status 64; 16 for fsck) tied to the command being run."""
     return click.exceptions.UsageError(message, ctx=get_current_context(silent=True))
