@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvj
-from e2e_support import generation_kill_cycles, reference_generation, rng, workload_threads
+from e2e_support import reference_generation, rng, workload_threads
 from kvj.errors import LayoutMismatch
 from kvj.integrations import crashrun
 from kvj.integrations.__main__ import read_results
@@ -29,6 +29,9 @@ from kvj.store import SegmentStore
 
 pytest.importorskip("transformers")
 
+#: Each loop step lasts at least 10 ms, as with a real model, so the random kills land
+#: before, across and after the journal's 100 ms commit windows.
+PACE = ["--pace-ms", "10"]
 WORK = GenerationWorkload(ModelSpec("llama", "tiny"), requests=3, max_new_tokens=24, stagger=3)
 
 
@@ -74,8 +77,8 @@ def test_sigkill_mid_generation_resumes_token_identical(tmp_path):
     r = rng("generation")
     expected, total = reference_generation(WORK, "hf")
     argv = crashrun.worker("generate", "--journal", str(tmp_path / "j"), "--results", str(tmp_path / "out"),
-                           *WORK.argv())
-    cycles = generation_kill_cycles(argv, kills=2, total_steps=total, r=r)
+                           *WORK.argv(), *PACE)
+    cycles = crashrun.generation_kill_cycles(argv, kills=2, total_steps=total, r=r)
     assert cycles, "the workload finished before the first kill"
     assert check_cycles(cycles, WORK) > 0, "no kill left a durable block to restore"
     assert read_results(str(tmp_path / "out")) == expected
@@ -179,7 +182,7 @@ def test_many_kills(tmp_path, arch):
     r = rng(f"generation-{arch}")
     expected, total = reference_generation(work, "hf")
     argv = crashrun.worker("generate", "--journal", str(tmp_path / "j"), "--results", str(tmp_path / "out"),
-                           *work.argv())
-    cycles = generation_kill_cycles(argv, kills=6, total_steps=total, r=r)
+                           *work.argv(), *PACE)
+    cycles = crashrun.generation_kill_cycles(argv, kills=6, total_steps=total, r=r)
     assert check_cycles(cycles, work) > 0
     assert read_results(str(tmp_path / "out")) == expected

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvj
-from e2e_support import generation_kill_cycles, reference_generation, rng, workload_threads
+from e2e_support import reference_generation, rng, workload_threads
 from kvj.integrations import crashrun
 from kvj.integrations.__main__ import read_results
 from kvj.integrations.blocks import BlockJournal, resume_points
@@ -25,6 +25,9 @@ from test_e2e_generation import check_cycles
 
 pytest.importorskip("transformers")
 
+#: Each loop step lasts at least 10 ms, as with a real model, so the random kills land
+#: before, across and after the journal's 100 ms commit windows.
+PACE = ["--pace-ms", "10"]
 WORK = GenerationWorkload(ModelSpec("llama", "tiny"), requests=3, max_new_tokens=24, stagger=3)
 
 
@@ -73,8 +76,8 @@ def test_sigkill_paged_generation_resumes_into_new_blocks(tmp_path):
     expected, total = reference_generation(WORK, "paged")
     journal = str(tmp_path / "j")
     argv = crashrun.worker("generate", "--backend", "paged", "--journal", journal,
-                           "--results", str(tmp_path / "out"), *WORK.argv())
-    cycles = generation_kill_cycles(argv, kills=2, total_steps=total, r=r)
+                           "--results", str(tmp_path / "out"), *WORK.argv(), *PACE)
+    cycles = crashrun.generation_kill_cycles(argv, kills=2, total_steps=total, r=r)
     assert cycles, "the workload finished before the first kill"
     assert check_cycles(cycles, WORK) > 0
     final = cycles[-1]["summary"]
@@ -98,7 +101,7 @@ def test_many_kills_paged(tmp_path):
     r = rng("paged-many")
     expected, total = reference_generation(work, "paged")
     argv = crashrun.worker("generate", "--backend", "paged", "--journal", str(tmp_path / "j"),
-                           "--results", str(tmp_path / "out"), *work.argv())
-    cycles = generation_kill_cycles(argv, kills=6, total_steps=total, r=r)
+                           "--results", str(tmp_path / "out"), *work.argv(), *PACE)
+    cycles = crashrun.generation_kill_cycles(argv, kills=6, total_steps=total, r=r)
     assert check_cycles(cycles, work) > 0
     assert read_results(str(tmp_path / "out")) == expected

@@ -3,14 +3,13 @@ with parameters and AdamW state bit-identical to an uninterrupted run (SHA-256 c
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
 import torch
 
 import kvj
-from e2e_support import nth_step, rng, workload_threads
+from e2e_support import rng, workload_threads
 from kvj.integrations import crashrun
 from kvj.integrations.training import (STATE_NAMES, StateJournal, TrainSpec, recover_training, train, unxor,
                                        xor)
@@ -22,15 +21,9 @@ pytest.importorskip("transformers")
 SPEC = TrainSpec(ModelSpec("llama", "tiny"), steps=24, full_every=8)
 
 
-def digests(state):
-    return (hashlib.sha256(state["params"].cpu().numpy().tobytes()).hexdigest(),
-            hashlib.sha256(b"".join(t.cpu().numpy().tobytes() for t in state.values())).hexdigest())
-
-
 def reference(spec: TrainSpec):
-    with workload_threads():
-        trainer, _ = train(spec)
-    return digests(trainer.state())
+    with workload_threads(deterministic=True):
+        return crashrun.uninterrupted_training(spec)
 
 
 def test_xor_delta_round_trips_every_bit_pattern():
@@ -51,7 +44,7 @@ def test_sigkill_at_random_step_continues_bit_identical(tmp_path):
     argv = crashrun.worker("train", "--journal", journal, *SPEC.argv())
     resume, killed_at, resumed_steps = [], [], []
     for _ in range(2):
-        killed = crashrun.kill_when(crashrun.start(argv + resume), nth_step(r.randint(2, SPEC.steps - 4)))
+        killed = crashrun.kill_when(crashrun.start(argv + resume), crashrun.nth_step(r.randint(2, SPEC.steps - 4)))
         steps = [e["step"] for e in killed.last("step")]
         resumed_steps += [e["step"] for e in killed.last("resumed")]
         if killed.finished:
@@ -76,7 +69,7 @@ def test_damaged_newest_delta_falls_back_to_the_one_before(tmp_path):
     repeats one more step and still ends bit-identical."""
     spec = TrainSpec(ModelSpec("llama", "tiny"), steps=14, full_every=8)
     expected = reference(spec)
-    with workload_threads():
+    with workload_threads(deterministic=True):
         with kvj.Journal.open(tmp_path / "j") as journal:
             train(TrainSpec(spec.model, steps=12, full_every=8), journal)
         state = kvj.replay(str(tmp_path / "j"))
@@ -92,14 +85,14 @@ def test_damaged_newest_delta_falls_back_to_the_one_before(tmp_path):
         assert rec.step == 11 and "step 12" in rec.fallback
         with kvj.Journal.open(tmp_path / "j") as journal:
             trainer, _ = train(spec, journal, resume=rec)
-    assert digests(trainer.state()) == expected
+    assert crashrun.state_digests(trainer.state()) == expected
 
 
 def test_deltas_cost_less_than_full_checkpoints(tmp_path):
     """The reported bytes: every delta tensor is either an XOR or (when the XOR would not
     compress better, as for Adam's fast-moving first moment) the tensor itself, and the
     parameters' XOR deltas are well under their full checkpoints."""
-    with workload_threads(), kvj.Journal.open(tmp_path / "j") as journal:
+    with workload_threads(deterministic=True), kvj.Journal.open(tmp_path / "j") as journal:
         _, stats = train(TrainSpec(ModelSpec("llama", "tiny"), steps=16, full_every=8), journal)
     assert stats.fulls == 3 and stats.deltas == 14
     per = stats.per_tensor
@@ -125,7 +118,7 @@ def test_many_kills_training(tmp_path):
     argv = crashrun.worker("train", "--journal", journal, *spec.argv())
     resume = []
     for _ in range(6):
-        killed = crashrun.kill_when(crashrun.start(argv + resume), nth_step(r.randint(1, 15)))
+        killed = crashrun.kill_when(crashrun.start(argv + resume), crashrun.nth_step(r.randint(1, 15)))
         if killed.finished:
             break
         doc = crashrun.recover(journal)

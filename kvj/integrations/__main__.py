@@ -17,7 +17,6 @@ from a replay of the journal.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ import torch
 from ..fileio import atomic_write, makedirs_durable
 from ..journal import Journal
 from ..replay import replay
+from .crashrun import state_digests
 from .workload import SIZES, GenerationWorkload, ModelSpec
 
 
@@ -119,11 +119,13 @@ def generate(args: argparse.Namespace) -> None:
         arrivals = [item for item in work.items() if item[0] not in done and item[0] not in loop.active]
         steps = 0
         while arrivals or loop.active:
+            t0 = time.perf_counter()
             while arrivals and (args.resume or arrivals[0][3] <= steps):
                 rid, prompt, max_new, _ = arrivals.pop(0)
                 loop.submit(rid, prompt, max_new)
             loop.step()
             steps += 1
+            time.sleep(max(0.0, args.pace_ms / 1e3 - (time.perf_counter() - t0)))
         summary: Dict[str, Dict[str, Any]] = {}
         for rid, run in loop.finished.items():
             entry = {"restored": run.restored, "first_position": min(run.positions_run, default=None),
@@ -151,15 +153,16 @@ def train_main(args: argparse.Namespace) -> None:
         if args.resume:
             manifest = _manifest(args.manifest)
             source = manifest["training"] if manifest is not None else replay(args.journal)
+            t0 = time.perf_counter()
             resume = recover_training(source, journal.store, args.device)
             if resume is not None:
-                emit(event="resumed", step=resume.step, base_step=resume.base_step, fallback=resume.fallback)
+                emit(event="resumed", step=resume.step, base_step=resume.base_step, fallback=resume.fallback,
+                     restore_s=time.perf_counter() - t0)
         trainer, stats = train(spec, journal, device=args.device, resume=resume,
                                on_step=lambda step, loss: emit(event="step", step=step, loss=loss))
-    state = trainer.state()
+    params_sha256, state_sha256 = state_digests(trainer.state())
     emit(event="done", step=trainer.step, stats=stats.to_dict() if stats else None,
-         params_sha256=hashlib.sha256(state["params"].cpu().numpy().tobytes()).hexdigest(),
-         state_sha256=hashlib.sha256(b"".join(t.cpu().numpy().tobytes() for t in state.values())).hexdigest())
+         params_sha256=params_sha256, state_sha256=state_sha256)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -186,6 +189,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-seed", type=int, default=1)
     g.add_argument("--shared-prefix", type=int, default=32, help="tokens of system prompt every request shares")
     g.add_argument("--num-blocks", type=int, default=256, help="paged cache pool size")
+    g.add_argument("--pace-ms", type=float, default=0.0,
+                   help="make each loop step last at least this long, as a larger model's would (tests use it "
+                        "so kills land across the journal's commit windows)")
     g.add_argument("--order-seed", type=int, help="paged cache free-list order (default: 0, or the "
                    "recovery epoch when resuming)")
     t = sub.add_parser("train", parents=[common], help="fine-tune with AdamW, journaling state")
@@ -201,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    # Deterministic cuBLAS (read when CUDA starts): a resumed process recomputes bit for bit.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.command == "generate":
         generate(args)
     else:

@@ -1,22 +1,30 @@
-"""Run a journaled workload process, SIGKILL it at a chosen moment, and call the real CLI.
+"""Crash experiments: run a journaled workload process, SIGKILL it, recover, compare.
 
-Shared by the demo and the end-to-end tests: ``start`` launches ``python -m
-kvj.integrations ...``, ``kill_when`` reads its JSON-lines progress until a predicate says
-"now", sends SIGKILL and collects every line the process wrote before it died;
-``finish`` runs one to completion; ``kvj`` runs the installed ``kvj`` console script (or
-its entry point when no script is on disk), exactly as an operator would.
+Shared by the demo, the end-to-end tests and ``scripts/gpu_e2e.py``: ``start`` launches
+``python -m kvj.integrations ...``, ``kill_when`` reads its JSON-lines progress until a
+predicate says "now", sends SIGKILL and collects every line the process wrote before it
+died; ``finish`` runs one to completion; ``kvj`` runs the installed ``kvj`` console script
+(or its entry point when no script is on disk), exactly as an operator would;
+``generation_kill_cycles`` chains kills and recoveries; ``uninterrupted_generation`` and
+``uninterrupted_training`` compute what a run without a crash produces, for comparison.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from .training import TrainSpec
+    from .workload import GenerationWorkload
 
 Event = Dict[str, Any]
 
@@ -110,3 +118,82 @@ def recover(journal: str) -> Dict[str, Any]:
     kvj("fsck", "--journal", journal, check_codes=(0, 1))
     doc = json.loads(kvj("recover", "--journal", journal, "--json").stdout)
     return doc
+
+
+def nth_step(n: int) -> Callable[[Event], bool]:
+    """Kill predicate: the ``n``-th progress event."""
+    seen = [0]
+
+    def now(event: Event) -> bool:
+        seen[0] += event.get("event") == "step"
+        return seen[0] >= n
+    return now
+
+
+def generation_kill_cycles(argv: List[str], kills: int, total_steps: int, r: random.Random) -> List[Dict[str, Any]]:
+    """Run a generation workload, SIGKILL it ``kills`` times at random points (each restart
+    resumes from ``kvj recover``'s manifest), then let it finish.
+
+    Returns one entry per resumed run: the progress at the kill that preceded it, the
+    manifest it resumed from, its ``resumed`` events, the first position each request
+    ran through the model (``first_start``) and, for the run that finished, its summary.
+    """
+    cycles: List[Dict[str, Any]] = []
+    resume: List[str] = []
+    remaining = total_steps
+    for k in range(kills + 1):
+        cmd = argv + resume
+        killed: Optional[Killed] = None
+        if k == kills:
+            events = finish(cmd)
+        else:
+            lo = max(1, remaining // 3)
+            killed = kill_when(start(cmd), nth_step(r.randint(lo, max(lo, remaining * 3 // 4))))
+            events = killed.events
+            remaining = max(3, remaining - len(killed.last("step")))
+        if cycles:
+            first_start: Dict[str, int] = {}
+            for e in events:
+                if e.get("event") == "step":
+                    first_start.setdefault(e["id"], e["start"])
+            done = [e for e in events if e.get("event") == "done"]
+            cycles[-1].update(resumed={e["id"]: e for e in events if e.get("event") == "resumed"},
+                              first_start=first_start, summary=done[0]["requests"] if done else None)
+        if killed is None or killed.finished:
+            break
+        doc = recover(argv[argv.index("--journal") + 1])
+        cycles.append({"progress": killed.progress(), "manifest": doc["manifest"]})
+        resume = ["--resume", "--manifest", doc["manifest_path"]]
+    return cycles
+
+
+def uninterrupted_generation(work: "GenerationWorkload", backend: str = "hf",
+                             device: str = "cpu") -> Tuple[Dict[str, List[int]], int]:
+    """Each request's output from a run without a crash, and the forward passes it took.
+    Runs in this process: set torch's thread count as the workload processes do first."""
+    from .hf import HFBackend
+    from .paged import PagedBackend
+    from .serving import GenerationLoop
+
+    model = work.model.build(device)
+    cls = HFBackend if backend == "hf" else PagedBackend
+    loop = GenerationLoop(cls(model, work.block_size, work.model.model_id))
+    for rid, prompt, max_new, _ in work.items():
+        loop.submit(rid, prompt, max_new)
+    out = loop.run()
+    return out, sum(len(run.positions_run) for run in loop.finished.values())
+
+
+def state_digests(state: Dict[str, Any]) -> Tuple[str, str]:
+    """SHA-256 of the parameters, and of parameters plus AdamW moments."""
+    return (hashlib.sha256(state["params"].cpu().numpy().tobytes()).hexdigest(),
+            hashlib.sha256(b"".join(t.cpu().numpy().tobytes() for t in state.values())).hexdigest())
+
+
+def uninterrupted_training(spec: "TrainSpec", device: str = "cpu") -> Tuple[str, str]:
+    """``state_digests`` of a fine-tuning run without a crash (in this process; set torch's
+    threads and deterministic mode as the workload processes do first)."""
+    from .training import train
+
+    trainer, _ = train(spec, device=device)
+    return state_digests(trainer.state())

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 SIZES: Dict[str, Tuple[int, int, int, int, int, int]] = {
     "tiny": (512, 64, 128, 2, 4, 2),
     "small": (1024, 128, 256, 4, 4, 2),
-    "demo": (2048, 256, 512, 6, 8, 2),
+    "demo": (2048, 512, 1024, 8, 8, 2),
 }
 
 
