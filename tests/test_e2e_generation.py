@@ -161,6 +161,7 @@ def test_damaged_newest_segment_falls_back_and_still_matches(tmp_path):
                 loop.resume(point)
             out = loop.run()
         assert loop.finished[victim.id].restored == newest.tokens[0]
+        assert f"resumes at token {newest.tokens[0]}" in loop.finished[victim.id].fallback
         assert loop.finished[victim.id].positions_run[0] == newest.tokens[0]
         assert out == expected
 

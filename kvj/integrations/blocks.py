@@ -110,7 +110,7 @@ class ResumePoint:
 
 def _point(req_id: str, prompt: Optional[Sequence[int]], meta: Mapping[str, Any],
            segments: Iterable[Tuple[int, Optional[str], Optional[Sequence[int]], Mapping[str, Any]]],
-           layout: BlockLayout) -> ResumePoint:
+           layout: BlockLayout, fallback: Optional[str] = None) -> ResumePoint:
     if prompt is None:
         raise FormatError(f"request {req_id}: its start record has no token ids; it cannot be resumed")
     prompt = [int(t) for t in prompt]
@@ -119,7 +119,7 @@ def _point(req_id: str, prompt: Optional[Sequence[int]], meta: Mapping[str, Any]
         raise FormatError(f"request {req_id}: its start record has no max_new_tokens")
     by_seg = {seg: (key, tokens, lay) for seg, key, tokens, lay in segments}
     bs = layout.block_size
-    tokens, keys, layouts, fallback = list(prompt), [], [], None
+    tokens, keys, layouts = list(prompt), [], []
     for b in range(len(by_seg) + 1):
         if b not in by_seg:
             later = [s for s in by_seg if s > b]
@@ -156,8 +156,17 @@ def resume_points(source: Union[JournalState, Mapping[str, Any]], layout: BlockL
                 for r in reqs]
     return [_point(r["id"], r.get("tokens"), r.get("meta") or {},
                    ((s["seg"], s.get("key"), s.get("tokens"), s.get("layout") or {}) for s in r.get("segments", [])),
-                   layout)
+                   layout, _manifest_fallback(r.get("fallback")))
             for r in source.get("requests", [])]
+
+
+def _manifest_fallback(fallback: Any) -> Optional[str]:
+    """A recovery manifest's fallback entry (segments dropped as damaged) as one line."""
+    if not fallback:
+        return None
+    dropped = ", ".join(f"segment {d.get('seg')} {d.get('problem')}" for d in fallback.get("dropped", []))
+    lost = fallback.get("lost_tokens") or ["?", "?"]
+    return f"recover resumes at token {lost[0]} instead of {lost[1]}" + (f" ({dropped})" if dropped else "")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -71,7 +72,9 @@ class Killed:
 
 
 def start(argv: List[str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    """Launch a workload process; its stderr goes to a temporary file (a pipe nobody reads
+    while we follow stdout could fill up and stall it)."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=tempfile.TemporaryFile(), text=True, bufsize=1)
 
 
 def kill_when(proc: subprocess.Popen, now: Callable[[Event], bool], timeout: float = 300) -> Killed:
@@ -98,11 +101,14 @@ def kill_when(proc: subprocess.Popen, now: Callable[[Event], bool], timeout: flo
             proc.wait()
     killed.finished = killed.returncode == 0
     if killed.returncode not in (0, -signal.SIGKILL):
-        stderr = proc.stderr.read() if proc.stderr is not None else ""
-        raise RuntimeError(f"workload exited {killed.returncode} before the kill: {stderr[-3000:]}")
-    if proc.stderr is not None:
-        proc.stderr.close()
+        raise RuntimeError(f"workload exited {killed.returncode} before the kill: {_stderr(proc)[-3000:]}")
     return killed
+
+
+def _stderr(proc: subprocess.Popen) -> str:
+    err: Any = proc.stderr
+    err.seek(0)
+    return err.read().decode(errors="replace")
 
 
 def finish(argv: List[str], timeout: float = 600) -> List[Event]:

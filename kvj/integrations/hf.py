@@ -117,8 +117,10 @@ class HFBackend:
         self.caches: Dict[str, "DynamicCache"] = {}
 
     def forward(self, request_id: str, token_ids: Sequence[int], start: int) -> torch.Tensor:
-        from transformers import DynamicCache
-        cache = self.caches.setdefault(request_id, DynamicCache(config=self.model.config))
+        cache = self.caches.get(request_id)
+        if cache is None:
+            from transformers import DynamicCache
+            cache = self.caches[request_id] = DynamicCache(config=self.model.config)
         if cache.get_seq_length() != start:
             raise FormatError(f"request {request_id}: cache holds {cache.get_seq_length()} positions, "
                               f"forward starts at {start}")
