@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kvj.flusher import Flusher  # noqa: E402
+from kvj.flusher import Flusher, StagingPool  # noqa: E402
 from kvj.restore import gather_block, load, paged_layout, restore_paged  # noqa: E402
 from kvj.store import SegmentStore  # noqa: E402
 
@@ -71,8 +71,10 @@ def main(argv=None) -> int:
         infos = [f.result() for f in futures]
         fl.drain()
         flush_s = time.perf_counter() - t0
-        _check(all(buf.is_pinned() for bufs in fl.staging._cached.values() for buf in bufs)
-               and fl.staging._cached_bytes > 0, "staging buffers are pinned and reused")
+        _check(fl.staging.peak_in_use <= fl.staging.capacity, "staging stayed within its bound")
+        probe = fl.staging.acquire(block_bytes, pinned=True)
+        _check(probe.is_pinned(), "staging buffers are pinned")
+        fl.staging.release(probe)
         _check(len(fl._streams) == 1, "copies ran on one side stream")
         ok = all(torch.equal(store.get(i.key), expected[b]) for i, b in zip(infos, old_ids))
         _check(ok, "flushed blocks equal the GPU data at submit time (later overwrite not seen)")
@@ -80,16 +82,17 @@ def main(argv=None) -> int:
         print(f"  flush: {args.blocks} blocks, {total / 1e6:.1f} MB, submit {submit_s * 1e3:.1f} ms, "
               f"durable {flush_s * 1e3:.1f} ms ({total / flush_s / 1e9:.2f} GB/s)")
 
-        # 2. restore into a fresh paged cache at new block ids
+        # 2. restore into a fresh paged cache at new block ids (reusable pinned staging)
+        staging = StagingPool(2 * max(total, 64 << 20) + (64 << 20), pinned=True)
         dst = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(args.layers)]
         new_ids = torch.randperm(shape[0], generator=torch.Generator().manual_seed(1))[:args.blocks].tolist()
         keys = [i.key for i in infos]
-        restore_paged(store, keys, dst, new_ids, model="selfcheck-model")  # warm-up
+        restore_paged(store, keys, dst, new_ids, model="selfcheck-model", staging=staging)  # warm-up
         for c in dst:
             c.zero_()
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        restore_paged(store, keys, dst, new_ids, model="selfcheck-model")
+        restore_paged(store, keys, dst, new_ids, model="selfcheck-model", staging=staging)
         torch.cuda.synchronize(dev)
         restore_s = time.perf_counter() - t0
         ok = all(torch.equal(dst[layer][n].cpu(), expected[o][layer])
@@ -103,10 +106,10 @@ def main(argv=None) -> int:
         # 3. one large segment straight onto the device
         big = torch.randn(64 << 20 >> 1, device=dev, generator=g).to(torch.bfloat16)
         info = store.put(big.cpu())
-        load(store, info.key, dev)
+        load(store, info.key, dev, staging=staging)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        got = load(store, info.key, dev)
+        got = load(store, info.key, dev, staging=staging)
         torch.cuda.synchronize(dev)
         load_s = time.perf_counter() - t0
         _check(got.device == dev and torch.equal(got, big), "large segment loads bit-exact onto the device")

@@ -1,7 +1,6 @@
 """Segment format: bit-exact round trips, damage detection, hostile headers."""
 
 import math
-import struct
 
 import crc32c
 import msgpack
