@@ -159,13 +159,12 @@ class Flusher:
         if tensor.numel() == 0:
             return None
         if not is_cuda:
-            dest.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            dest.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())  # one strided pass
             return None
         stream = self._side_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            dest.copy_(src, non_blocking=True)
+            dest.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         tensor.record_stream(stream)

@@ -165,3 +165,15 @@ def test_staging_pool_reuses_buffers():
     assert b.data_ptr() == ptr and pool.in_use == b.numel()
     pool.release(b)
     assert pool.in_use == 0
+
+
+def test_every_dtype_strided_and_scalar(tmp_path):
+    from kvj.segment import DTYPES
+
+    with SegmentStore(tmp_path) as store, Flusher(store) as fl:
+        for dt in DTYPES.values():
+            raw = torch.randint(0, 2 if dt == torch.bool else 256, (6, 10 * dt.itemsize), dtype=torch.uint8)
+            x = raw.view(dt).t()
+            got = store.get(fl.submit(x).result(timeout=30).key)
+            assert torch.equal(got.contiguous().view(torch.uint8), x.contiguous().view(torch.uint8)), dt
+        assert store.get(fl.submit(torch.tensor(3.5)).result().key).item() == 3.5
