@@ -63,7 +63,28 @@ class Scan:
         self.end_offset = 0
         self.bytes_read = 0
 
+    def _skip_covered(self) -> None:
+        """Drop log files whose records all precede ``after_lsn`` + 1 (a snapshot covers them).
+
+        Compaction deletes such files, and a crash may persist its unlinks in any order,
+        so gaps among them are not corruption: start at the last file that begins at or
+        before the first LSN needed.
+        """
+        if self.after_lsn <= 0:
+            return
+        start = 0
+        for index, path in enumerate(self.logs):
+            try:
+                with open(path, "rb") as f:
+                    header = decode_file_header(f.read(FILE_HEADER_SIZE))
+            except FileNotFoundError:
+                continue
+            if header is not None and header.base_lsn <= self.after_lsn + 1:
+                start = index
+        self.logs = self.logs[start:]
+
     def __iter__(self) -> Iterator[RawRecord]:
+        self._skip_covered()
         expected: Optional[int] = None  # next LSN; None until the first file tells
         for index, path in enumerate(self.logs):
             is_last = index == len(self.logs) - 1
