@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import CorruptionError, FormatError, SegmentMissing
-from .fileio import FS, REAL_FS
+from .fileio import FS, REAL_FS, fsync_path
 from .framing import FILE_HEADER_SIZE, decode_file_header
 from .journal import default_store_path
 from .reader import Scan, list_logs
@@ -123,7 +123,7 @@ def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> Jou
 
 
 def collect_segments(directory: str, store: Any, result: CompactResult, *, grace: float, now: float,
-                     progress: Optional[Progress] = None) -> None:
+                     progress: Optional[Progress] = None, fs: FS = REAL_FS) -> None:
     """Delete segments that no live record references and that are older than ``grace`` seconds.
 
     Candidates are listed *before* the journal is replayed for references, so a segment
@@ -143,6 +143,10 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
         except SegmentMissing:
             continue
     referenced = replay(directory).referenced_keys()
+    # An END (or a new checkpoint) seen above may still sit unsynced in the page cache of a
+    # live or killed writer; make it durable before deleting what it released.
+    for log in list_logs(directory):
+        fsync_path(log, fs)
     doomed = [(key, size) for key, size in aged if key not in referenced]
     result.segments_kept_young = sum(1 for key in young if key not in referenced)
     for i, (key, size) in enumerate(doomed, 1):
@@ -180,7 +184,7 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
             with opened_store(store, default_store_path(directory), fs) as seg_store:
                 if seg_store is not None:
                     collect_segments(directory, seg_store, result, grace=grace,
-                                     now=time.time() if now is None else now, progress=progress)
+                                     now=time.time() if now is None else now, progress=progress, fs=fs)
         return result
     finally:
         lock.release()

@@ -97,6 +97,15 @@ def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_M
     fs.fsync_dir(parent)
 
 
+def fsync_path(path: PathLike, fs: FS = REAL_FS) -> None:
+    """fsync an existing file by path: make what readers already saw in it durable."""
+    fd = fs.open(path, os.O_RDONLY)
+    try:
+        fs.fsync(fd)
+    finally:
+        fs.close(fd)
+
+
 def atomic_write(path: PathLike, data: Union[bytes, bytearray, memoryview], fs: FS = REAL_FS,
                  mode: int = DEFAULT_FILE_MODE) -> None:
     """Durably replace ``path`` with ``data``: temp file, fsync, rename, fsync directory.

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import CorruptionError, FormatError, JournalClosed
-from .fileio import FS, REAL_FS, atomic_write, makedirs_durable
+from .fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
 from .framing import decode_file_header, later_group_exists
 from .reader import Scan, TornTail, list_logs, log_seq
 from .records import RecordType, check_key, check_request_id, decode_payload, encode_payload
@@ -86,11 +86,7 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
         # What was just read may sit unsynced in the page cache (a writer killed between a
         # group's write and its fdatasync). The new writer builds on it, so make it durable
         # before any later record is acknowledged (the cut above already fsynced the file).
-        fd = fs.open(last, os.O_RDONLY)
-        try:
-            fs.fsync(fd)
-        finally:
-            fs.close(fd)
+        fsync_path(last, fs)
     next_lsn = max(scan.last_lsn + 1, header.base_lsn, snap_lsn + 1)
     return log_seq(last) + 1, next_lsn, aside
 
