@@ -399,8 +399,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dataset", action="append", help="only this dataset (repeatable)")
     ap.add_argument("--json", action="store_true", help="print rows as JSON")
     args = ap.parse_args(argv)
+    load_before = os.getloadavg()[0]
     rows = run(args.size, args.dir, args.dataset)
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows))
+        print(f"{os.cpu_count()} CPUs, load average {load_before:.2f} before the run, "
+              f"{os.getloadavg()[0]:.2f} after (other processes skew the speed columns)")
     return 0
 
 
