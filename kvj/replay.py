@@ -13,9 +13,9 @@ from typing import Any, Dict, Iterator, Optional
 
 from .errors import CorruptionError, FormatError
 from .legacy import LegacyScan
-from .reader import LOG_RE, Scan
+from .reader import LOG_RE, Scan, list_logs
 from .records import decode_payload
-from .snapshot import load_latest
+from .snapshot import list_snapshots, load_latest
 from .state import JournalState
 
 
@@ -85,6 +85,25 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False) -> 
     """
     if not os.path.exists(path):
         raise FormatError(f"no journal at {path}")
+    if is_legacy(path):
+        return _replay_once(path, at_lsn, strict)
+    for attempt in range(COMPACTION_RETRIES + 1):
+        before = (list_snapshots(path), list_logs(path))
+        try:
+            return _replay_once(path, at_lsn, strict)
+        except (CorruptionError, FileNotFoundError):
+            # A compactor may have written a newer snapshot and deleted the files this pass
+            # was reading; then the journal is fine and a fresh pass sees it consistently.
+            if attempt == COMPACTION_RETRIES or (list_snapshots(path), list_logs(path)) == before:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: Fresh passes replay makes when files vanish under it (a concurrent compaction).
+COMPACTION_RETRIES = 5
+
+
+def _replay_once(path: str, at_lsn: Optional[int], strict: bool) -> JournalState:
     state = None if is_legacy(path) else load_latest(path)
     if state is None:
         state = JournalState()
