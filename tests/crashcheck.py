@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import msgpack
 
 from kvj import Journal, RecordType, replay
+from kvj.errors import KvjError
 from kvj.fileio import FS
 from kvj.replay import RecordStream
 from kvj.state import JournalState
@@ -47,6 +48,7 @@ class Truth:
 
     records: Dict[int, Tuple[int, Dict[str, Any]]] = field(default_factory=dict)
     acked: int = 0
+    tensors: Dict[str, Any] = field(default_factory=dict)  # segment key -> the tensor flushed under it
 
     def add(self, lsn: int, rtype: int, payload: Dict[str, Any]) -> None:
         self.records[lsn] = (int(rtype), normalize(payload))
@@ -75,21 +77,27 @@ class Truth:
 REQUEST_IDS = [f"req-{i}" for i in range(6)]
 
 
-def random_record(rng: random.Random, big: float = 0.1) -> Tuple[int, Dict[str, Any]]:
+def random_record(rng: random.Random, big: float = 0.1, fake_keys: bool = False) -> Tuple[int, Dict[str, Any]]:
     """A valid record of a random type; with probability ``big`` a payload of a few KiB,
-    so that groups straddle 512- and 4096-byte sector boundaries."""
+    so that groups straddle 512- and 4096-byte sector boundaries. Records that point at
+    segments (segment, checkpoint, delta) name none unless ``fake_keys``: fsck and
+    restore rightly complain about segments that do not exist (real ones come from
+    flushes)."""
     kind = rng.randrange(7)
     rid = rng.choice(REQUEST_IDS)
     filler = "x" * (rng.randrange(1000, 6000) if rng.random() < big else rng.randrange(0, 40))
+    key = (lambda: f"{rng.getrandbits(256):064x}") if fake_keys else None
+    if kind == 1 and not fake_keys:
+        kind = 0
     if kind == 0:
         return RecordType.START, {"id": rid, "prompt_hash": f"{rng.getrandbits(64):016x}",
                                   "tokens": [rng.randrange(50000) for _ in range(rng.randrange(0, 20))],
                                   "meta": {"pad": filler}}
     if kind == 1:
         a = rng.randrange(0, 4096)
-        return RecordType.SEGMENT, {"id": rid, "seg": rng.randrange(64), "key": f"{rng.getrandbits(256):064x}",
-                                    "tokens": [a, a + 16], "layout": {"pad": filler}, "raw_size": 4096,
-                                    "stored_size": 2048, "digest": f"{rng.getrandbits(256):064x}", "codec": "zstd"}
+        return RecordType.SEGMENT, {"id": rid, "seg": rng.randrange(64), "key": key(), "tokens": [a, a + 16],
+                                    "layout": {"pad": filler}, "raw_size": 4096, "stored_size": 2048,
+                                    "digest": f"{rng.getrandbits(256):064x}", "codec": "zstd"}
     if kind == 2:
         return RecordType.END, {"id": rid, "status": rng.choice(["ok", "aborted"])}
     if kind == 3:
@@ -98,10 +106,10 @@ def random_record(rng: random.Random, big: float = 0.1) -> Tuple[int, Dict[str, 
     if kind == 4:
         return RecordType.FREE, {"device": "cuda:0", "addr": rng.randrange(1 << 40)}
     if kind == 5:
-        return RecordType.CHECKPOINT, {"step": rng.randrange(1000), "keys": {"w": f"{rng.getrandbits(256):064x}"},
+        return RecordType.CHECKPOINT, {"step": rng.randrange(1000), "keys": {"w": key()} if key else {},
                                        "meta": {"pad": filler}}
     return RecordType.DELTA, {"step": rng.randrange(1000), "base_step": rng.randrange(1000),
-                              "keys": {"m": f"{rng.getrandbits(256):064x}"}, "meta": {}}
+                              "keys": {"m": key()} if key else {}, "meta": {}}
 
 
 # -- the checker ----------------------------------------------------------------------------
@@ -114,6 +122,7 @@ def comparable(state: JournalState) -> Dict[str, Any]:
     d = state.to_dict(include_ended=False)
     for k in ("tail", "counts", "warnings", "snapshot_lsn", "ended_compacted", "first_lsn"):
         d.pop(k, None)
+    d["requests"] = sorted(d["requests"], key=lambda r: r["id"])  # a snapshot keeps its own order
     return d
 
 
@@ -125,10 +134,13 @@ def read_records(path: str) -> Tuple[JournalState, List[Tuple[int, int, Dict[str
 
 
 def check_journal(path: str, truth: Truth, acked: int, *, reopen_fs: Optional[FS] = None,
-                  context: str = "") -> int:
+                  context: str = "", check_fsck: bool = True) -> int:
     """Check one crashed journal against the truth; returns how many LSNs it holds.
 
-    ``acked`` is the highest LSN acknowledged durable before the crash. With
+    ``acked`` is the highest LSN acknowledged durable before the crash. Every segment
+    the recovered state references must restore to exactly the tensor flushed under its
+    key. With ``check_fsck``, fsck must find nothing or only what it can repair (a torn
+    tail or header), and its repair must keep every recovered record. With
     ``reopen_fs``, also re-open the journal for writing and check that a new record
     lands right after the recovered ones and that nothing recovered changed.
     """
@@ -144,6 +156,9 @@ def check_journal(path: str, truth: Truth, acked: int, *, reopen_fs: Optional[FS
         f"replay's last LSN {state.last_lsn} disagrees with the records ({last}){where}"
     assert last >= acked, f"acknowledged LSN {acked} lost: journal ends at {last}{where}"
     assert comparable(state) == comparable(truth.fold(last)), f"replayed state differs from the model{where}"
+    check_segments(path, state, truth, where)
+    if check_fsck:
+        fsck_clean_or_repairable(path, records, reopen_fs or FS(), where)
     if reopen_fs is not None:
         with Journal.open(path, fs=reopen_fs) as j:
             lsn = j.append(RecordType.ALLOC, MARKER, durable=True)
@@ -153,6 +168,47 @@ def check_journal(path: str, truth: Truth, acked: int, *, reopen_fs: Optional[FS
         assert records2 == records + [(lsn, int(RecordType.ALLOC), MARKER)], \
             f"re-open changed recovered records{where}"
     return last
+
+
+#: fsck findings a crash may legitimately leave: repair cuts them (bytes kept in torn/).
+REPAIRABLE = {"torn-tail", "torn-header"}
+
+
+def check_segments(path: str, state: JournalState, truth: Truth, where: str = "") -> int:
+    """Every segment a live request needs is present and restores bit-exactly."""
+    refs = [(req.id, ref) for req in state.in_flight() for ref in req.segments.values() if ref.key]
+    if not refs:
+        return 0
+    import torch
+    from kvj.restore import load
+    from kvj.store import SegmentStore
+    with SegmentStore(os.path.join(path, "segments"), threads=1) as store:
+        for rid, ref in refs:
+            try:
+                got = load(store, ref.key)
+            except KvjError as exc:
+                raise AssertionError(f"{rid} segment {ref.seg} ({ref.key[:12]}) cannot be restored: {exc}{where}")
+            want = truth.tensors[ref.key]
+            assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), \
+                f"{rid} segment {ref.seg}: restored dtype/shape differ{where}"
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
+                f"{rid} segment {ref.seg}: restored bytes differ from what was flushed{where}"
+    return len(refs)
+
+
+def fsck_clean_or_repairable(path: str, records: List[Tuple[int, int, Dict[str, Any]]], fs: FS,
+                             where: str = "") -> None:
+    """fsck finds nothing but repairable damage; repair fixes it and keeps every record."""
+    from kvj.fsck import fsck
+    found = fsck(path)
+    bad = [f"{f.kind}: {f.message}" for f in found.errors if f.kind not in REPAIRABLE]
+    assert not bad, f"fsck reports damage a crash must not leave: {bad}{where}"
+    if found.errors:
+        repaired = fsck(path, repair=True, fs=fs)
+        assert repaired.exit_code in (0, 1), f"fsck --repair left errors: {repaired.to_dict()}{where}"
+        assert fsck(path).exit_code == 0, f"fsck after --repair is not clean{where}"
+        _state, after = read_records(path)
+        assert after == records, f"fsck --repair changed the recovered records{where}"
 
 
 def tree_modes(path: str) -> List[Tuple[str, int]]:

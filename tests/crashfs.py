@@ -53,12 +53,15 @@ PathLike = Union[str, "os.PathLike[str]"]
 KEEP, DROP, ZERO, GARBAGE = "keep", "drop", "zero", "garbage"
 
 
-class SimulatedKill(Exception):
+class SimulatedKill(OSError):
     """Raised by every operation of a ``RecordingFS`` after ``kill()``: the process is gone.
 
-    An ``Exception`` (not ``BaseException``) on purpose: the engine must treat it like
-    any failed I/O, and it must never reach the disk.
+    An ``OSError`` on purpose: the engine treats it like any failed I/O (the writer and
+    the segment store enter their failed states), and nothing more reaches the disk.
     """
+
+    def __init__(self, message: str):
+        super().__init__(errno_mod.EIO, message)
 
 
 @dataclass
@@ -301,7 +304,10 @@ class CrashPlan:
     """How a crash state treats what was not yet durable at the crash point.
 
     ``meta``: which unsynced namespace operations (create/rename/unlink/mkdir) survive:
-    ``"none"``, ``"all"`` or ``"subset"`` (each independently). ``data``: which unsynced
+    ``"none"``, ``"all"``, ``"prefix"`` (a prefix in issue order: journaled file systems
+    such as ext4 and XFS commit metadata in order) or ``"subset"`` (each independently:
+    the worst case, as ALICE allows for file systems that reorder directory operations).
+    ``data``: which unsynced
     writes survive: ``"none"``, ``"all"``, ``"subset"`` (whole writes, independently),
     ``"zeros"`` (sizes grow, contents are zeros), ``"torn"`` (all but the last unsynced
     write survive; that one is cut at a ``sector`` boundary and the rest of it becomes
@@ -326,22 +332,24 @@ FIXED_PLANS: Tuple[CrashPlan, ...] = (
 )
 
 
-def random_plans(rng: random.Random, count: int) -> List[CrashPlan]:
-    """``count`` randomized plans: reordering, tearing at 512/4096 bytes, sector garbage."""
+def random_plans(rng: random.Random, count: int, meta_modes: Sequence[str] = ("subset", "prefix")) -> List[CrashPlan]:
+    """``count`` randomized plans: reordering, tearing at 512/4096 bytes, sector garbage.
+    ``meta_modes``: how unsynced namespace operations may survive (see ``CrashPlan``)."""
     plans = []
     for i in range(count):
         seed = rng.getrandbits(32)
         kind = i % 4
+        meta = rng.choice(list(meta_modes))
         if kind == 0:
-            plans.append(CrashPlan("reorder", meta="subset", data="subset", seed=seed))
+            plans.append(CrashPlan(f"reorder-{meta}", meta=meta, data="subset", seed=seed))
         elif kind in (1, 2):
             sector = rng.choice((512, 4096))
             fill = rng.choice((DROP, ZERO, GARBAGE))
-            plans.append(CrashPlan(f"torn{sector}-{fill}", meta=rng.choice(("all", "subset")), data="torn",
+            plans.append(CrashPlan(f"torn{sector}-{fill}-{meta}", meta=rng.choice(("all", meta)), data="torn",
                                    sector=sector, tear_fill=fill, seed=seed))
         else:
             sector = rng.choice((512, 4096))
-            plans.append(CrashPlan(f"sectors{sector}", meta="subset", data="sectors", sector=sector, seed=seed))
+            plans.append(CrashPlan(f"sectors{sector}-{meta}", meta=meta, data="sectors", sector=sector, seed=seed))
     return plans
 
 
@@ -381,7 +389,7 @@ def _meta_dirs(op: Op) -> Set[str]:
 
 
 def _apply_data(base: bytes, ops: Sequence[Op], fates: Optional[Callable[[Op], List[Tuple[int, int, str]]]],
-                rng: Optional[random.Random] = None) -> bytes:
+                garbage_seed: str = "") -> bytes:
     """Apply data ops to ``base``; ``fates(op)`` splits a write into (start, end, fate) pieces."""
     buf = bytearray(base)
     for op in ops:
@@ -401,9 +409,8 @@ def _apply_data(base: bytes, ops: Sequence[Op], fates: Optional[Callable[[Op], L
                 chunk = op.data[start - op.offset:end - op.offset]
             elif fate == ZERO:
                 chunk = bytes(end - start)
-            else:
-                assert rng is not None
-                chunk = rng.randbytes(end - start)
+            else:  # garbage: a function of the plan, op and offset (not of the order files are built in)
+                chunk = random.Random(f"{garbage_seed}:{op.index}:{start}").randbytes(end - start)
             buf[start:end] = chunk
     return bytes(buf)
 
@@ -469,9 +476,13 @@ def crash_state(fs: RecordingFS, upto: int, plan: CrashPlan, dest: PathLike) -> 
     # namespace: durable ops always, unsynced ones per plan
     files = dict(fs.base_files)
     dirs = set(fs.base_dirs)
+    n_pending = sum(1 for _op, durable in model.meta if not durable)
+    prefix = rng.randrange(n_pending + 1) if plan.meta == "prefix" else n_pending
+    seen_pending = 0
     for op, durable in model.meta:
         if not durable:
-            if plan.meta == "none" or (plan.meta == "subset" and rng.random() < 0.5):
+            seen_pending += 1
+            if plan.meta == "none" or (plan.meta == "subset" and rng.random() < 0.5) or seen_pending > prefix:
                 continue
         if op.kind == "create":
             files[op.path] = op.inode
@@ -507,7 +518,8 @@ def crash_state(fs: RecordingFS, upto: int, plan: CrashPlan, dest: PathLike) -> 
         if not reachable(path):
             continue
         ino = files[path]
-        data = _apply_data(model.durable_data.get(ino, b""), model.pending.get(ino, []), fates, rng)
+        data = _apply_data(model.durable_data.get(ino, b""), model.pending.get(ino, []), fates,
+                           f"{plan.seed}:{upto}:{plan.name}")
         rel = os.path.relpath(path, fs.root)
         with open(os.path.join(dest, rel), "wb") as f:
             f.write(data)

@@ -78,6 +78,8 @@ def main(argv: list) -> None:
     threads = int(argv[argv.index("--threads") + 1]) if "--threads" in argv else 2
     flush = "--flush" in argv
     side = Side(acks)
+    if flush:
+        import torch  # noqa: F401  (imported before 'ready', so kills land in flushes, not in the import)
     policy = CommitPolicy(max_delay=0.002, max_records=64, file_size_limit=32 << 10)
     j = Journal.open(journal, policy=policy)
     side.say(f"ready {j.writer.last_lsn + 1}")
