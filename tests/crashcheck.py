@@ -127,10 +127,22 @@ def comparable(state: JournalState) -> Dict[str, Any]:
 
 
 def read_records(path: str) -> Tuple[JournalState, List[Tuple[int, int, Dict[str, Any]]]]:
-    """Replay ``path`` and list the records after its snapshot as (lsn, type, payload)."""
-    state = replay(path)
-    stream = RecordStream(path, after_lsn=state.snapshot_lsn)
-    return state, [(r.lsn, r.rtype, r.payload) for r in stream]
+    """Replay ``path`` and list the records after its snapshot as (lsn, type, payload).
+
+    Two passes (replay, then the records); if a concurrent compactor replaced the
+    snapshot in between, both are read again, as ``replay`` itself does."""
+    from kvj.reader import list_logs
+    from kvj.snapshot import list_snapshots
+    for attempt in range(6):
+        before = (list_snapshots(path), list_logs(path))
+        state = replay(path)
+        try:
+            stream = RecordStream(path, after_lsn=state.snapshot_lsn)
+            return state, [(r.lsn, r.rtype, r.payload) for r in stream]
+        except (KvjError, FileNotFoundError):
+            if attempt == 5 or (list_snapshots(path), list_logs(path)) == before:
+                raise
+    raise AssertionError("unreachable")
 
 
 def check_journal(path: str, truth: Truth, acked: int, *, reopen_fs: Optional[FS] = None,

@@ -410,6 +410,23 @@ def test_compaction_collects_only_on_durable_ends(tmp_path):
     check_journal(os.path.join(state, "j"), truth, truth.acked, reopen_fs=FAST_FS)
 
 
+def test_compaction_after_a_crash_during_rotation(tmp_path):
+    """The writer died creating its next log file (empty, no header); a compactor runs
+    before any writer re-opens the journal: it folds the sealed files, and the journal
+    still replays and re-opens."""
+    path = str(tmp_path / "j")
+    truth = Truth()
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=300)) as j:
+        for i in range(30):
+            payload = {"device": "d", "addr": i, "size": 1, "tag": ""}
+            truth.add(j.writer.append(RecordType.ALLOC, payload, durable=True), RecordType.ALLOC, payload)
+        truth.ack(j.writer.last_lsn)
+    logs = sorted(n for n in os.listdir(path) if n.endswith(".log"))
+    open(os.path.join(path, f"{int(logs[-1][:16]) + 1:016d}.log"), "wb").close()
+    compact(path)
+    check_journal(path, truth, truth.acked, reopen_fs=FAST_FS)
+
+
 class _NoDirSyncFS(RecordingFS):
     """A broken disk layer: directory fsyncs never happen."""
 
@@ -438,14 +455,22 @@ def test_checker_catches_a_journal_that_skips_syncs(tmp_path, monkeypatch, broke
 
 @pytest.mark.slow
 def test_crash_states_full(tmp_path):
-    """At least 10,000 distinct crash states over randomized workloads."""
+    """At least 10,000 distinct crash states over randomized workloads: journal-only ones
+    (rotation, kills, re-opens), ones with segment flushes, request ends and compaction,
+    and double crashes (a crash during recovery of a crashed state)."""
     t0 = time.monotonic()
-    total = 0
+    plain = flushed = 0
     seed = 100
-    while total < 10_000:
-        total += run_seed(str(tmp_path), seed, steps=120, n_random=6, limit=None)
+    while plain < 6_000:
+        plain += run_seed(str(tmp_path), seed, steps=120, n_random=6, limit=None)
         seed += 1
-    total += run_double_crash(str(tmp_path), seed=7, n_first=25, n_random=4)
-    print(f"\ncrash states checked: {total} over {seed - 100} workloads + double crashes, "
+    plain_seeds, seed = seed - 100, 1000
+    while flushed < 6_000:
+        flushed += run_seed(str(tmp_path), seed, steps=100, n_random=3, limit=None, flushes=True, compactions=True)
+        seed += 1
+    double = run_double_crash(str(tmp_path), seed=7, n_first=25, n_random=4)
+    total = plain + flushed + double
+    print(f"\ncrash states checked: {total} ({plain} journal-only over {plain_seeds} workloads, {flushed} with "
+          f"flushes and compaction over {seed - 1000} workloads, {double} double crashes), "
           f"{time.monotonic() - t0:.0f}s")
     assert total >= 10_000

@@ -246,3 +246,83 @@ def test_failure_while_cutting_a_torn_tail(tmp_path, op, err):
     with Journal.open(path) as j:
         assert j.writer.last_lsn == last
         assert j.alloc("cuda:0", 99, 1, durable=True) == last + 1
+
+
+# -- segment store and compaction --------------------------------------------------------------
+
+def flush_setup(tmp_path):
+    """A journal on FaultFS(RecordingFS) with one request started and one segment flushed."""
+    import torch
+    fs, rec, path, j, truth = setup(tmp_path)
+    rid = "req-seg"
+    payload = {"id": rid, "prompt_hash": None, "tokens": None, "meta": {}}
+    truth.add(j.writer.append(1, payload), 1, payload)
+    flush_one(j, truth, rid, 0, torch.arange(512, dtype=torch.float32).reshape(8, 64))
+    truth.ack(j.sync())
+    rec.note(("acked", truth.acked))
+    return fs, rec, path, j, truth, rid
+
+
+def flush_one(j: Journal, truth: Truth, rid: str, seg: int, tensor) -> int:
+    """Flush ``tensor`` as segment ``seg`` and record it in the truth."""
+    layout = {"model": "io"}
+    lsn = j.flush(rid, seg, tensor, token_range=(16 * seg, 16 * seg + 16), layout=layout).result(30)
+    info = j.store.info(j.store.key_for(tensor, layout))
+    truth.tensors[info.key] = tensor
+    truth.add(lsn, 2, {"id": rid, "seg": seg, "key": info.key, "tokens": [16 * seg, 16 * seg + 16],
+                       "layout": dict(info.layout or {}), "raw_size": info.raw_size, "stored_size": info.stored_size,
+                       "digest": info.digest, "codec": info.codec})
+    return lsn
+
+
+@pytest.mark.parametrize("err", ERRNOS, ids=["ENOSPC", "EIO"])
+@pytest.mark.parametrize("op,where", [("write", ".tmp"), ("fsync", ".tmp"), ("rename", ".kvjseg"),
+                                      ("fsync_dir", "objects"), ("mkdir", "objects")])
+def test_segment_write_failure(tmp_path, op, where, err):
+    """A segment that cannot be made durable is never journaled: its flush fails loudly,
+    later flushes fail too (the store does not retry fsync), no record points at it, and
+    after a power loss every journaled segment restores bit-exactly."""
+    import torch
+    fs, rec, path, j, truth, rid = flush_setup(tmp_path)
+    records_before = dict(truth.records)
+    fs.faults.append(Fault(op, err, path_contains=where))
+    tensor = torch.full((8, 64), 7.0)
+    fut = j.flush(rid, 1, tensor, token_range=(16, 32), layout={"model": "io"})
+    with pytest.raises((OSError, KvjError)):
+        fut.result(30)
+    assert fs.fired == 1
+    with pytest.raises((OSError, KvjError)):
+        j.flush(rid, 2, torch.zeros(4, 4), token_range=(32, 48)).result(30)
+    try:
+        j.close()
+    except (OSError, KvjError):
+        pass
+    retried = [c for c in fs.calls_after_first_failure() if "segments" in (c.path or "")]
+    assert not retried, f"segment I/O was retried after the failure: {retried}"
+    # no record may point at the failed segment: check_journal rejects any record not in
+    # the truth, and the truth only holds flushes whose future succeeded
+    assert truth.records == records_before
+    check_after_failure(fs, rec, path, truth, tmp_path, 11)
+    check_journal(path, truth, truth.acked, reopen_fs=FS())
+
+
+@pytest.mark.parametrize("err", ERRNOS, ids=["ENOSPC", "EIO"])
+@pytest.mark.parametrize("op", ["write", "fsync", "rename", "fsync_dir", "unlink"])
+def test_compaction_failure_leaves_a_replayable_journal(tmp_path, op, err):
+    """Compaction hits a disk error (writing the snapshot, or deleting logs): it raises,
+    and the journal still replays every acknowledged record, before and after a power loss."""
+    from kvj.compact import compact
+    rng = random.Random(hash((op, err)) & 0xFFFF)
+    fs, rec, path, j, truth = setup(tmp_path, CommitPolicy(file_size_limit=500, **DETERMINISTIC))
+    durable_prefix(j, rec, truth, rng, groups=8)
+    fault = Fault(op, err, path_contains=None if op in ("fsync_dir",) else ("snap" if op != "unlink" else ".log"))
+    fs.faults.append(fault)
+    with pytest.raises((OSError, KvjError)):
+        compact(path, fs=fs)
+    assert fault.fired == 1
+    append(j, truth, rng)
+    truth.ack(j.sync())  # the writer does not care
+    rec.note(("acked", truth.acked))
+    j.close()
+    check_after_failure(fs, rec, path, truth, tmp_path, 13)
+    check_journal(path, truth, truth.acked, reopen_fs=FS())

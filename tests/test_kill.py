@@ -55,6 +55,7 @@ class Tally:
     acked_max: int = 0
     records_checked: int = 0
     segments_checked: int = 0
+    compactor_kills: int = 0
     kill_times: List[float] = field(default_factory=list)
 
 
@@ -164,16 +165,63 @@ def check_segments(journal: str, state) -> int:
     return n
 
 
-def run_kills(tmp: str, n_kills: int, seed: int, flush_every: int = 0) -> Tally:
-    """``n_kills`` kill cycles on journals of ``KILLS_PER_JOURNAL`` kills each."""
+COMPACTOR = """
+import sys, time
+from kvj.compact import compact
+path = sys.argv[1]
+print("ready", flush=True)
+while True:
+    compact(path)
+    time.sleep(0.02)
+"""
+
+
+class Compactor:
+    """A compactor process looping over the journal; SIGKILLed now and then too."""
+
+    def __init__(self, journal: str):
+        self.journal = journal
+        self.proc: Optional[subprocess.Popen] = None
+        self.kills = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", COMPACTOR, self.journal], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def check_alive(self) -> None:
+        """The compactor must not have died on its own (e.g. on a crashed writer's journal)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"the compactor died ({self.proc.returncode}):\n{self.proc.stderr.read()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.check_alive()
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+            self.proc = None
+            self.kills += 1
+
+
+def run_kills(tmp: str, n_kills: int, seed: int, flush_every: int = 0, compaction: bool = True) -> Tally:
+    """``n_kills`` kill cycles on journals of ``KILLS_PER_JOURNAL`` kills each, with a
+    compactor process running concurrently (itself killed now and then)."""
     rng = random.Random(seed)
     tally = Tally()
     acked = 0
     journal = ""
+    compactor: Optional[Compactor] = None
     for run in range(n_kills):
         if run % KILLS_PER_JOURNAL == 0:
+            if compactor is not None:
+                compactor.kill()
             journal = os.path.join(tmp, f"journal-{run // KILLS_PER_JOURNAL}")
             acked = 0
+            compactor = Compactor(journal) if compaction else None
+        if compactor is not None and compactor.proc is None and run % KILLS_PER_JOURNAL != 0:
+            compactor.start()  # once the journal exists
         flush = bool(flush_every) and HAS_FLUSH and run % flush_every == flush_every - 1
         child = spawn(journal, tmp, run, seed, flush)
         early = rng.random() < 0.1 and run % KILLS_PER_JOURNAL != 0
@@ -187,6 +235,11 @@ def run_kills(tmp: str, n_kills: int, seed: int, flush_every: int = 0) -> Tally:
             time.sleep(delay)
         run_acked, _ = kill(child)
         acked = max(acked, run_acked)
+        if compactor is not None and compactor.proc is not None:
+            if rng.random() < 0.3:
+                compactor.kill()  # a compactor dies mid-compaction now and then
+            else:
+                compactor.check_alive()
         tally.kills += 1
         tally.acked_max = max(tally.acked_max, acked)
         if os.path.isdir(journal):
@@ -200,6 +253,9 @@ def run_kills(tmp: str, n_kills: int, seed: int, flush_every: int = 0) -> Tally:
             with Journal.open(journal) as j:
                 lsn = j.alloc("parent", 0, 1, durable=True)
             assert lsn > acked
+    if compactor is not None:
+        compactor.kill()
+        tally.compactor_kills += compactor.kills
     add_figure("writer processes SIGKILLed", tally.kills)
     return tally
 
@@ -209,7 +265,8 @@ def test_kills_fast(tmp_path):
     t0 = time.monotonic()
     tally = run_kills(str(tmp_path), n_kills=12, seed=1, flush_every=4)
     print(f"\nkills: {tally.kills} ({tally.killed_in_recovery} early), records checked {tally.records_checked}, "
-          f"segments checked {tally.segments_checked}, {time.monotonic() - t0:.1f}s")
+          f"segments checked {tally.segments_checked}, compactor kills {tally.compactor_kills}, "
+          f"{time.monotonic() - t0:.1f}s")
     assert tally.acked_max > 0
 
 
@@ -219,7 +276,8 @@ def test_kills_full(tmp_path):
     t0 = time.monotonic()
     tally = run_kills(str(tmp_path), n_kills=200, seed=2, flush_every=3)
     print(f"\nkills: {tally.kills} ({tally.killed_in_recovery} during start-up/recovery), records checked "
-          f"{tally.records_checked}, segments checked {tally.segments_checked}, {time.monotonic() - t0:.0f}s")
+          f"{tally.records_checked}, segments checked {tally.segments_checked}, compactor kills "
+          f"{tally.compactor_kills}, {time.monotonic() - t0:.0f}s")
     assert tally.kills >= 200
 
 
