@@ -335,9 +335,7 @@ def _validate(m: Any, file_size: int, header_len: int) -> Header:
     chunk_size = _int(m, "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
     if chunk_size & (chunk_size - 1):
         raise FormatError("chunk_size is not a power of two")
-    layout = m.get("layout")
-    if layout is not None and not isinstance(layout, dict):
-        raise FormatError("layout is not a map")
+    layout = canonical_layout(m.get("layout"))  # FormatError unless plain JSON data
     if m.get("digest_alg") != DIGEST_ALG:
         raise FormatError(f"unknown digest algorithm {m.get('digest_alg')!r}")
     digest = m.get("digest")
@@ -446,18 +444,26 @@ def check_stored(data: Union[bytes, memoryview], name: str = "<segment>") -> Hea
 
 
 def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = None, *,
-                name: str = "<segment>", pool: Optional[Executor] = None) -> Tuple[Header, torch.Tensor]:
+                name: str = "<segment>", pool: Optional[Executor] = None,
+                max_raw: int = MAX_RAW_SIZE) -> Tuple[Header, torch.Tensor]:
     """Check and decode a whole segment file; return its header and tensor (on CPU).
 
     ``out``, when given, is a contiguous uint8 CPU tensor (e.g. pinned staging) of at least
     ``raw_size`` bytes that receives the data; the returned tensor is a view of it. Every chunk
     CRC and the digest are checked; any failure raises :class:`SegmentCorrupt` naming ``name``.
+    A segment declaring more than ``max_raw`` bytes is refused before anything is allocated.
     """
     view = memoryview(data).cast("B")
     header = read_header(view, name)
     dtype = header.torch_dtype
+    if header.raw_size > max_raw:
+        raise FormatError(f"{name} declares {header.raw_size} raw bytes, more than the limit of {max_raw} "
+                          "(max_segment_bytes)")
     if out is None:
-        out = torch.from_numpy(np.empty(header.raw_size, np.uint8))  # numpy asks for huge pages
+        try:
+            out = torch.from_numpy(np.empty(header.raw_size, np.uint8))  # numpy asks for huge pages
+        except MemoryError:
+            raise FormatError(f"{name} declares {header.raw_size} raw bytes: cannot allocate them") from None
     elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
             or out.numel() < header.raw_size:
         raise ValueError("out must be a contiguous CPU uint8 tensor of at least raw_size bytes")

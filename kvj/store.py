@@ -111,6 +111,10 @@ class StorageBackend(ABC):
     def mtime(self, key: str) -> float: ...
 
     @abstractmethod
+    def touch(self, key: str) -> None:
+        """Set ``key``'s mtime to now: a dedup hit restarts compaction's grace period."""
+
+    @abstractmethod
     def quarantine(self, key: str) -> str:
         """Move ``key`` aside so that it no longer resolves; returns where it went."""
 
@@ -276,6 +280,12 @@ class LocalDirBackend(StorageBackend):
         except FileNotFoundError:
             raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
 
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self.path(key))
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
     def quarantine(self, key: str) -> str:
         makedirs_durable(self.quarantine_dir, self.fs)
         src = self.path(key)
@@ -342,13 +352,19 @@ class SegmentStore:
     #: Segments up to this size are hashed before anything else (dedup without a write).
     HASH_FIRST_BYTES = 2 * seg.CHUNK_SIZE
 
+    #: Reads refuse segments declaring more raw bytes than this (a hostile header cannot
+    #: make a reader allocate without bound); raise it for larger tensors.
+    DEFAULT_MAX_SEGMENT_BYTES = 8 << 30
+
     def __init__(self, root: Union[str, os.PathLike, None] = None, fs: FS = REAL_FS,
-                 backend: Optional[StorageBackend] = None, threads: Optional[int] = None):
+                 backend: Optional[StorageBackend] = None, threads: Optional[int] = None,
+                 max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES):
         if backend is None:
             if root is None:
                 raise ValueError("SegmentStore needs a root directory or a backend")
             backend = LocalDirBackend(root, fs)
         self.backend = backend
+        self.max_segment_bytes = max_segment_bytes
         self.pool = ThreadPoolExecutor(max_workers=threads or max(2, os.cpu_count() or 2),
                                        thread_name_prefix="kvj-chunk")
         self._locks = [threading.Lock() for _ in range(64)]
@@ -437,6 +453,7 @@ class SegmentStore:
         try:
             header = seg.check_stored(self.backend.get(key), self.backend.describe(key))
             if header.digest.hex() == key:
+                self.backend.touch(key)
                 return SegmentInfo.from_header(header)
         except (SegmentCorrupt, FormatError):
             pass
@@ -502,7 +519,7 @@ class SegmentStore:
             header = seg.read_header(data, name)
             if not layouts_match(header.layout, expect_layout):
                 raise LayoutMismatch(f"segment {name} has layout {header.layout}, expected {expect_layout}")
-        header, tensor = seg.decode_into(data, out, name=name, pool=self.pool)
+        header, tensor = seg.decode_into(data, out, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
         device = torch.device(device)
@@ -514,7 +531,8 @@ class SegmentStore:
         """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
         check_key(key)
         name = self.backend.describe(key)
-        header, _ = seg.decode_into(self.backend.get(key), name=name, pool=self.pool)
+        header, _ = seg.decode_into(self.backend.get(key), name=name, pool=self.pool,
+                                    max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
         return SegmentInfo.from_header(header)

@@ -381,8 +381,6 @@ def is_json(value: Any) -> bool:
         return False
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG (kvj/segment.py, reported): a header layout that is not "
-                                       "JSON escapes descriptor() as TypeError/ValueError instead of SegmentCorrupt")
 @pytest.mark.parametrize("layout", [{"k": b"bytes"}, {"k": float("nan")}, {"k": msgpack.ExtType(1, b"x")}])
 def test_segment_layout_that_is_not_json_is_a_clean_error(sample_segments, layout):
     """Found by test_segment_header_with_valid_crc_and_hostile_field."""
@@ -392,9 +390,6 @@ def test_segment_layout_that_is_not_json_is_a_clean_error(sample_segments, layou
     decode_clean(resign_segment(data, m), tensor)
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG (kvj/segment.py decode_into, reported): the output buffer "
-                                       "is allocated from the declared raw_size (up to 64 GiB) before any check "
-                                       "against what the journal record says; MemoryError or OOM")
 def test_hostile_segment_declaring_a_huge_size_is_refused_cheaply(tmp_path):
     """A 1 MiB file whose valid-CRC header declares 16 GiB of zeros (256 chunks of a
     64 MiB zstd frame each): reading it must fail with a KvjError without allocating the
