@@ -44,9 +44,9 @@ def check_cycles(cycles, work: GenerationWorkload) -> int:
         for rid, req in planned.items():
             pos = req["resume_position"]
             assert pos % bs == 0
-            assert pos <= cycle["progress"].get(rid, 0), "recovery claims KV the process never computed"
             if rid not in cycle["resumed"]:
                 continue  # its output was delivered before the kill; only its end record was lost
+            assert pos <= cycle["progress"].get(rid, 0), "recovery claims KV the process never computed"
             assert cycle["resumed"][rid]["position"] == pos
             if rid in cycle["first_start"]:
                 assert cycle["first_start"][rid] == pos, "recomputed tokens before the last durable segment"

@@ -137,7 +137,7 @@ def generate(args: argparse.Namespace) -> None:
                 entry["blocks_before"] = before[rid]
             summary[rid] = entry
         if args.backend == "paged":
-            for rid, table in getattr(backend, "restored_tables", {}).items():
+            for rid, table in backend.restored_tables.items():
                 summary[rid]["blocks_after"] = table
     emit(event="done", requests=summary)
 

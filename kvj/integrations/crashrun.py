@@ -64,10 +64,12 @@ class Killed:
         return [e for e in self.events if e.get("event") == event]
 
     def progress(self) -> Dict[str, int]:
-        """Generation: positions each request had computed when it died."""
+        """Generation: positions each request had KV for when it died (computed, or restored
+        by a resumed process that had not computed more yet)."""
         out: Dict[str, int] = {}
-        for e in self.last("step"):
-            out[e["id"]] = max(out.get(e["id"], 0), e["computed"])
+        for e in self.events:
+            if e.get("event") in ("step", "resumed"):
+                out[e["id"]] = max(out.get(e["id"], 0), e["computed"] if e["event"] == "step" else e["position"])
         return out
 
 

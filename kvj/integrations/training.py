@@ -144,7 +144,9 @@ class StateJournal:
     queue; more block the caller) which stores the segments durably and then appends the
     checkpoint or delta record. In a delta, a tensor whose XOR would not compress better
     than the tensor itself (Adam's first moment moves ~10% a step) is stored whole, and
-    the record's ``meta.whole`` lists it. ``close`` waits for every save.
+    the record's ``meta.whole`` lists it. ``close`` (or leaving a ``with`` block) waits
+    for every save. Resuming, pass the recovered base (``RecoveredState.base_step`` and
+    ``base_state``) so the next deltas are taken against it.
     """
 
     def __init__(self, journal: "Journal", full_every: int, *, model: str,
@@ -205,6 +207,12 @@ class StateJournal:
         else:
             self.journal.delta(step, self._base[0], keys, {"model": self.model, "whole": whole})  # type: ignore[index]
             self.stats.deltas += 1
+
+    def __enter__(self) -> "StateJournal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Wait for every save (re-raising the first failure) and stop the thread."""
