@@ -76,7 +76,10 @@ class Killed:
 def start(argv: List[str]) -> subprocess.Popen:
     """Launch a workload process; its stderr goes to a temporary file (a pipe nobody reads
     while we follow stdout could fill up and stall it)."""
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=tempfile.TemporaryFile(), text=True, bufsize=1)
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+    proc.kvj_stderr = err  # type: ignore[attr-defined]
+    return proc
 
 
 def kill_when(proc: subprocess.Popen, now: Callable[[Event], bool], timeout: float = 300) -> Killed:
@@ -108,7 +111,7 @@ def kill_when(proc: subprocess.Popen, now: Callable[[Event], bool], timeout: flo
 
 
 def _stderr(proc: subprocess.Popen) -> str:
-    err: Any = proc.stderr
+    err: Any = proc.kvj_stderr  # type: ignore[attr-defined]
     err.seek(0)
     return err.read().decode(errors="replace")
 

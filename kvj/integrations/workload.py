@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Dict, List, Tuple
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 #: Model sizes: (vocab, hidden, intermediate, layers, heads, kv heads).
 SIZES: Dict[str, Tuple[int, int, int, int, int, int]] = {
@@ -38,14 +38,16 @@ class ModelSpec:
     @property
     def model_id(self) -> str:
         """A name that changes whenever the weights would: recorded in every segment's layout."""
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        identity = {**asdict(self), "dims": SIZES[self.size]}
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
         return f"kvj-{self.arch}-{self.size}-seed{self.seed}-{digest}"
 
     def argv(self) -> List[str]:
         """Arguments of ``python -m kvj.integrations`` that build this model."""
         return ["--arch", self.arch, "--size", self.size, "--seed", str(self.seed), "--dtype", self.dtype]
 
-    def config(self):  # -> transformers.PretrainedConfig (import deferred: transformers is optional)
+    def config(self) -> "PretrainedConfig":
+        """The architecture's config at this size (transformers is imported only here)."""
         vocab, hidden, inter, layers, heads, kv_heads = SIZES[self.size]
         kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
