@@ -64,9 +64,10 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
         raise CorruptionError(path, 0, "snapshot checksum mismatch")
     try:
         state = JournalState.from_dict(msgpack.unpackb(body, raw=False))
-        # exercise what replay, fsck and compaction do with a state, so that a body with
-        # wrong-typed fields fails here, as corruption, and not later as a TypeError
-        msgpack.packb(state.to_dict(), use_bin_type=True)
+        # exercise what replay, fsck and compaction do with a state (fold, serialise into the
+        # next snapshot and read that back), so that a body with wrong-typed fields fails
+        # here, as corruption, and not later as a TypeError or as an unreadable snapshot
+        msgpack.unpackb(msgpack.packb(state.to_dict(), use_bin_type=True), raw=False)
         state.referenced_keys()
     except Exception as exc:  # a valid CRC over a malformed body: written by a buggy or hostile tool
         raise CorruptionError(path, SNAP_HEADER.size, f"malformed snapshot body: {exc}") from None

@@ -280,12 +280,14 @@ def _snapshot_case(tmp_path: Path, body: Dict[str, Any], records: List[Dict[str,
 
 
 @pytest.mark.parametrize("body", [{"last_lsn": 3, "checkpoint": 1}, {"last_lsn": 3, "ended_compacted": None},
+                                  {"last_lsn": 3, "counts": [msgpack.ExtType(0, b"")]},  # -> {0: b""}: int key
                                   {"last_lsn": 3, "requests": [{"id": "r", "start_lsn": 1, "segments": [
                                       {"seg": 0, "lsn": 1, "tokens": 7}]}]}])
 def test_snapshot_body_with_wrong_types_is_corruption(tmp_path, body):
     """Regression (fixed in kvj/snapshot.py): a valid-CRC snapshot whose fields have the
     wrong types decoded 'successfully' and crashed later with a TypeError (in
-    referenced_keys, to_dict: i.e. in fsck, compaction, the CLI). Now CorruptionError."""
+    referenced_keys, to_dict: i.e. in fsck, compaction, the CLI), or produced a state whose
+    next snapshot could not be read back (an int map key). Now CorruptionError."""
     from kvj.errors import CorruptionError
     with pytest.raises(CorruptionError):
         decode_snapshot(snapshot_bytes(pack(body), 3), "x.snap")
