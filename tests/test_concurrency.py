@@ -159,7 +159,7 @@ def run_concurrent(tmp: str, seconds: float, run: int = 0) -> Seen:
 
 def test_compaction_during_live_writing_fast(tmp_path):
     seen = run_concurrent(str(tmp_path), seconds=6)
-    assert seen.follower_records > 0 and seen.rereads > 0 and seen.cycles > 10  # type: ignore[attr-defined]
+    assert seen.follower_records > 0 and seen.rereads > 0 and seen.cycles >= 3  # type: ignore[attr-defined]
     assert not seen.reread_errors, f"re-reads failed while compaction ran: {seen.reread_errors[:3]}"
 
 
