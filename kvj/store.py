@@ -1,6 +1,6 @@
 """Content-addressed segment store: durable puts, verified gets, behind a small backend.
 
-A segment's key is the lowercase hex SHA-256 digest defined in ``segment.py`` (raw bytes,
+A segment's key is the lowercase hex BLAKE3 tree digest defined in ``segment.py`` (raw bytes,
 dtype, shape and layout), so identical blocks are stored once and a key can only ever name the
 bytes it was computed from. Keys are validated before they touch a path. The bytes live
 behind :class:`StorageBackend`; :class:`LocalDirBackend` (the default) keeps one file per
