@@ -92,6 +92,35 @@ def zstd_decompress(data: Buffer, raw_len: int) -> bytes:
     return out
 
 
+def zstd_decompress_into(data: Buffer, out: memoryview) -> None:
+    """Decompress one zstd frame into ``out``, which it must fill exactly.
+
+    Like :func:`zstd_decompress` (the declared size is checked first), but the frame decodes
+    straight into the caller's buffer: no allocation, no extra copy.
+    """
+    raw_len = len(out)
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"bad zstd frame: {exc}") from None
+    if declared != raw_len:
+        raise FormatError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+    got = 0
+    try:
+        reader = _decompressor().stream_reader(data, read_size=max(1, len(data)))
+        while got < raw_len:
+            n = reader.readinto(out[got:])
+            if not n:
+                break
+            got += n
+        extra = reader.read(1) if got == raw_len else b""
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd frame does not decode: {exc}") from None
+    if got != raw_len or extra:
+        raise FormatError(f"zstd frame decoded to {got + len(extra)}{'+' if extra else ''} bytes, "
+                          f"expected {raw_len}")
+
+
 class Codec(ABC):
     """One chunk codec. ``encode`` output must decode bit-exactly with the same params."""
 
@@ -155,7 +184,7 @@ class ZstdCodec(Codec):
         return _compressor(("zstd", self.params["level"], self.params["long"])).compress(buf)
 
     def decode_into(self, data: memoryview, out: memoryview, itemsize: int) -> None:
-        out[:] = zstd_decompress(data, len(out))
+        zstd_decompress_into(data, out)
 
 
 _PLANE_MODES = "rez"
@@ -163,63 +192,93 @@ _PLANE_HEADER = struct.Struct("<BI")  # mode, stored length
 _BLOCK = 1 << 17  # elements per numpy pass: keeps temporaries in cache
 
 
-def split_planes(buf: memoryview, itemsize: int, fp: bool) -> List[np.ndarray]:
+def _scratch(name: str, size: int, dtype: Any = np.uint8) -> np.ndarray:
+    """A per-thread reusable array of at least ``size`` elements (first ``size`` returned).
+
+    The plane and word temporaries are reused across chunks, so the split and merge passes
+    run in cache-warm memory with no allocation and no page faults.
+    """
+    cache = getattr(_local, "scratch", None)
+    if cache is None:
+        cache = _local.scratch = {}
+    key = (name, np.dtype(dtype).str)
+    arr = cache.get(key)
+    if arr is None or len(arr) < size:
+        arr = cache[key] = np.empty(max(size, 1), dtype)
+    return arr[:size]
+
+
+def split_planes(buf: memoryview, itemsize: int, fp: bool,
+                 out: Optional[Sequence[np.ndarray]] = None) -> List[np.ndarray]:
     """Byte planes of the elements in ``buf``, least significant first.
 
     With ``fp`` the sign bit moves to bit 7 of plane 0 (beside the low mantissa bits) and the
     bits below it move up by one, so plane ``k-1`` holds the exponent's top 8 bits (all of it
-    for bf16 and fp32) with no sign mixed in.
+    for bf16 and fp32) with no sign mixed in. ``out``, when given, holds one uint8 array of
+    ``len(buf) // itemsize`` bytes per plane to write into (and is returned).
     """
     if itemsize == 1:
-        return [np.frombuffer(buf, np.uint8)]
+        src = np.frombuffer(buf, np.uint8)
+        if out is None:
+            return [src]
+        np.copyto(out[0], src)
+        return list(out)
     utype = _UINT[itemsize]
     bits = 8 * itemsize
     words = np.frombuffer(buf, utype)
     n = len(words)
-    planes = [np.empty(n, np.uint8) for _ in range(itemsize)]
+    planes = list(out) if out is not None else [np.empty(n, np.uint8) for _ in range(itemsize)]
+    block = min(n, _BLOCK)
+    t1, t2 = _scratch("w1", block, utype), _scratch("w2", block, utype)
     keep = utype(0x7F | (1 << (bits - 1)))
     for lo in range(0, n, _BLOCK):
         w = words[lo:lo + _BLOCK]
         hi = lo + len(w)
-        if fp:
-            for p in range(1, itemsize):
-                planes[p][lo:hi] = w >> (8 * p - 1)
-            t = w & keep
-            t |= t >> (bits - 8)
-            planes[0][lo:hi] = t
+        t, u = t1[:len(w)], t2[:len(w)]
+        for p in range(1, itemsize):  # each plane is one shift and one narrowing copy
+            np.right_shift(w, 8 * p - 1 if fp else 8 * p, out=t)
+            np.copyto(planes[p][lo:hi], t, casting="unsafe")
+        if fp:  # low 7 bits, and the sign at bit 7
+            np.bitwise_and(w, keep, out=t)
+            np.right_shift(t, bits - 8, out=u)
+            t |= u
+            np.copyto(planes[0][lo:hi], t, casting="unsafe")
         else:
-            for p in range(itemsize):
-                planes[p][lo:hi] = w >> (8 * p) if p else w
+            np.copyto(planes[0][lo:hi], w, casting="unsafe")
     return planes
 
 
 def merge_planes(planes: Sequence[np.ndarray], out: memoryview, itemsize: int, fp: bool) -> None:
     """Inverse of :func:`split_planes`, writing the elements into ``out``."""
     if itemsize == 1:
-        np.frombuffer(out, np.uint8)[:] = planes[0]
+        np.copyto(np.frombuffer(out, np.uint8), planes[0])
         return
     utype = _UINT[itemsize]
     bits = 8 * itemsize
     words = np.frombuffer(out, utype)
     n = len(words)
-    tmp = np.empty(min(n, _BLOCK), utype)
+    block = min(n, _BLOCK)
+    t1, t2 = _scratch("w1", block, utype), _scratch("w2", block, utype)
+    keep = utype(0x7F | (1 << (bits - 1)))
+    top = itemsize - 1
     for lo in range(0, n, _BLOCK):
         w = words[lo:lo + _BLOCK]
         hi = lo + len(w)
-        t = tmp[:len(w)]
-        top = itemsize - 1
-        w[:] = planes[top][lo:hi]
+        t, u = t1[:len(w)], t2[:len(w)]
+        np.copyto(w, planes[top][lo:hi], casting="unsafe")
         w <<= (8 * top - 1) if fp else 8 * top
         for p in range(1, top):
-            t[:] = planes[p][lo:hi]
+            np.copyto(t, planes[p][lo:hi], casting="unsafe")
             t <<= (8 * p - 1) if fp else 8 * p
             w |= t
-        t[:] = planes[0][lo:hi]
-        if fp:
-            w |= t & utype(0x7F)
-            t &= utype(0x80)
-            t <<= bits - 8
-        w |= t
+        if fp:  # plane 0 byte b -> b & 0x7F at bits 0..6, b's bit 7 at the sign bit
+            np.copyto(t, planes[0][lo:hi], casting="unsafe")
+            np.left_shift(t, bits - 8, out=u)
+            t |= u
+            t &= keep
+            w |= t
+        else:
+            np.bitwise_or(w, planes[0][lo:hi], out=w)
 
 
 class BytePlaneCodec(Codec):
@@ -244,21 +303,38 @@ class BytePlaneCodec(Codec):
         super().__init__(planes=planes, fp=bool(fp), level=level)
 
     def encode(self, buf: memoryview, itemsize: int) -> Buffer:
-        planes = self.params["planes"]
-        if len(planes) != itemsize:
-            raise FormatError(f"byteplane codec has {len(planes)} planes, element has {itemsize} bytes")
-        heads, bodies = [bytes([itemsize])], []
-        for mode, plane in zip(planes, split_planes(buf, itemsize, self.params["fp"])):
-            body: Buffer = memoryview(plane)
-            kind = 0
-            if mode != "r" and len(plane):
-                key = ("entropy",) if mode == "e" else ("zstd", self.params["level"], False)
-                packed = _compressor(key).compress(plane)
-                if len(packed) < len(plane):
-                    body, kind = packed, 1
-            heads.append(_PLANE_HEADER.pack(kind, len(body)))
-            bodies.append(body)
-        return b"".join(heads + bodies)
+        modes = self.params["planes"]
+        if len(modes) != itemsize:
+            raise FormatError(f"byteplane codec has {len(modes)} planes, element has {itemsize} bytes")
+        n = len(buf) // itemsize
+        head = 1 + itemsize * _PLANE_HEADER.size
+        # One output buffer: the leading raw planes are split straight into their final place;
+        # the others go to per-thread scratch, are compressed, and land after them.
+        out = np.empty(head + len(buf), np.uint8)
+        direct = 0
+        while direct < itemsize and modes[direct] == "r":
+            direct += 1
+        scratch = _scratch("planes", n * (itemsize - direct))
+        targets = [out[head + p * n:head + (p + 1) * n] if p < direct
+                   else scratch[(p - direct) * n:(p - direct + 1) * n] for p in range(itemsize)]
+        split_planes(buf, itemsize, self.params["fp"], targets)
+        out[0] = itemsize
+        pos = head + direct * n
+        for p in range(itemsize):
+            kind, length = 0, n
+            if p >= direct:
+                plane = targets[p]
+                body: Buffer = plane
+                if modes[p] != "r" and n:
+                    key = ("entropy",) if modes[p] == "e" else ("zstd", self.params["level"], False)
+                    packed = _compressor(key).compress(plane)
+                    if len(packed) < n:
+                        body, kind, length = packed, 1, len(packed)
+                if length:
+                    out[pos:pos + length] = np.frombuffer(body, np.uint8)
+                pos += length
+            _PLANE_HEADER.pack_into(out, 1 + p * _PLANE_HEADER.size, kind, length)
+        return memoryview(out)[:pos]
 
     def decode_into(self, data: memoryview, out: memoryview, itemsize: int) -> None:
         raw_len = len(out)
@@ -269,6 +345,7 @@ class BytePlaneCodec(Codec):
         if len(data) < head or data[0] != itemsize:
             raise FormatError("byteplane chunk header is damaged")
         pos, planes = head, []
+        scratch = None
         for p in range(itemsize):
             kind, length = _PLANE_HEADER.unpack_from(data, 1 + p * _PLANE_HEADER.size)
             body = data[pos:pos + length]
@@ -280,7 +357,11 @@ class BytePlaneCodec(Codec):
                     raise FormatError(f"raw plane holds {length} bytes, expected {plane_len}")
                 planes.append(np.frombuffer(body, np.uint8))
             elif kind == 1:
-                planes.append(np.frombuffer(zstd_decompress(body, plane_len), np.uint8))
+                if scratch is None:
+                    scratch = _scratch("dplanes", raw_len)
+                plane = scratch[p * plane_len:(p + 1) * plane_len]
+                zstd_decompress_into(body, memoryview(plane))
+                planes.append(plane)
             else:
                 raise FormatError(f"byteplane plane mode {kind} unknown")
         if pos != len(data):
