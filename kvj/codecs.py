@@ -459,8 +459,18 @@ class RowDedup:
         """``src`` for every row of ``buf`` (rows verified byte-equal, not just hash-equal)."""
         n = len(buf) // row_bytes
         rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
-        _, first, inverse = np.unique(RowDedup._keys(rows), return_index=True, return_inverse=True)
-        src = first[inverse.reshape(-1)].astype(np.int64)
+        keys = RowDedup._keys(rows)
+        # Group equal keys with a plain (SIMD) argsort and take each group's smallest row
+        # index: the first row of its kind. Faster than np.unique's stable sort.
+        order = np.argsort(keys)
+        sk = keys[order]
+        new = np.empty(n, bool)
+        new[0] = True
+        np.not_equal(sk[1:], sk[:-1], out=new[1:])
+        starts = np.flatnonzero(new)
+        first = np.minimum.reduceat(order, starts)
+        src = np.empty(n, np.int64)
+        src[order] = np.repeat(first, np.diff(np.append(starts, n)))
         cand = np.flatnonzero(src != np.arange(n))
         if len(cand):
             for lo in range(0, len(cand), 4096):

@@ -34,6 +34,8 @@ from . import codecs as _codecs
 from .codecs import Backpressure, Codec, RowDedup, auto_codec, get_codec
 from .errors import FormatError, SegmentCorrupt
 
+Buffer = Union[bytes, bytearray, memoryview]
+
 MAGIC = b"\x89KVJSEG\n"
 END_MAGIC = b"KVJSEGOK"
 VERSION = 1
@@ -260,20 +262,29 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
             dedup_info = {"row_bytes": row_bytes, "rows": len(src), "map_raw": len(map_raw)}
     spans = _chunks(len(payload), CHUNK_SIZE)
     leaf_futures: List[Any] = []
+    # Without a filter the payload chunks are the digest's leaves: hash each one in the same
+    # task that encodes it, while it is still in cache. With row dedup the leaves cover the
+    # raw bytes, so they are separate tasks.
+    fuse = digest is None and dedup_info is None
+    fused_leaves: List[bytes] = []
 
-    def work(span: Tuple[int, int]) -> Tuple[bytes, int]:
-        body = chosen.encode(payload[span[0]:span[0] + span[1]], wsize)
-        return body, crc32c.crc32c(body)
+    def work(span: Tuple[int, int]) -> Tuple[Buffer, int, Optional[bytes]]:
+        chunk = payload[span[0]:span[0] + span[1]]
+        body = chosen.encode(chunk, wsize)
+        return body, crc32c.crc32c(body), _leaf(chunk) if fuse else None
 
-    def pieces() -> Iterator[Tuple[bytes, int]]:
+    def pieces() -> Iterator[Tuple[Buffer, int]]:
         if map_frame is not None:
             yield map_frame, crc32c.crc32c(map_frame)
         if pool is None or len(spans) <= 1:
             for span in spans:
-                yield work(span)
+                body, crc, leaf = work(span)
+                if leaf is not None:
+                    fused_leaves.append(leaf)
+                yield body, crc
             return
         futures = []
-        leaf_spans = _chunks(len(raw), CHUNK_SIZE) if digest is None else []
+        leaf_spans = _chunks(len(raw), CHUNK_SIZE) if digest is None and not fuse else []
         for i in range(max(len(spans), len(leaf_spans))):  # interleaved: hashing keeps pace
             if i < len(spans):
                 futures.append(pool.submit(work, spans[i]))
@@ -282,7 +293,10 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
                 leaf_futures.append(pool.submit(_leaf, raw[o:o + n]))
         try:
             for fut in futures:
-                yield fut.result()
+                body, crc, leaf = fut.result()
+                if leaf is not None:
+                    fused_leaves.append(leaf)
+                yield body, crc
         finally:
             for fut in futures:
                 fut.cancel()
@@ -290,8 +304,12 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
     def make_header(table: List[Tuple[int, int]]) -> Header:
         final = digest
         if final is None:
-            leaves = [f.result() for f in leaf_futures] if leaf_futures else \
-                [_leaf(raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
+            if fuse:
+                leaves = fused_leaves
+            elif leaf_futures:
+                leaves = [f.result() for f in leaf_futures]
+            else:
+                leaves = [_leaf(raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
             final = digest_from_leaves(name, shape, layout, CHUNK_SIZE, len(raw), leaves)
         dd = None
         if dedup_info is not None:
