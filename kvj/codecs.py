@@ -258,13 +258,14 @@ def merge_planes(planes: Sequence[np.ndarray], out: memoryview, itemsize: int, f
     words = np.frombuffer(out, utype)
     n = len(words)
     block = min(n, _BLOCK)
-    t1, t2 = _scratch("w1", block, utype), _scratch("w2", block, utype)
+    t1 = _scratch("w1", block, utype)
     keep = utype(0x7F | (1 << (bits - 1)))
+    spread = utype(1 | (1 << (bits - 8)))
     top = itemsize - 1
     for lo in range(0, n, _BLOCK):
         w = words[lo:lo + _BLOCK]
         hi = lo + len(w)
-        t, u = t1[:len(w)], t2[:len(w)]
+        t = t1[:len(w)]
         np.copyto(w, planes[top][lo:hi], casting="unsafe")
         w <<= (8 * top - 1) if fp else 8 * top
         for p in range(1, top):
@@ -273,8 +274,7 @@ def merge_planes(planes: Sequence[np.ndarray], out: memoryview, itemsize: int, f
             w |= t
         if fp:  # plane 0 byte b -> b & 0x7F at bits 0..6, b's bit 7 at the sign bit
             np.copyto(t, planes[0][lo:hi], casting="unsafe")
-            np.left_shift(t, bits - 8, out=u)
-            t |= u
+            t *= spread  # b | b << (bits - 8): no carries, b < 256
             t &= keep
             w |= t
         else:
