@@ -4,7 +4,8 @@ The writer appends whole commit groups; a group is shown only once it parses com
 (length, every CRC, LSN sequence). An incomplete group at the end of the newest log file
 is re-read from the same offset on the next poll. Once a newer log file exists, the
 current one is sealed: whatever still does not parse there is a torn tail left by a
-crash, and following moves on to the next file.
+crash, and following moves on to the next file. A follower that falls behind a compaction
+continues after the snapshot that absorbed the records it missed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .framing import FILE_HEADER_SIZE, decode_file_header, parse_group
 from .reader import list_logs
 from .records import decode_payload
 from .replay import Record
+from .snapshot import list_snapshots
 
 
 class Follower:
@@ -58,6 +60,15 @@ class Follower:
                 return found
             self.path, self.offset = newer[0], 0
 
+    def _skip_compacted(self, path: str, base_lsn: int) -> None:
+        """Jump to ``base_lsn`` when a compaction folded the records before it into a snapshot
+        while we were behind (like ``tail -F`` after a rotation); otherwise it is a gap."""
+        snaps = list_snapshots(self.directory)
+        if not snaps or snaps[0][0] < base_lsn - 1:
+            raise CorruptionError(path, 0, f"log starts at LSN {base_lsn}, expected {self.expected} "
+                                  "(missing log file?)")
+        self.expected = base_lsn
+
     def _read(self, path: str) -> List[Record]:
         try:
             with open(path, "rb") as f:
@@ -67,8 +78,7 @@ class Follower:
                     if header is None:
                         return []  # being created; read again on the next poll
                     if header.base_lsn > self.expected:
-                        raise CorruptionError(path, 0, f"log starts at LSN {header.base_lsn}, expected "
-                                              f"{self.expected} (missing log file?)")
+                        self._skip_compacted(path, header.base_lsn)
                     self.offset = FILE_HEADER_SIZE
                 f.seek(self.offset)
                 data = f.read()
