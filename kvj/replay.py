@@ -100,7 +100,7 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False) -> 
 
 
 #: Fresh passes replay makes when files vanish under it (a concurrent compaction).
-COMPACTION_RETRIES = 5
+COMPACTION_RETRIES = 20
 
 
 def _replay_once(path: str, at_lsn: Optional[int], strict: bool) -> JournalState:
