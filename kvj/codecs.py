@@ -431,9 +431,12 @@ class RowDedup:
         cols = sorted({0, 1, words // 3, words // 2, (2 * words) // 3, words - 2, words - 1})
         keys = np.zeros(rows.shape[0], np.uint64)
         mult = np.uint64(0x9E3779B97F4A7C15)
-        for c in cols:
-            keys *= mult
-            keys ^= rows[:, c]
+        step = max(1, (1 << 20) // (8 * words))  # ~1 MiB of rows at a time stays in cache
+        for lo in range(0, rows.shape[0], step):
+            k, block = keys[lo:lo + step], rows[lo:lo + step]
+            for c in cols:
+                k *= mult
+                k ^= block[:, c]
         return keys
 
     @staticmethod
@@ -471,13 +474,45 @@ class RowDedup:
         first = np.minimum.reduceat(order, starts)
         src = np.empty(n, np.int64)
         src[order] = np.repeat(first, np.diff(np.append(starts, n)))
-        cand = np.flatnonzero(src != np.arange(n))
-        if len(cand):
-            for lo in range(0, len(cand), 4096):
-                part = cand[lo:lo + 4096]
-                same = (rows[part] == rows[src[part]]).all(axis=1)
-                src[part[~same]] = part[~same]
+        # Verify every candidate byte for byte: long runs at a constant distance (a shared
+        # prefix) as slices, without gathering copies; the rest row by row.
+        back = np.arange(n, dtype=np.int64) - src
+        starts, ends, vals = RowDedup._runs(back)
+        scattered = np.ones(n, bool)
+        for a, b, d in zip(starts.tolist(), ends.tolist(), vals.tolist()):
+            if d:
+                for lo in range(a, b, 4096):
+                    hi = min(b, lo + 4096)
+                    if np.array_equal(rows[lo:hi], rows[lo - d:hi - d]):
+                        continue
+                    same = (rows[lo:hi] == rows[lo - d:hi - d]).all(axis=1)
+                    src[lo:hi][~same] = np.arange(lo, hi)[~same]
+            scattered[a:b] = False
+        cand = np.flatnonzero(scattered & (back != 0))
+        for lo in range(0, len(cand), 4096):
+            part = cand[lo:lo + 4096]
+            same = (rows[part] == rows[src[part]]).all(axis=1)
+            src[part[~same]] = part[~same]
         return src
+
+    #: Runs of at least this many rows are copied or compared as slices.
+    MIN_RUN = 64
+
+    @staticmethod
+    def _runs(back: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, end, back value) of each maximal run of at least MIN_RUN rows with equal
+        ``back`` (``i - src[i]``): a run of first-of-kind rows, or of repeats at one distance."""
+        n = len(back)
+        if n == 0:
+            return (np.zeros(0, np.int64),) * 3
+        change = np.empty(n, bool)
+        change[0] = True
+        np.not_equal(back[1:], back[:-1], out=change[1:])
+        starts = np.flatnonzero(change)
+        ends = np.append(starts[1:], n)
+        keep = ends - starts >= RowDedup.MIN_RUN
+        starts, ends = starts[keep], ends[keep]
+        return starts, ends, back[starts]
 
     @staticmethod
     def encode_map(src: np.ndarray) -> bytes:
@@ -503,10 +538,31 @@ class RowDedup:
     @staticmethod
     def scatter(unique: np.ndarray, out: memoryview, row_bytes: int, src: np.ndarray,
                 firsts: np.ndarray) -> None:
-        """Rebuild every row of ``out`` from the first-of-kind rows."""
+        """Rebuild every row of ``out`` from the first-of-kind rows.
+
+        Long runs (first-of-kind rows in a row, or repeats at one distance, as a shared prefix
+        gives) are copied as slices; the remaining rows through index arrays.
+        """
         rows = np.frombuffer(out, np.uint8).reshape(-1, row_bytes)
-        rows[firsts] = unique.reshape(-1, row_bytes)
-        dups = np.flatnonzero(src != np.arange(len(src)))
+        uniq = unique.reshape(-1, row_bytes)
+        n = len(src)
+        back = np.arange(n, dtype=np.int64) - src
+        is_first = back == 0
+        pidx = np.cumsum(is_first) - 1  # payload row of each first-of-kind row
+        starts, ends, vals = RowDedup._runs(back)
+        rest = np.ones(n, bool)
+        for a, b, d in zip(starts.tolist(), ends.tolist(), vals.tolist()):
+            rest[a:b] = False
+            if not d:
+                p = int(pidx[a])
+                rows[a:b] = uniq[p:p + (b - a)]
+        short_firsts = np.flatnonzero(rest & is_first)
+        if len(short_firsts):
+            rows[short_firsts] = uniq[pidx[short_firsts]]
+        for a, b, d in zip(starts.tolist(), ends.tolist(), vals.tolist()):
+            if d:  # sources are first-of-kind rows, all in place by now
+                rows[a:b] = rows[a - d:b - d]
+        dups = np.flatnonzero(rest & ~is_first)
         if len(dups):
             rows[dups] = rows[src[dups]]
 
