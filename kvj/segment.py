@@ -252,7 +252,10 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
     if dedup is None:
         dedup = bool(row_bytes) and pressure == Backpressure.NORMAL \
             and RowDedup.sample_dup_fraction(raw, row_bytes) >= 0.004
+    leaf_futures: List[Any] = []
     if dedup and row_bytes:
+        if digest is None and pool is not None:  # the pool hashes while this thread searches
+            leaf_futures = [pool.submit(_leaf, raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
         src = RowDedup.find(raw, row_bytes)
         unique = RowDedup.gather(raw, row_bytes, src)
         if len(unique) < len(src):
@@ -261,11 +264,10 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
             map_frame = _codecs.ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
             dedup_info = {"row_bytes": row_bytes, "rows": len(src), "map_raw": len(map_raw)}
     spans = _chunks(len(payload), CHUNK_SIZE)
-    leaf_futures: List[Any] = []
     # Without a filter the payload chunks are the digest's leaves: hash each one in the same
     # task that encodes it, while it is still in cache. With row dedup the leaves cover the
     # raw bytes, so they are separate tasks.
-    fuse = digest is None and dedup_info is None
+    fuse = digest is None and dedup_info is None and not leaf_futures
     fused_leaves: List[bytes] = []
 
     def work(span: Tuple[int, int]) -> Tuple[Buffer, int, Optional[bytes]]:
@@ -284,7 +286,7 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
                 yield body, crc
             return
         futures = []
-        leaf_spans = _chunks(len(raw), CHUNK_SIZE) if digest is None and not fuse else []
+        leaf_spans = _chunks(len(raw), CHUNK_SIZE) if digest is None and not fuse and not leaf_futures else []
         for i in range(max(len(spans), len(leaf_spans))):  # interleaved: hashing keeps pace
             if i < len(spans):
                 futures.append(pool.submit(work, spans[i]))
