@@ -538,33 +538,63 @@ class RowDedup:
     @staticmethod
     def scatter(unique: np.ndarray, out: memoryview, row_bytes: int, src: np.ndarray,
                 firsts: np.ndarray) -> None:
-        """Rebuild every row of ``out`` from the first-of-kind rows.
-
-        Long runs (first-of-kind rows in a row, or repeats at one distance, as a shared prefix
-        gives) are copied as slices; the remaining rows through index arrays.
-        """
+        """Rebuild every row of ``out`` from the first-of-kind rows."""
         rows = np.frombuffer(out, np.uint8).reshape(-1, row_bytes)
-        uniq = unique.reshape(-1, row_bytes)
+        plan = ScatterPlan(src)
+        plan.firsts(rows, unique.reshape(-1, row_bytes), 0, len(src))
+        plan.repeats(rows, 0, len(src))
+
+
+class ScatterPlan:
+    """How to rebuild rows from a dedup map, in pieces that can run in parallel.
+
+    First :meth:`firsts` for every row range (they only write first-of-kind rows), then
+    :meth:`repeats` (they read only first-of-kind rows). Long runs (first-of-kind rows in a
+    row, or repeats at one distance, as a shared prefix gives) are copied as slices, the
+    other rows through index arrays.
+    """
+
+    def __init__(self, src: np.ndarray):
         n = len(src)
+        self.src = src
         back = np.arange(n, dtype=np.int64) - src
         is_first = back == 0
-        pidx = np.cumsum(is_first) - 1  # payload row of each first-of-kind row
-        starts, ends, vals = RowDedup._runs(back)
+        self.pidx = np.cumsum(is_first) - 1  # payload row of each first-of-kind row
+        self.starts, self.ends, self.vals = RowDedup._runs(back)
         rest = np.ones(n, bool)
-        for a, b, d in zip(starts.tolist(), ends.tolist(), vals.tolist()):
+        for a, b in zip(self.starts.tolist(), self.ends.tolist()):
             rest[a:b] = False
+        self.short_firsts = np.flatnonzero(rest & is_first)
+        self.short_repeats = np.flatnonzero(rest & ~is_first)
+
+    def _runs_in(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
+        i0 = int(np.searchsorted(self.ends, lo, side="right"))
+        i1 = int(np.searchsorted(self.starts, hi, side="left"))
+        return [(max(a, lo), min(b, hi), d) for a, b, d in zip(
+            self.starts[i0:i1].tolist(), self.ends[i0:i1].tolist(), self.vals[i0:i1].tolist())]
+
+    @staticmethod
+    def _within(idx: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        return idx[np.searchsorted(idx, lo):np.searchsorted(idx, hi)]
+
+    def firsts(self, rows: np.ndarray, unique: np.ndarray, lo: int, hi: int) -> None:
+        """Write the first-of-kind rows among rows ``lo..hi-1`` from the payload rows."""
+        for a, b, d in self._runs_in(lo, hi):
             if not d:
-                p = int(pidx[a])
-                rows[a:b] = uniq[p:p + (b - a)]
-        short_firsts = np.flatnonzero(rest & is_first)
-        if len(short_firsts):
-            rows[short_firsts] = uniq[pidx[short_firsts]]
-        for a, b, d in zip(starts.tolist(), ends.tolist(), vals.tolist()):
-            if d:  # sources are first-of-kind rows, all in place by now
+                p = int(self.pidx[a])
+                rows[a:b] = unique[p:p + (b - a)]
+        idx = self._within(self.short_firsts, lo, hi)
+        if len(idx):
+            rows[idx] = unique[self.pidx[idx]]
+
+    def repeats(self, rows: np.ndarray, lo: int, hi: int) -> None:
+        """Copy the repeated rows among ``lo..hi-1`` from their (already written) sources."""
+        for a, b, d in self._runs_in(lo, hi):
+            if d:
                 rows[a:b] = rows[a - d:b - d]
-        dups = np.flatnonzero(rest & ~is_first)
-        if len(dups):
-            rows[dups] = rows[src[dups]]
+        idx = self._within(self.short_repeats, lo, hi)
+        if len(idx):
+            rows[idx] = rows[self.src[idx]]
 
 
 # --------------------------------------------------------------------------- auto + pressure

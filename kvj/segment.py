@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import codecs as _codecs
-from .codecs import Backpressure, Codec, RowDedup, auto_codec, get_codec
+from .codecs import Backpressure, Codec, RowDedup, ScatterPlan, auto_codec, get_codec
 from .errors import FormatError, SegmentCorrupt
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -533,8 +533,20 @@ def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = No
 
     leaves = _map(pool, work, jobs)
     if header.dedup is not None:
-        RowDedup.scatter(payload, raw, header.dedup["row_bytes"], src, firsts)
-        leaves = _map(pool, lambda c: _leaf(raw[c[0]:c[0] + c[1]]), _chunks(header.raw_size, header.chunk_size))
+        # Rebuild the rows in parallel: first-of-kind rows in two halves, then per digest leaf
+        # the repeated rows it covers, hashed while they are in cache.
+        row_bytes, n_rows = header.dedup["row_bytes"], header.dedup["rows"]
+        rows = np.frombuffer(raw, np.uint8).reshape(-1, row_bytes)
+        unique = payload.reshape(-1, row_bytes)
+        plan = ScatterPlan(src)
+        half = n_rows // 2
+        _map(pool, lambda r: plan.firsts(rows, unique, r[0], r[1]), [(0, half), (half, n_rows)])
+
+        def repeats_and_leaf(c: Tuple[int, int]) -> bytes:
+            # A row straddling two leaves is written by both tasks, with the same bytes.
+            plan.repeats(rows, c[0] // row_bytes, min(n_rows, -(-(c[0] + c[1]) // row_bytes)))
+            return _leaf(raw[c[0]:c[0] + c[1]])
+        leaves = _map(pool, repeats_and_leaf, _chunks(header.raw_size, header.chunk_size))
     actual = digest_from_leaves(header.dtype, header.shape, header.layout, header.chunk_size,
                                 header.raw_size, leaves)
     if actual != header.digest:
