@@ -38,10 +38,9 @@ from test_kill import Tally, check_allocations, check_journal_after_kill, kill, 
 COMPACTOR = """
 import sys, time
 from kvj.compact import compact
-from kvj.errors import JournalLocked
-path, until = sys.argv[1], float(sys.argv[2])
+path, until, min_cycles, deadline = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 cycles = 0
-while time.time() < until:
+while (time.time() < until or cycles < min_cycles) and time.time() < deadline:
     compact(path)
     cycles += 1
     time.sleep(0.1)
@@ -124,20 +123,22 @@ def reread(journal: str, child, stop: threading.Event, seen: Seen) -> None:
         seen.rereads += 1
 
 
-def run_concurrent(tmp: str, seconds: float, run: int = 0) -> Seen:
+def run_concurrent(tmp: str, seconds: float, run: int = 0, min_cycles: int = 3) -> Seen:
     journal = os.path.join(tmp, "j")
     child = spawn(journal, tmp, run, seed=run, flush=False)
     seen = Seen()
     stop = threading.Event()
     try:
         wait_ready(child)
-        compactor = subprocess.Popen([sys.executable, "-c", COMPACTOR, journal, str(time.time() + seconds)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        now = time.time()  # run for ``seconds`` and at least ``min_cycles`` compactions (a loaded box is slow)
+        compactor = subprocess.Popen([sys.executable, "-c", COMPACTOR, journal, str(now + seconds), str(min_cycles),
+                                      str(now + seconds + 120)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
         readers = [threading.Thread(target=follow, args=(journal, stop, seen)),
                    threading.Thread(target=reread, args=(journal, child, stop, seen))]
         for t in readers:
             t.start()
-        out, err = compactor.communicate(timeout=seconds + 120)
+        out, err = compactor.communicate(timeout=seconds + 240)
         assert compactor.returncode == 0, f"the compactor failed:\n{err[-3000:]}"
         cycles = int(out.strip() or 0)
     finally:
@@ -168,7 +169,7 @@ def test_compaction_during_live_writing_fast(tmp_path):
 
 @pytest.mark.slow
 def test_compaction_during_live_writing_full(tmp_path):
-    seen = run_concurrent(str(tmp_path), seconds=60, run=1)
+    seen = run_concurrent(str(tmp_path), seconds=60, run=1, min_cycles=30)
     assert seen.cycles >= 30  # type: ignore[attr-defined]  (each folds a growing snapshot)
     assert not seen.reread_errors, f"re-reads failed while compaction ran: {seen.reread_errors[:3]}"
 
