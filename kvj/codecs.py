@@ -25,6 +25,7 @@ from __future__ import annotations
 import struct
 import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import Executor
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
@@ -426,10 +427,12 @@ class RowDedup:
         return 0
 
     @staticmethod
-    def _keys(rows: np.ndarray) -> np.ndarray:
+    def _keys(rows: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         words = rows.shape[1]
         cols = sorted({0, 1, words // 3, words // 2, (2 * words) // 3, words - 2, words - 1})
-        keys = np.zeros(rows.shape[0], np.uint64)
+        keys = np.zeros(rows.shape[0], np.uint64) if out is None else out
+        if out is not None:
+            keys.fill(0)
         mult = np.uint64(0x9E3779B97F4A7C15)
         step = max(1, (1 << 20) // (8 * words))  # ~1 MiB of rows at a time stays in cache
         for lo in range(0, rows.shape[0], step):
@@ -458,11 +461,32 @@ class RowDedup:
         return 1.0 - len(np.unique(keys)) / len(keys)
 
     @staticmethod
-    def find(buf: memoryview, row_bytes: int) -> np.ndarray:
-        """``src`` for every row of ``buf`` (rows verified byte-equal, not just hash-equal)."""
+    def row_keys(buf: memoryview, row_bytes: int, pool: Optional[Executor] = None) -> np.ndarray:
+        """The 64-bit key of every row (half of them in ``pool`` when one is given)."""
         n = len(buf) // row_bytes
         rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
-        keys = RowDedup._keys(rows)
+        keys = np.empty(n, np.uint64)
+        if pool is None or n < 8192:
+            return RowDedup._keys(rows, keys)
+        half = n // 2
+        fut = pool.submit(RowDedup._keys, rows[half:], keys[half:])
+        RowDedup._keys(rows[:half], keys[:half])
+        if fut.cancel():  # the pool is busy with other work: do that half here
+            RowDedup._keys(rows[half:], keys[half:])
+        else:
+            fut.result()
+        return keys
+
+    @staticmethod
+    def find(buf: memoryview, row_bytes: int, keys: Optional[np.ndarray] = None) -> np.ndarray:
+        """``src`` for every row of ``buf`` (rows verified byte-equal, not just hash-equal).
+
+        ``keys`` are :meth:`row_keys` of ``buf``, computed here when not given.
+        """
+        n = len(buf) // row_bytes
+        rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
+        if keys is None:
+            keys = RowDedup._keys(rows)
         # Group equal keys with a plain (SIMD) argsort and take each group's smallest row
         # index: the first row of its kind. Faster than np.unique's stable sort.
         order = np.argsort(keys)

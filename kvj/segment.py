@@ -254,9 +254,10 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
             and RowDedup.sample_dup_fraction(raw, row_bytes) >= 0.004
     leaf_futures: List[Any] = []
     if dedup and row_bytes:
+        keys = RowDedup.row_keys(raw, row_bytes, pool)
         if digest is None and pool is not None:  # the pool hashes while this thread searches
             leaf_futures = [pool.submit(_leaf, raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
-        src = RowDedup.find(raw, row_bytes)
+        src = RowDedup.find(raw, row_bytes, keys)
         unique = RowDedup.gather(raw, row_bytes, src)
         if len(unique) < len(src):
             payload = memoryview(unique.reshape(-1)).cast("B")
