@@ -258,13 +258,28 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
         if digest is None and pool is not None:  # the pool hashes while this thread searches
             leaf_futures = [pool.submit(_leaf, raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
         src = RowDedup.find(raw, row_bytes, keys)
-        unique = RowDedup.gather(raw, row_bytes, src)
-        if len(unique) < len(src):
-            payload = memoryview(unique.reshape(-1)).cast("B")
+        first_rows = np.flatnonzero(src == np.arange(len(src)))
+        if len(first_rows) < len(src):
+            # The payload (the first-of-kind rows in order) is never built whole: each chunk
+            # task gathers its own rows, in parallel (see chunk_of).
+            payload_rows = (np.frombuffer(raw, np.uint8).reshape(-1, row_bytes), first_rows)
+            payload_size = len(first_rows) * row_bytes
             map_raw = RowDedup.encode_map(src)
             map_frame = _codecs.ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
             dedup_info = {"row_bytes": row_bytes, "rows": len(src), "map_raw": len(map_raw)}
-    spans = _chunks(len(payload), CHUNK_SIZE)
+    if dedup_info is None:
+        payload_size = len(payload)
+    spans = _chunks(payload_size, CHUNK_SIZE)
+
+    def chunk_of(span: Tuple[int, int]) -> memoryview:
+        off, n = span
+        if dedup_info is None:
+            return payload[off:off + n]
+        rows, firsts = payload_rows
+        r0, r1 = off // row_bytes, -(-(off + n) // row_bytes)
+        block = rows[firsts[r0:r1]].reshape(-1)
+        skip = off - r0 * row_bytes
+        return memoryview(block[skip:skip + n])
     # Without a filter the payload chunks are the digest's leaves: hash each one in the same
     # task that encodes it, while it is still in cache. With row dedup the leaves cover the
     # raw bytes, so they are separate tasks.
@@ -272,7 +287,7 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
     fused_leaves: List[bytes] = []
 
     def work(span: Tuple[int, int]) -> Tuple[Buffer, int, Optional[bytes]]:
-        chunk = payload[span[0]:span[0] + span[1]]
+        chunk = chunk_of(span)
         body = chosen.encode(chunk, wsize)
         return body, crc32c.crc32c(body), _leaf(chunk) if fuse else None
 
@@ -320,7 +335,7 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
             table = table[1:]
         return Header(dtype=name, shape=shape, layout=layout, codec=chosen.name,
                       params=dict(chosen.params), raw_size=len(raw), chunk_size=CHUNK_SIZE,
-                      payload_size=len(payload), chunks=tuple(table),
+                      payload_size=payload_size, chunks=tuple(table),
                       stored_size=sum(t[0] for t in table) + (dd["map_stored"] if dd else 0),
                       digest=final, dedup=dd)
 
