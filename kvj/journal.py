@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from .errors import CorruptionError, FormatError, JournalClosed
+from .errors import CorruptionError, FormatError, JournalClosed, JournalFailed, KvjError
 from .fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
 from .framing import decode_file_header, later_group_exists
 from .reader import Scan, TornTail, list_logs, log_seq
@@ -245,10 +245,23 @@ class Journal:
     # -- durability ----------------------------------------------------------------------
 
     def sync(self) -> int:
-        """Wait for pending segment flushes, then until every record so far is durable."""
-        if self._flusher is not None:
-            self._flusher.drain()
+        """Wait for pending segment flushes, then until every record so far is durable.
+
+        A failed segment flush is final too: ``sync`` (and ``close``) raise ``JournalFailed``
+        from then on, since a flush the caller asked for can never become durable.
+        """
+        self._drain_flushes()
         return self.writer.sync()
+
+    def _drain_flushes(self) -> None:
+        if self._flusher is None:
+            return
+        try:
+            self._flusher.drain()
+        except KvjError:
+            raise
+        except Exception as exc:
+            raise JournalFailed(f"a segment flush failed: {exc}") from exc
 
     @property
     def durable_lsn(self) -> int:
@@ -262,6 +275,7 @@ class Journal:
         try:
             if self._flusher is not None:
                 self._flusher.close()
+                self._drain_flushes()
         finally:
             try:
                 self.writer.close()

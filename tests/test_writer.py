@@ -190,3 +190,24 @@ def test_files_are_owner_only(tmp_path):
     assert os.stat(path).st_mode & 0o777 == 0o700
     for log in list_logs(str(path)):
         assert os.stat(log).st_mode & 0o777 == 0o600
+
+
+def test_a_failed_segment_flush_makes_sync_and_close_fail(tmp_path):
+    import torch
+
+    class NoSegmentFsync(FS):
+        def fsync(self, fd):
+            if "segments" in os.readlink(f"/proc/self/fd/{fd}"):
+                raise OSError(errno.EIO, "injected EIO on a segment")
+            super().fsync(fd)
+
+    j = Journal.open(tmp_path / "j", fs=NoSegmentFsync())
+    future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
+    with pytest.raises(OSError):
+        future.result(10)
+    for _ in range(2):
+        with pytest.raises(JournalFailed, match="segment flush failed"):
+            j.sync()
+    with pytest.raises(JournalFailed):
+        j.close()
+    assert not kvj.replay(str(tmp_path / "j")).counts.get("segment")
