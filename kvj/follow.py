@@ -29,6 +29,7 @@ class Follower:
         self.expected = after_lsn + 1  # the next LSN to show
         self.path: Optional[str] = None
         self.offset = 0
+        self.salt = 0  # of the file at ``path``, read with its header
 
     def _start(self, logs: List[str]) -> None:
         """Begin at the newest file whose first LSN is not past the next one we need."""
@@ -79,7 +80,7 @@ class Follower:
                         return []  # being created; read again on the next poll
                     if header.base_lsn > self.expected:
                         self._skip_compacted(path, header.base_lsn)
-                    self.offset = FILE_HEADER_SIZE
+                    self.offset, self.salt = FILE_HEADER_SIZE, header.salt
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:
@@ -87,7 +88,7 @@ class Follower:
         records: List[Record] = []
         pos = 0
         while pos < len(data):
-            parsed = parse_group(data, pos, path)
+            parsed = parse_group(data, pos, path, self.salt)
             if parsed is None:
                 break  # incomplete (still being written) or torn
             raws, pos_next = parsed

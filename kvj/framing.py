@@ -4,17 +4,19 @@ A log file is a 32-byte file header followed by commit groups. A commit group is
 what one fdatasync made durable: a 24-byte group header, then ``count`` records.
 Each record is a 20-byte header and a msgpack payload. All integers little-endian.
 
-    file header   magic[8] version:u16 flags:u16 seq:u64 base_lsn:u64 crc:u32
+    file header   magic[8] version:u16 flags:u16 seq:u64 base_lsn:u64 salt:u32 crc:u32
     group header  magic[4] crc:u32 body_len:u32 count:u32 first_lsn:u64
     record header crc:u32 length:u32 type:u16 flags:u16 lsn:u64
 
-Every CRC is CRC32C: the file header's over its first 28 bytes, the group header's
-over its last 16 bytes, a record's over its header after the CRC field and its payload.
-Type 0 is reserved, so zero-filled space never parses as a record.
+Every CRC is CRC32C: the file header's over its first 32 bytes; the group header's over
+its last 16 bytes, starting from the file's random ``salt`` instead of 0, so bytes inside
+a payload can never pass for a group header; a record's over its header after the CRC
+field and its payload. Type 0 is reserved, so zero-filled space never parses as a record.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -25,13 +27,13 @@ FILE_MAGIC = b"\x89KVJLOG\n"
 FORMAT_VERSION = 1
 GROUP_MAGIC = b"KVJG"
 
-FILE_HEADER = struct.Struct("<8sHHQQI")
+FILE_HEADER = struct.Struct("<8sHHQQII")
 GROUP_HEADER = struct.Struct("<4sIIIQ")
 RECORD_HEADER = struct.Struct("<IIHHQ")
 RECORD_TAIL = struct.Struct("<IHHQ")  # the record header after its CRC field
 CRC = struct.Struct("<I")
 
-FILE_HEADER_SIZE = FILE_HEADER.size  # 32
+FILE_HEADER_SIZE = FILE_HEADER.size  # 36
 GROUP_HEADER_SIZE = GROUP_HEADER.size  # 24
 RECORD_HEADER_SIZE = RECORD_HEADER.size  # 20
 
@@ -41,8 +43,13 @@ MAX_RECORD_PAYLOAD = 16 << 20
 MAX_GROUP_BODY = 1 << 30
 
 
-def encode_file_header(seq: int, base_lsn: int) -> bytes:
-    head = FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, seq, base_lsn, 0)[:-4]
+def new_salt() -> int:
+    """A random 32-bit salt for a new log file's group-header CRCs."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def encode_file_header(seq: int, base_lsn: int, salt: int) -> bytes:
+    head = FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, seq, base_lsn, salt, 0)[:-4]
     return head + CRC.pack(crc32c(head))
 
 
@@ -51,16 +58,26 @@ class FileHeader:
     version: int
     seq: int
     base_lsn: int
+    salt: int
+
+
+def header_torn(data: bytes) -> bool:
+    """Whether an invalid file header can be a crash during the file's creation.
+
+    The header is written and fsynced before any group, so a file longer than its
+    header with a bad header is corruption, never a torn creation.
+    """
+    return len(data) <= FILE_HEADER_SIZE
 
 
 def decode_file_header(data: bytes) -> Optional[FileHeader]:
     """Return the header, or None when the bytes are not a valid kvj log file header."""
     if len(data) < FILE_HEADER_SIZE:
         return None
-    magic, version, _flags, seq, base_lsn, crc = FILE_HEADER.unpack_from(data, 0)
+    magic, version, _flags, seq, base_lsn, salt, crc = FILE_HEADER.unpack_from(data, 0)
     if magic != FILE_MAGIC or crc32c(data[: FILE_HEADER_SIZE - 4]) != crc:
         return None
-    return FileHeader(version, seq, base_lsn)
+    return FileHeader(version, seq, base_lsn, salt)
 
 
 def encode_record(rtype: int, lsn: int, payload: bytes) -> bytes:
@@ -69,9 +86,9 @@ def encode_record(rtype: int, lsn: int, payload: bytes) -> bytes:
     return CRC.pack(crc32c(payload, crc32c(tail))) + tail + payload
 
 
-def encode_group_header(body_len: int, count: int, first_lsn: int) -> bytes:
+def encode_group_header(body_len: int, count: int, first_lsn: int, salt: int = 0) -> bytes:
     tail = GROUP_HEADER.pack(GROUP_MAGIC, 0, body_len, count, first_lsn)[8:]
-    return GROUP_MAGIC + CRC.pack(crc32c(tail)) + tail
+    return GROUP_MAGIC + CRC.pack(crc32c(tail, salt)) + tail
 
 
 @dataclass(frozen=True)
@@ -85,23 +102,23 @@ class RawRecord:
     offset: int  # of the record header within its file
 
 
-def group_header_at(data: bytes, off: int) -> Optional[Tuple[int, int, int]]:
-    """(body_len, count, first_lsn) if a valid group header starts at ``off``."""
+def group_header_at(data: bytes, off: int, salt: int = 0) -> Optional[Tuple[int, int, int]]:
+    """(body_len, count, first_lsn) if a valid group header (for ``salt``) starts at ``off``."""
     if off + GROUP_HEADER_SIZE > len(data) or data[off:off + 4] != GROUP_MAGIC:
         return None
     _magic, crc, body_len, count, first_lsn = GROUP_HEADER.unpack_from(data, off)
-    if crc32c(data[off + 8:off + GROUP_HEADER_SIZE]) != crc or body_len > MAX_GROUP_BODY:
+    if crc32c(data[off + 8:off + GROUP_HEADER_SIZE], salt) != crc or body_len > MAX_GROUP_BODY:
         return None
     return body_len, count, first_lsn
 
 
-def parse_group(data: bytes, off: int, path: str) -> Optional[Tuple[List[RawRecord], int]]:
+def parse_group(data: bytes, off: int, path: str, salt: int = 0) -> Optional[Tuple[List[RawRecord], int]]:
     """Parse the commit group at ``off``: (records, end offset), or None if any check fails.
 
     A group is all-or-nothing: one bad record, a short body or an LSN out of sequence
     invalidates the whole group.
     """
-    head = group_header_at(data, off)
+    head = group_header_at(data, off, salt)
     if head is None:
         return None
     body_len, count, first_lsn = head
@@ -128,15 +145,16 @@ def parse_group(data: bytes, off: int, path: str) -> Optional[Tuple[List[RawReco
     return records, end
 
 
-def later_group_exists(data: bytes, off: int, after_lsn: int) -> Optional[int]:
+def later_group_exists(data: bytes, off: int, after_lsn: int, salt: int = 0) -> Optional[int]:
     """Offset of a valid group header past ``off`` whose LSNs follow ``after_lsn``, if any.
 
     Groups are written one at a time, each only after the previous one was fdatasynced,
-    so a valid group after a damaged one proves the damage is not a torn tail.
+    so a valid group after a damaged one proves the damage is not a torn tail. The salt
+    keeps payload bytes (which a tenant may choose) from ever passing for such a group.
     """
     pos = data.find(GROUP_MAGIC, off + 1)
     while pos != -1:
-        head = group_header_at(data, pos)
+        head = group_header_at(data, pos, salt)
         if head is not None and head[2] > after_lsn:
             return pos
         pos = data.find(GROUP_MAGIC, pos + 1)

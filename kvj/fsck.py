@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import CorruptionError, FormatError, JournalLocked
 from .fileio import FS, REAL_FS, makedirs_durable
-from .framing import (FILE_HEADER_SIZE, FORMAT_VERSION, decode_file_header, later_group_exists,
+from .framing import (FILE_HEADER_SIZE, FORMAT_VERSION, decode_file_header, header_torn, later_group_exists,
                       parse_group)
 from .journal import TORN_DIR, cut_torn_tail, default_store_path
 from .legacy import LegacyScan
@@ -186,7 +186,7 @@ class _Checker:
                 data = f.read()
             header = decode_file_header(data)
             if header is None:
-                if is_last and later_group_exists(data, -1, 0) is not None:
+                if is_last and not header_torn(data):
                     self.add("error", "corruption", "bad log file header before valid commit groups", log, 0)
                 elif is_last and r.writer_live:
                     self.add("note", "file-in-progress", "the live writer is creating this log file", log, 0)
@@ -221,9 +221,9 @@ class _Checker:
             expected = header.base_lsn
             off = FILE_HEADER_SIZE
             while off < len(data):
-                parsed = parse_group(data, off, log)
+                parsed = parse_group(data, off, log, header.salt)
                 if parsed is None:
-                    self._damage(log, data, off, expected, is_last)
+                    self._damage(log, data, off, expected, is_last, header.salt)
                     break
                 records, off = parsed
                 if records[0].lsn != expected:
@@ -248,8 +248,8 @@ class _Checker:
             self._check_snapshot(snap.snapshot_lsn, snap_canon, check, expected, valid)
         return state
 
-    def _damage(self, log: str, data: bytes, off: int, expected: int, is_last: bool) -> None:
-        later = later_group_exists(data, off, expected - 1)
+    def _damage(self, log: str, data: bytes, off: int, expected: int, is_last: bool, salt: int) -> None:
+        later = later_group_exists(data, off, expected - 1, salt)
         if later is not None or not is_last:
             where = f"; a valid group follows at offset {later}" if later is not None else " in a sealed log file"
             self.add("error", "corruption", f"damaged commit group{where}", log, off)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple,
 
 from .errors import CorruptionError, FormatError, JournalClosed, JournalFailed, KvjError
 from .fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
-from .framing import decode_file_header, later_group_exists
+from .framing import decode_file_header, header_torn
 from .reader import Scan, TornTail, list_logs, log_seq
 from .records import RecordType, check_key, check_request_id, decode_payload, encode_payload
 from .snapshot import list_snapshots
@@ -70,7 +70,7 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
     with open(last, "rb") as f:
         data = f.read()
     header = decode_file_header(data)
-    if header is None and later_group_exists(data, -1, 0) is not None:
+    if header is None and not header_torn(data):
         raise CorruptionError(last, 0, "bad log file header")
     if header is None:  # crashed while creating the file: nothing in it was ever acknowledged
         aside = cut_torn_tail(TornTail(last, 0, os.path.getsize(last)), fs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 from .errors import CorruptionError, FormatError
-from .framing import (FILE_HEADER_SIZE, FORMAT_VERSION, RawRecord, decode_file_header,
+from .framing import (FILE_HEADER_SIZE, FORMAT_VERSION, RawRecord, decode_file_header, header_torn,
                       later_group_exists, parse_group)
 
 LOG_RE = re.compile(r"^(\d{16})\.log$")
@@ -99,7 +99,7 @@ class Scan:
             self.bytes_read += len(data)
             header = decode_file_header(data)
             if header is None:
-                if is_last and later_group_exists(data, -1, 0) is None:
+                if is_last and header_torn(data):
                     # crashed while creating the newest file: no record in it was acknowledged
                     self._torn(path, 0, len(data))
                     return
@@ -117,11 +117,11 @@ class Scan:
             expected = header.base_lsn
             off = FILE_HEADER_SIZE
             while off < len(data):
-                parsed = parse_group(data, off, path)
+                parsed = parse_group(data, off, path, header.salt)
                 if parsed is None:
                     if not is_last:
                         raise CorruptionError(path, off, "damaged commit group in a sealed log file")
-                    later = later_group_exists(data, off, expected - 1)
+                    later = later_group_exists(data, off, expected - 1, header.salt)
                     if later is not None:
                         raise CorruptionError(path, off, f"damaged commit group followed by a valid "
                                               f"one at offset {later}")

@@ -22,7 +22,7 @@ from crc32c import crc32c
 
 from .errors import JournalClosed, JournalFailed, JournalLocked
 from .fileio import FS, REAL_FS, DurabilityError
-from .framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header
+from .framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header, new_salt
 
 LOCK_NAME = "LOCK"
 _RECORD_TAIL_PACK = RECORD_TAIL.pack
@@ -208,14 +208,15 @@ class LogWriter:
         path = os.path.join(self.directory, log_name(seq))
         fd = self.fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
         try:
-            header = encode_file_header(seq, base_lsn)
+            salt = new_salt()
+            header = encode_file_header(seq, base_lsn, salt)
             self.fs.write(fd, header)
             self.fs.fsync(fd)
             self.fs.fsync_dir(self.directory)
         except BaseException:
             self.fs.close(fd)
             raise
-        self._fd, self._seq, self._size = fd, seq, len(header)
+        self._fd, self._seq, self._size, self._salt = fd, seq, len(header), salt
 
     def _take_group(self) -> Optional[tuple]:
         """Wait until a group is due; return (data, count, first_lsn) or None to stop."""
@@ -247,7 +248,7 @@ class LogWriter:
                 if group is None:
                     return
                 data, count, first = group
-                self.fs.writev(self._fd, [encode_group_header(len(data), count, first), data])
+                self.fs.writev(self._fd, [encode_group_header(len(data), count, first, self._salt), data])
                 self.fs.fdatasync(self._fd)
                 self._size += len(data) + 24
                 with self._lock:

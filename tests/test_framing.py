@@ -15,19 +15,34 @@ def group(records, first_lsn=1):
 
 
 def test_sizes_match_the_spec():
-    assert (F.FILE_HEADER_SIZE, F.GROUP_HEADER_SIZE, F.RECORD_HEADER_SIZE) == (32, 24, 20)
+    assert (F.FILE_HEADER_SIZE, F.GROUP_HEADER_SIZE, F.RECORD_HEADER_SIZE) == (36, 24, 20)
     assert F.FILE_MAGIC == b"\x89KVJLOG\n"
 
 
 def test_file_header_round_trip_and_checks():
-    head = F.encode_file_header(7, 1234)
-    assert F.decode_file_header(head) == F.FileHeader(F.FORMAT_VERSION, 7, 1234)
+    head = F.encode_file_header(7, 1234, 0xDEADBEEF)
+    assert F.decode_file_header(head) == F.FileHeader(F.FORMAT_VERSION, 7, 1234, 0xDEADBEEF)
     for i in range(len(head)):
         bad = bytearray(head)
         bad[i] ^= 0x40
         assert F.decode_file_header(bytes(bad)) is None, i
     assert F.decode_file_header(head[:-1]) is None
-    assert F.decode_file_header(b"\0" * 32) is None
+    assert F.decode_file_header(b"\0" * 36) is None
+
+
+def test_group_headers_only_parse_under_their_files_salt():
+    body = F.encode_record(1, 1, b"x")
+    data = F.encode_group_header(len(body), 1, 1, salt=12345) + body
+    assert F.parse_group(data, 0, "f", 12345) is not None
+    assert F.parse_group(data, 0, "f", 12346) is None
+    assert F.parse_group(data, 0, "f") is None
+    assert F.later_group_exists(b"junk" + data, 0, 0, 999) is None
+    assert F.later_group_exists(b"junk" + data, 0, 0, 12345) == 4
+
+
+def test_a_bad_header_is_a_torn_creation_only_on_a_header_sized_file():
+    assert F.header_torn(b"\x89KVJ") and F.header_torn(bytes(F.FILE_HEADER_SIZE))
+    assert not F.header_torn(bytes(F.FILE_HEADER_SIZE + 1))
 
 
 def test_record_layout_is_little_endian_with_crc_over_header_and_payload():

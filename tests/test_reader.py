@@ -131,7 +131,7 @@ def test_replay_from_snapshot_plus_later_logs(tmp_path):
     sealed_state = kvj.replay(str(tmp_path), at_lsn=60)
     write_snapshot(str(tmp_path), sealed_state)
     from kvj.framing import decode_file_header
-    bases = [decode_file_header(open(p, "rb").read(32)).base_lsn for p in logs]
+    bases = [decode_file_header(open(p, "rb").read(F.FILE_HEADER_SIZE)).base_lsn for p in logs]
     for path, next_base in zip(logs, bases[1:]):  # drop files wholly covered, as compaction does
         if next_base <= 61:
             os.unlink(path)
@@ -178,7 +178,7 @@ def test_writer_refuses_a_journal_with_mid_log_corruption(tmp_path):
 def test_empty_new_file_with_torn_header_is_dropped_on_open(tmp_path):
     write_journal(tmp_path, 5)
     torn = tmp_path / log_name(99)
-    torn.write_bytes(F.encode_file_header(99, 6)[:10])
+    torn.write_bytes(F.encode_file_header(99, 6, 0)[:10])
     assert addrs(kvj.replay(str(tmp_path))) == list(range(5))
     with Journal.open(tmp_path) as j:
         assert j.alloc("cuda:0", 5, 1) == 6

@@ -47,9 +47,9 @@ def group_sizes(path):
     sizes = []
     for log in list_logs(str(path)):
         data = open(log, "rb").read()
-        off = F.FILE_HEADER_SIZE
+        off, salt = F.FILE_HEADER_SIZE, F.decode_file_header(data).salt
         while off < len(data):
-            records, off = F.parse_group(data, off, log)
+            records, off = F.parse_group(data, off, log, salt)
             sizes.append(len(records))
     return sizes
 
