@@ -72,18 +72,23 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dec
 
 
-def zstd_decompress(data: Buffer, raw_len: int) -> bytes:
-    """Decompress one zstd frame that must hold exactly ``raw_len`` bytes.
-
-    The declared size is checked before any allocation, so a hostile frame cannot make the
-    reader allocate more than ``raw_len``.
-    """
+def _check_declared(data: Buffer, raw_len: int) -> None:
+    """Refuse a frame whose header does not declare exactly ``raw_len`` bytes (before decoding)."""
     try:
         declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as exc:
         raise FormatError(f"bad zstd frame: {exc}") from None
     if declared != raw_len:
         raise FormatError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+
+
+def zstd_decompress(data: Buffer, raw_len: int) -> bytes:
+    """Decompress one zstd frame that must hold exactly ``raw_len`` bytes.
+
+    The declared size is checked before any allocation, so a hostile frame cannot make the
+    reader allocate more than ``raw_len``.
+    """
+    _check_declared(data, raw_len)
     try:
         out = _decompressor().decompress(data, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
@@ -100,12 +105,7 @@ def zstd_decompress_into(data: Buffer, out: memoryview) -> None:
     straight into the caller's buffer: no allocation, no extra copy.
     """
     raw_len = len(out)
-    try:
-        declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"bad zstd frame: {exc}") from None
-    if declared != raw_len:
-        raise FormatError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+    _check_declared(data, raw_len)
     got = 0
     try:
         reader = _decompressor().stream_reader(data, read_size=max(1, len(data)))
