@@ -237,3 +237,38 @@ def test_damaged_header_of_a_newest_file_with_records_is_corruption(tmp_path):
     with pytest.raises(CorruptionError, match="bad log file header"):
         Journal.open(tmp_path)
     assert open(last, "rb").read() == bytes(data)  # the writer touched nothing
+
+
+def test_replay_is_not_fooled_by_a_compaction_between_snapshot_and_log_listing(tmp_path, monkeypatch):
+    """Found by 200 kills with a concurrent compactor: replay loaded the old snapshot, the
+    compactor then folded every sealed log into a newer one and deleted them, and the only
+    log left was a writer's empty newest file (killed while creating it). Nothing failed, so
+    replay returned the old snapshot's state and missed acknowledged records."""
+    import importlib
+    from kvj.compact import compact
+    R = importlib.import_module("kvj.replay")  # the package's ``kvj.replay`` is the function
+    path = str(tmp_path / "j")
+    policy = CommitPolicy(file_size_limit=600)
+    with Journal.open(path, policy=policy) as j:
+        for i in range(40):
+            j.alloc("cuda:0", i, 1, durable=True)
+    compact(path, collect=False)
+    with Journal.open(path, policy=policy) as j:
+        for i in range(40, 80):
+            j.alloc("cuda:0", i, 1, durable=True)
+    newest = list_logs(path)[-1]
+    open(os.path.join(path, log_name(int(os.path.basename(newest)[:16]) + 1)), "wb").close()
+    real = R.load_latest
+    calls = []
+
+    def racing_load_latest(directory):
+        state = real(directory)
+        if not calls:
+            compact(directory, collect=False)  # runs between the snapshot read and the log listing
+        calls.append(state.snapshot_lsn)
+        return state
+
+    monkeypatch.setattr(R, "load_latest", racing_load_latest)
+    state = kvj.replay(path)
+    assert len(calls) == 2 and calls[1] > calls[0]
+    assert state.last_lsn == 80 and addrs(state) == list(range(80))
