@@ -61,7 +61,7 @@ SCHEMA: Dict[RecordType, Dict[str, Tuple[type, ...]]] = {
 }
 
 _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
-_KEY_RE = re.compile(r"[0-9a-f]{64}")
+KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def check_request_id(request_id: Any) -> str:
@@ -73,8 +73,8 @@ def check_request_id(request_id: Any) -> str:
 
 
 def check_key(key: Any) -> str:
-    """Validate a segment key: 64 lowercase hex digits (a BLAKE2b-256 content address)."""
-    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+    """Validate a segment key: 64 lowercase hex digits (a BLAKE3-256 content address), never a path."""
+    if not isinstance(key, str) or not KEY_RE.fullmatch(key):
         raise InvalidName(f"invalid segment key {key!r}: expected 64 lowercase hex digits")
     return key
 

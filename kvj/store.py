@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import secrets
 import threading
 import time
@@ -24,10 +23,10 @@ import torch
 
 from . import segment as seg
 from .codecs import Backpressure, Codec
-from .errors import FormatError, InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from .errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from .fileio import FS, REAL_FS, DurabilityError, makedirs_durable
+from .records import KEY_RE, check_key
 
-KEY_RE = re.compile(r"[0-9a-f]{64}")
 SEGMENT_SUFFIX = ".kvjseg"
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -40,13 +39,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def check_key(key: object) -> str:
-    """Return ``key`` if it is 64 lowercase hex digits; InvalidName otherwise (never a path)."""
-    if not isinstance(key, str) or KEY_RE.fullmatch(key) is None:
-        raise InvalidName(f"invalid segment key {key!r}: expected 64 lowercase hex digits")
-    return key
 
 
 class Upload(ABC):
