@@ -97,6 +97,16 @@ def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_M
     fs.fsync_dir(parent)
 
 
+def rename_durable(src: PathLike, dst: PathLike, fs: FS = REAL_FS) -> None:
+    """Rename ``src`` to ``dst`` and fsync both directories, so the move survives power loss."""
+    fs.rename(src, dst)
+    dst_dir = os.path.dirname(os.path.abspath(os.fspath(dst)))
+    src_dir = os.path.dirname(os.path.abspath(os.fspath(src)))
+    fs.fsync_dir(dst_dir)
+    if src_dir != dst_dir:
+        fs.fsync_dir(src_dir)
+
+
 def fsync_path(path: PathLike, fs: FS = REAL_FS) -> None:
     """fsync an existing file by path: make what readers already saw in it durable."""
     fd = fs.open(path, os.O_RDONLY)

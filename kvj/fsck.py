@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import CorruptionError, FormatError, JournalLocked
-from .fileio import FS, REAL_FS, makedirs_durable
+from .fileio import FS, REAL_FS, makedirs_durable, rename_durable
 from .framing import (FILE_HEADER_SIZE, FORMAT_VERSION, decode_file_header, header_torn, later_group_exists,
                       parse_group)
 from .journal import TORN_DIR, cut_torn_tail, default_store_path
@@ -107,9 +107,7 @@ def set_aside(path: str, fs: FS = REAL_FS) -> str:
     while os.path.exists(target):
         target = os.path.join(aside_dir, f"{os.path.basename(path)}.{n}")
         n += 1
-    fs.rename(path, target)
-    fs.fsync_dir(aside_dir)
-    fs.fsync_dir(journal)
+    rename_durable(path, target, fs)
     return target
 
 

@@ -4,7 +4,7 @@ A segment's key is the lowercase hex BLAKE3 tree digest defined in ``segment.py`
 dtype, shape and layout), so identical blocks are stored once and a key can only ever name the
 bytes it was computed from. Keys are validated before they touch a path. The bytes live
 behind :class:`StorageBackend`; :class:`LocalDirBackend` (the default) keeps one file per
-segment, written temp file -> fsync -> rename -> fsync directory (``man/kvj-store.5``).
+segment, written temp file -> fsync -> rename -> fsync directory (``man/kvj-segment.5``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from . import segment as seg
 from .codecs import Backpressure, Codec
 from .errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
-from .fileio import FS, REAL_FS, DurabilityError, makedirs_durable
+from .fileio import FS, REAL_FS, DurabilityError, makedirs_durable, rename_durable
 from .records import KEY_RE, check_key
 
 SEGMENT_SUFFIX = ".kvjseg"
@@ -283,11 +283,9 @@ class LocalDirBackend(StorageBackend):
         src = self.path(key)
         dst = os.path.join(self.quarantine_dir, f"{key}.{time.time_ns()}{SEGMENT_SUFFIX}")
         try:
-            self.fs.rename(src, dst)
+            rename_durable(src, dst, self.fs)
         except FileNotFoundError:
             raise SegmentMissing(f"segment {key} not in store ({src})") from None
-        self.fs.fsync_dir(self.quarantine_dir)
-        self.fs.fsync_dir(os.path.dirname(src))
         return dst
 
 
