@@ -1,12 +1,22 @@
 """kvj: a crash-safe write-ahead journal and segment store for KV caches and training state."""
 
-from .errors import (CorruptionError, FormatError, InvalidName, JournalClosed, JournalFailed, JournalLocked,
-                     KvjError, LayoutMismatch, SegmentCorrupt, SegmentMissing)
-from .journal import Journal
-from .records import RecordType
-from .replay import replay
-from .state import JournalState, RequestState, SegmentRef
-from .writer import CommitPolicy
+from kvj.errors import (
+                        CorruptionError,
+                        FormatError,
+                        InvalidName,
+                        JournalClosed,
+                        JournalFailed,
+                        JournalLocked,
+                        KvjError,
+                        LayoutMismatch,
+                        SegmentCorrupt,
+                        SegmentMissing,
+)
+from kvj.journal.journal import Journal
+from kvj.journal.records import RecordType
+from kvj.journal.replay import replay
+from kvj.journal.state import JournalState, RequestState, SegmentRef
+from kvj.journal.writer import CommitPolicy
 
 __version__ = "0.1.0"
 

@@ -26,9 +26,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA start
 
 import torch  # noqa: E402
 
-from kvj.integrations import crashrun  # noqa: E402
-from kvj.integrations.__main__ import read_results  # noqa: E402
-from kvj.integrations.workload import GenerationWorkload, ModelSpec  # noqa: E402
+from kvj.demo import crashrun  # noqa: E402
+from kvj.demo.worker import read_results  # noqa: E402
+from kvj.demo.workload import GenerationWorkload, ModelSpec  # noqa: E402
 
 
 def run(backend: str, work: GenerationWorkload, kills: int, seed: int, device: str) -> bool:

@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kvj.flusher import Flusher, StagingPool  # noqa: E402
-from kvj.restore import gather_block, load, paged_layout, restore_paged  # noqa: E402
-from kvj.store import SegmentStore  # noqa: E402
+from kvj.segments.flusher import Flusher  # noqa: E402
+from kvj.segments.restore import gather_block, load, paged_layout, restore_paged  # noqa: E402
+from kvj.segments.staging import StagingPool
+from kvj.segments.store import SegmentStore  # noqa: E402
 
 
 def _check(cond: bool, what: str) -> None:

@@ -4,7 +4,7 @@ checked, kills survived, corruption detection rate) in pytest's terminal summary
 
 def pytest_terminal_summary(terminalreporter):
     try:
-        from crashcheck import FIGURES
+        from support.crashcheck import FIGURES
     except ImportError:  # the crash suite was not collected
         return
     if FIGURES:

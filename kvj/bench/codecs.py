@@ -35,9 +35,9 @@ import numpy as np
 import torch
 import zstandard
 
-from ..flusher import Flusher
-from ..restore import paged_layout, restore_paged
-from ..store import SegmentStore
+from kvj.segments.flusher import Flusher
+from kvj.segments.restore import paged_layout, restore_paged
+from kvj.segments.store import SegmentStore
 
 KVJ_CODECS = ("raw", "zstd", "byteplane", "auto")
 BLOCK_TOKENS = 16

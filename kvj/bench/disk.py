@@ -15,10 +15,10 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
-from ..journal import Journal
-from ..records import RecordType
-from ..writer import CommitPolicy
-from .journal import sample_payload
+from kvj.bench.journal import sample_payload
+from kvj.journal.journal import Journal
+from kvj.journal.records import RecordType
+from kvj.journal.writer import CommitPolicy
 
 BLOCK = 8192
 FILE_SIZE = 16 << 20
@@ -83,7 +83,7 @@ def journal_rate(directory: str, seconds: float, policy: CommitPolicy, durable_e
 def codec_speeds(directory: str, size_mib: int) -> List[Dict[str, object]]:
     """Durable save and verified load GB/s of each kvj codec on Gaussian bf16 (the hard case)."""
     try:
-        from . import codecs as bench_codecs
+        from kvj.bench import codecs as bench_codecs
     except ImportError:  # the segment store is not installed
         return []
     tensor = bench_codecs.gaussian_bf16(size_mib << 20)

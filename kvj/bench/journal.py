@@ -28,9 +28,9 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
-from ..journal import Journal
-from ..records import RecordType
-from ..writer import CommitPolicy
+from kvj.journal.journal import Journal
+from kvj.journal.records import RecordType
+from kvj.journal.writer import CommitPolicy
 
 BATCH = 100
 

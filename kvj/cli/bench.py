@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from .common import JsonArg, emit_json, out, usage_error
+from kvj.cli.common import JsonArg, emit_json, out, usage_error
 
 DirArg = Annotated[Optional[str], typer.Option("--dir", metavar="DIR",
                                                help="A directory on the disk to measure [default: $TMPDIR].")]
@@ -33,7 +33,7 @@ def bench(ctx: typer.Context,
     """
     if ctx.invoked_subcommand is not None:
         return
-    from ..bench.disk import format_report, run
+    from kvj.bench.disk import format_report, run
 
     result = run(directory, seconds, codecs)
     if as_json:
@@ -49,7 +49,7 @@ def journal(directory: DirArg = None,
     """Compare kvj's group commit with SQLite (WAL, synchronous=FULL), the seed design
     (a JSON line and fsync per record, and batched) and the fsync floor, side by side.
     """
-    from ..bench.journal import format_table, run
+    from kvj.bench.journal import format_table, run
 
     rows = run(directory, records)
     if as_json:

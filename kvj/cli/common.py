@@ -22,9 +22,9 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
     from click import get_current_context  # type: ignore[no-redef]
 
-from ..journal import default_store_path
-from ..reader import LOG_RE
-from ..snapshot import SNAP_RE
+from kvj.journal.journal import default_store_path
+from kvj.journal.reader import LOG_RE
+from kvj.journal.snapshot import SNAP_RE
 
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"

@@ -6,10 +6,20 @@ from typing import Annotated
 
 import typer
 
-from ..compact import DEFAULT_GRACE, compact as compact_journal
-from ..inspection import human_size
-from .common import (JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, parse_duration, progress,
-                     store_path)
+from kvj.cli.common import (
+    JournalArg,
+    JsonArg,
+    StoreArg,
+    emit_json,
+    journal_path,
+    out,
+    parse_duration,
+    progress,
+    store_path,
+)
+from kvj.ops.compact import DEFAULT_GRACE
+from kvj.ops.compact import compact as compact_journal
+from kvj.ops.inspection import human_size
 
 
 def compact(journal: JournalArg = None,

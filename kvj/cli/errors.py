@@ -13,8 +13,16 @@ import os
 import sys
 from typing import Dict, Optional, Tuple
 
-from ..errors import (CorruptionError, FormatError, InvalidName, JournalFailed, JournalLocked, KvjError,
-                      LayoutMismatch, SegmentMissing)
+from kvj.errors import (
+    CorruptionError,
+    FormatError,
+    InvalidName,
+    JournalFailed,
+    JournalLocked,
+    KvjError,
+    LayoutMismatch,
+    SegmentMissing,
+)
 
 OK = 0
 FAILURE = 1

@@ -8,12 +8,23 @@ from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import typer
 
-from ..errors import FormatError
-from ..inspection import human_size
-from ..journal import Journal
-from ..replay import replay
-from .common import (JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, parse_pairs, parse_range, progress,
-                     store_path, usage_error)
+from kvj.cli.common import (
+    JournalArg,
+    JsonArg,
+    StoreArg,
+    emit_json,
+    journal_path,
+    out,
+    parse_pairs,
+    parse_range,
+    progress,
+    store_path,
+    usage_error,
+)
+from kvj.errors import FormatError
+from kvj.journal.journal import Journal
+from kvj.journal.replay import replay
+from kvj.ops.inspection import human_size
 
 
 class Codec(str, Enum):
@@ -113,7 +124,7 @@ def flush(
     tensors = [item for f in files for item in load_tensors(f)]
     if token_range is not None and len(tensors) != 1:
         raise usage_error(f"--tokens covers one tensor, but the files hold {len(tensors)}: use --block-tokens")
-    from ..store import SegmentStore
+    from kvj.segments.store import SegmentStore
 
     layout_map = parse_pairs(layout, "--layout")
     with Journal.open(path) as j, SegmentStore(store_path(path, store)) as seg_store, progress() as update:

@@ -7,9 +7,9 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from ..fsck import fsck as check_journal
-from .common import JournalArg, click, JsonArg, StoreArg, emit_json, journal_path, out, progress, store_path
-from .errors import fail, fsck_status
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, click, emit_json, journal_path, out, progress, store_path
+from kvj.cli.errors import fail, fsck_status
+from kvj.ops.fsck import fsck as check_journal
 
 STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
 

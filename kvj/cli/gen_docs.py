@@ -17,9 +17,9 @@ import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from .. import __version__
-from .errors import EXIT_CODES, FSCK_CODES
-from .main import app, command, legacy_app
+from kvj import __version__
+from kvj.cli.errors import EXIT_CODES, FSCK_CODES
+from kvj.cli.main import app, command, legacy_app
 
 MANUAL = "kvj manual"
 COMPLETE_VAR = "_{}_COMPLETE"

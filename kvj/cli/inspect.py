@@ -11,14 +11,22 @@ from typing import Annotated, Deque, List, Optional
 import typer
 from rich.console import RenderableType
 
-from ..follow import Follower
-from ..inspection import Entries, Filter, Stats, file_windows, record_json, record_time
-from ..reader import list_logs
-from ..records import BY_NAME
-from ..replay import is_legacy, replay
-from .common import JournalArg, JsonArg, emit_json, journal_path, out, parse_time, usage_error
-from .render import (EXPORT_SUFFIXES, export, layout_picture, record_line, record_row, record_table, stats_view,
-                     timeline_picture)
+from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out, parse_time, usage_error
+from kvj.cli.render import (
+    EXPORT_SUFFIXES,
+    export,
+    layout_picture,
+    record_line,
+    record_row,
+    record_table,
+    stats_view,
+    timeline_picture,
+)
+from kvj.journal.follow import Follower
+from kvj.journal.reader import list_logs
+from kvj.journal.records import BY_NAME
+from kvj.journal.replay import is_legacy, replay
+from kvj.ops.inspection import Entries, Filter, Stats, file_windows, record_json, record_time
 
 RecordTypeName = Enum("RecordTypeName", {name: name for name in BY_NAME}, type=str)  # type: ignore[misc]
 

@@ -13,10 +13,10 @@ from typing import Annotated, List, NoReturn, Optional
 
 import typer
 
-from .. import __version__
-from . import bench, compact, flush, fsck, inspect, record, recover, replay
-from .common import click
-from .errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, USAGE, classify, debug, report
+from kvj import __version__
+from kvj.cli import bench, compact, flush, fsck, inspect, record, recover, replay
+from kvj.cli.common import click
+from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, USAGE, classify, debug, report
 
 EXIT_STATUS_HELP = "Exit status: " + "; ".join(f"{code} {text.split(':')[0].split(' (')[0]}"
                                                 for code, text in EXIT_CODES.items()) + ". See kvj(1)."

@@ -8,11 +8,21 @@ from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import typer
 
-from ..errors import FormatError, KvjError
-from ..journal import Journal
-from ..records import BY_NAME, NAMES, RecordType, check_request_id, decode_payload, encode_payload
-from .common import (JournalArg, JsonArg, StoreArg, emit_json, journal_path, out,
-                     parse_int, parse_pairs, store_path)
+from kvj.cli.common import (
+    JournalArg,
+    JsonArg,
+    StoreArg,
+    emit_json,
+    journal_path,
+    out,
+    parse_int,
+    parse_pairs,
+    store_path,
+)
+from kvj.errors import FormatError, KvjError
+from kvj.journal.journal import Journal
+from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
+from kvj.names import check_request_id
 
 app = typer.Typer(no_args_is_help=True, help="""Append records to the journal; exits only once they are durable.
 
@@ -34,7 +44,7 @@ LOCATION_FIELDS = ("lsn", "file", "offset")
 def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[int, Dict[str, Any]]],
             as_json: bool) -> None:
     """Validate, append and sync ``records``; print their LSNs."""
-    from ..segcheck import require_segments
+    from kvj.segments.check import require_segments
 
     path = journal_path(journal, legacy_ok=False, must_exist=False)
     keys = [key for rtype, payload in records for key in _segment_keys(rtype, payload)]

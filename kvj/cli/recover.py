@@ -9,10 +9,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..inspection import human_size
-from ..recover import RecoveryResult, load_manifest, recover as recover_journal
-from .common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, progress, store_path
-from .errors import FAILURE
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, progress, store_path
+from kvj.cli.errors import FAILURE
+from kvj.ops.inspection import human_size
+from kvj.ops.recover import RecoveryResult, load_manifest
+from kvj.ops.recover import recover as recover_journal
 
 DeviceOpt = typer.Option("--device", metavar="DEVICE",
                          help="Also load every planned segment onto DEVICE (cpu, cuda:0, ...) and report "

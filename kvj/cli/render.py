@@ -14,9 +14,10 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..inspection import describe, human_size as size, type_name
-from ..replay import Record
-from ..state import JournalState
+from kvj.journal.replay import Record
+from kvj.journal.state import JournalState
+from kvj.ops.inspection import describe, type_name
+from kvj.ops.inspection import human_size as size
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
            "bright_green", "bright_yellow", "bright_blue", "bright_red"]
@@ -232,7 +233,7 @@ EXPORT_SUFFIXES = (".svg", ".html", ".htm")
 
 def export(renderable: RenderableType, target: str, title: str) -> None:
     """Write ``renderable`` to ``target`` as SVG, or HTML for any other suffix in EXPORT_SUFFIXES."""
-    from ..fileio import atomic_write
+    from kvj.fileio import atomic_write
 
     suffix = os.path.splitext(target)[1].lower()
     console = Console(record=True, width=120, file=open(os.devnull, "w"), force_terminal=True, color_system="truecolor")

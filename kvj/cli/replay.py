@@ -6,9 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..replay import is_legacy, replay as replay_journal
-from .common import JournalArg, JsonArg, emit_json, journal_path, out
-from .render import state_summary
+from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out
+from kvj.cli.render import state_summary
+from kvj.journal.replay import is_legacy
+from kvj.journal.replay import replay as replay_journal
 
 
 def replay(journal: JournalArg = None,

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, 
 
 import torch
 
-from ..errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
-from ..restore import load as load_segment
-from ..state import JournalState, RequestState
+from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from kvj.journal.state import JournalState, RequestState
+from kvj.segments.restore import load as load_segment
 
 if TYPE_CHECKING:
-    from ..journal import Journal
-    from ..store import SegmentStore
+    from kvj.journal.journal import Journal
+    from kvj.segments.store import SegmentStore
 
 #: Layout ``format`` tag of a KV block segment.
 BLOCK_FORMAT = "kvj-kv-block/1"
@@ -247,7 +247,7 @@ class BlockJournal:
         """
         device = torch.device(device)
         if device.type == "cuda" and self._staging is None:  # reused pinned buffers for host-to-device copies
-            from ..flusher import StagingPool
+            from kvj.segments.staging import StagingPool
             self._staging = StagingPool(4 * self.layout_bytes, pinned=True)
         blocks: List[torch.Tensor] = []
         for b, key in enumerate(point.keys):

@@ -6,7 +6,7 @@ Two ways in:
   each forward pass (it flushes every block the cache completed, in the background), ``end``
   it; after a crash ``restore`` gives back a ``DynamicCache`` holding the durable prefix and
   the token ids to continue from.
-* ``HFBackend``, the ``DynamicCache`` backend of ``kvj.integrations.serving.GenerationLoop``,
+* ``HFBackend``, the ``DynamicCache`` backend of ``kvj.demo.generation.GenerationLoop``,
   which runs several requests with a schedule that makes resumed output bit-identical.
 
 Block tensors are ``[layers, 2, block_size, kv_heads, head_dim]`` (see ``blocks``); a
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from ..errors import FormatError
-from .blocks import BlockJournal, BlockLayout, ResumePoint
+from kvj.errors import FormatError
+from kvj.integrations.blocks import BlockJournal, BlockLayout, ResumePoint
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
 
-    from ..journal import Journal
+    from kvj.journal.journal import Journal
 
 
 def layout_for(model: "PreTrainedModel", block_size: int = 16, model_id: Optional[str] = None) -> BlockLayout:

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ..errors import FormatError
-from .blocks import BlockLayout
-from .hf import layout_for
+from kvj.errors import FormatError
+from kvj.integrations.blocks import BlockLayout
+from kvj.integrations.hf import layout_for
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..journal import Journal
-    from ..state import JournalState
+    from kvj.journal.journal import Journal
+    from kvj.journal.state import JournalState
 
 
 class PagedKVCache:

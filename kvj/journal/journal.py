@@ -1,0 +1,285 @@
+"""``Journal``: the public API for recording what is in flight.
+
+Typed methods (``start``, ``flush``, ``end``, ``alloc``, ``free``, ``checkpoint``,
+``delta``) append records through the group-committing writer; ``sync`` waits until
+everything before it is durable. Tensor data goes to the segment store first; its
+segment-flush record is appended only once the segment is durable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Tuple, Union
+
+from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFailed, KvjError
+from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
+from kvj.journal.framing import decode_file_header, header_torn
+from kvj.journal.locks import LOCK_NAME, DirLock
+from kvj.journal.reader import Scan, TornTail, list_logs, log_seq
+from kvj.journal.records import RecordType, decode_payload, encode_payload
+from kvj.journal.snapshot import list_snapshots
+from kvj.journal.writer import CommitPolicy, LogWriter
+from kvj.names import check_key, check_request_id
+
+if TYPE_CHECKING:  # the store pulls in torch; the journal alone does not need it
+    import torch
+
+    from kvj.segments.flusher import Flusher
+    from kvj.segments.store import SegmentInfo, SegmentStore
+
+STORE_DIR = "segments"
+TORN_DIR = "torn"
+
+
+def default_store_path(journal_path: str) -> str:
+    return os.path.join(journal_path, STORE_DIR)
+
+
+def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
+    """Move a torn tail's bytes aside into ``torn/`` (durably), then truncate the log file.
+
+    Returns the path of the copy. The copy is durable before the truncation, so the
+    cut never loses bytes, and a crash in between leaves the log as it was.
+    """
+    journal_dir = os.path.dirname(tail.path)
+    aside_dir = os.path.join(journal_dir, TORN_DIR)
+    makedirs_durable(aside_dir, fs)
+    with open(tail.path, "rb") as f:
+        f.seek(tail.offset)
+        data = f.read()
+    aside = os.path.join(aside_dir, f"{os.path.basename(tail.path)}.{tail.offset}.torn")
+    atomic_write(aside, data, fs)
+    fd = fs.open(tail.path, os.O_WRONLY)
+    try:
+        fs.ftruncate(fd, tail.offset)
+        fs.fsync(fd)
+    finally:
+        fs.close(fd)
+    return aside
+
+
+def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
+    """(next file seq, next LSN, copy of any cut tail) for a writer resuming this journal."""
+    snaps = list_snapshots(directory)
+    snap_lsn = snaps[0][0] if snaps else 0
+    logs = list_logs(directory)
+    if not logs:
+        return 1, snap_lsn + 1, None
+    last = logs[-1]
+    scan = Scan(directory, after_lsn=0, logs=[last])
+    with open(last, "rb") as f:
+        data = f.read()
+    header = decode_file_header(data)
+    if header is None and not header_torn(data):
+        raise CorruptionError(last, 0, "bad log file header")
+    if header is None:  # crashed while creating the file: nothing in it was ever acknowledged
+        aside = cut_torn_tail(TornTail(last, 0, os.path.getsize(last)), fs)
+        fs.unlink(last)
+        fs.fsync_dir(directory)
+        seq, lsn, _ = _find_end(directory, fs)
+        return seq, lsn, aside
+    scan.after_lsn = header.base_lsn - 1
+    for _ in scan:
+        pass
+    aside = cut_torn_tail(scan.tail, fs) if scan.tail else None
+    if aside is None:
+        # What was just read may sit unsynced in the page cache (a writer killed between a
+        # group's write and its fdatasync). The new writer builds on it, so make it durable
+        # before any later record is acknowledged (the cut above already fsynced the file).
+        fsync_path(last, fs)
+    next_lsn = max(scan.last_lsn + 1, header.base_lsn, snap_lsn + 1)
+    return log_seq(last) + 1, next_lsn, aside
+
+
+class Journal:
+    """A kvj journal opened for writing. Use ``Journal.open(path)`` as a context manager."""
+
+    def __init__(self, path: str, writer: LogWriter, lock: DirLock, store: Any, fs: FS,
+                 cut_tail: Optional[str]):
+        self.path = path
+        self.writer = writer
+        self.fs = fs
+        self.cut_tail = cut_tail  #: where a torn tail found at open was set aside, if any
+        self._lock = lock
+        self._store_arg = store
+        self._store: Optional["SegmentStore"] = None
+        self._flusher: Optional["Flusher"] = None
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: Union[str, "os.PathLike[str]"], *, store: Union[None, str, "SegmentStore"] = None,
+             policy: Optional[CommitPolicy] = None, fs: FS = REAL_FS, create: bool = True) -> "Journal":
+        """Open (creating if ``create``) the journal directory ``path`` for writing.
+
+        Takes the writer lock (a second writer gets ``JournalLocked`` naming the holder's
+        pid), cuts a torn tail left by a crash (the bytes are kept in ``torn/``), and
+        starts a new log file. Mid-log corruption raises ``CorruptionError``: run fsck.
+        """
+        path = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(path):
+            if not create:
+                raise FormatError(f"no journal at {path}")
+            makedirs_durable(path, fs)
+        lock = DirLock(path, LOCK_NAME, "writer").acquire()
+        try:
+            seq, lsn, aside = _find_end(path, fs)
+            writer = LogWriter(path, next_seq=seq, next_lsn=lsn, policy=policy or CommitPolicy(), fs=fs)
+        except BaseException:
+            lock.release()
+            raise
+        return cls(path, writer, lock, store, fs, aside)
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
+
+    # -- records -------------------------------------------------------------------------
+
+    def start(self, request_id: str, prompt_hash: Optional[str] = None, tokens: Optional[Sequence[int]] = None,
+              meta: Optional[Mapping[str, Any]] = None, durable: bool = False) -> int:
+        """Record that a request started; returns its LSN."""
+        check_request_id(request_id)
+        return self.writer.append(RecordType.START, {
+            "id": request_id, "prompt_hash": prompt_hash,
+            "tokens": list(tokens) if tokens is not None else None, "meta": dict(meta or {})}, durable)
+
+    def end(self, request_id: str, status: str = "ok", durable: bool = False) -> int:
+        """Record that a request ended (its segments become collectable)."""
+        check_request_id(request_id)
+        return self.writer.append(RecordType.END, {"id": request_id, "status": status}, durable)
+
+    def alloc(self, device: str, addr: int, size: int, tag: str = "", durable: bool = False) -> int:
+        """Record a device memory allocation."""
+        return self.writer.append(RecordType.ALLOC, {"device": device, "addr": addr, "size": size, "tag": tag},
+                                  durable)
+
+    def free(self, device: str, addr: int, durable: bool = False) -> int:
+        """Record that a device allocation was freed."""
+        return self.writer.append(RecordType.FREE, {"device": device, "addr": addr}, durable)
+
+    def checkpoint(self, step: int, keys: Mapping[str, str], meta: Optional[Mapping[str, Any]] = None,
+                   durable: bool = False) -> int:
+        """Record a full training checkpoint: tensor name -> segment key, all already durable."""
+        for key in keys.values():
+            check_key(key)
+        return self.writer.append(RecordType.CHECKPOINT, {"step": step, "keys": dict(keys), "meta": dict(meta or {})},
+                                  durable)
+
+    def delta(self, step: int, base_step: int, keys: Mapping[str, str], meta: Optional[Mapping[str, Any]] = None,
+              durable: bool = False) -> int:
+        """Record a delta against the state at ``base_step``: tensor name -> segment key."""
+        for key in keys.values():
+            check_key(key)
+        return self.writer.append(RecordType.DELTA, {"step": step, "base_step": base_step, "keys": dict(keys),
+                                                     "meta": dict(meta or {})}, durable)
+
+    def epoch(self, epoch: int, recovered_lsn: int, manifest: Optional[str] = None, durable: bool = True) -> int:
+        """Record a recovery epoch (written by recovery before the server resumes)."""
+        return self.writer.append(RecordType.EPOCH, {"epoch": epoch, "recovered_lsn": recovered_lsn,
+                                                     "time": time.time(), "manifest": manifest}, durable)
+
+    def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
+        """Append a record given as a plain payload, validated against its type's schema."""
+        decode_payload(rtype, encode_payload(payload))
+        if rtype not in RecordType.__members__.values():
+            raise FormatError(f"unknown record type {rtype}")
+        return self.writer.append(rtype, payload, durable)
+
+    # -- segments ------------------------------------------------------------------------
+
+    @property
+    def store(self) -> "SegmentStore":
+        """The segment store (``segments/`` inside the journal unless given at open)."""
+        if self._store is None:
+            from kvj.segments.store import SegmentStore
+            arg = self._store_arg
+            self._store = arg if isinstance(arg, SegmentStore) else SegmentStore(
+                arg or default_store_path(self.path), fs=self.fs)
+        return self._store
+
+    def flush(self, request_id: str, segment: int, tensor: Optional["torch.Tensor"] = None, *,
+              token_range: Tuple[int, int], layout: Optional[Mapping[str, Any]] = None,
+              info: Optional["SegmentInfo"] = None) -> "Future[int]":
+        """Flush one block of a request's KV: store it durably, then journal it.
+
+        Returns at once with a future of the segment-flush record's LSN; the record is
+        appended only after the segment is durable. Pass ``info`` instead of ``tensor``
+        to journal a segment already in the store.
+        """
+        check_request_id(request_id)
+        start, end = int(token_range[0]), int(token_range[1])
+        if not 0 <= start <= end:
+            raise FormatError(f"bad token range {token_range!r}")
+        if self._closed:
+            raise JournalClosed("journal is closed")
+
+        def record(seg_info: "SegmentInfo") -> int:
+            return self.writer.append(RecordType.SEGMENT, {
+                "id": request_id, "seg": segment, "key": seg_info.key, "tokens": [start, end],
+                "layout": dict(seg_info.layout or {}), "raw_size": seg_info.raw_size,
+                "stored_size": seg_info.stored_size, "digest": seg_info.digest, "codec": seg_info.codec})
+
+        result: "Future[int]" = Future()
+        if info is not None:
+            result.set_result(record(info))
+            return result
+        if tensor is None:
+            raise FormatError("flush needs a tensor or the info of a stored segment")
+        if self._flusher is None:
+            from kvj.segments.flusher import Flusher
+            self._flusher = Flusher(self.store)
+
+        def on_durable(seg_info: "SegmentInfo") -> None:
+            try:
+                result.set_result(record(seg_info))
+            except BaseException as exc:
+                result.set_exception(exc)
+                raise
+
+        stored = self._flusher.submit(tensor, dict(layout or {}), on_durable)
+        stored.add_done_callback(lambda f: f.exception() and not result.done() and result.set_exception(f.exception()))
+        return result
+
+    # -- durability ----------------------------------------------------------------------
+
+    def sync(self) -> int:
+        """Wait for pending segment flushes, then until every record so far is durable.
+
+        A failed segment flush is final too: ``sync`` (and ``close``) raise ``JournalFailed``
+        from then on, since a flush the caller asked for can never become durable.
+        """
+        self._drain_flushes()
+        return self.writer.sync()
+
+    def _drain_flushes(self) -> None:
+        if self._flusher is None:
+            return
+        try:
+            self._flusher.drain()
+        except KvjError:
+            raise
+        except Exception as exc:
+            raise JournalFailed(f"a segment flush failed: {exc}") from exc
+
+    @property
+    def durable_lsn(self) -> int:
+        return self.writer.durable_lsn
+
+    def close(self) -> None:
+        """Drain flushes, make everything durable, stop the committer, release the lock."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._flusher is not None:
+                self._flusher.close()
+                self._drain_flushes()
+        finally:
+            try:
+                self.writer.close()
+            finally:
+                self._lock.release()

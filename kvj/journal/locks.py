@@ -1,0 +1,55 @@
+"""The journal directory's locks: who may write the log, who may compact it.
+
+Each is an exclusive ``flock`` on a file in the journal directory that also records the
+holder's pid, so a second writer or compactor is refused with ``JournalLocked`` naming it.
+A killed holder's lock is released by the kernel with its descriptor.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from typing import Optional
+
+from kvj.errors import JournalLocked
+
+#: Held by the one process that appends to the journal (``Journal.open``, recovery).
+LOCK_NAME = "LOCK"
+#: Held by the one process that compacts the journal (``kvj compact``, recovery, fsck --repair).
+COMPACT_LOCK = "COMPACT"
+
+
+class DirLock:
+    """An exclusive flock on a file in the journal directory, recording the holder's pid."""
+
+    def __init__(self, directory: str, name: str, what: str):
+        self.path = os.path.join(directory, name)
+        self.directory, self.what = directory, what
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "DirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise JournalLocked(self.directory, self.holder_pid(), self.what) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def holder_pid(self) -> Optional[int]:
+        try:
+            with open(self.path, "rb") as f:
+                return int(f.read(32).strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None

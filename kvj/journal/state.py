@@ -1,0 +1,202 @@
+"""Replay state: what the journal says is true as of some LSN.
+
+``JournalState.apply`` folds one record into the state. Replay, snapshots, recovery,
+inspect and fsck all share this one fold, so they cannot disagree about what a
+journal means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from kvj.journal.records import NAMES, RecordType
+
+
+@dataclass
+class SegmentRef:
+    """A durable segment of a request: which tokens it covers and where its bytes are."""
+
+    seg: int
+    key: Optional[str]
+    tokens: Optional[Tuple[int, int]]
+    layout: Dict[str, Any]
+    raw_size: int
+    stored_size: int
+    digest: Optional[str]
+    codec: str
+    lsn: int
+    ptr: Optional[int] = None  # legacy JSON-lines journals point at an offset, not a key
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"seg": self.seg, "key": self.key, "tokens": list(self.tokens) if self.tokens else None,
+                "layout": self.layout, "raw_size": self.raw_size, "stored_size": self.stored_size,
+                "digest": self.digest, "codec": self.codec, "lsn": self.lsn, "ptr": self.ptr}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "SegmentRef":
+        tokens = tuple(d["tokens"]) if d.get("tokens") is not None else None
+        return cls(d["seg"], d.get("key"), tokens, d.get("layout") or {}, d.get("raw_size", 0),
+                   d.get("stored_size", 0), d.get("digest"), d.get("codec", ""), d["lsn"], d.get("ptr"))
+
+
+@dataclass
+class RequestState:
+    """One request: its prompt, its durable segments and whether it ended."""
+
+    id: str
+    prompt_hash: Optional[str]
+    tokens: Optional[List[int]]
+    meta: Dict[str, Any]
+    start_lsn: int
+    segments: Dict[int, SegmentRef] = field(default_factory=dict)
+    ended: bool = False
+    status: Optional[str] = None
+    end_lsn: Optional[int] = None
+
+    @property
+    def resume_position(self) -> int:
+        """Tokens covered from position 0 by durable segments, without a gap."""
+        pos = 0
+        for start, end in sorted(s.tokens for s in self.segments.values() if s.tokens):
+            if start > pos:
+                break
+            pos = max(pos, end)
+        return pos
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"id": self.id, "prompt_hash": self.prompt_hash, "tokens": self.tokens, "meta": self.meta,
+                "start_lsn": self.start_lsn, "ended": self.ended, "status": self.status,
+                "end_lsn": self.end_lsn, "resume_position": self.resume_position,
+                "segments": [self.segments[k].to_dict() for k in sorted(self.segments)]}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "RequestState":
+        req = cls(d["id"], d.get("prompt_hash"), d.get("tokens"), d.get("meta") or {}, d["start_lsn"],
+                  ended=d.get("ended", False), status=d.get("status"), end_lsn=d.get("end_lsn"))
+        for s in d.get("segments", []):
+            ref = SegmentRef.from_dict(s)
+            req.segments[ref.seg] = ref
+        return req
+
+
+@dataclass
+class Allocation:
+    addr: int
+    size: int
+    tag: str
+    lsn: int
+
+
+@dataclass
+class JournalState:
+    """The folded journal. ``apply`` is the only place record semantics live."""
+
+    requests: Dict[str, RequestState] = field(default_factory=dict)
+    allocations: Dict[str, Dict[int, Allocation]] = field(default_factory=dict)
+    checkpoint: Optional[Dict[str, Any]] = None  # {"step", "keys", "meta", "lsn"}
+    deltas: List[Dict[str, Any]] = field(default_factory=list)  # after the checkpoint, in order
+    epochs: List[Dict[str, Any]] = field(default_factory=list)
+    counts: Dict[str, int] = field(default_factory=dict)  # records applied, by type name
+    ended_compacted: int = 0  # ended requests dropped by compaction
+    first_lsn: Optional[int] = None
+    last_lsn: int = 0
+    snapshot_lsn: int = 0
+    warnings: List[str] = field(default_factory=list)
+    tail: Optional[Dict[str, Any]] = None  # torn tail found by replay: path, offset, length
+
+    def in_flight(self) -> List[RequestState]:
+        return [r for r in self.requests.values() if not r.ended]
+
+    def ended(self) -> List[RequestState]:
+        return [r for r in self.requests.values() if r.ended]
+
+    def _warn(self, lsn: int, message: str) -> None:
+        if len(self.warnings) < 1000:
+            self.warnings.append(f"LSN {lsn}: {message}")
+
+    def apply(self, rtype: int, p: Dict[str, Any], lsn: int) -> None:
+        """Fold one decoded, validated record into the state."""
+        if self.first_lsn is None:
+            self.first_lsn = lsn
+        self.last_lsn = lsn
+        name = NAMES.get(rtype, f"type{rtype}")  # type: ignore[call-overload]
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if rtype == RecordType.START:
+            if p["id"] in self.requests and not self.requests[p["id"]].ended:
+                self._warn(lsn, f"request {p['id']} started again; the earlier start is replaced")
+            self.requests[p["id"]] = RequestState(p["id"], p["prompt_hash"], p["tokens"], p["meta"], lsn)
+        elif rtype == RecordType.SEGMENT:
+            req = self.requests.get(p["id"])
+            if req is None or req.ended:
+                self._warn(lsn, f"segment {p['seg']} for a request that is not in flight: {p['id']}")
+                return
+            tokens = (p["tokens"][0], p["tokens"][1]) if p["tokens"] is not None else None
+            req.segments[p["seg"]] = SegmentRef(p["seg"], p["key"], tokens, p["layout"], p["raw_size"],
+                                                p["stored_size"], p["digest"], p["codec"], lsn, p.get("ptr"))
+        elif rtype == RecordType.END:
+            req = self.requests.get(p["id"])
+            if req is None:
+                self._warn(lsn, f"end of a request that never started: {p['id']}")
+                return
+            req.ended, req.status, req.end_lsn = True, p["status"], lsn
+        elif rtype == RecordType.ALLOC:
+            device = self.allocations.setdefault(p["device"], {})
+            if p["addr"] in device:
+                self._warn(lsn, f"allocation at {p['device']}:{p['addr']:#x} replaces a live one")
+            device[p["addr"]] = Allocation(p["addr"], p["size"], p["tag"], lsn)
+        elif rtype == RecordType.FREE:
+            if self.allocations.get(p["device"], {}).pop(p["addr"], None) is None:
+                self._warn(lsn, f"free of unknown allocation {p['device']}:{p['addr']:#x}")
+        elif rtype == RecordType.CHECKPOINT:
+            self.checkpoint = {"step": p["step"], "keys": p["keys"], "meta": p["meta"], "lsn": lsn}
+            self.deltas = []
+        elif rtype == RecordType.DELTA:
+            self.deltas.append({"step": p["step"], "base_step": p["base_step"], "keys": p["keys"],
+                                "meta": p["meta"], "lsn": lsn})
+        elif rtype == RecordType.EPOCH:
+            self.epochs.append({"epoch": p["epoch"], "recovered_lsn": p["recovered_lsn"],
+                                "time": p["time"], "manifest": p["manifest"], "lsn": lsn})
+        else:
+            self._warn(lsn, f"skipped record of unknown type {rtype} (written by a newer kvj?)")
+
+    def referenced_keys(self) -> Dict[str, str]:
+        """Segment keys the live state needs, mapped to a description of who needs them."""
+        keys: Dict[str, str] = {}
+        for req in self.in_flight():
+            for ref in req.segments.values():
+                if ref.key:
+                    keys[ref.key] = f"request {req.id} segment {ref.seg}"
+        for entry in ([self.checkpoint] if self.checkpoint else []) + self.deltas:
+            for name, key in entry["keys"].items():
+                if isinstance(key, str):
+                    keys[key] = f"training step {entry['step']} {name}"
+        return keys
+
+    def to_dict(self, include_ended: bool = True) -> Dict[str, Any]:
+        """A plain dict (msgpack- and JSON-safe) of the whole state."""
+        return {
+            "first_lsn": self.first_lsn, "last_lsn": self.last_lsn, "snapshot_lsn": self.snapshot_lsn,
+            "requests": [r.to_dict() for r in self.requests.values() if include_ended or not r.ended],
+            "ended_compacted": self.ended_compacted + (0 if include_ended else len(self.ended())),
+            "allocations": {dev: [{"addr": a.addr, "size": a.size, "tag": a.tag, "lsn": a.lsn}
+                                  for a in sorted(allocs.values(), key=lambda a: a.addr)]
+                            for dev, allocs in sorted(self.allocations.items())},
+            "checkpoint": self.checkpoint, "deltas": self.deltas, "epochs": self.epochs,
+            "counts": self.counts, "warnings": self.warnings, "tail": self.tail,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "JournalState":
+        state = cls(first_lsn=d.get("first_lsn"), last_lsn=d.get("last_lsn", 0),
+                    snapshot_lsn=d.get("snapshot_lsn", 0), ended_compacted=d.get("ended_compacted", 0),
+                    checkpoint=d.get("checkpoint"), deltas=list(d.get("deltas", [])),
+                    epochs=list(d.get("epochs", [])), counts=dict(d.get("counts", {})),
+                    warnings=list(d.get("warnings", [])))
+        for r in d.get("requests", []):
+            req = RequestState.from_dict(r)
+            state.requests[req.id] = req
+        for dev, allocs in d.get("allocations", {}).items():
+            state.allocations[dev] = {a["addr"]: Allocation(a["addr"], a["size"], a["tag"], a["lsn"])
+                                      for a in allocs}
+        return state

@@ -1,0 +1,228 @@
+"""The journal writer: framing on the caller's thread, group commit on a committer thread.
+
+``append`` frames a record into an in-memory buffer and returns its LSN without a
+syscall. The committer thread takes whatever accumulated while the previous fdatasync
+ran, writes it as one commit group and fdatasyncs it; records wait at most
+``max_delay`` seconds or ``max_records`` records. A failed write or fsync is final: the
+writer enters the failed state, every waiter gets the error, fsync is never retried.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import msgpack
+from crc32c import crc32c
+
+from kvj.errors import JournalClosed, JournalFailed
+from kvj.fileio import FS, REAL_FS, DurabilityError
+from kvj.journal.framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header, new_salt
+
+_RECORD_TAIL_PACK = RECORD_TAIL.pack
+_CRC_PACK = CRC.pack
+
+
+def log_name(seq: int) -> str:
+    """File name of log file number ``seq`` (zero-padded so names sort in order)."""
+    return f"{seq:016d}.log"
+
+
+@dataclass(frozen=True)
+class CommitPolicy:
+    """When the committer writes a group: whichever bound is reached first."""
+
+    max_delay: float = 0.100  # seconds a record may wait before its group is committed
+    max_records: int = 100  # commit as soon as this many records are pending
+    max_buffer_bytes: int = 64 << 20  # append blocks beyond this (backpressure, not memory growth)
+    file_size_limit: int = 64 << 20  # rotate to a new log file after this many bytes
+
+
+class LogWriter:
+    """Appends records to the log files of one journal directory. One per journal."""
+
+    def __init__(self, directory: str, *, next_seq: int, next_lsn: int,
+                 policy: CommitPolicy = CommitPolicy(), fs: FS = REAL_FS):
+        self.directory = directory
+        self.policy = policy
+        self.fs = fs
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # committer waits here
+        self._done = threading.Condition(self._lock)  # sync() and full-buffer appends wait here
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._max_buffer = policy.max_buffer_bytes
+        self._max_records = policy.max_records
+        self._buf = bytearray()
+        self._count = 0
+        self._first_lsn = next_lsn
+        self._first_time = 0.0
+        self._next_lsn = next_lsn
+        self._durable_lsn = next_lsn - 1
+        self._sync_target = 0
+        self._error: Optional[BaseException] = None
+        self._closing = False
+        self._closed = False
+        self._seq = next_seq
+        self._fd = -1
+        self._size = 0
+        self._open_file(next_seq, next_lsn)
+        self._thread = threading.Thread(target=self._run, name="kvj-committer", daemon=True)
+        self._thread.start()
+
+    # -- caller side ---------------------------------------------------------------------
+
+    def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
+        """Frame a record into the buffer and return its LSN; with ``durable``, wait for it."""
+        with self._lock:
+            if self._error is not None or self._closing:
+                self._raise_state()
+            buf = self._buf
+            if len(buf) >= self._max_buffer:
+                buf = self._wait_for_room()
+            body = self._pack(payload)  # a reused Packer is not thread-safe: pack under the lock
+            lsn = self._next_lsn
+            self._next_lsn = lsn + 1
+            tail = _RECORD_TAIL_PACK(len(body), rtype, 0, lsn)
+            buf += _CRC_PACK(crc32c(body, crc32c(tail)))
+            buf += tail
+            buf += body
+            count = self._count = self._count + 1
+            if count == 1:
+                self._first_time = time.monotonic()
+                self._wake.notify()
+            elif count == self._max_records:
+                self._wake.notify()
+        if durable:
+            self.wait_durable(lsn)
+        return lsn
+
+    def _wait_for_room(self) -> bytearray:
+        """Block (lock held) while the buffer is full: backpressure instead of memory growth."""
+        while len(self._buf) >= self._max_buffer:
+            self._done.wait()
+            if self._error is not None or self._closing:
+                self._raise_state()
+        return self._buf
+
+    def sync(self) -> int:
+        """Block until every record appended so far is durable; return the last LSN."""
+        with self._lock:
+            target = self._next_lsn - 1
+        self.wait_durable(target)
+        return target
+
+    def wait_durable(self, lsn: int) -> None:
+        """Block until ``lsn`` is durable, asking the committer to commit now."""
+        with self._lock:
+            if self._durable_lsn >= lsn:
+                return
+            if self._sync_target < lsn:
+                self._sync_target = lsn
+                self._wake.notify()
+            while self._durable_lsn < lsn:
+                if self._error is not None:
+                    self._raise_state()
+                if self._closed:
+                    raise JournalClosed("journal closed before the record was durable")
+                self._done.wait()
+
+    @property
+    def durable_lsn(self) -> int:
+        return self._durable_lsn
+
+    @property
+    def last_lsn(self) -> int:
+        return self._next_lsn - 1
+
+    @property
+    def failed(self) -> Optional[BaseException]:
+        return self._error
+
+    def close(self) -> None:
+        """Commit what is pending, stop the committer and close the file."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        with self._lock:
+            self._closed = True
+            self._done.notify_all()
+        if self._fd >= 0:
+            self.fs.close(self._fd)
+            self._fd = -1
+        if self._error is not None:
+            raise JournalFailed(f"journal writer failed: {self._error}") from self._error
+
+    def _raise_state(self) -> None:
+        if self._error is not None:
+            raise JournalFailed(f"journal writer failed earlier and accepts nothing more: {self._error}")
+        raise JournalClosed("journal is closed")
+
+    # -- committer side ------------------------------------------------------------------
+
+    def _open_file(self, seq: int, base_lsn: int) -> None:
+        """Create log file ``seq``; it and its directory entry are durable before use."""
+        path = os.path.join(self.directory, log_name(seq))
+        fd = self.fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
+        try:
+            salt = new_salt()
+            header = encode_file_header(seq, base_lsn, salt)
+            self.fs.write(fd, header)
+            self.fs.fsync(fd)
+            self.fs.fsync_dir(self.directory)
+        except BaseException:
+            self.fs.close(fd)
+            raise
+        self._fd, self._seq, self._size, self._salt = fd, seq, len(header), salt
+
+    def _take_group(self) -> Optional[tuple]:
+        """Wait until a group is due; return (data, count, first_lsn) or None to stop."""
+        policy = self.policy
+        with self._lock:
+            while True:
+                if self._count:
+                    due = (self._closing or self._count >= policy.max_records
+                           or self._sync_target >= self._first_lsn)
+                    if not due:
+                        remaining = self._first_time + policy.max_delay - time.monotonic()
+                        if remaining > 0:
+                            self._wake.wait(remaining)
+                            continue
+                    data, count, first = self._buf, self._count, self._first_lsn
+                    self._buf = bytearray()
+                    self._count = 0
+                    self._first_lsn = first + count
+                    self._done.notify_all()  # room in the buffer again
+                    return data, count, first
+                if self._closing:
+                    return None
+                self._wake.wait()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                group = self._take_group()
+                if group is None:
+                    return
+                data, count, first = group
+                self.fs.writev(self._fd, [encode_group_header(len(data), count, first, self._salt), data])
+                self.fs.fdatasync(self._fd)
+                self._size += len(data) + 24
+                with self._lock:
+                    self._durable_lsn = first + count - 1
+                    self._done.notify_all()
+                if self._size >= self.policy.file_size_limit:
+                    self.fs.close(self._fd)
+                    self._fd = -1
+                    self._open_file(self._seq + 1, first + count)
+        except BaseException as exc:  # an I/O error is final: never retry fsync
+            err = exc if isinstance(exc, OSError) else DurabilityError(errno.EIO, str(exc))
+            with self._lock:
+                self._error = err
+                self._done.notify_all()

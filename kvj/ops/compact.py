@@ -1,0 +1,190 @@
+"""Compaction: fold sealed log files into a snapshot, delete what it replaced, collect segments.
+
+Safe to run from cron while the writer runs:
+
+- a ``COMPACT`` lock admits one compactor at a time (a second gets ``JournalLocked``);
+- only sealed log files are folded: every log file but the newest, which the writer may
+  still be appending to, is never written again;
+- the snapshot is durable (temp file, fsync, rename, fsync directory) before any log file
+  or older snapshot it covers is unlinked, oldest first, so a crash at any point leaves a
+  journal that replays to the same state;
+- a segment is collected only when no live record references it and its file is older
+  than the grace period, so a segment written just before its record is never collected.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from kvj.errors import CorruptionError, FormatError, SegmentMissing
+from kvj.fileio import FS, REAL_FS, fsync_path
+from kvj.journal.framing import FILE_HEADER_SIZE, decode_file_header
+from kvj.journal.journal import default_store_path
+from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.journal.reader import Scan, list_logs
+from kvj.journal.records import decode_payload
+from kvj.journal.replay import is_legacy, replay
+from kvj.journal.snapshot import list_snapshots, load_latest, write_snapshot
+from kvj.journal.state import JournalState
+from kvj.segments.check import opened_store
+
+DEFAULT_GRACE = 3600.0
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class CompactResult:
+    """What one compaction did."""
+
+    snapshot: Optional[str] = None  # path of the snapshot written, if any
+    snapshot_lsn: int = 0
+    snapshot_bytes: int = 0
+    logs_removed: List[str] = field(default_factory=list)
+    snapshots_removed: List[str] = field(default_factory=list)
+    segments_removed: List[str] = field(default_factory=list)
+    segments_kept_young: int = 0  # unreferenced but inside the grace period
+    bytes_reclaimed: int = 0  # log files, old snapshots and segments deleted
+
+    def to_dict(self) -> Dict[str, object]:
+        return asdict(self)
+
+
+def _base_lsn(path: str) -> Optional[int]:
+    """First LSN of a log file; None while the writer is still creating it (no header yet)."""
+    with open(path, "rb") as f:
+        header = decode_file_header(f.read(FILE_HEADER_SIZE))
+    return header.base_lsn if header is not None else None
+
+
+def fold_sealed(directory: str, sealed: List[str]) -> JournalState:
+    """The newest snapshot plus every record in the sealed log files, checked strictly."""
+    state = load_latest(directory) or JournalState()
+    if not sealed:
+        return state
+    scan = Scan(directory, after_lsn=state.snapshot_lsn, strict=True, logs=sealed)
+    for raw in scan:
+        try:
+            payload = decode_payload(raw.rtype, raw.payload)
+        except FormatError as exc:
+            raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
+        state.apply(raw.rtype, payload, raw.lsn)
+    return state
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _unlink_all(paths: List[str], directory: str, fs: FS) -> int:
+    """Unlink ``paths`` in order, then fsync the directory; returns the bytes freed."""
+    freed = 0
+    for path in paths:
+        size = _size(path)
+        fs.unlink(path)
+        freed += size
+    if paths:
+        fs.fsync_dir(directory)
+    return freed
+
+
+def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> JournalState:
+    """Fold the sealed logs into a durable snapshot, then delete the logs and snapshots it covers."""
+    logs = list_logs(directory)
+    sealed, newest = logs[:-1], logs[-1:]
+    state = fold_sealed(directory, sealed)
+    snaps = list_snapshots(directory)
+    if sealed:
+        # Everything before the newest file's first LSN is in the sealed files, hence in ``state``.
+        base = _base_lsn(newest[0])
+        if base is not None and state.last_lsn < base - 1:
+            raise CorruptionError(sealed[-1], None, f"sealed logs end at LSN {state.last_lsn} but the "
+                                  f"newest log starts at LSN {base}")
+        if state.last_lsn > state.snapshot_lsn:
+            result.snapshot = write_snapshot(directory, state, fs)
+            result.snapshot_lsn = state.last_lsn
+            result.snapshot_bytes = _size(result.snapshot)
+            state.snapshot_lsn = state.last_lsn
+        removed = sealed  # oldest first: a crash midway leaves a suffix that still replays
+        result.bytes_reclaimed += _unlink_all(removed, directory, fs)
+        result.logs_removed = removed
+    keep = state.snapshot_lsn
+    old = [path for lsn, path in snaps if lsn < keep]
+    result.bytes_reclaimed += _unlink_all(sorted(old), directory, fs)
+    result.snapshots_removed = sorted(old)
+    return state
+
+
+def collect_segments(directory: str, store: Any, result: CompactResult, *, grace: float, now: float,
+                     progress: Optional[Progress] = None, fs: FS = REAL_FS) -> None:
+    """Delete segments that no live record references and that are older than ``grace`` seconds.
+
+    Candidates are listed *before* the journal is replayed for references, so a segment
+    stored after the listing is never a candidate, and one stored before it is either
+    older than the grace period or skipped. Each candidate's age is checked again right
+    before it is deleted, so a segment the store touched since the listing survives.
+    """
+    backend = store.backend
+    aged: List[Tuple[str, int]] = []
+    young: List[str] = []
+    for key in store.keys():
+        try:
+            if now - backend.mtime(key) >= grace:
+                aged.append((key, backend.size(key)))
+            else:
+                young.append(key)
+        except SegmentMissing:
+            continue
+    referenced = replay(directory).referenced_keys()
+    # An END (or a new checkpoint) seen above may still sit unsynced in the page cache of a
+    # live or killed writer; make it durable before deleting what it released.
+    for log in list_logs(directory):
+        fsync_path(log, fs)
+    doomed = [(key, size) for key, size in aged if key not in referenced]
+    result.segments_kept_young = sum(1 for key in young if key not in referenced)
+    for i, (key, size) in enumerate(doomed, 1):
+        try:
+            if now - backend.mtime(key) < grace:
+                result.segments_kept_young += 1
+                continue
+        except SegmentMissing:
+            continue
+        store.delete(key)
+        result.segments_removed.append(key)
+        result.bytes_reclaimed += size
+        if progress:
+            progress("collecting segments", i, len(doomed))
+
+
+def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
+            collect: bool = True, fs: FS = REAL_FS, now: Optional[float] = None,
+            progress: Optional[Progress] = None) -> CompactResult:
+    """Compact the journal at ``directory`` (see the module docstring); returns what was done.
+
+    ``store`` is a ``SegmentStore`` or its root; None means ``<journal>/segments``.
+    ``collect=False`` leaves segments alone.
+    """
+    directory = os.path.abspath(directory)
+    if not os.path.isdir(directory) or is_legacy(directory):
+        raise FormatError(f"no kvj journal directory at {directory}")
+    if grace < 0:
+        raise FormatError("the grace period cannot be negative")
+    lock = DirLock(directory, COMPACT_LOCK, "compactor").acquire()
+    try:
+        result = CompactResult()
+        compact_logs(directory, result, fs)
+        if collect:
+            with opened_store(store, default_store_path(directory), fs) as seg_store:
+                if seg_store is not None:
+                    collect_segments(directory, seg_store, result, grace=grace,
+                                     now=time.time() if now is None else now, progress=progress, fs=fs)
+        return result
+    finally:
+        lock.release()
+

@@ -1,0 +1,413 @@
+"""fsck: check a journal and its segment store end to end, and optionally repair.
+
+Checks every log file's header, framing and CRCs, LSN order within and across files,
+every snapshot (checksum, position in the log, and agreement with the log it was
+compacted from while that log still exists), that every segment the live state needs
+exists with a matching digest, and lists orphan segments.
+
+``repair=True`` cuts a torn tail (its bytes kept in ``torn/``), sets a damaged or
+disagreeing snapshot aside when the log can replace it, and quarantines damaged
+segments. Nothing is deleted: whatever a repair removes from the live journal is kept.
+
+The result's ``exit_code`` follows e2fsck: 0 clean, 1 errors corrected, 4 errors left
+uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from kvj.errors import CorruptionError, FormatError, JournalLocked
+from kvj.fileio import FS, REAL_FS, makedirs_durable, rename_durable
+from kvj.journal.framing import (
+    FILE_HEADER_SIZE,
+    FORMAT_VERSION,
+    decode_file_header,
+    header_torn,
+    later_group_exists,
+    parse_group,
+)
+from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
+from kvj.journal.legacy import LegacyScan
+from kvj.journal.locks import LOCK_NAME, DirLock
+from kvj.journal.reader import TornTail, list_logs, log_seq
+from kvj.journal.records import decode_payload
+from kvj.journal.replay import _legacy_file, is_legacy
+from kvj.journal.snapshot import decode_snapshot, list_snapshots
+from kvj.journal.state import JournalState
+
+CLEAN, CORRECTED, UNCORRECTED = 0, 1, 4
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class Finding:
+    """One thing fsck found. Errors count toward the exit code; warnings and notes do not."""
+
+    severity: str  # "error", "warning" or "note"
+    kind: str
+    message: str
+    path: Optional[str] = None
+    offset: Optional[int] = None
+    fixed: bool = False
+    action: Optional[str] = None  # what --repair did about it
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class FsckResult:
+    path: str
+    repair: bool
+    findings: List[Finding] = field(default_factory=list)
+    logs: int = 0
+    records: int = 0
+    snapshots: int = 0
+    first_lsn: Optional[int] = None
+    last_lsn: int = 0
+    segments_checked: int = 0
+    orphans: List[str] = field(default_factory=list)
+    writer_live: bool = False
+
+    @property
+    def errors(self) -> List[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def exit_code(self) -> int:
+        code = CLEAN
+        if any(f.fixed for f in self.errors):
+            code |= CORRECTED
+        if any(not f.fixed for f in self.errors):
+            code |= UNCORRECTED
+        return code
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"path": self.path, "repair": self.repair, "exit_code": self.exit_code,
+                "logs": self.logs, "records": self.records, "snapshots": self.snapshots,
+                "first_lsn": self.first_lsn, "last_lsn": self.last_lsn,
+                "segments_checked": self.segments_checked, "orphans": self.orphans,
+                "writer_live": self.writer_live, "findings": [f.to_dict() for f in self.findings]}
+
+
+def _canonical(state: JournalState) -> str:
+    """The part of a state a snapshot must reproduce, in a comparable form."""
+    d = state.to_dict(include_ended=False)
+    for volatile in ("warnings", "tail", "snapshot_lsn"):
+        d.pop(volatile, None)
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def set_aside(path: str, fs: FS = REAL_FS) -> str:
+    """Move ``path`` into the journal's ``torn/`` folder (durably); returns the new path."""
+    journal = os.path.dirname(path)
+    aside_dir = os.path.join(journal, TORN_DIR)
+    makedirs_durable(aside_dir, fs)
+    target = os.path.join(aside_dir, os.path.basename(path))
+    n = 1
+    while os.path.exists(target):
+        target = os.path.join(aside_dir, f"{os.path.basename(path)}.{n}")
+        n += 1
+    rename_durable(path, target, fs)
+    return target
+
+
+class _Checker:
+    def __init__(self, path: str, store: Any, repair: bool, fs: FS, progress: Optional[Progress]):
+        self.path, self.store_arg, self.repair, self.fs, self.progress = path, store, repair, fs, progress
+        self.result = FsckResult(path, repair)
+
+    def add(self, severity: str, kind: str, message: str, path: Optional[str] = None,
+            offset: Optional[int] = None) -> Finding:
+        finding = Finding(severity, kind, message, path, offset)
+        self.result.findings.append(finding)
+        return finding
+
+    def fix(self, finding: Finding, action: Callable[[], str], corrects: bool = True) -> None:
+        """Under --repair, run ``action`` (which returns what it did); ``corrects``: the error is gone."""
+        if self.repair:
+            finding.action = action()
+            finding.fixed = corrects
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def snapshots(self) -> List[Tuple[int, str, JournalState]]:
+        """Decode every snapshot; returns the valid ones, newest first."""
+        valid: List[Tuple[int, str, JournalState]] = []
+        damaged: List[Tuple[int, str, Exception]] = []
+        snaps = list_snapshots(self.path)
+        self.result.snapshots = len(snaps)
+        for lsn, spath in snaps:
+            try:
+                with open(spath, "rb") as f:
+                    valid.append((lsn, spath, decode_snapshot(f.read(), spath)))
+            except (CorruptionError, FormatError) as exc:
+                damaged.append((lsn, spath, exc))
+        for lsn, spath, exc in damaged:
+            newest = lsn == snaps[0][0]
+            finding = self.add("error", "snapshot", str(exc) + (" (replay uses the newest snapshot)" if newest else ""),
+                               spath, getattr(exc, "offset", None))
+            older = max((v_lsn for v_lsn, _p, _s in valid if v_lsn < lsn), default=0)
+            if not newest or self._first_base() <= older + 1:
+                self.fix(finding, lambda p=spath: f"set aside as {set_aside(p, self.fs)}")
+        return valid
+
+    def _first_base(self) -> int:
+        """Base LSN of the oldest log file (a huge number when there is none)."""
+        logs = list_logs(self.path)
+        if logs:
+            with open(logs[0], "rb") as f:
+                header = decode_file_header(f.read(FILE_HEADER_SIZE))
+            if header is not None:
+                return header.base_lsn
+        return 1 << 62
+
+    # -- logs ----------------------------------------------------------------------------
+
+    def logs(self, valid: List[Tuple[int, str, JournalState]]) -> JournalState:
+        """Walk every log file, fold the live state, and check the newest snapshot against its log."""
+        r = self.result
+        snap = valid[0][2] if valid else None
+        snap_canon = _canonical(snap) if snap is not None else ""
+        logs = list_logs(self.path)
+        r.logs = len(logs)
+        snap_lsn = snap.snapshot_lsn if snap is not None else 0
+        state = snap if snap is not None else JournalState()
+        # A second fold from the next older snapshot (or from nothing) re-derives the newest
+        # snapshot while the log it was compacted from still exists.
+        older = next(((lsn, s) for lsn, _p, s in valid if snap is not None and lsn < snap_lsn), (0, None))
+        check: Optional[JournalState] = older[1] if older[1] is not None else JournalState()
+        check_from = older[0]
+        expected: Optional[int] = None
+        for index, log in enumerate(logs):
+            is_last = index == len(logs) - 1
+            with open(log, "rb") as f:
+                data = f.read()
+            header = decode_file_header(data)
+            if header is None:
+                if is_last and not header_torn(data):
+                    self.add("error", "corruption", "bad log file header before valid commit groups", log, 0)
+                elif is_last and r.writer_live:
+                    self.add("note", "file-in-progress", "the live writer is creating this log file", log, 0)
+                elif is_last:
+                    finding = self.add("error", "torn-header",
+                                       f"newest log file has no valid header ({len(data)} bytes): "
+                                       "the writer crashed while creating it", log, 0)
+                    self.fix(finding, lambda p=log, n=len(data): self._drop_file(p, n))
+                else:
+                    self.add("error", "corruption", "bad log file header in a sealed log file", log, 0)
+                return state
+            if header.version != FORMAT_VERSION:
+                self.add("error", "format", f"log format version {header.version} is not supported", log, 0)
+                return state
+            if header.seq != log_seq(log):
+                self.add("error", "corruption", f"header says file number {header.seq}, name says "
+                         f"{log_seq(log)}", log, 0)
+            if expected is None:
+                if header.base_lsn > snap_lsn + 1:
+                    self.add("error", "lsn-gap", f"log starts at LSN {header.base_lsn} but the snapshot ends at "
+                             f"{snap_lsn}: LSNs {snap_lsn + 1}..{header.base_lsn - 1} are missing", log, 0)
+                if check is not None and header.base_lsn > check_from + 1:
+                    check = None  # the log the newest snapshot came from is gone (compacted): nothing to compare
+            elif header.base_lsn != expected and header.base_lsn <= snap_lsn + 1:
+                # compaction deletes covered files and a crash may keep its unlinks in any order
+                self.add("note", "covered-gap", f"log files before LSN {header.base_lsn} were compacted "
+                         "into the snapshot", log, 0)
+                check = None
+            elif header.base_lsn != expected:
+                self.add("error", "lsn-gap", f"log file begins at LSN {header.base_lsn}, expected {expected} "
+                         "(missing or extra log file)", log, 0)
+            expected = header.base_lsn
+            off = FILE_HEADER_SIZE
+            while off < len(data):
+                parsed = parse_group(data, off, log, header.salt)
+                if parsed is None:
+                    self._damage(log, data, off, expected, is_last, header.salt)
+                    break
+                records, off = parsed
+                if records[0].lsn != expected:
+                    self.add("error", "lsn-order", f"LSN {records[0].lsn} out of order, expected {expected}",
+                             log, records[0].offset)
+                expected = records[-1].lsn + 1
+                for raw in records:
+                    r.records += 1
+                    try:
+                        payload = decode_payload(raw.rtype, raw.payload)
+                    except FormatError as exc:
+                        self.add("error", "corruption", f"LSN {raw.lsn}: {exc}", log, raw.offset)
+                        continue
+                    if r.first_lsn is None:
+                        r.first_lsn = raw.lsn
+                    r.last_lsn = raw.lsn
+                    if raw.lsn > snap_lsn:
+                        state.apply(raw.rtype, payload, raw.lsn)
+                    elif check is not None and raw.lsn > check_from:
+                        check.apply(raw.rtype, payload, raw.lsn)
+        if snap is not None:
+            self._check_snapshot(snap.snapshot_lsn, snap_canon, check, expected, valid)
+        return state
+
+    def _damage(self, log: str, data: bytes, off: int, expected: int, is_last: bool, salt: int) -> None:
+        later = later_group_exists(data, off, expected - 1, salt)
+        if later is not None or not is_last:
+            where = f"; a valid group follows at offset {later}" if later is not None else " in a sealed log file"
+            self.add("error", "corruption", f"damaged commit group{where}", log, off)
+            return
+        if self.result.writer_live:
+            self.add("note", "tail-in-progress", f"{len(data) - off} bytes after the last complete group: "
+                     "the live writer may be writing them", log, off)
+            return
+        finding = self.add("error", "torn-tail", f"torn tail of {len(data) - off} bytes (records that were never "
+                           "acknowledged as durable)", log, off)
+        self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(TornTail(log, off, len(data) - off), self.fs)}")
+
+    def _drop_file(self, path: str, size: int) -> str:
+        aside = cut_torn_tail(TornTail(path, 0, size), self.fs) if size else None
+        self.fs.unlink(path)
+        self.fs.fsync_dir(self.path)
+        return f"removed; bytes kept in {aside}" if aside else "removed (it was empty)"
+
+    def _check_snapshot(self, lsn: int, canon: str, check: Optional[JournalState], expected: Optional[int],
+                        valid: List[Tuple[int, str, JournalState]]) -> None:
+        spath = next(p for s_lsn, p, _s in valid if s_lsn == lsn)
+        if expected is not None and lsn > expected - 1:
+            self.add("error", "snapshot", f"snapshot at LSN {lsn} is ahead of the log, which ends at "
+                     f"LSN {expected - 1}", spath)
+            return
+        if check is None or check.last_lsn < lsn:
+            return
+        if _canonical(check) != canon:
+            finding = self.add("error", "snapshot", f"snapshot at LSN {lsn} disagrees with the log it was "
+                               "compacted from", spath)
+            self.fix(finding, lambda: f"set aside as {set_aside(spath, self.fs)}; the log replaces it")
+
+    # -- legacy --------------------------------------------------------------------------
+
+    def legacy(self) -> JournalState:
+        path = _legacy_file(self.path)
+        scan = LegacyScan(path)
+        state = JournalState()
+        try:
+            for lsn, rtype, payload in scan:
+                self.result.records += 1
+                state.apply(rtype, payload, lsn)
+        except CorruptionError as exc:
+            self.add("error", "corruption", exc.reason, exc.path, exc.offset)
+            return state
+        self.result.logs = 1
+        self.result.first_lsn, self.result.last_lsn = state.first_lsn, state.last_lsn
+        if scan.tail is not None:
+            tail = scan.tail
+            finding = self.add("error", "torn-tail", f"torn last line of {tail.length} bytes", tail.path, tail.offset)
+            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}")
+        self.add("note", "legacy", "legacy JSON-lines journal: its records carry no digests, segments not checked")
+        return state
+
+    # -- segments ------------------------------------------------------------------------
+
+    def segments(self, state: JournalState) -> None:
+        from kvj.segments.check import opened_store
+
+        with opened_store(self.store_arg, default_store_path(self.path), self.fs) as store:
+            self._segments(state, store)
+
+    def _segments(self, state: JournalState, store: Any) -> None:
+        from kvj.segments.check import verify_segment
+
+        referenced = state.referenced_keys()
+        digests = _record_digests(state)
+        if store is None:
+            if referenced:
+                self.add("error", "segment-missing", f"no segment store, but {len(referenced)} segments are needed")
+            return
+        keys = sorted(store.keys())
+        total = len(keys) + len([k for k in referenced if k not in set(keys)])
+        done = 0
+        for key, who in sorted(referenced.items()):
+            problem = verify_segment(store, key, digests.get(key))
+            done += 1
+            self.result.segments_checked += 1
+            if self.progress:
+                self.progress("verifying segments", done, total)
+            if problem is None:
+                continue
+            kind, reason = problem
+            finding = self.add("error", kind, f"{who} needs segment {key}: {reason}; recovery will fall back "
+                               "to an older segment or recompute")
+            if kind == "segment-damaged":
+                # quarantined, the bytes are out of harm's way but the data is still lost
+                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}", corrects=False)
+        for key in keys:
+            if key in referenced:
+                continue
+            done += 1
+            self.result.segments_checked += 1
+            if self.progress:
+                self.progress("verifying segments", done, total)
+            self.result.orphans.append(key)
+            problem = verify_segment(store, key, None)
+            if problem is not None:
+                finding = self.add("error", problem[0], f"unreferenced segment {key}: {problem[1]}")
+                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}")
+        if self.result.orphans:
+            self.add("note", "orphans", f"{len(self.result.orphans)} segments no live record references "
+                     "(kvj compact collects them after the grace period)")
+
+
+def _record_digests(state: JournalState) -> Dict[str, str]:
+    """Digest each live segment record claims for its key."""
+    out: Dict[str, str] = {}
+    for req in state.in_flight():
+        for ref in req.segments.values():
+            if ref.key and ref.digest:
+                out[ref.key] = ref.digest
+    return out
+
+
+def _writer_live(path: str) -> bool:
+    """Whether a live process holds the writer lock (probed without keeping it)."""
+    try:
+        DirLock(path, LOCK_NAME, "writer").acquire().release()
+    except JournalLocked:
+        return True
+    return False
+
+
+def fsck(path: str, store: Any = None, *, repair: bool = False, fs: FS = REAL_FS,
+         progress: Optional[Progress] = None) -> FsckResult:
+    """Check (and with ``repair``, repair) the journal at ``path``; see the module docstring.
+
+    Raises ``JournalLocked`` when repairing while a writer runs, or while a compactor runs;
+    ``FormatError`` when there is no journal at ``path``.
+    """
+    from kvj.journal.locks import COMPACT_LOCK
+
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise FormatError(f"no journal at {path}")
+    checker = _Checker(path, store, repair, fs, progress)
+    if is_legacy(path):
+        checker.legacy()
+        return checker.result
+    if not os.path.isdir(path):
+        raise FormatError(f"no journal at {path}")
+    locks = [DirLock(path, COMPACT_LOCK, "compactor").acquire()]
+    try:
+        if repair:
+            locks.append(DirLock(path, LOCK_NAME, "writer").acquire())
+        else:
+            checker.result.writer_live = _writer_live(path)
+        state = checker.logs(checker.snapshots())
+        for warning in state.warnings:
+            checker.add("warning", "replay", warning)
+        checker.segments(state)
+        return checker.result
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+

@@ -1,0 +1,308 @@
+"""Recovery after a crash: what to resume, verified, written down durably.
+
+``recover(path)``:
+
+1. takes the writer and compactor locks (so nothing changes underneath), which cuts a
+   torn tail left by the crash, keeping the cut bytes in ``torn/``;
+2. replays the journal to its last consistent point;
+3. verifies the digest of every segment the live state needs;
+4. plans each request in flight: its durable segments, contiguous from token 0, that
+   verified. A request whose newest segment is missing or damaged falls back to its
+   newest good one; its resume position counts good segments only. Training resumes
+   from the checkpoint and the longest chain of deltas whose segments all verified;
+5. writes the plan as a recovery manifest (JSON, ``recovery/manifest-<epoch>.json``,
+   atomically and durably) and then appends a recovery-epoch record pointing at it.
+
+``dry_run=True`` takes no lock and changes nothing; the manifest is returned only.
+``load_manifest`` then loads every planned segment onto a device and times it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from kvj.errors import FormatError, KvjError, SegmentMissing
+from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
+from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.journal.replay import _legacy_file, is_legacy, replay
+from kvj.journal.state import JournalState, RequestState, SegmentRef
+from kvj.segments.check import Problem, opened_store, verify_many
+
+MANIFEST_VERSION = 1
+MANIFEST_RE = re.compile(r"^manifest-(\d+)\.json$")
+RECOVERY_DIR = "recovery"
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class RecoveryResult:
+    """The manifest and what recovery did to produce it."""
+
+    manifest: Dict[str, Any]
+    manifest_path: Optional[str] = None  # None on a dry run
+    epoch_lsn: Optional[int] = None  # LSN of the recovery-epoch record, once durable
+    dry_run: bool = False
+    load: Optional[Dict[str, Any]] = None  # filled by load_manifest
+
+    @property
+    def fallbacks(self) -> List[str]:
+        return self.manifest["fallbacks"]
+
+
+@dataclass
+class _Plan:
+    segments: List[Dict[str, Any]] = field(default_factory=list)
+    dropped: List[Dict[str, Any]] = field(default_factory=list)
+    resume_position: int = 0
+
+
+def _segment_entry(ref: SegmentRef) -> Dict[str, Any]:
+    return {"seg": ref.seg, "key": ref.key, "tokens": list(ref.tokens) if ref.tokens else None,
+            "layout": ref.layout, "raw_size": ref.raw_size, "stored_size": ref.stored_size,
+            "digest": ref.digest, "codec": ref.codec, "lsn": ref.lsn}
+
+
+def plan_request(req: RequestState, problems: Dict[str, Optional[Problem]]) -> _Plan:
+    """Good segments covering tokens from 0 without a gap; everything else dropped, with why."""
+    plan = _Plan()
+    refs = sorted((r for r in req.segments.values() if r.tokens is not None), key=lambda r: (r.tokens, r.seg))
+    pos = 0
+    for ref in refs:
+        problem = problems.get(ref.key) if ref.key else ("segment-missing", "record has no segment key")
+        start, end = ref.tokens  # type: ignore[misc]
+        if problem is not None:
+            plan.dropped.append({**_segment_entry(ref), "problem": problem[0], "reason": problem[1]})
+        elif start > pos:
+            plan.dropped.append({**_segment_entry(ref), "problem": "after-gap",
+                                 "reason": f"tokens {pos}..{start} before it are not covered by a good segment"})
+        else:
+            plan.segments.append(_segment_entry(ref))
+            pos = max(pos, end)
+    plan.resume_position = pos
+    return plan
+
+
+def _request_entry(req: RequestState, plan: _Plan) -> Dict[str, Any]:
+    recorded = req.resume_position
+    entry = {"id": req.id, "prompt_hash": req.prompt_hash, "tokens": req.tokens, "meta": req.meta,
+             "start_lsn": req.start_lsn, "resume_position": plan.resume_position,
+             "recorded_position": recorded, "segments": plan.segments, "fallback": None}
+    if plan.dropped or plan.resume_position < recorded:
+        entry["fallback"] = {"dropped": plan.dropped, "lost_tokens": [plan.resume_position, recorded]}
+    return entry
+
+
+def _legacy_request_entry(req: RequestState) -> Dict[str, Any]:
+    segments = [{"seg": r.seg, "ptr": r.ptr, "size": r.raw_size, "lsn": r.lsn}
+                for r in sorted(req.segments.values(), key=lambda r: r.seg)]
+    return {"id": req.id, "prompt_hash": req.prompt_hash, "tokens": req.tokens, "meta": req.meta,
+            "start_lsn": req.start_lsn, "resume_position": None, "recorded_position": None,
+            "segments": segments, "verified": False, "fallback": None}
+
+
+def plan_training(state: JournalState, problems: Dict[str, Optional[Problem]]) -> Dict[str, Any]:
+    """The checkpoint and the longest chain of deltas on it whose segments all verified."""
+    ckpt = state.checkpoint
+    if ckpt is None:
+        return {"checkpoint": None, "deltas": [], "step": None, "fallback": None}
+    bad = {name: problems[key] for name, key in ckpt["keys"].items() if problems.get(key) is not None}
+    if bad:
+        return {"checkpoint": None, "deltas": [], "step": None,
+                "fallback": {"reason": f"checkpoint at step {ckpt['step']} has unusable segments",
+                             "unusable": {name: {"problem": p[0], "reason": p[1]} for name, p in bad.items()}}}
+    reachable: Dict[int, List[Dict[str, Any]]] = {ckpt["step"]: []}  # step -> delta chain that reaches it
+    skipped = []
+    for delta in state.deltas:
+        ok = all(problems.get(key) is None for key in delta["keys"].values())
+        if ok and delta["base_step"] in reachable:
+            reachable[delta["step"]] = reachable[delta["base_step"]] + [delta]
+        else:
+            skipped.append({"step": delta["step"], "base_step": delta["base_step"],
+                            "reason": "unusable segments" if not ok else f"its base step {delta['base_step']} "
+                            "cannot be restored"})
+    step = max(reachable, key=lambda s: (len(reachable[s]) > 0, s))
+    newest = max([ckpt["step"]] + [d["step"] for d in state.deltas])
+    fallback = None
+    if skipped and step < newest:
+        fallback = {"reason": f"resumes at step {step} instead of {newest}", "skipped_deltas": skipped}
+    return {"checkpoint": ckpt, "deltas": reachable[step], "step": step, "fallback": fallback}
+
+
+def build_manifest(state: JournalState, problems: Dict[str, Optional[Problem]], *, journal: str,
+                   store: Optional[str], epoch: int, legacy: bool) -> Dict[str, Any]:
+    """The recovery manifest for ``state`` given each needed segment's verification result."""
+    requests = []
+    fallbacks: List[str] = []
+    for req in sorted(state.in_flight(), key=lambda r: r.start_lsn):
+        if legacy:
+            requests.append(_legacy_request_entry(req))
+            continue
+        plan = plan_request(req, problems)
+        entry = _request_entry(req, plan)
+        requests.append(entry)
+        if entry["fallback"]:
+            reasons = "; ".join(f"segment {d['seg']} {d['problem']}" for d in plan.dropped)
+            fallbacks.append(f"request {req.id}: resumes at token {plan.resume_position} instead of "
+                             f"{entry['recorded_position']} ({reasons})")
+    training = plan_training(state, problems)
+    if training["fallback"]:
+        fallbacks.append(f"training: {training['fallback']['reason']}")
+    return {
+        "kvj_recovery_manifest": MANIFEST_VERSION,
+        "journal": journal, "store": store, "legacy": legacy, "epoch": epoch, "created": time.time(),
+        "recovered_lsn": state.last_lsn, "first_lsn": state.first_lsn, "snapshot_lsn": state.snapshot_lsn,
+        "torn_tail": state.tail,
+        "requests": requests, "ended_requests": len(state.ended()) + state.ended_compacted,
+        "training": training,
+        "segments_verified": sum(1 for p in problems.values() if p is None),
+        "segments_unusable": sum(1 for p in problems.values() if p is not None),
+        "fallbacks": fallbacks, "warnings": state.warnings,
+    }
+
+
+def _needed(state: JournalState) -> List[Tuple[str, Optional[str]]]:
+    """(key, claimed digest) of every segment recovery may load."""
+    wanted: List[Tuple[str, Optional[str]]] = []
+    for req in state.in_flight():
+        wanted += [(r.key, r.digest) for r in req.segments.values() if r.key]
+    for entry in ([state.checkpoint] if state.checkpoint else []) + state.deltas:
+        wanted += [(key, None) for key in entry["keys"].values() if isinstance(key, str)]
+    return wanted
+
+
+def _next_epoch(state: JournalState, recovery_dir: str) -> int:
+    known = [e["epoch"] for e in state.epochs]
+    if os.path.isdir(recovery_dir):
+        for name in os.listdir(recovery_dir):
+            m = MANIFEST_RE.match(name)
+            if m:
+                known.append(int(m.group(1)))
+    return max(known, default=0) + 1
+
+
+def recover(path: str, store: Any = None, *, dry_run: bool = False, fs: FS = REAL_FS,
+            progress: Optional[Progress] = None) -> RecoveryResult:
+    """Recover the journal at ``path`` (a kvj journal directory or a legacy JSON-lines journal).
+
+    ``store`` is a ``SegmentStore`` or its root (default ``<journal>/segments``). Raises
+    ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` on mid-log damage.
+    """
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise FormatError(f"no journal at {path}")
+    legacy = is_legacy(path)
+    home = os.path.dirname(_legacy_file(path)) if legacy else path
+    recovery_dir = os.path.join(home, RECOVERY_DIR)
+    if store is None:
+        store_root: Optional[str] = default_store_path(home)
+    elif isinstance(store, (str, os.PathLike)):
+        store_root = os.path.abspath(os.fspath(store))
+    else:
+        store_root = getattr(getattr(store, "backend", None), "root", None)
+    if dry_run or legacy:
+        return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress)
+    compactor = DirLock(path, COMPACT_LOCK, "compactor").acquire()
+    try:
+        with Journal.open(path, create=False, fs=fs) as journal:
+            return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress)
+    finally:
+        compactor.release()
+
+
+def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str, legacy: bool, dry_run: bool,
+             fs: FS, journal: Optional[Journal], progress: Optional[Progress]) -> RecoveryResult:
+    state = replay(path)
+    cut = journal.cut_tail if journal is not None else None
+    if legacy and state.tail and not dry_run:
+        from kvj.journal.journal import cut_torn_tail
+        from kvj.journal.reader import TornTail
+
+        tail = state.tail
+        cut = cut_torn_tail(TornTail(tail["path"], tail["offset"], tail["length"]), fs)
+    problems: Dict[str, Optional[Problem]] = {}
+    needed = [] if legacy else _needed(state)
+    if needed:
+        with opened_store(store, store_root or "", fs) as seg_store:
+            problems = verify_many(seg_store, needed, progress)
+    epoch = _next_epoch(state, recovery_dir)
+    manifest = build_manifest(state, problems, journal=path, store=store_root, epoch=epoch, legacy=legacy)
+    if cut is not None:
+        manifest["torn_tail"] = {**(manifest["torn_tail"] or {}), "kept_at": cut,
+                                 "length": os.path.getsize(cut)}
+    result = RecoveryResult(manifest, dry_run=dry_run)
+    if dry_run:
+        return result
+    makedirs_durable(recovery_dir, fs)
+    target = os.path.join(recovery_dir, f"manifest-{epoch:06d}.json")
+    atomic_write(target, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(), fs)
+    result.manifest_path = target
+    if journal is not None:  # the manifest is durable before the record that points at it
+        result.epoch_lsn = journal.epoch(epoch, manifest["recovered_lsn"], os.path.relpath(target, path))
+    return result
+
+
+def manifest_keys(manifest: Dict[str, Any]) -> List[str]:
+    """Every distinct segment key a manifest plans to load, requests first, then training."""
+    keys: List[str] = []
+    for req in manifest["requests"]:
+        keys += [s["key"] for s in req["segments"] if s.get("key")]
+    training = manifest["training"]
+    for entry in ([training["checkpoint"]] if training["checkpoint"] else []) + training["deltas"]:
+        keys += [k for k in entry["keys"].values() if isinstance(k, str)]
+    return list(dict.fromkeys(keys))
+
+
+def load_manifest(manifest: Dict[str, Any], store: Any, device: str, *, workers: Optional[int] = None,
+                  progress: Optional[Progress] = None) -> Dict[str, Any]:
+    """Load every segment the manifest plans onto ``device``; returns counts, bytes, seconds, GB/s.
+
+    Segments load in parallel through ``kvj.restore`` (pinned staging for CUDA); each tensor
+    is dropped once loaded, so memory stays bounded: this proves and times the restore
+    path, and the server loads for itself. A segment that fails is listed under ``failed``.
+    """
+    import torch
+
+    from kvj.segments.restore import load
+    from kvj.segments.staging import StagingPool
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise FormatError(f"bad device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KvjError(f"cannot load onto {device}: CUDA is not available on this machine")
+    keys = manifest_keys(manifest)
+    failed: List[Dict[str, str]] = []
+    nbytes = 0
+    with opened_store(store, manifest.get("store") or "") as seg_store:
+        if seg_store is None and keys:
+            raise SegmentMissing(f"no segment store at {store}")
+        staging = StagingPool(1 << 30, pinned=True) if dev.type == "cuda" else None
+
+        def one(key: str) -> int:
+            tensor = load(seg_store, key, dev, staging=staging)
+            return tensor.numel() * tensor.element_size()
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool:
+            futures = {key: pool.submit(one, key) for key in keys}
+            for i, (key, future) in enumerate(futures.items(), 1):
+                try:
+                    nbytes += future.result()
+                except (KvjError, OSError) as exc:
+                    failed.append({"key": key, "reason": str(exc)})
+                if progress:
+                    progress(f"loading onto {device}", i, len(keys))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - start
+    return {"device": str(dev), "segments": len(keys) - len(failed), "bytes": nbytes, "seconds": seconds,
+            "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "failed": failed}

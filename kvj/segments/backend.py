@@ -1,0 +1,281 @@
+"""Where segment bytes live: the ``StorageBackend`` interface and the local-directory backend.
+
+The content-addressed store above (``kvj.segments.store``) decides keys, dedup and
+verification; a backend only stores and returns bytes under keys it is given, durably.
+``LocalDirBackend`` keeps one file per segment, written temp file -> fsync -> rename ->
+fsync directory (``man/kvj-segment.5``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from abc import ABC, abstractmethod
+from typing import Iterable, Iterator, Optional, Union
+
+from kvj.errors import SegmentMissing
+from kvj.fileio import FS, REAL_FS, DurabilityError, makedirs_durable, rename_durable
+from kvj.names import KEY_RE
+
+SEGMENT_SUFFIX = ".kvjseg"
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Upload(ABC):
+    """One segment being written: ``write`` parts, then ``commit`` it under its key (or ``abort``).
+
+    The key may be decided only at the end (it is the digest, computed while compressing).
+    """
+
+    @abstractmethod
+    def write(self, part: Buffer) -> None: ...
+
+    @abstractmethod
+    def commit(self, key: str) -> int:
+        """Make the object durable under ``key`` (replacing any old one atomically); its size."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was written (best effort, never raises)."""
+
+
+class StorageBackend(ABC):
+    """Where segment bytes live. Keys reaching a backend are already validated."""
+
+    @abstractmethod
+    def begin(self) -> Upload:
+        """Start writing a new object."""
+
+    def put_durable(self, key: str, parts: Iterable[Buffer]) -> int:
+        """Store the concatenation of ``parts`` under ``key``; durable when it returns."""
+        upload = self.begin()
+        try:
+            for part in parts:
+                upload.write(part)
+            return upload.commit(key)
+        except BaseException:
+            upload.abort()
+            raise
+
+    @abstractmethod
+    def get(self, key: str) -> Buffer:
+        """All bytes of ``key``; SegmentMissing when absent."""
+
+    @abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of ``key`` from ``offset``; SegmentMissing when absent."""
+
+    @abstractmethod
+    def size(self, key: str) -> int:
+        """Byte size of ``key``; SegmentMissing when absent."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` durably (no error when absent)."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]: ...
+
+    @abstractmethod
+    def mtime(self, key: str) -> float: ...
+
+    @abstractmethod
+    def touch(self, key: str) -> None:
+        """Set ``key``'s mtime to now: a dedup hit restarts compaction's grace period."""
+
+    @abstractmethod
+    def quarantine(self, key: str) -> str:
+        """Move ``key`` aside so that it no longer resolves; returns where it went."""
+
+    def describe(self, key: str) -> str:
+        """A human-readable location for error messages."""
+        return key
+
+
+class _LocalUpload(Upload):
+    """A temp file in ``root/tmp``; big writes are fdatasynced as they go, so the disk works
+    while later chunks are still being compressed, and the final fsync has little left to do."""
+
+    SYNC_EVERY = 8 << 20
+
+    def __init__(self, backend: "LocalDirBackend"):
+        self.backend = backend
+        self.fs = backend.fs
+        self.tmp = os.path.join(backend.tmp_dir, f"{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        self.fd: Optional[int] = self.fs.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        self.size = 0
+        self.unsynced = 0
+
+    def _failed(self, exc: OSError, what: str) -> DurabilityError:
+        self.abort()
+        return DurabilityError(exc.errno or 0, f"{what} segment temp file {self.tmp}: {exc.strerror or exc}")
+
+    def write(self, part: Buffer) -> None:
+        assert self.fd is not None
+        try:
+            self.fs.write(self.fd, part)
+            self.size += len(part)
+            self.unsynced += len(part)
+            if self.unsynced >= self.SYNC_EVERY:
+                self.fs.fdatasync(self.fd)
+                self.unsynced = 0
+        except OSError as exc:
+            raise self._failed(exc, "writing") from exc
+
+    def commit(self, key: str) -> int:
+        assert self.fd is not None
+        try:
+            self.fs.fsync(self.fd)
+        except OSError as exc:
+            raise self._failed(exc, "fsyncing") from exc
+        self.fs.close(self.fd)
+        self.fd = None
+        final = self.backend.path(key)
+        directory = os.path.dirname(final)
+        makedirs_durable(directory, self.fs)
+        self.fs.rename(self.tmp, final)
+        self.fs.fsync_dir(directory)
+        return self.size
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                self.fs.close(fd)
+            except OSError:
+                pass
+            try:
+                self.fs.unlink(self.tmp)
+            except OSError:
+                pass
+
+
+class LocalDirBackend(StorageBackend):
+    """One file per segment under ``root/objects/<k[:2]>/<key>.kvjseg``.
+
+    New files are written in ``root/tmp/<pid>.<random>.tmp``, fsynced, renamed into place and
+    the target directory fsynced. Quarantined files move to
+    ``root/quarantine/<key>.<unix-ns>.kvjseg``. Temp files of dead writers are removed when a
+    backend opens the directory.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike], fs: FS = REAL_FS):
+        self.root = os.path.abspath(os.fspath(root))
+        self.fs = fs
+        self.objects = os.path.join(self.root, "objects")
+        self.tmp_dir = os.path.join(self.root, "tmp")
+        self.quarantine_dir = os.path.join(self.root, "quarantine")
+        makedirs_durable(self.objects, fs)
+        makedirs_durable(self.tmp_dir, fs)
+        self.clean_temps()
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.objects, key[:2], key + SEGMENT_SUFFIX)
+
+    def describe(self, key: str) -> str:
+        return self.path(key)
+
+    def begin(self) -> Upload:
+        return _LocalUpload(self)
+
+    def clean_temps(self) -> int:
+        """Remove temp files left by writers that no longer run; returns how many."""
+        removed = 0
+        for name in os.listdir(self.tmp_dir):
+            pid = name.split(".", 1)[0]
+            if not (name.endswith(".tmp") and pid.isdigit()) or _pid_alive(int(pid)):
+                continue
+            try:
+                self.fs.unlink(os.path.join(self.tmp_dir, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def get(self, key: str) -> Buffer:
+        """A read-only memory map of the file (segment files are immutable once renamed)."""
+        try:
+            with open(self.path(key), "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return b""
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            with open(self.path(key), "rb", buffering=0) as f:
+                return os.pread(f.fileno(), length, offset)
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self.path(key)).st_size
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self.path(key))
+
+    def delete(self, key: str) -> None:
+        path = self.path(key)
+        try:
+            self.fs.unlink(path)
+        except FileNotFoundError:
+            return
+        self.fs.fsync_dir(os.path.dirname(path))
+
+    def keys(self) -> Iterator[str]:
+        try:
+            fans = sorted(os.listdir(self.objects))
+        except FileNotFoundError:
+            return
+        for fan in fans:
+            if len(fan) != 2:
+                continue
+            try:
+                names = sorted(os.listdir(os.path.join(self.objects, fan)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                key = name[:-len(SEGMENT_SUFFIX)]
+                if name.endswith(SEGMENT_SUFFIX) and KEY_RE.fullmatch(key) and key[:2] == fan:
+                    yield key
+
+    def mtime(self, key: str) -> float:
+        try:
+            return os.stat(self.path(key)).st_mtime
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self.path(key))
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+
+    def quarantine(self, key: str) -> str:
+        makedirs_durable(self.quarantine_dir, self.fs)
+        src = self.path(key)
+        dst = os.path.join(self.quarantine_dir, f"{key}.{time.time_ns()}{SEGMENT_SUFFIX}")
+        try:
+            rename_durable(src, dst, self.fs)
+        except FileNotFoundError:
+            raise SegmentMissing(f"segment {key} not in store ({src})") from None
+        return dst

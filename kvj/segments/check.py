@@ -1,0 +1,92 @@
+"""Checking segments against the store: the one adapter recover, fsck, compact and the CLI share.
+
+The store (and through it torch) is imported only when a segment is actually looked at,
+so journal-only commands stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from kvj.errors import CorruptionError, FormatError, SegmentMissing
+from kvj.fileio import FS, REAL_FS
+
+#: (kind, reason) of a segment that cannot be used; kind is "segment-missing" or "segment-damaged".
+Problem = Tuple[str, str]
+
+
+@contextmanager
+def opened_store(store: Any, default_root: str, fs: FS = REAL_FS) -> Iterator[Optional[Any]]:
+    """A ``SegmentStore`` for ``store`` (a store, a root path or None for ``default_root``).
+
+    Yields None when the directory does not exist: a journal that never stored a segment
+    has none. A store opened here is closed on exit; one passed in is left open.
+    """
+    from kvj.segments.store import SegmentStore
+
+    if isinstance(store, SegmentStore):
+        yield store
+        return
+    root = os.fspath(store) if store is not None else default_root
+    if not os.path.isdir(root):
+        yield None
+        return
+    opened = SegmentStore(root, fs=fs)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def verify_segment(store: Optional[Any], key: str, digest: Optional[str] = None) -> Optional[Problem]:
+    """None when segment ``key`` is present, intact and (if given) has ``digest``; else why not."""
+    if store is None:
+        return "segment-missing", "no segment store"
+    try:
+        info = store.verify(key)
+    except SegmentMissing as exc:
+        return "segment-missing", str(exc)
+    except (CorruptionError, FormatError, OSError) as exc:
+        return "segment-damaged", str(exc)
+    if digest is not None and getattr(info, "digest", digest) != digest:
+        return "segment-damaged", f"digest {info.digest} differs from the {digest} its record claims"
+    return None
+
+
+def verify_many(store: Optional[Any], wanted: Iterable[Tuple[str, Optional[str]]],
+                progress: Optional[Callable[[str, int, int], None]] = None) -> Dict[str, Optional[Problem]]:
+    """Verify each distinct key once, in parallel (hashing releases the GIL); key -> problem."""
+    unique: Dict[str, Optional[str]] = {}
+    for key, digest in wanted:
+        if key not in unique or unique[key] is None:
+            unique[key] = digest
+    results: Dict[str, Optional[Problem]] = {}
+    total = len(unique)
+    if not total:
+        return results
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        futures = {key: pool.submit(verify_segment, store, key, digest) for key, digest in unique.items()}
+        for done, (key, future) in enumerate(futures.items(), 1):
+            results[key] = future.result()
+            if progress:
+                progress("verifying segments", done, total)
+    return results
+
+
+def require_segments(root: str, keys: List[Tuple[str, Optional[str]]]) -> None:
+    """Raise ``SegmentMissing`` or ``CorruptionError`` unless every key is in the store, intact.
+
+    A record must never point at a segment that is not durable (data before metadata).
+    """
+    with opened_store(root, root) as store:
+        for key, digest in keys:
+            problem = verify_segment(store, key, digest)
+            if problem is None:
+                continue
+            kind, reason = problem
+            if kind == "segment-missing":
+                raise SegmentMissing(f"segment {key} is not in the store {root}: store it first (kvj flush)")
+            raise CorruptionError(root, None, f"segment {key}: {reason}")

@@ -1,0 +1,195 @@
+"""The flush path: snapshot a tensor quickly, compress and write it durably in the background.
+
+``submit`` copies the tensor into bounded staging memory (pinned, on a side CUDA stream, for
+device tensors; a plain CPU snapshot otherwise) and returns a future. Worker threads compress
+and write the segment through :class:`~kvj.store.SegmentStore`; ``on_durable(info)`` runs only
+after the segment file and its directory entry are fsynced, so a journal record appended there
+never points at data that could vanish. When staging is full ``submit`` blocks (backpressure,
+never out-of-memory); when work queues up the codec steps down to faster choices.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from kvj.segments.codecs import Backpressure, Codec
+from kvj.segments.format import dtype_name
+from kvj.segments.staging import StagingPool
+from kvj.segments.store import SegmentInfo, SegmentStore
+
+OnDurable = Callable[[SegmentInfo], None]
+
+
+class Flusher:
+    """Background, bounded, durable segment writer.
+
+    ``workers`` threads each compress and write one segment at a time (chunks of a segment are
+    further parallelised by the store's pool). ``staging_bytes`` bounds snapshot memory.
+    """
+
+    def __init__(self, store: SegmentStore, workers: int = 2, staging_bytes: int = 256 << 20,
+                 codec: Union[str, Codec] = "auto"):
+        self.store = store
+        self.codec = codec
+        self.workers = max(1, int(workers))
+        self.staging = StagingPool(staging_bytes)
+        self.pressure = Backpressure()
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvj-flush")
+        self._lock = threading.Lock()
+        self._pending = 0
+        #: Moving share of put time spent waiting for compression rather than the disk.
+        self._cpu_share = 0.0
+        self._futures: "set[Future[SegmentInfo]]" = set()
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._streams: Dict[torch.device, Any] = {}
+
+    # ------------------------------------------------------------------ submit side
+
+    def submit(self, tensor: torch.Tensor, layout: Optional[Dict[str, Any]] = None,
+               on_durable: Optional[OnDurable] = None,
+               codec: Optional[Union[str, Codec]] = None) -> "Future[SegmentInfo]":
+        """Snapshot ``tensor`` and queue it; the caller may modify ``tensor`` once this returns.
+
+        Blocks while staging memory is full. Raises the first earlier worker error (sticky).
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("submit() on a closed Flusher")
+            if self._error is not None:
+                raise self._error
+        dtype_name(tensor.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        is_cuda = tensor.device.type == "cuda"
+        buf = self.staging.acquire(nbytes, pinned=is_cuda)
+        try:
+            event = self._copy_in(tensor, buf[:nbytes], is_cuda)
+        except BaseException:
+            self.staging.release(buf)
+            raise
+        with self._lock:
+            self._pending += 1
+            self._update_pressure()
+        meta = (tensor.dtype, tuple(tensor.shape), layout, codec or self.codec)
+        future = self._pool.submit(self._work, buf, nbytes, event, meta, on_durable)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: "Future[SegmentInfo]") -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def _copy_in(self, tensor: torch.Tensor, dest: torch.Tensor, is_cuda: bool) -> Optional[Any]:
+        """Copy ``tensor``'s bytes into ``dest``; for CUDA on a side stream, returning its event."""
+        if tensor.numel() == 0:
+            return None
+        if not is_cuda:
+            dest.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())  # one strided pass
+            return None
+        stream = self._side_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            dest.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        tensor.record_stream(stream)
+        # Later work on the caller's stream (e.g. overwriting this block) waits for the copy,
+        # on the GPU, without blocking the host.
+        torch.cuda.current_stream(tensor.device).wait_event(event)
+        return event
+
+    def _side_stream(self, device: torch.device) -> Any:
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            return stream
+
+    def _update_pressure(self) -> None:
+        """Step the codec down only when the queue backs up *and* compression is the bottleneck.
+
+        When the disk is what holds the queue up, compression is free (the CPU waits anyway)
+        and writing fewer bytes drains the queue sooner, so the codec is left alone.
+        """
+        queued = self._pending - self.workers
+        full = self.staging.in_use / max(1, self.staging.capacity)
+        if self._cpu_share <= 0.5:
+            level = Backpressure.NORMAL
+        elif queued >= 4 * self.workers or full >= 0.9:
+            level = Backpressure.SATURATED
+        elif queued >= self.workers or full >= 0.5:
+            level = Backpressure.BUSY
+        else:
+            level = Backpressure.NORMAL
+        self.pressure.set(level)
+
+    def _observe(self, timings: Dict[str, float]) -> None:
+        cpu = timings.get("compression", 0.0)
+        total = cpu + timings.get("io", 0.0)
+        if total > 0:
+            self._cpu_share += 0.25 * (cpu / total - self._cpu_share)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _work(self, buf: torch.Tensor, nbytes: int, event: Optional[Any],
+              meta: Tuple[torch.dtype, Tuple[int, ...], Optional[Dict[str, Any]], Union[str, Codec]],
+              on_durable: Optional[OnDurable]) -> SegmentInfo:
+        dtype, shape, layout, codec = meta
+        try:
+            if event is not None:
+                event.synchronize()
+            raw = memoryview(buf[:nbytes].numpy()).cast("B") if nbytes else memoryview(b"")
+            timings: Dict[str, float] = {}
+            info = self.store.put_bytes(raw, dtype=dtype, shape=shape, layout=layout,
+                                        codec=codec, pressure=self.pressure.level, timings=timings)
+            with self._lock:
+                self._observe(timings)
+            if on_durable is not None:
+                on_durable(info)
+            return info
+        except BaseException as exc:
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+            raise
+        finally:
+            self.staging.release(buf)
+            with self._lock:
+                self._pending -= 1
+                self._update_pressure()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The first worker error, if any (then every later submit raises it)."""
+        return self._error
+
+    def drain(self) -> None:
+        """Wait until every segment submitted so far is durable and reported (or failed).
+
+        Raises the sticky error if any worker failed.
+        """
+        with self._lock:
+            outstanding = list(self._futures)
+        wait(outstanding)
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Finish queued work and stop the workers (the store stays open)."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "Flusher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,278 @@
+"""Content-addressed segment store: durable puts, verified gets, behind a small backend.
+
+A segment's key is the lowercase hex BLAKE3 tree digest defined in ``segment.py`` (raw bytes,
+dtype, shape and layout), so identical blocks are stored once and a key can only ever name the
+bytes it was computed from. Keys are validated before they touch a path. The bytes live
+behind :class:`StorageBackend`; :class:`LocalDirBackend` (the default) keeps one file per
+segment, written temp file -> fsync -> rename -> fsync directory (``man/kvj-segment.5``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt
+from kvj.fileio import FS, REAL_FS, DurabilityError
+from kvj.names import check_key
+from kvj.segments import format as seg
+from kvj.segments.backend import Buffer, LocalDirBackend, StorageBackend, Upload
+from kvj.segments.codecs import Backpressure, Codec
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What a segment holds, from its header; ``to_dict()`` is what a journal record carries."""
+
+    key: str
+    dtype: str
+    shape: Tuple[int, ...]
+    codec: str
+    raw_size: int
+    stored_size: int
+    digest: str
+    layout: Optional[Dict[str, Any]]
+
+    @classmethod
+    def from_header(cls, header: seg.Header) -> "SegmentInfo":
+        return cls(key=header.digest.hex(), dtype=header.dtype, shape=tuple(header.shape),
+                   codec=header.codec, raw_size=header.raw_size, stored_size=header.stored_size,
+                   digest=header.digest.hex(), layout=header.layout)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain msgpack/JSON-safe fields (shape as a list)."""
+        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "codec": self.codec,
+                "raw_size": self.raw_size, "stored_size": self.stored_size, "digest": self.digest,
+                "layout": self.layout}
+
+
+def _timed_parts(parts: Iterator[Buffer], waited: List[float]) -> Iterator[Buffer]:
+    """Pass ``parts`` through, adding the time spent waiting for each to ``waited[0]``."""
+    while True:
+        t = time.perf_counter()
+        try:
+            part = next(parts)
+        except StopIteration:
+            return
+        finally:
+            waited[0] += time.perf_counter() - t
+        yield part
+
+
+def layouts_match(actual: Optional[Dict[str, Any]], expected: Optional[Dict[str, Any]]) -> bool:
+    """Exact equality after canonicalisation (tuples and lists compare equal)."""
+    return seg.canonical_layout(actual) == seg.canonical_layout(expected)
+
+
+class SegmentStore:
+    """Durable, deduplicated, verified tensor segments.
+
+    ``threads`` sizes the pool that hashes, compresses and decompresses chunks in parallel.
+    """
+
+    #: Segments up to this size are hashed before anything else (dedup without a write).
+    HASH_FIRST_BYTES = 2 * seg.CHUNK_SIZE
+
+    #: Reads refuse segments declaring more raw bytes than this (a hostile header cannot
+    #: make a reader allocate without bound); raise it for larger tensors.
+    DEFAULT_MAX_SEGMENT_BYTES = 8 << 30
+
+    def __init__(self, root: Union[str, os.PathLike, None] = None, fs: FS = REAL_FS,
+                 backend: Optional[StorageBackend] = None, threads: Optional[int] = None,
+                 max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES):
+        if backend is None:
+            if root is None:
+                raise ValueError("SegmentStore needs a root directory or a backend")
+            backend = LocalDirBackend(root, fs)
+        self.backend = backend
+        self.max_segment_bytes = max_segment_bytes
+        self.pool = ThreadPoolExecutor(max_workers=threads or max(2, os.cpu_count() or 2),
+                                       thread_name_prefix="kvj-chunk")
+        self._locks = [threading.Lock() for _ in range(64)]
+        self._failed: Optional[BaseException] = None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> "SegmentStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        return self._locks[int(key[:2], 16) % len(self._locks)]
+
+    def key_for(self, tensor: torch.Tensor, layout: Optional[Dict[str, Any]] = None) -> str:
+        """The key ``put`` would give ``tensor`` (a CPU tensor) under ``layout``."""
+        raw = seg.tensor_bytes(tensor)
+        return seg.compute_digest(raw, seg.dtype_name(tensor.dtype), tensor.shape,
+                                  seg.canonical_layout(layout), self.pool).hex()
+
+    def put(self, tensor: torch.Tensor, *, layout: Optional[Dict[str, Any]] = None,
+            codec: Union[str, Codec] = "auto", pressure: int = Backpressure.NORMAL) -> SegmentInfo:
+        """Store a CPU tensor; durable when this returns.
+
+        When the key already exists and its header and chunk CRCs check out, nothing is written
+        (a stored block is never rewritten); a damaged copy is quarantined and written anew.
+        After a failed write or fsync the store refuses further puts (fsync is never retried).
+        """
+        if tensor.device.type != "cpu":
+            raise ValueError("SegmentStore.put takes CPU tensors; use Flusher for device tensors")
+        return self.put_bytes(seg.tensor_bytes(tensor), dtype=tensor.dtype, shape=tuple(tensor.shape),
+                              layout=layout, codec=codec, pressure=pressure)
+
+    def put_bytes(self, raw: memoryview, *, dtype: torch.dtype, shape: Tuple[int, ...],
+                  layout: Optional[Dict[str, Any]] = None, codec: Union[str, Codec] = "auto",
+                  pressure: int = Backpressure.NORMAL,
+                  timings: Optional[Dict[str, float]] = None) -> SegmentInfo:
+        """``put`` for the C-order bytes of a tensor (the flusher's staging buffers).
+
+        ``timings``, when given, receives the seconds spent waiting for ``compression`` (and
+        hashing) and the rest, ``io``: the flusher uses them to tell a CPU-bound queue (step
+        the codec down) from a disk-bound one (keep compressing).
+        """
+        if self._failed is not None:
+            raise DurabilityError(getattr(self._failed, "errno", None) or 0,
+                                  f"segment store failed earlier: {self._failed}")
+        layout = seg.canonical_layout(layout)
+        name = seg.dtype_name(dtype)
+        waited = [0.0]
+        t0 = time.perf_counter()
+        if len(raw) <= self.HASH_FIRST_BYTES:
+            # Small (a KV block): hash first, so a duplicate costs no compression and no write.
+            key = seg.compute_digest(raw, name, shape, layout, self.pool).hex()
+            with self._key_lock(key):
+                info = self._existing(key)
+                if info is None:
+                    enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=bytes.fromhex(key),
+                                     codec=codec, pool=self.pool, pressure=pressure)
+                    upload = self._write(enc, waited)
+                    info = self._commit(upload, enc, key)
+        else:
+            # Large: hash while compressing and writing; the key is known at the end.
+            enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=None,
+                             codec=codec, pool=self.pool, pressure=pressure)
+            upload = self._write(enc, waited)
+            assert enc.header is not None
+            key = enc.header.digest.hex()
+            with self._key_lock(key):
+                info = self._existing(key)
+                if info is None:
+                    info = self._commit(upload, enc, key)
+                else:
+                    upload.abort()
+        if timings is not None:
+            total = time.perf_counter() - t0
+            timings.update(compression=waited[0], io=max(0.0, total - waited[0]))
+        return info
+
+    def _existing(self, key: str) -> Optional[SegmentInfo]:
+        """The stored copy of ``key`` if it checks out; a damaged copy is quarantined."""
+        if not self.backend.exists(key):
+            return None
+        try:
+            header = seg.check_stored(self.backend.get(key), self.backend.describe(key))
+            if header.digest.hex() == key:
+                self.backend.touch(key)
+                return SegmentInfo.from_header(header)
+        except (SegmentCorrupt, FormatError):
+            pass
+        self.backend.quarantine(key)
+        return None
+
+    def _write(self, enc: seg.EncodedSegment, waited: List[float]) -> Upload:
+        try:
+            upload = self.backend.begin()
+        except OSError as exc:
+            self._failed = exc
+            raise
+        try:
+            for part in _timed_parts(enc.parts(), waited):
+                upload.write(part)
+        except BaseException as exc:
+            upload.abort()
+            if isinstance(exc, OSError):
+                self._failed = exc
+            raise
+        return upload
+
+    def _commit(self, upload: Upload, enc: seg.EncodedSegment, key: str) -> SegmentInfo:
+        try:
+            upload.commit(key)
+        except BaseException as exc:
+            upload.abort()
+            if isinstance(exc, OSError):
+                self._failed = exc
+            raise
+        assert enc.header is not None
+        return SegmentInfo.from_header(enc.header)
+
+    def _header(self, key: str) -> seg.Header:
+        name = self.backend.describe(key)
+        size = self.backend.size(key)
+        if size < seg.PREAMBLE.size + seg.TRAILER.size:
+            raise SegmentCorrupt(name, None, f"file too short for a segment ({size} bytes)")
+        tail = self.backend.get_range(key, size - seg.TRAILER.size, seg.TRAILER.size)
+        off, hlen, crc = seg.header_location(tail, size, name)
+        head = self.backend.get_range(key, off, hlen)
+        pre = self.backend.get_range(key, 0, seg.PREAMBLE.size)
+        header = seg.parse_header(pre, head, crc, size, name)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "header digest does not match the key")
+        return header
+
+    def info(self, key: str) -> SegmentInfo:
+        """Header-only look-up (the chunks are not read)."""
+        return SegmentInfo.from_header(self._header(check_key(key)))
+
+    def get(self, key: str, device: Union[str, torch.device] = "cpu",
+            expect_layout: Optional[Dict[str, Any]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Read, verify (every chunk CRC and the digest) and return the tensor on ``device``.
+
+        ``expect_layout``, when given, must equal the segment's layout (LayoutMismatch
+        otherwise). ``out`` is an optional uint8 CPU staging buffer (e.g. pinned).
+        """
+        check_key(key)
+        name = self.backend.describe(key)
+        data = self.backend.get(key)
+        if expect_layout is not None:
+            header = seg.read_header(data, name)
+            if not layouts_match(header.layout, expect_layout):
+                raise LayoutMismatch(f"segment {name} has layout {header.layout}, expected {expect_layout}")
+        header, tensor = seg.decode_into(data, out, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        device = torch.device(device)
+        if device.type == "cpu":
+            return tensor
+        return tensor.to(device, non_blocking=tensor.is_pinned())
+
+    def verify(self, key: str) -> SegmentInfo:
+        """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
+        check_key(key)
+        name = self.backend.describe(key)
+        header, _ = seg.decode_into(self.backend.get(key), name=name, pool=self.pool,
+                                    max_raw=self.max_segment_bytes)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        return SegmentInfo.from_header(header)
+
+    def exists(self, key: str) -> bool:
+        return self.backend.exists(check_key(key))
+
+    def keys(self) -> Iterator[str]:
+        return self.backend.keys()
+
+    def delete(self, key: str) -> None:
+        self.backend.delete(check_key(key))
+
+    def quarantine(self, key: str) -> str:
+        """Move a (damaged) segment aside; later gets see it as missing."""
+        return self.backend.quarantine(check_key(key))

@@ -1,0 +1,235 @@
+"""kvj record, flush, replay and inspect: what they write and show, checked against the journal."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy
+import pytest
+import torch
+from support.cli_helpers import KVJ, build, env, ndjson, run_cli
+from support.cli_helpers import kvj as kvj_proc
+
+import kvj
+from kvj.journal.journal import Journal
+from kvj.journal.records import RecordType
+from kvj.journal.writer import CommitPolicy
+
+
+def test_record_each_op_is_durable_and_replays(tmp_path, capsys):
+    j = tmp_path / "j"
+    cmds = [["start", "req-1", "--tokens", "1,2,3", "--prompt-hash", "ab", "--meta", "temp=0.5", "--meta", "who=me"],
+            ["alloc", "cuda:0", "0x1000", "4096", "--tag", "kv:req-1"],
+            ["alloc", "cuda:0", "0x3000", "0x2000", "--tag", "kv:req-2"],
+            ["free", "cuda:0", "4096"], ["end", "req-1", "--status", "aborted"]]
+    for lsn, cmd in enumerate(cmds, 1):
+        status, out, err = run_cli(capsys, "record", *cmd, "-j", j, "--json")
+        assert status == 0, err
+        assert json.loads(out) == {"lsn": lsn, "type": cmd[0], "durable": True}
+    state = kvj.replay(str(j))
+    req = state.requests["req-1"]
+    assert (req.tokens, req.prompt_hash, req.meta, req.ended, req.status) == ([1, 2, 3], "ab",
+                                                                             {"temp": 0.5, "who": "me"}, True, "aborted")
+    assert {a: (x.size, x.tag) for a, x in state.allocations["cuda:0"].items()} == {0x3000: (0x2000, "kv:req-2")}
+
+
+def test_ndjson_round_trip_through_inspect(tmp_path, capsys, monkeypatch):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    build(str(src), requests=2, blocks=2, ended=1)
+    status, out, _ = run_cli(capsys, "inspect", "-j", src, "--json")
+    assert status == 0
+    records = ndjson(out)
+    assert [r["lsn"] for r in records] == list(range(1, len(records) + 1))
+    # The segments must exist in the target store before records may point at them: share the store.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(out))
+    status, _, err = run_cli(capsys, "record", "ndjson", "-j", dst, "--store", src / "segments")
+    assert status == 0, err
+    a, b = kvj.replay(str(src)).to_dict(), kvj.replay(str(dst)).to_dict()
+    assert a["requests"] == b["requests"] and a["allocations"] == b["allocations"]
+    assert (a["checkpoint"]["keys"], a["counts"]) == (b["checkpoint"]["keys"], b["counts"])
+
+
+def test_inspect_filters(tmp_path, capsys):
+    j = tmp_path / "j"
+    build(str(j), requests=2, blocks=3, ended=1)
+    def lsns(*args):
+        status, out, err = run_cli(capsys, "inspect", "-j", j, "--json", *args)
+        assert status == 0, err
+        return [(r["lsn"], r["type"], r.get("id")) for r in ndjson(out)]
+    everything = lsns()
+    assert lsns("-r", "req-1") == [r for r in everything if r[2] == "req-1"]
+    assert lsns("-t", "segment", "-t", "END") == [r for r in everything if r[1] in ("segment", "end")]
+    assert lsns("--from-lsn", "5", "--to-lsn", "9") == [r for r in everything if 5 <= r[0] <= 9]
+    assert lsns("--last", "3") == everything[-3:]
+    # Records carry no time: a log file's window runs from the previous file's last write to its own.
+    with Journal.open(j) as jj:
+        jj.start("late")
+    first, second = sorted(p for p in os.listdir(j) if p.endswith(".log"))
+    now = time.time()
+    os.utime(j / first, (now - 7200, now - 7200))
+    assert lsns("--since", "1h") == [(21, "start", "late")]
+    assert lsns("--until", "3h") == everything
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "-r", "req-0", "-t", "segment")
+    lines = out.splitlines()
+    assert len(lines) == 3 and all("segment" in line and "id=req-0" in line for line in lines)
+
+
+def test_stats(tmp_path, capsys):
+    j = tmp_path / "j"
+    with Journal.open(j, policy=CommitPolicy(max_delay=10, max_records=1000)) as jj:
+        for i in range(30):
+            jj.alloc("cuda:0", i * 4096, 4096, "kv")
+        jj.sync()
+        jj.start("big")
+        for s in range(4):
+            jj.flush("big", s, torch.zeros(2, 16, 8, 64) + s, token_range=(s * 16, s * 16 + 16)).result()
+        jj.sync()
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "--stats", "--json")
+    stats = json.loads(out)
+    assert stats["records"] == 35 and stats["by_type"]["alloc"]["count"] == 30
+    assert stats["largest_commit"] == 30 and stats["records_per_commit"] > 5
+    assert stats["segments"]["ratio"] > 10  # zeros compress
+    assert stats["largest_requests"][0]["id"] == "big" and stats["largest_requests"][0]["tokens"] == 64
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "--stats")
+    assert "records per commit" in out and "big" in out
+
+
+def test_layout_and_timeline_pictures_export(tmp_path, capsys):
+    j = tmp_path / "j"
+    with Journal.open(j) as jj:
+        jj.alloc("cuda:0", 0, 1 << 20, "weights")
+        jj.alloc("cuda:0", 1 << 20, 1 << 19, "kv:a")
+        jj.start("a")
+        jj.free("cuda:0", 1 << 20)  # LSN 4
+        jj.end("a")
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "--layout", "--at", "3", "--export", tmp_path / "m.svg")
+    assert status == 0 and "weights" in out and "kv:a" in out
+    svg = (tmp_path / "m.svg").read_text()
+    assert svg.startswith("<svg") and "kv:a" in svg
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "--layout", "--json")
+    assert json.loads(out)["allocations"]["cuda:0"] == [{"addr": 0, "size": 1 << 20, "tag": "weights", "lsn": 1}]
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "--timeline", "--export", tmp_path / "t.html")
+    assert status == 0 and "ended ok" in out
+    assert "<html" in (tmp_path / "t.html").read_text().lower()
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "--timeline", "--json")
+    assert json.loads(out)["requests"] == [{"id": "a", "start_lsn": 3, "end_lsn": 5, "status": "ok",
+                                            "segment_lsns": [], "resume_position": 0}]
+
+
+@pytest.mark.parametrize("fmt", ["npy", "pt", "safetensors"])
+def test_flush_files_as_request_segments(tmp_path, capsys, fmt):
+    j = tmp_path / "j"
+    blocks = [torch.randn(2, 16, 2, 8) for _ in range(3)]
+    files = []
+    if fmt == "npy":
+        for i, b in enumerate(blocks):
+            numpy.save(tmp_path / f"b{i}.npy", b.numpy())
+            files.append(tmp_path / f"b{i}.npy")
+    elif fmt == "pt":
+        torch.save({f"b{i}": b for i, b in enumerate(blocks)}, tmp_path / "b.pt")
+        files.append(tmp_path / "b.pt")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({f"b{i}": b for i, b in enumerate(blocks)}, str(tmp_path / "b.safetensors"))
+        files.append(tmp_path / "b.safetensors")
+    assert run_cli(capsys, "record", "start", "r", "-j", j)[0] == 0
+    status, out, err = run_cli(capsys, "flush", *files, "-j", j, "-r", "r", "--block-tokens", "16",
+                               "--layout", "model=tiny", "--json")
+    assert status == 0, err
+    rows = ndjson(out)
+    assert [r["segment"] for r in rows] == [0, 1, 2] and [r["tokens"] for r in rows] == [[0, 16], [16, 32], [32, 48]]
+    state = kvj.replay(str(j))
+    assert state.requests["r"].resume_position == 48
+    from kvj.segments.store import SegmentStore
+
+    with SegmentStore(j / "segments") as store:
+        for row, b in zip(rows, blocks):
+            assert torch.equal(store.get(row["key"]), b)
+            assert store.info(row["key"]).layout == {"model": "tiny"}
+    # numbering continues after the last segment; --tokens takes exactly one tensor
+    status, out, err = run_cli(capsys, "flush", files[0], "-j", j, "-r", "r", "--tokens", "48:64", "--json")
+    if fmt == "npy":
+        assert status == 0 and ndjson(out)[0]["segment"] == 3
+    else:
+        assert status == 64 and "hold 3" in err
+
+
+def test_flush_checkpoint_and_delta(tmp_path, capsys):
+    j = tmp_path / "j"
+    torch.save({"w": torch.ones(4, 4), "b": torch.zeros(4)}, tmp_path / "ck.pt")
+    assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "--checkpoint", "100")[0] == 0
+    assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "--delta", "101", "--base-step", "100")[0] == 0
+    state = kvj.replay(str(j))
+    assert state.checkpoint["step"] == 100 and set(state.checkpoint["keys"]) == {"w", "b"}
+    assert [d["step"] for d in state.deltas] == [101]
+    assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "--request", "nope", "--tokens", "0:1")[0] == 64
+    assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "-r", "nope", "--block-tokens", "4")[0] == 65
+
+
+def test_replay_summary_and_point_in_time(tmp_path, capsys):
+    j = tmp_path / "j"
+    build(str(j), requests=2, blocks=3, ended=1)
+    status, out, _ = run_cli(capsys, "replay", "-j", j)
+    assert status == 0 and "in flight: 2 requests" in out and "req-0" in out and "48" in out
+    assert "checkpoint step 10" in out and "2 deltas" in out and "damage: none" in out
+    status, out, _ = run_cli(capsys, "replay", "-j", j, "--at", "3", "--json")
+    state = json.loads(out)
+    assert state["last_lsn"] == 3 and state["requests"][0]["resume_position"] == 32
+
+
+def test_follow_never_shows_an_incomplete_record(tmp_path):
+    """tail -f on a live journal: the writer commits groups while inspect --follow prints them;
+    a half-written group is appended by hand and must never appear."""
+    j = tmp_path / "j"
+    with Journal.open(j) as jj:
+        jj.alloc("cuda:0", 0, 1, "before")
+    follower = subprocess.Popen([*KVJ, "inspect", "-j", str(j), "--follow", "--json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        first = json.loads(follower.stdout.readline())
+        assert first["lsn"] == 1 and first["tag"] == "before"
+        with Journal.open(j, policy=CommitPolicy(file_size_limit=600)) as jj:  # rotates several times
+            for i in range(40):
+                jj.alloc("cuda:0", i + 1, 1, f"live{i}", durable=(i % 5 == 4))
+        # A group header and part of its body: what a writer killed mid-write leaves behind.
+        from support.cli_helpers import append_torn_tail
+
+        append_torn_tail(str(j), 40)
+        seen = [json.loads(follower.stdout.readline()) for _ in range(40)]
+        assert [r["lsn"] for r in seen] == list(range(2, 42))
+        assert [r["tag"] for r in seen] == [f"live{i}" for i in range(40)]
+        with Journal.open(j) as jj:  # cuts the torn tail, continues in a new file
+            jj.alloc("cuda:0", 99, 1, "after")
+        assert json.loads(follower.stdout.readline())["tag"] == "after"
+    finally:
+        follower.send_signal(signal.SIGINT)
+        out, err = follower.communicate(timeout=10)
+    assert follower.returncode == 0 and out == "" and "Traceback" not in err
+
+
+def test_record_through_the_console_script(tmp_path):
+    """The installed entry point appends and reports the LSN only once the record is durable."""
+    j = tmp_path / "j"
+    proc = kvj_proc("record", "start", "req-9", "-j", j)
+    assert proc.returncode == 0 and proc.stdout.strip() == "LSN 1 durable"
+    from kvj.journal.replay import RecordStream
+
+    assert [(r.lsn, r.rtype) for r in RecordStream(str(j))] == [(1, RecordType.START)]
+
+
+def test_bench_reports_and_recommends(tmp_path, capsys):
+    status, out, err = run_cli(capsys, "bench", "--seconds", "0.05", "--no-codecs", "--dir", tmp_path, "--json")
+    assert status == 0, err
+    result = json.loads(out)
+    assert set(result["fsync"]) == {"write + fdatasync", "write + fsync", "O_DSYNC write"}
+    assert all(r["ops_per_s"] > 0 and r["p99_us"] >= r["p50_us"] > 0 for r in result["fsync"].values())
+    assert [r["policy"] for r in result["journal"]][-1] == "durable=True each record"
+    assert all(r["records_per_s"] > 0 for r in result["journal"]) and result["advice"]
+    assert os.listdir(tmp_path) == []  # it cleans up after itself

@@ -1,0 +1,275 @@
+"""Replay of damaged, rotated, snapshotted and legacy journals."""
+
+import json
+import os
+
+import pytest
+
+import kvj
+from kvj.errors import CorruptionError, FormatError
+from kvj.journal import framing as F
+from kvj.journal.journal import Journal
+from kvj.journal.reader import list_logs
+from kvj.journal.records import RecordType
+from kvj.journal.snapshot import write_snapshot
+from kvj.journal.writer import CommitPolicy, log_name
+
+
+def write_journal(path, n, policy=None, sync_every=1):
+    """n alloc records, synced every ``sync_every`` so each sync is its own group."""
+    with Journal.open(path, policy=policy) as j:
+        for i in range(n):
+            j.alloc("cuda:0", i, 4096 + i, f"t{i}")
+            if (i + 1) % sync_every == 0:
+                j.sync()
+    return [i for i in range(n)]
+
+
+def addrs(state):
+    return sorted(state.allocations.get("cuda:0", {}))
+
+
+def test_clean_journal_replays_everything(tmp_path):
+    write_journal(tmp_path, 50)
+    state = kvj.replay(str(tmp_path))
+    assert addrs(state) == list(range(50))
+    assert (state.first_lsn, state.last_lsn, state.tail) == (1, 50, None)
+
+
+def test_rotation_spreads_records_over_many_files(tmp_path):
+    write_journal(tmp_path, 300, CommitPolicy(file_size_limit=2000))
+    assert len(list_logs(str(tmp_path))) > 5
+    assert addrs(kvj.replay(str(tmp_path))) == list(range(300))
+
+
+@pytest.mark.parametrize("cut", [1, 7, 23, 24, 40, 60])
+def test_truncated_last_group_is_a_torn_tail(tmp_path, cut):
+    write_journal(tmp_path, 10)
+    last = list_logs(str(tmp_path))[-1]
+    size = os.path.getsize(last)
+    with open(last, "r+b") as f:
+        f.truncate(size - cut)
+    state = kvj.replay(str(tmp_path))
+    assert addrs(state) == list(range(9))
+    assert state.tail["path"] == last and state.tail["length"] > 0
+    with pytest.raises(CorruptionError, match="torn tail"):
+        kvj.replay(str(tmp_path), strict=True)
+
+
+@pytest.mark.parametrize("fill", [b"\0", b"\xff", b"\xa5"])
+def test_zero_or_garbage_fill_after_the_log_is_a_torn_tail(tmp_path, fill):
+    write_journal(tmp_path, 10)
+    last = list_logs(str(tmp_path))[-1]
+    with open(last, "ab") as f:
+        f.write(fill * 4096)
+    state = kvj.replay(str(tmp_path))
+    assert addrs(state) == list(range(10))
+    assert state.tail["length"] == 4096
+
+
+def test_damage_followed_by_a_valid_group_is_corruption_not_a_tail(tmp_path):
+    write_journal(tmp_path, 10)
+    last = list_logs(str(tmp_path))[-1]
+    data = bytearray(open(last, "rb").read())
+    data[F.FILE_HEADER_SIZE + 30] ^= 0x10  # inside the first group
+    open(last, "wb").write(data)
+    with pytest.raises(CorruptionError) as info:
+        kvj.replay(str(tmp_path))
+    assert info.value.path == last and info.value.offset == F.FILE_HEADER_SIZE
+
+
+def test_damage_in_a_sealed_file_is_corruption(tmp_path):
+    write_journal(tmp_path, 200, CommitPolicy(file_size_limit=2000))
+    logs = list_logs(str(tmp_path))
+    victim = logs[1]
+    data = bytearray(open(victim, "rb").read())
+    data[-3] ^= 0x01  # last group of a sealed file: nothing valid follows in this file
+    open(victim, "wb").write(data)
+    with pytest.raises(CorruptionError, match="sealed") as info:
+        kvj.replay(str(tmp_path))
+    assert info.value.path == victim
+
+
+def test_a_missing_middle_file_is_corruption(tmp_path):
+    write_journal(tmp_path, 200, CommitPolicy(file_size_limit=2000))
+    os.unlink(list_logs(str(tmp_path))[2])
+    with pytest.raises(CorruptionError, match="expected"):
+        kvj.replay(str(tmp_path))
+
+
+def test_unknown_record_types_are_skipped_with_a_warning(tmp_path):
+    with Journal.open(tmp_path) as j:
+        j.alloc("cuda:0", 1, 10)
+        j.writer.append(999, {"from": "the future"})
+        j.alloc("cuda:0", 2, 10)
+    state = kvj.replay(str(tmp_path))
+    assert addrs(state) == [1, 2]
+    assert any("unknown type 999" in w for w in state.warnings)
+
+
+def test_well_framed_but_malformed_payload_is_corruption(tmp_path):
+    with Journal.open(tmp_path) as j:
+        j.writer.append(RecordType.ALLOC, {"device": "cuda:0"})  # lacks addr/size/tag
+    with pytest.raises(CorruptionError, match="lacks field"):
+        kvj.replay(str(tmp_path))
+
+
+def test_point_in_time_layout(tmp_path):
+    with Journal.open(tmp_path) as j:
+        a = j.alloc("cuda:0", 0x1000, 100, "kv")
+        b = j.alloc("cuda:0", 0x2000, 100, "kv")
+        c = j.free("cuda:0", 0x1000)
+    assert addrs(kvj.replay(str(tmp_path), at_lsn=a)) == [0x1000]
+    assert addrs(kvj.replay(str(tmp_path), at_lsn=b)) == [0x1000, 0x2000]
+    assert addrs(kvj.replay(str(tmp_path), at_lsn=c)) == [0x2000]
+
+
+def test_replay_from_snapshot_plus_later_logs(tmp_path):
+    write_journal(tmp_path, 100, CommitPolicy(file_size_limit=2000))
+    full = kvj.replay(str(tmp_path))
+    logs = list_logs(str(tmp_path))
+    sealed_state = kvj.replay(str(tmp_path), at_lsn=60)
+    write_snapshot(str(tmp_path), sealed_state)
+    from kvj.journal.framing import decode_file_header
+    bases = [decode_file_header(open(p, "rb").read(F.FILE_HEADER_SIZE)).base_lsn for p in logs]
+    for path, next_base in zip(logs, bases[1:]):  # drop files wholly covered, as compaction does
+        if next_base <= 61:
+            os.unlink(path)
+    assert len(list_logs(str(tmp_path))) < len(logs)
+    state = kvj.replay(str(tmp_path))
+    assert state.snapshot_lsn == 60
+    assert addrs(state) == addrs(full)
+    with pytest.raises(FormatError, match="precedes the snapshot"):
+        kvj.replay(str(tmp_path), at_lsn=10)
+
+
+def test_damaged_newest_snapshot_is_an_error_not_skipped(tmp_path):
+    write_journal(tmp_path, 10)
+    path = write_snapshot(str(tmp_path), kvj.replay(str(tmp_path)))
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1
+    open(path, "wb").write(data)
+    with pytest.raises(CorruptionError, match="snapshot"):
+        kvj.replay(str(tmp_path))
+
+
+def test_writer_resumes_after_a_torn_tail_and_keeps_the_cut_bytes(tmp_path):
+    write_journal(tmp_path, 10)
+    last = list_logs(str(tmp_path))[-1]
+    with open(last, "ab") as f:
+        f.write(b"partial group bytes")
+    with Journal.open(tmp_path) as j:
+        assert j.cut_tail and open(j.cut_tail, "rb").read() == b"partial group bytes"
+        assert j.alloc("cuda:0", 99, 1) == 11
+    state = kvj.replay(str(tmp_path), strict=True)
+    assert addrs(state) == list(range(10)) + [99]
+
+
+def test_writer_refuses_a_journal_with_mid_log_corruption(tmp_path):
+    write_journal(tmp_path, 10)
+    last = list_logs(str(tmp_path))[-1]
+    data = bytearray(open(last, "rb").read())
+    data[F.FILE_HEADER_SIZE + 30] ^= 0x10
+    open(last, "wb").write(data)
+    with pytest.raises(CorruptionError):
+        Journal.open(tmp_path)
+
+
+def test_empty_new_file_with_torn_header_is_dropped_on_open(tmp_path):
+    write_journal(tmp_path, 5)
+    torn = tmp_path / log_name(99)
+    torn.write_bytes(F.encode_file_header(99, 6, 0)[:10])
+    assert addrs(kvj.replay(str(tmp_path))) == list(range(5))
+    with Journal.open(tmp_path) as j:
+        assert j.alloc("cuda:0", 5, 1) == 6
+    assert addrs(kvj.replay(str(tmp_path), strict=True)) == list(range(6))
+
+
+def test_missing_journal_is_a_format_error(tmp_path):
+    with pytest.raises(FormatError, match="no journal"):
+        kvj.replay(str(tmp_path / "nope"))
+
+
+class TestLegacyJsonLines:
+    def write(self, path, lines, tail=b""):
+        path.write_bytes(b"".join(json.dumps(x).encode() + b"\n" for x in lines) + tail)
+
+    def test_imports_start_flush_end(self, tmp_path):
+        f = tmp_path / "kv.jsonl"
+        self.write(f, [{"op": "start", "id": "a", "prompt_hash": "h1"},
+                       {"op": "seg_flush", "id": "a", "seg": 0, "ptr": 0, "size": 4096},
+                       {"op": "seg_flush", "id": "a", "seg": 1, "ptr": 4096, "size": 4096},
+                       {"op": "start", "id": "b", "prompt_hash": "h2"},
+                       {"op": "end", "id": "b"}])
+        state = kvj.replay(str(f))
+        assert [r.id for r in state.in_flight()] == ["a"]
+        assert [s.ptr for s in state.requests["a"].segments.values()] == [0, 4096]
+        assert state.requests["b"].ended
+        assert kvj.replay(str(tmp_path)).last_lsn == 5  # a directory holding one .jsonl
+
+    def test_torn_last_line_ends_the_log(self, tmp_path):
+        f = tmp_path / "kv.jsonl"
+        self.write(f, [{"op": "start", "id": "a", "prompt_hash": "h"}], tail=b'{"op": "seg_fl')
+        state = kvj.replay(str(f))
+        assert state.last_lsn == 1 and state.tail["length"] == len(b'{"op": "seg_fl')
+
+    def test_bad_line_in_the_middle_is_corruption(self, tmp_path):
+        f = tmp_path / "kv.jsonl"
+        f.write_bytes(b'{"op": "start", "id": "a"}\nnot json\n{"op": "end", "id": "a"}\n')
+        with pytest.raises(CorruptionError, match="line 2"):
+            kvj.replay(str(f))
+
+    def test_traversal_in_ids_is_refused(self, tmp_path):
+        f = tmp_path / "kv.jsonl"
+        self.write(f, [{"op": "start", "id": "../../etc/passwd"}, {"op": "end", "id": "x"}])
+        with pytest.raises(CorruptionError, match="invalid request id"):
+            kvj.replay(str(f))
+
+
+def test_damaged_header_of_a_newest_file_with_records_is_corruption(tmp_path):
+    write_journal(tmp_path, 5)
+    last = list_logs(str(tmp_path))[-1]
+    data = bytearray(open(last, "rb").read())
+    data[3] ^= 0xFF
+    open(last, "wb").write(data)
+    with pytest.raises(CorruptionError, match="bad log file header"):
+        kvj.replay(str(tmp_path))
+    with pytest.raises(CorruptionError, match="bad log file header"):
+        Journal.open(tmp_path)
+    assert open(last, "rb").read() == bytes(data)  # the writer touched nothing
+
+
+def test_replay_is_not_fooled_by_a_compaction_between_snapshot_and_log_listing(tmp_path, monkeypatch):
+    """Found by 200 kills with a concurrent compactor: replay loaded the old snapshot, the
+    compactor then folded every sealed log into a newer one and deleted them, and the only
+    log left was a writer's empty newest file (killed while creating it). Nothing failed, so
+    replay returned the old snapshot's state and missed acknowledged records."""
+    import importlib
+
+    from kvj.ops.compact import compact
+    R = importlib.import_module("kvj.journal.replay")  # the package's ``kvj.replay`` is the function
+    path = str(tmp_path / "j")
+    policy = CommitPolicy(file_size_limit=600)
+    with Journal.open(path, policy=policy) as j:
+        for i in range(40):
+            j.alloc("cuda:0", i, 1, durable=True)
+    compact(path, collect=False)
+    with Journal.open(path, policy=policy) as j:
+        for i in range(40, 80):
+            j.alloc("cuda:0", i, 1, durable=True)
+    newest = list_logs(path)[-1]
+    open(os.path.join(path, log_name(int(os.path.basename(newest)[:16]) + 1)), "wb").close()
+    real = R.load_latest
+    calls = []
+
+    def racing_load_latest(directory):
+        state = real(directory)
+        if not calls:
+            compact(directory, collect=False)  # runs between the snapshot read and the log listing
+        calls.append(state.snapshot_lsn)
+        return state
+
+    monkeypatch.setattr(R, "load_latest", racing_load_latest)
+    state = kvj.replay(path)
+    assert len(calls) == 2 and calls[1] > calls[0]
+    assert state.last_lsn == 80 and addrs(state) == list(range(80))

@@ -1,0 +1,33 @@
+"""The man page is the spec: check that man/kvj-journal.5 and the code agree."""
+
+import re
+from pathlib import Path
+
+from kvj.journal import framing, snapshot
+from kvj.journal.records import NAMES, SCHEMA
+
+PAGE = (Path(__file__).resolve().parents[2] / "man" / "kvj-journal.5").read_text()
+
+
+def test_magics_match():
+    magics = [bytes.fromhex(m) for m in re.findall(r"magic: ((?:[0-9A-F]{2} ){7}[0-9A-F]{2})", PAGE)]
+    assert magics == [framing.FILE_MAGIC, snapshot.SNAP_MAGIC]
+    assert '"KVJG"' in PAGE and framing.GROUP_MAGIC == b"KVJG"
+
+
+def test_header_sizes_match():
+    assert "File header (36 bytes)" in PAGE and framing.FILE_HEADER_SIZE == 36
+    assert "Commit group (24-byte header" in PAGE and framing.GROUP_HEADER_SIZE == 24
+    assert "Record (20-byte header" in PAGE and framing.RECORD_HEADER_SIZE == 20
+    assert snapshot.SNAP_HEADER.size == 32
+    assert "at most 16 MiB" in PAGE and framing.MAX_RECORD_PAYLOAD == 16 << 20
+
+
+def test_record_types_and_fields_match():
+    documented = dict((int(n), name) for n, name in re.findall(r"^\.B (\d+) (\w+)$", PAGE, re.M))
+    assert documented == {int(t): name for t, name in NAMES.items()}
+    section = PAGE.split(".SH RECORDS")[1].split(".SH REPLAY")[0]
+    for rtype, fields in SCHEMA.items():
+        entry = section.split(f".B {int(rtype)} {NAMES[rtype]}")[1].split("\n.TP")[0]
+        for field in fields:
+            assert field in entry, (NAMES[rtype], field)

@@ -1,0 +1,213 @@
+"""The writer's group commit, backpressure, locking and failure behaviour."""
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import kvj
+from kvj.errors import JournalFailed, JournalLocked
+from kvj.fileio import FS
+from kvj.journal import framing as F
+from kvj.journal.journal import Journal
+from kvj.journal.reader import list_logs
+from kvj.journal.writer import CommitPolicy
+
+
+class SlowSyncFS(FS):
+    """fdatasync takes ``delay`` seconds and can be held on an event; counts calls."""
+
+    def __init__(self, delay=0.0):
+        self.delay, self.calls, self.gate = delay, 0, threading.Event()
+        self.gate.set()
+
+    def fdatasync(self, fd):
+        self.calls += 1
+        self.gate.wait()
+        time.sleep(self.delay)
+        super().fdatasync(fd)
+
+
+class FailingSyncFS(FS):
+    def __init__(self, fail_on_call):
+        self.fail_on_call, self.calls = fail_on_call, 0
+
+    def fdatasync(self, fd):
+        self.calls += 1
+        if self.calls >= self.fail_on_call:
+            raise OSError(errno.EIO, "injected EIO")
+        super().fdatasync(fd)
+
+
+def group_sizes(path):
+    sizes = []
+    for log in list_logs(str(path)):
+        data = open(log, "rb").read()
+        off, salt = F.FILE_HEADER_SIZE, F.decode_file_header(data).salt
+        while off < len(data):
+            records, off = F.parse_group(data, off, log, salt)
+            sizes.append(len(records))
+    return sizes
+
+
+def test_sync_makes_everything_before_it_durable(tmp_path):
+    with Journal.open(tmp_path) as j:
+        lsns = [j.alloc("cuda:0", i, 1) for i in range(1000)]
+        assert j.sync() == lsns[-1]
+        assert j.durable_lsn >= lsns[-1]
+    assert kvj.replay(str(tmp_path)).last_lsn == 1000
+
+
+def test_durable_append_waits_for_its_own_record(tmp_path):
+    fs = SlowSyncFS(delay=0.05)
+    with Journal.open(tmp_path, fs=fs, policy=CommitPolicy(max_delay=30)) as j:
+        lsn = j.alloc("cuda:0", 1, 1, durable=True)
+        assert j.durable_lsn >= lsn
+
+
+def test_a_lone_record_is_committed_within_the_delay_bound(tmp_path):
+    with Journal.open(tmp_path, policy=CommitPolicy(max_delay=0.5, max_records=1000)) as j:
+        lsn = j.alloc("cuda:0", 1, 1)
+        time.sleep(0.1)
+        assert j.durable_lsn < lsn  # the committer is still waiting for company
+        deadline = time.monotonic() + 5
+        while j.durable_lsn < lsn and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert j.durable_lsn >= lsn
+
+
+def test_the_record_count_bound_triggers_a_commit(tmp_path):
+    with Journal.open(tmp_path, policy=CommitPolicy(max_delay=60, max_records=50)) as j:
+        for i in range(50):
+            last = j.alloc("cuda:0", i, 1)
+        deadline = time.monotonic() + 5
+        while j.durable_lsn < last and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert j.durable_lsn == last
+
+
+def test_groups_take_whatever_accumulated_during_the_previous_fsync(tmp_path):
+    fs = SlowSyncFS(delay=0.02)
+    with Journal.open(tmp_path, fs=fs) as j:
+        for i in range(20000):
+            j.alloc("cuda:0", i, 1)
+        j.sync()
+    sizes = group_sizes(tmp_path)
+    assert sum(sizes) == 20000
+    assert max(sizes) > 1000  # not capped at 100 records per fsync
+    assert len(sizes) < 200
+
+
+def test_a_full_buffer_blocks_append_instead_of_growing(tmp_path):
+    fs = SlowSyncFS()
+    policy = CommitPolicy(max_buffer_bytes=4096, max_records=1)
+    j = Journal.open(tmp_path, fs=fs, policy=policy)
+    fs.gate.clear()  # the disk stalls
+    done = threading.Event()
+    peak = []
+
+    def producer():
+        for i in range(500):
+            j.alloc("cuda:0", i, 1, "x" * 40)
+            peak.append(len(j.writer._buf))
+        done.set()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    time.sleep(0.3)
+    assert not done.is_set()  # blocked by backpressure
+    assert max(peak) < 4096 + 200
+    fs.gate.set()
+    t.join(10)
+    assert done.is_set()
+    j.close()
+    assert kvj.replay(str(tmp_path)).last_lsn == 500
+
+
+def test_second_writer_in_process_is_refused_naming_the_pid(tmp_path):
+    with Journal.open(tmp_path):
+        with pytest.raises(JournalLocked) as info:
+            Journal.open(tmp_path)
+        assert info.value.pid == os.getpid()
+        assert str(os.getpid()) in str(info.value)
+    Journal.open(tmp_path).close()  # released on close
+
+
+def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from kvj import Journal\n"
+        f"j = Journal.open({str(tmp_path)!r}); print('ready', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(JournalLocked, match=f"pid {child.pid}"):
+            Journal.open(tmp_path)
+    finally:
+        child.kill()
+        child.wait()
+    Journal.open(tmp_path).close()  # the kernel dropped the dead writer's lock
+
+
+def test_failed_fsync_is_final_and_never_retried(tmp_path):
+    with Journal.open(tmp_path) as j:
+        j.alloc("cuda:0", 0, 1, durable=True)
+    fs = FailingSyncFS(fail_on_call=2)
+    j = Journal.open(tmp_path, fs=fs)
+    first = j.alloc("cuda:0", 1, 1, durable=True)  # fdatasync #1 succeeds
+    j.alloc("cuda:0", 2, 1)
+    waiters_errors = []
+
+    def waiter():
+        try:
+            j.sync()
+        except JournalFailed as exc:
+            waiters_errors.append(exc)
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(waiters_errors) == 3
+    with pytest.raises(JournalFailed):
+        j.alloc("cuda:0", 3, 1)
+    assert j.durable_lsn == first  # nothing after the failure is reported durable
+    with pytest.raises(JournalFailed):
+        j.close()
+    assert fs.calls == 2  # the failed fdatasync was not retried
+    state = kvj.replay(str(tmp_path))
+    assert sorted(state.allocations["cuda:0"])[:2] == [0, 1]
+
+
+def test_files_are_owner_only(tmp_path):
+    path = tmp_path / "j"
+    with Journal.open(path) as j:
+        j.alloc("cuda:0", 0, 1)
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    for log in list_logs(str(path)):
+        assert os.stat(log).st_mode & 0o777 == 0o600
+
+
+def test_a_failed_segment_flush_makes_sync_and_close_fail(tmp_path):
+    import torch
+
+    class NoSegmentFsync(FS):
+        def fsync(self, fd):
+            if "segments" in os.readlink(f"/proc/self/fd/{fd}"):
+                raise OSError(errno.EIO, "injected EIO on a segment")
+            super().fsync(fd)
+
+    j = Journal.open(tmp_path / "j", fs=NoSegmentFsync())
+    future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
+    with pytest.raises(OSError):
+        future.result(10)
+    for _ in range(2):
+        with pytest.raises(JournalFailed, match="segment flush failed"):
+            j.sync()
+    with pytest.raises(JournalFailed):
+        j.close()
+    assert not kvj.replay(str(tmp_path / "j")).counts.get("segment")

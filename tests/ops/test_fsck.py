@@ -1,0 +1,151 @@
+"""kvj fsck: e2fsck's exit statuses on clean (0), repaired (1) and damaged (4) journals, and
+what --repair does and refuses to do."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from support.cli_helpers import Holder, append_torn_tail, build, flip_byte, run_cli, segment_file
+from support.cli_helpers import kvj as kvj_proc
+
+import kvj
+from kvj.journal.journal import Journal
+from kvj.journal.reader import list_logs
+from kvj.journal.snapshot import list_snapshots, write_snapshot
+from kvj.ops.compact import compact
+from kvj.ops.fsck import fsck
+
+
+def errors(result):
+    return [(f.kind, f.fixed) for f in result.findings if f.severity == "error"]
+
+
+@pytest.fixture
+def journal(tmp_path):
+    path = str(tmp_path / "j")
+    build(path, requests=2, blocks=2, ended=1)
+    return path
+
+
+def test_exit_statuses_clean_damaged_repaired_through_the_cli(journal):
+    clean = kvj_proc("fsck", "-j", journal)
+    assert clean.returncode == 0 and clean.stdout.rstrip().endswith("clean")
+    last, size, torn = append_torn_tail(journal)
+    damaged = kvj_proc("fsck", "-j", journal)
+    assert damaged.returncode == 4 and "torn tail" in damaged.stdout
+    repaired = kvj_proc("fsck", "--repair", "-j", journal, "--json")
+    assert repaired.returncode == 1
+    (finding,) = [f for f in json.loads(repaired.stdout)["findings"] if f["severity"] == "error"]
+    assert finding["kind"] == "torn-tail" and finding["fixed"] and "torn/" in finding["action"]
+    assert os.path.getsize(last) == size
+    kept = os.path.join(journal, "torn", os.listdir(os.path.join(journal, "torn"))[0])
+    assert open(kept, "rb").read() == torn
+    assert fsck(journal).exit_code == 0
+
+
+def test_mid_log_corruption_is_left_uncorrected(journal, capsys):
+    with Journal.open(journal) as j:
+        j.start("later")
+    first = list_logs(journal)[0]
+    with open(first, "r+b") as f:
+        f.seek(80)
+        f.write(b"\x00\x00\x00")
+    for repair in ([], ["--repair"]):
+        status, out, _ = run_cli(capsys, "fsck", "-j", journal, *repair)
+        assert status == 4 and "corruption" in out and "offset" in out
+    assert open(first, "rb").read(83)[80:] == b"\x00\x00\x00"  # repair did not touch it
+
+
+def test_damaged_needed_segment_is_quarantined_but_still_an_error(journal):
+    keys = kvj.replay(journal).requests["req-0"].segments
+    key = keys[1].key
+    flip_byte(segment_file(journal, key))
+    assert errors(fsck(journal)) == [("segment-damaged", False)]
+    result = fsck(journal, repair=True)
+    assert errors(result) == [("segment-damaged", False)] and "quarantined" in result.findings[0].action
+    assert result.exit_code == 4
+    assert not os.path.exists(segment_file(journal, key))
+    assert os.listdir(os.path.join(journal, "segments", "quarantine"))
+    assert errors(fsck(journal)) == [("segment-missing", False)]  # the data is lost, and fsck keeps saying so
+
+
+def test_damaged_orphan_is_quarantined_and_corrected(journal, capsys):
+    ended = kvj.replay(journal).requests["req-2"].segments[0].key
+    flip_byte(segment_file(journal, ended))
+    result = fsck(journal)
+    assert errors(result) == [("segment-damaged", False)] and ended in result.orphans
+    status, out, _ = run_cli(capsys, "fsck", "--repair", "-j", journal)
+    assert status == 1 and "quarantined" in out
+    assert fsck(journal).exit_code == 0
+
+
+def test_missing_needed_segment(journal):
+    key = kvj.replay(journal).requests["req-1"].segments[0].key
+    os.unlink(segment_file(journal, key))
+    result = fsck(journal, repair=True)
+    assert errors(result) == [("segment-missing", False)] and result.exit_code == 4
+
+
+def test_orphans_are_listed_not_errors(journal):
+    with Journal.open(journal) as j:
+        stray = j.store.put(torch.ones(3)).key
+    result = fsck(journal)
+    assert result.exit_code == 0 and stray in result.orphans
+    assert any(f.kind == "orphans" for f in result.findings)
+
+
+def test_snapshot_that_disagrees_with_its_log_is_set_aside(journal):
+    state = kvj.replay(journal)
+    state.allocations.clear()  # a buggy compactor's snapshot: the log it came from says otherwise
+    snap = write_snapshot(journal, state)
+    with Journal.open(journal) as j:  # replay now starts from the bad snapshot
+        j.start("after")
+    assert errors(fsck(journal)) == [("snapshot", False)]
+    result = fsck(journal, repair=True)
+    assert errors(result) == [("snapshot", True)] and result.exit_code == 1
+    assert not os.path.exists(snap) and os.path.exists(os.path.join(journal, "torn", os.path.basename(snap)))
+    assert kvj.replay(journal).allocations["cuda:0"]  # the log's state again
+    assert fsck(journal).exit_code == 0
+
+
+def test_damaged_snapshot_after_compaction_cannot_be_replaced(journal):
+    with Journal.open(journal) as j:
+        j.start("after")
+    compact(journal, collect=False)
+    (_lsn, snap), = list_snapshots(journal)
+    flip_byte(snap, 10)
+    result = fsck(journal, repair=True)
+    assert ("snapshot", False) in errors(result) and result.exit_code == 4
+    assert os.path.exists(snap)  # the only copy of that history stays where it is
+
+
+def test_live_writer_tail_is_not_an_error_and_repair_refuses(journal):
+    with Holder(journal, "writer") as holder:
+        assert fsck(journal).exit_code == 0
+        proc = kvj_proc("fsck", "--repair", "-j", journal)
+        assert proc.returncode == 8 and f"pid {holder.pid}" in proc.stderr
+
+
+def test_legacy_journal(tmp_path, capsys):
+    log = tmp_path / "old.jsonl"
+    log.write_text('{"op": "start", "id": "a"}\n{"op": "end", "id": "a"}\n{"op": "sta')
+    assert run_cli(capsys, "fsck", "-j", log)[0] == 4
+    assert run_cli(capsys, "fsck", "-j", log, "--repair")[0] == 1
+    assert run_cli(capsys, "fsck", "-j", log)[0] == 0
+
+
+def test_newest_file_without_a_header(journal):
+    with Journal.open(journal) as j:
+        j.start("x")
+    last = list_logs(journal)[-1]
+    data = bytearray(open(last, "rb").read())
+    open(last, "wb").write(data[:20])  # crashed while creating the file: nothing in it was acknowledged
+    assert errors(fsck(journal)) == [("torn-header", False)]
+    assert errors(fsck(journal, repair=True)) == [("torn-header", True)]
+    assert not os.path.exists(last) and fsck(journal).exit_code == 0
+    data[3] ^= 0xFF  # a damaged header in front of valid groups is corruption, never cut
+    open(last, "wb").write(data)
+    assert errors(fsck(journal, repair=True)) == [("corruption", False)]

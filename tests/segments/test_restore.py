@@ -1,0 +1,98 @@
+"""Restore onto devices and into a paged KV cache."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvj.errors import LayoutMismatch
+from kvj.segments.restore import gather_block, load, load_many, paged_layout, restore_paged
+from kvj.segments.store import SegmentStore
+
+L, NB, BS, H, D = 3, 10, 4, 2, 8
+
+
+def _caches(seed=0, fill=None, head_dim=D, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    if fill is not None:
+        return [torch.full((NB, 2, BS, H, head_dim), fill, dtype=dtype) for _ in range(L)]
+    return [torch.randn(NB, 2, BS, H, head_dim, generator=g).to(dtype) for _ in range(L)]
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SegmentStore(tmp_path) as s:
+        yield s
+
+
+def _flush(store, caches, block_ids, model="tiny-llm"):
+    layout = paged_layout(model, caches)
+    return [store.put(gather_block(caches, b), layout=layout).key for b in block_ids]
+
+
+def test_paged_restore_puts_every_block_in_its_slot(store):
+    src = _caches(1)
+    old_ids = [2, 5, 7, 0]
+    keys = _flush(store, src, old_ids)
+    dst = _caches(fill=0.0)
+    new_ids = [9, 0, 4, 3]
+    restore_paged(store, keys, dst, new_ids, model="tiny-llm")
+    for layer in range(L):
+        for old, new in zip(old_ids, new_ids):
+            assert torch.equal(dst[layer][new], src[layer][old])
+        untouched = [b for b in range(NB) if b not in new_ids]
+        assert torch.count_nonzero(dst[layer][untouched].float()) == 0
+
+
+def test_shared_prefix_blocks_share_a_key(store):
+    a = _caches(2)
+    b = [c.clone() for c in a]
+    for c in b:
+        c[3:].normal_()
+    keys_a = _flush(store, a, [0, 1, 2, 3])
+    keys_b = _flush(store, b, [0, 1, 2, 3])
+    assert keys_a[:3] == keys_b[:3] and keys_a[3] != keys_b[3]
+    assert len(list(store.keys())) == 5
+
+
+@pytest.mark.parametrize("change", ["model", "head_dim", "dtype"])
+def test_layout_mismatch_is_refused_before_writing(store, change):
+    keys = _flush(store, _caches(3), [1, 2])
+    model = "other-llm" if change == "model" else "tiny-llm"
+    dst = _caches(fill=0.0, head_dim=D * 2 if change == "head_dim" else D,
+                  dtype=torch.float16 if change == "dtype" else torch.bfloat16)
+    with pytest.raises(LayoutMismatch):
+        restore_paged(store, keys, dst, [0, 1], model=model)
+    assert all(torch.count_nonzero(c.float()) == 0 for c in dst)
+
+
+def test_argument_checks(store):
+    keys = _flush(store, _caches(4), [1, 2])
+    dst = _caches(fill=0.0)
+    with pytest.raises(ValueError):
+        restore_paged(store, keys, dst, [3, 3], model="tiny-llm")
+    with pytest.raises(ValueError):
+        restore_paged(store, keys, dst, [3, NB], model="tiny-llm")
+    with pytest.raises(ValueError):
+        restore_paged(store, keys, dst, [3], model="tiny-llm")
+    restore_paged(store, [], dst, [], model="tiny-llm")
+
+
+def test_load_and_load_many(store):
+    xs = [torch.randn(100, 7) for _ in range(5)]
+    keys = [store.put(x).key for x in xs]
+    assert torch.equal(load(store, keys[0], "cpu"), xs[0])
+    for got, want in zip(load_many(store, keys), xs):
+        assert torch.equal(got, want)
+
+
+def test_gpu_selfcheck_exits_cleanly_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; run scripts/gpu_selfcheck.py directly")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_selfcheck.py")],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA" in proc.stdout

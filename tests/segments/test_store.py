@@ -1,0 +1,364 @@
+"""Segment store: keys, dedup without rewrites, durable ordering, corruption handling."""
+
+import errno
+import json
+import os
+import time
+
+import msgpack
+import pytest
+import torch
+
+from kvj.errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from kvj.fileio import FS, DurabilityError
+from kvj.segments.backend import StorageBackend, Upload
+from kvj.segments.store import SegmentStore, check_key
+
+
+class RecordingFS(FS):
+    """Logs every mutating call as (op, path-or-fd-path)."""
+
+    def __init__(self, log=None):
+        self.log = [] if log is None else log
+        self._paths = {}
+
+    def open(self, path, flags, mode=0o600):
+        fd = super().open(path, flags, mode)
+        self._paths[fd] = os.fspath(path)
+        self.log.append(("open", os.fspath(path)))
+        return fd
+
+    def write(self, fd, data):
+        self.log.append(("write", self._paths.get(fd)))
+        super().write(fd, data)
+
+    def fsync(self, fd):
+        self.log.append(("fsync", self._paths.get(fd)))
+        super().fsync(fd)
+
+    def fdatasync(self, fd):
+        self.log.append(("fdatasync", self._paths.get(fd)))
+        super().fdatasync(fd)
+
+    def close(self, fd):
+        self.log.append(("close", self._paths.pop(fd, None)))
+        super().close(fd)
+
+    def rename(self, src, dst):
+        self.log.append(("rename", os.fspath(src), os.fspath(dst)))
+        super().rename(src, dst)
+
+    def unlink(self, path):
+        self.log.append(("unlink", os.fspath(path)))
+        super().unlink(path)
+
+    def fsync_dir(self, path):
+        self.log.append(("fsync_dir", os.fspath(path)))
+        super().fsync_dir(path)
+
+
+class FailingFS(RecordingFS):
+    def __init__(self, fail_on):
+        super().__init__()
+        self.fail_on = fail_on
+
+    def fsync(self, fd):
+        self.log.append(("fsync", self._paths.get(fd)))
+        if self.fail_on == "fsync":
+            raise OSError(errno.EIO, "injected fsync failure")
+        FS.fsync(self, fd)
+
+    def write(self, fd, data):
+        if self.fail_on == "write":
+            raise OSError(errno.ENOSPC, "injected full disk")
+        super().write(fd, data)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SegmentStore(tmp_path / "store") as s:
+        yield s
+
+
+def _same_bytes(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_put_get_info_round_trip(store):
+    x = torch.randn(64, 33).to(torch.bfloat16)[:, 1:]  # non-contiguous
+    info = store.put(x, layout={"model": "m", "layer": 3})
+    assert check_key(info.key) == info.key == info.digest
+    assert info.shape == (64, 32) and info.dtype == "bfloat16" and info.raw_size == 64 * 32 * 2
+    assert _same_bytes(store.get(info.key), x)
+    assert store.info(info.key) == info
+    assert store.verify(info.key) == info
+    assert store.exists(info.key) and list(store.keys()) == [info.key]
+    assert info.key == store.key_for(x, {"layer": 3, "model": "m"})
+
+
+def test_segment_info_to_dict_is_plain_data(store):
+    info = store.put(torch.arange(10), layout={"model": "m"})
+    d = info.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert msgpack.unpackb(msgpack.packb(d)) == d
+    assert set(d) == {"key", "dtype", "shape", "codec", "raw_size", "stored_size", "digest", "layout"}
+
+
+BAD_KEYS = ["../" + "a" * 61, "/etc/passwd", "a" * 63, "a" * 65, "A" * 64, "g" * 64, "", "a" * 63 + "/",
+            "a" * 32 + ".." + "a" * 30, "٠" * 64, None, 12345, b"a" * 64, "a" * 63 + "\n"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
+def test_keys_are_validated_before_they_become_paths(store, key):
+    for op in (store.get, store.info, store.verify, store.exists, store.delete, store.quarantine):
+        with pytest.raises(InvalidName):
+            op(key)
+
+
+def test_dedup_does_not_rewrite(tmp_path):
+    fs = RecordingFS()
+    with SegmentStore(tmp_path, fs=fs) as store:
+        x = torch.randn(1000)
+        info = store.put(x, layout={"model": "m"})
+        path = store.backend.path(info.key)
+        st1, bytes1 = os.stat(path), open(path, "rb").read()
+        n_ops = len(fs.log)
+        again = store.put(x.clone(), layout={"model": "m"})
+        assert again == info
+        assert len(fs.log) == n_ops  # no open, write, rename or fsync at all
+        st2 = os.stat(path)
+        assert st1.st_ino == st2.st_ino and open(path, "rb").read() == bytes1
+        other = store.put(x, layout={"model": "other"})  # same bytes, other model: own key
+        assert other.key != info.key and len(list(store.keys())) == 2
+
+
+@pytest.mark.parametrize("n", [300_000, 5_000_000], ids=["hash-first", "hash-while-writing"])
+def test_durable_ordering_fsync_rename_dirsync(tmp_path, n):
+    fs = RecordingFS()
+    with SegmentStore(tmp_path, fs=fs) as store:
+        fs.log.clear()
+        info = store.put(torch.randn(n))
+    final = store.backend.path(info.key)
+    ops = fs.log
+    tmp = next(op[1] for op in ops if op[0] == "open")
+    assert os.path.dirname(tmp) == store.backend.tmp_dir
+    i_write = max(i for i, op in enumerate(ops) if op == ("write", tmp))
+    i_fsync = ops.index(("fsync", tmp))
+    i_close = ops.index(("close", tmp))
+    i_rename = ops.index(("rename", tmp, final))
+    i_dir = ops.index(("fsync_dir", os.path.dirname(final)), i_rename)
+    assert i_write < i_fsync < i_close < i_rename < i_dir
+    if n * 4 > 16 << 20:  # big segments are synced as they are written, overlapping compression
+        assert ("fdatasync", tmp) in ops[:i_write]
+    assert os.listdir(store.backend.tmp_dir) == []
+
+
+def test_large_duplicate_is_not_rewritten(tmp_path):
+    fs = RecordingFS()
+    with SegmentStore(tmp_path, fs=fs) as store:
+        x = torch.randn(1_500_000)  # 6 MiB: its key is computed while it is compressed
+        info = store.put(x)
+        path = store.backend.path(info.key)
+        st1, bytes1 = os.stat(path), open(path, "rb").read()
+        fs.log.clear()
+        assert store.put(x.clone()) == info
+        assert not [op for op in fs.log if op[0] in ("rename", "fsync", "fsync_dir")]
+        assert os.stat(path).st_ino == st1.st_ino and open(path, "rb").read() == bytes1
+        assert os.listdir(store.backend.tmp_dir) == []
+
+
+def test_dead_writers_temp_files_are_cleaned(tmp_path):
+    with SegmentStore(tmp_path) as store:
+        tmp_dir = store.backend.tmp_dir
+    dead = os.path.join(tmp_dir, "999999999.abcdef.tmp")
+    live = os.path.join(tmp_dir, f"{os.getpid()}.abcdef.tmp")
+    for p in (dead, live):
+        open(p, "wb").close()
+    with SegmentStore(tmp_path):
+        assert sorted(os.listdir(tmp_dir)) == [os.path.basename(live)]
+
+
+@pytest.mark.parametrize("fail_on", ["fsync", "write"])
+def test_failed_write_or_fsync_is_not_retried_and_poisons_the_store(tmp_path, fail_on):
+    fs = FailingFS(fail_on)
+    store = SegmentStore(tmp_path, fs=fs)
+    x = torch.randn(1000)
+    with pytest.raises(DurabilityError):
+        store.put(x)
+    assert [op for op in fs.log if op[0] == "fsync"].__len__() <= 1
+    assert not list(store.keys())
+    assert not [n for _, _, files in os.walk(tmp_path) for n in files]  # temp file removed
+    assert not [op for op in fs.log if op[0] == "rename"]
+    fs.fail_on = None
+    with pytest.raises(DurabilityError):
+        store.put(torch.randn(10))  # sticky: nothing after a failed fsync is durable
+    store.close()
+
+
+def test_corrupt_file_names_the_file_and_put_heals_it(store):
+    x = torch.randn(5000)
+    info = store.put(x)
+    path = store.backend.path(info.key)
+    data = bytearray(open(path, "rb").read())
+    data[100] ^= 0x10
+    os.chmod(path, 0o600)
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(SegmentCorrupt) as exc:
+        store.get(info.key)
+    assert path in str(exc.value)
+    with pytest.raises(SegmentCorrupt):
+        store.verify(info.key)
+    healed = store.put(x)  # damaged copy is quarantined and written anew
+    assert healed.key == info.key and _same_bytes(store.get(info.key), x)
+    assert len(os.listdir(os.path.join(store.backend.root, "quarantine"))) == 1
+
+
+def test_file_renamed_to_another_key_is_refused(store):
+    a = store.put(torch.arange(100))
+    b = store.put(torch.arange(100) + 1)
+    os.replace(store.backend.path(a.key), store.backend.path(b.key))
+    with pytest.raises(SegmentCorrupt, match="key"):
+        store.get(b.key)
+    with pytest.raises(SegmentCorrupt, match="key"):
+        store.info(b.key)
+
+
+def test_truncated_and_empty_files(store):
+    info = store.put(torch.randn(2000))
+    path = store.backend.path(info.key)
+    data = open(path, "rb").read()
+    for n in (0, 10, len(data) // 2, len(data) - 1):
+        open(path, "wb").write(data[:n])
+        with pytest.raises(SegmentCorrupt):
+            store.get(info.key)
+        with pytest.raises(SegmentCorrupt):
+            store.info(info.key)
+
+
+def test_layout_mismatch_is_refused(store):
+    info = store.put(torch.zeros(4, 4), layout={"model": "llama", "block_size": 16})
+    assert store.get(info.key, expect_layout={"block_size": 16, "model": "llama"}).shape == (4, 4)
+    with pytest.raises(LayoutMismatch):
+        store.get(info.key, expect_layout={"model": "qwen", "block_size": 16})
+    with pytest.raises(LayoutMismatch):
+        store.get(info.key, expect_layout={"model": "llama"})
+
+
+def test_missing_delete_quarantine(store):
+    info = store.put(torch.ones(3))
+    store.delete(info.key)
+    assert not store.exists(info.key)
+    with pytest.raises(SegmentMissing):
+        store.get(info.key)
+    store.delete(info.key)  # idempotent
+    info = store.put(torch.ones(3))
+    where = store.quarantine(info.key)
+    assert os.path.exists(where) and not store.exists(info.key)
+    with pytest.raises(SegmentMissing):
+        store.info(info.key)
+
+
+def test_keys_ignores_strays(store):
+    info = store.put(torch.ones(3))
+    fan = os.path.dirname(store.backend.path(info.key))
+    open(os.path.join(fan, "." + info.key + ".1.abcd.tmp"), "wb").close()
+    open(os.path.join(fan, "README"), "wb").close()
+    os.makedirs(os.path.join(store.backend.objects, "zz"))
+    assert list(store.keys()) == [info.key]
+
+
+class DictBackend(StorageBackend):
+    """An object-store stand-in: the store, codecs and restore must work through it unchanged."""
+
+    def __init__(self):
+        self.objects, self.quarantined = {}, {}
+
+    def begin(self):
+        backend = self
+
+        class _Upload(Upload):
+            def __init__(self):
+                self.parts = []
+
+            def write(self, part):
+                self.parts.append(bytes(part))
+
+            def commit(self, key):
+                backend.objects[key] = b"".join(self.parts)
+                return len(backend.objects[key])
+
+            def abort(self):
+                self.parts = []
+
+        return _Upload()
+
+    def _obj(self, key):
+        try:
+            return self.objects[key]
+        except KeyError:
+            raise SegmentMissing(key) from None
+
+    def get(self, key):
+        return self._obj(key)
+
+    def get_range(self, key, offset, length):
+        return self._obj(key)[offset:offset + length]
+
+    def size(self, key):
+        return len(self._obj(key))
+
+    def exists(self, key):
+        return key in self.objects
+
+    def delete(self, key):
+        self.objects.pop(key, None)
+
+    def keys(self):
+        return iter(sorted(self.objects))
+
+    def mtime(self, key):
+        return 0.0
+
+    def touch(self, key):
+        self._obj(key)
+
+    def quarantine(self, key):
+        self.quarantined[key] = self.objects.pop(key)
+        return "quarantine/" + key
+
+
+def test_backend_is_swappable():
+    backend = DictBackend()
+    with SegmentStore(backend=backend) as store:
+        big = torch.randn(3_000_000)
+        assert torch.equal(store.get(store.put(big).key), big)
+        x = torch.randn(3000).to(torch.bfloat16)
+        info = store.put(x, layout={"model": "m"})
+        assert _same_bytes(store.get(info.key), x) and len(list(store.keys())) == 2
+        assert store.put(x, layout={"model": "m"}) == info
+        damaged = bytearray(backend.objects[info.key])
+        damaged[30] ^= 1
+        backend.objects[info.key] = bytes(damaged)
+        with pytest.raises(SegmentCorrupt):
+            store.get(info.key)
+        store.put(x, layout={"model": "m"})
+        assert info.key in backend.quarantined and _same_bytes(store.get(info.key), x)
+
+
+def test_put_refuses_device_tensors_it_cannot_read(store):
+    with pytest.raises(ValueError):
+        store.put(torch.empty(3, device="meta"))
+
+
+def test_a_dedup_hit_restarts_the_grace_period(tmp_path):
+    """Compaction collects by age; a segment a new request just deduplicated against is young."""
+    store = SegmentStore(str(tmp_path / "s"))
+    t = torch.arange(1024, dtype=torch.float32)
+    key = store.put(t).key
+    path = store.backend.path(key)
+    os.utime(path, (1, 1))
+    assert store.backend.mtime(key) == 1
+    assert store.put(t.clone()).key == key
+    assert store.backend.mtime(key) > time.time() - 60
+    store.close()

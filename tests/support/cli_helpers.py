@@ -1,0 +1,170 @@
+"""Shared by the CLI, recovery, compaction and fsck tests: run the real ``kvj`` entry point,
+build small journals with segments, and reach into the store for damage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.replay import replay
+
+_BIN = os.path.join(os.path.dirname(sys.executable), "kvj")
+KVJ = [_BIN] if os.path.exists(_BIN) else [sys.executable, "-m", "kvj.cli.main"]
+JOURNAL_REPLAY = [os.path.join(os.path.dirname(sys.executable), "journal_replay")]
+if not os.path.exists(JOURNAL_REPLAY[0]):
+    JOURNAL_REPLAY = [sys.executable, "-c", "from kvj.cli.main import journal_replay_main; journal_replay_main()"]
+
+BLOCK_TOKENS = 16
+
+
+def env(**extra: Optional[str]) -> Dict[str, str]:
+    """The test process's environment without kvj settings, NO_COLOR set; None in ``extra`` unsets."""
+    e = {k: v for k, v in os.environ.items() if k not in ("KVJ_JOURNAL", "KVJ_STORE", "FORCE_COLOR")}
+    e["NO_COLOR"] = "1"
+    e.update(extra)  # type: ignore[arg-type]
+    return {k: v for k, v in e.items() if v is not None}
+
+
+def kvj(*args: object, input: Optional[str] = None, extra_env: Optional[Dict[str, Optional[str]]] = None,
+        prog: Optional[List[str]] = None, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess:
+    """Run the installed ``kvj`` (or ``prog``) as a user would."""
+    return subprocess.run([*(prog or KVJ), *map(str, args)], capture_output=True, text=True, input=input,
+                          env=env(**(extra_env or {})), timeout=timeout, **kw)  # type: ignore[call-overload]
+
+
+def assert_fails(proc: subprocess.CompletedProcess, status: int, *needles: str, prog: str = "kvj") -> str:
+    """The command failed with ``status`` and exactly one stderr line, no traceback."""
+    assert proc.returncode == status, f"status {proc.returncode}, expected {status}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def block(request: int, index: int) -> torch.Tensor:
+    """A small, deterministic KV block ([2, 16 tokens, 2 heads, 8 dims], bf16)."""
+    g = torch.Generator().manual_seed(request * 1000 + index)
+    return torch.randn(2, BLOCK_TOKENS, 2, 8, generator=g).to(torch.bfloat16)
+
+
+def build(path: str, *, requests: int = 2, blocks: int = 3, ended: int = 1, training: bool = True) -> Dict[str, object]:
+    """A journal with requests in flight (``blocks`` segments each), ended ones, and training state.
+
+    Returns what was written: request -> segment keys in order, and the training keys.
+    """
+    keys: Dict[str, List[str]] = {}
+    train: Dict[str, object] = {}
+    with Journal.open(path) as j:
+        for r in range(requests + ended):
+            rid = f"req-{r}"
+            j.start(rid, prompt_hash=f"h{r}", tokens=list(range(r, r + 5)), meta={"n": r})
+            for b in range(blocks):
+                j.flush(rid, b, block(r, b), token_range=(b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS),
+                        layout={"model": "tiny"}).result()
+            j.alloc("cuda:0", 0x1000 * (r + 1), 4096, f"kv:{rid}")
+        for r in range(requests, requests + ended):
+            j.end(f"req-{r}")
+            j.free("cuda:0", 0x1000 * (r + 1))
+        if training:
+            w = j.store.put(torch.arange(64, dtype=torch.float32).reshape(8, 8)).key
+            m1 = j.store.put(torch.full((8, 8), 1.5)).key
+            m2 = j.store.put(torch.full((8, 8), 2.5)).key
+            j.checkpoint(10, {"w": w})
+            j.delta(11, 10, {"m": m1})
+            j.delta(12, 11, {"m": m2})
+            train = {"w": w, "d11": m1, "d12": m2}
+        j.sync()
+    state = replay(path)
+    for rid, req in state.requests.items():
+        keys[rid] = [req.segments[b].key for b in sorted(req.segments)]  # type: ignore[misc]
+    return {"keys": keys, "training": train}
+
+
+def segment_file(journal: str, key: str) -> str:
+    from kvj.segments.store import SegmentStore
+
+    with SegmentStore(default_store_path(journal)) as store:
+        return store.backend.path(key)  # type: ignore[attr-defined]
+
+
+def flip_byte(path: str, offset_from_end: int = 40) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def append_torn_tail(journal: str, nbytes: int = 30) -> Tuple[str, int, bytes]:
+    """Append the start of a commit group that was never finished (what a crash mid-write leaves).
+
+    Returns the log file, its size before, and the bytes appended.
+    """
+    from kvj.journal.framing import encode_group_header
+    from kvj.journal.reader import list_logs
+
+    last = list_logs(journal)[-1]
+    size = os.path.getsize(last)
+    data = (encode_group_header(500, 3, 10**6) + b"\x01" * 200)[:nbytes]
+    with open(last, "ab") as f:
+        f.write(data)
+    return last, size, data
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from kvj.journal.locks import DirLock
+    from kvj.journal.journal import Journal
+    what, path = sys.argv[1], sys.argv[2]
+    if what == "writer":
+        j = Journal.open(path)
+    else:
+        DirLock(path, "COMPACT", "compactor").acquire()
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+class Holder:
+    """A live process holding a journal's writer or compactor lock (killed on exit)."""
+
+    def __init__(self, path: str, what: str = "writer"):
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, what, path], stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip() == "ready", line
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def __enter__(self) -> "Holder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def run_cli(capsys, *args: object, prog: str = "kvj") -> Tuple[int, str, str]:  # type: ignore[no-untyped-def]
+    """Run the CLI in this process (same code path as the console script, minus process start)."""
+    from kvj.cli.main import app, legacy_app, run
+
+    capsys.readouterr()
+    status = run(app if prog == "kvj" else legacy_app, [str(a) for a in args], prog)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def ndjson(text: str) -> List[dict]:
+    import json
+
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
