@@ -1,23 +1,21 @@
-"""Following a live journal like ``tail -f``, never showing a record that is not complete.
+"""Following a live journal like ``tail -F``, never showing a record that is not complete.
 
-The writer appends whole commit groups; a group is shown only once it parses completely
-(length, every CRC, LSN sequence). An incomplete group at the end of the newest log file
-is re-read from the same offset on the next poll. Once a newer log file exists, the
-current one is sealed: whatever still does not parse there is a torn tail left by a
-crash, and following moves on to the next file. A follower that falls behind a compaction
-continues after the snapshot that absorbed the records it missed.
+Each poll is a ``Scan`` that resumes where the previous one ended. The writer appends
+whole commit groups; the scan yields a group only once it parses completely (length,
+every CRC, LSN sequence), and an incomplete group at the end of the newest log file is
+the scan's torn tail, read again from the same offset on the next poll. Compaction
+deletes log files a follower may not have finished; as ``tail -F`` follows a file
+through rotation, the follower then continues after the snapshot that absorbed what it
+missed, and says which LSNs it could not show (``skipped``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
-from kvj.errors import CorruptionError, FormatError
-from kvj.journal.framing import FILE_HEADER_SIZE, decode_file_header, parse_group
-from kvj.journal.reader import list_logs
-from kvj.journal.records import decode_payload
-from kvj.journal.replay import Record
+from kvj.errors import CorruptionError
+from kvj.journal.reader import Record, Scan, list_logs
 from kvj.journal.snapshot import list_snapshots
 
 
@@ -27,86 +25,38 @@ class Follower:
     def __init__(self, directory: str, *, after_lsn: int = 0):
         self.directory = directory
         self.expected = after_lsn + 1  # the next LSN to show
-        self.path: Optional[str] = None
-        self.offset = 0
-        self.salt = 0  # of the file at ``path``, read with its header
-
-    def _start(self, logs: List[str]) -> None:
-        """Begin at the newest file whose first LSN is not past the next one we need."""
-        start = logs[0]
-        for path in logs:
-            try:
-                with open(path, "rb") as f:
-                    header = decode_file_header(f.read(FILE_HEADER_SIZE))
-            except FileNotFoundError:
-                continue
-            if header is not None and header.base_lsn <= self.expected:
-                start = path
-        self.path, self.offset = start, 0
+        self.position: Optional[Tuple[str, int]] = None  # (log file, offset) the next poll reads from
+        #: (first, last) LSN ranges compacted into a snapshot before they could be shown.
+        self.skipped: List[Tuple[int, int]] = []
 
     def poll(self) -> List[Record]:
         """Every complete record that appeared since the last poll (possibly none)."""
         found: List[Record] = []
-        while True:
-            logs = list_logs(self.directory)
-            if not logs:
-                return found
-            if self.path is None or (self.path not in logs and not any(p > self.path for p in logs)):
-                self._start(logs)
-            assert self.path is not None
-            newer = [p for p in logs if p > self.path]  # listed before reading: see the module docstring
-            if self.path in logs:
-                found += self._read(self.path)
-            if not newer:
-                return found
-            self.path, self.offset = newer[0], 0
-
-    def _skip_compacted(self, path: str, base_lsn: int) -> None:
-        """Jump to ``base_lsn`` when a compaction folded the records before it into a snapshot
-        while we were behind (like ``tail -F`` after a rotation); otherwise it is a gap."""
+        logs = list_logs(self.directory)  # before the snapshots: compaction writes one before unlinking
         snaps = list_snapshots(self.directory)
-        if not snaps or snaps[0][0] < base_lsn - 1:
-            raise CorruptionError(path, 0, f"log starts at LSN {base_lsn}, expected {self.expected} "
-                                  "(missing log file?)")
-        self.expected = base_lsn
-
-    def _read(self, path: str) -> List[Record]:
+        if not logs:
+            return found
+        covered = max(snaps[0][0] if snaps else 0, self.expected - 1)
+        scan = Scan(self.directory, after_lsn=self.expected - 1, covered_lsn=covered, logs=logs,
+                    start=self.position)
         try:
-            with open(path, "rb") as f:
-                if self.offset == 0:
-                    head = f.read(FILE_HEADER_SIZE)
-                    header = decode_file_header(head)
-                    if header is None:
-                        return []  # being created; read again on the next poll
-                    if header.base_lsn > self.expected:
-                        self._skip_compacted(path, header.base_lsn)
-                    self.offset, self.salt = FILE_HEADER_SIZE, header.salt
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        records: List[Record] = []
-        pos = 0
-        while pos < len(data):
-            parsed = parse_group(data, pos, path, self.salt)
-            if parsed is None:
-                break  # incomplete (still being written) or torn
-            raws, pos_next = parsed
-            for raw in raws:
-                if raw.lsn < self.expected:
-                    continue
-                if raw.lsn > self.expected:
-                    raise CorruptionError(path, self.offset + raw.offset, f"LSN {raw.lsn} out of order, "
-                                          f"expected {self.expected}")
-                try:
-                    payload = decode_payload(raw.rtype, raw.payload)
-                except FormatError as exc:
-                    raise CorruptionError(path, self.offset + raw.offset, f"LSN {raw.lsn}: {exc}") from None
-                records.append(Record(raw.lsn, raw.rtype, payload, path, self.offset + raw.offset))
-                self.expected = raw.lsn + 1
-            pos = pos_next
-        self.offset += pos
-        return records
+            for rec in scan.records():
+                if rec.lsn > self.expected:  # the files holding these were compacted away meanwhile
+                    self.skipped.append((self.expected, rec.lsn - 1))
+                found.append(rec)
+                self.expected = rec.lsn + 1
+        except (CorruptionError, FileNotFoundError):
+            # A compaction that deleted files during this pass looks like a gap or a missing
+            # file; the next poll lists again from the last record shown.
+            self.position = None
+            if found or (list_logs(self.directory), list_snapshots(self.directory)) != (logs, snaps):
+                return found  # what is found is shown; damage that stays is raised by the next poll
+            raise
+        if scan.tail is not None:
+            self.position = (scan.tail.path, scan.tail.offset)
+        elif scan.next_lsn is not None:
+            self.position = (scan.logs[-1], scan.end_offset)
+        return found
 
     def follow(self, interval: float = 0.2) -> Iterator[Record]:
         """Yield records forever, polling every ``interval`` seconds when there is nothing new."""

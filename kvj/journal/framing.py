@@ -61,13 +61,13 @@ class FileHeader:
     salt: int
 
 
-def header_torn(data: bytes) -> bool:
-    """Whether an invalid file header can be a crash during the file's creation.
+def header_torn(size: int) -> bool:
+    """Whether an invalid file header on a file of ``size`` bytes can be a crash during its creation.
 
     The header is written and fsynced before any group, so a file longer than its
     header with a bad header is corruption, never a torn creation.
     """
-    return len(data) <= FILE_HEADER_SIZE
+    return size <= FILE_HEADER_SIZE
 
 
 def decode_file_header(data: bytes) -> Optional[FileHeader]:
@@ -112,11 +112,13 @@ def group_header_at(data: bytes, off: int, salt: int = 0) -> Optional[Tuple[int,
     return body_len, count, first_lsn
 
 
-def parse_group(data: bytes, off: int, path: str, salt: int = 0) -> Optional[Tuple[List[RawRecord], int]]:
+def parse_group(data: bytes, off: int, path: str, salt: int = 0,
+                origin: int = 0) -> Optional[Tuple[List[RawRecord], int]]:
     """Parse the commit group at ``off``: (records, end offset), or None if any check fails.
 
     A group is all-or-nothing: one bad record, a short body or an LSN out of sequence
-    invalidates the whole group.
+    invalidates the whole group. ``data`` holds the file from byte ``origin`` on; the
+    records' offsets are in the file.
     """
     head = group_header_at(data, off, salt)
     if head is None:
@@ -137,7 +139,7 @@ def parse_group(data: bytes, off: int, path: str, salt: int = 0) -> Optional[Tup
             return None
         if crc32c(data[pos + RECORD_HEADER_SIZE:stop], crc32c(data[pos + 4:pos + RECORD_HEADER_SIZE])) != crc:
             return None
-        records.append(RawRecord(lsn, rtype, bytes(data[pos + RECORD_HEADER_SIZE:stop]), path, pos))
+        records.append(RawRecord(lsn, rtype, bytes(data[pos + RECORD_HEADER_SIZE:stop]), path, origin + pos))
         pos = stop
         lsn += 1
     if pos != end:

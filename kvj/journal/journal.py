@@ -13,11 +13,10 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Tuple, Union
 
-from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFailed, KvjError
+from kvj.errors import FormatError, JournalClosed, JournalFailed, KvjError
 from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
-from kvj.journal.framing import decode_file_header, header_torn
 from kvj.journal.locks import LOCK_NAME, DirLock
-from kvj.journal.reader import Scan, TornTail, list_logs, log_seq
+from kvj.journal.reader import Scan, TornTail, list_logs, log_seq, read_header
 from kvj.journal.records import RecordType, decode_payload, encode_payload
 from kvj.journal.snapshot import list_snapshots
 from kvj.journal.writer import CommitPolicy, LogWriter
@@ -68,29 +67,24 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
     if not logs:
         return 1, snap_lsn + 1, None
     last = logs[-1]
-    scan = Scan(directory, after_lsn=0, logs=[last])
-    with open(last, "rb") as f:
-        data = f.read()
-    header = decode_file_header(data)
-    if header is None and not header_torn(data):
-        raise CorruptionError(last, 0, "bad log file header")
+    header = read_header(last)
+    scan = Scan(directory, after_lsn=header.base_lsn - 1 if header else 0, logs=[last])
+    for _ in scan:  # raises on corruption, including a bad header on a file longer than a header
+        pass
     if header is None:  # crashed while creating the file: nothing in it was ever acknowledged
         aside = cut_torn_tail(TornTail(last, 0, os.path.getsize(last)), fs)
         fs.unlink(last)
         fs.fsync_dir(directory)
         seq, lsn, _ = _find_end(directory, fs)
         return seq, lsn, aside
-    scan.after_lsn = header.base_lsn - 1
-    for _ in scan:
-        pass
     aside = cut_torn_tail(scan.tail, fs) if scan.tail else None
     if aside is None:
         # What was just read may sit unsynced in the page cache (a writer killed between a
         # group's write and its fdatasync). The new writer builds on it, so make it durable
         # before any later record is acknowledged (the cut above already fsynced the file).
         fsync_path(last, fs)
-    next_lsn = max(scan.last_lsn + 1, header.base_lsn, snap_lsn + 1)
-    return log_seq(last) + 1, next_lsn, aside
+    next_lsn = header.base_lsn if scan.next_lsn is None else scan.next_lsn
+    return log_seq(last) + 1, max(next_lsn, snap_lsn + 1), aside
 
 
 class Journal:

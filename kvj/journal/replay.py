@@ -8,26 +8,13 @@ the log is always an error (``CorruptionError`` with file and offset), never ski
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional
 
 from kvj.errors import CorruptionError, FormatError, KvjError
 from kvj.journal.legacy import LegacyScan
-from kvj.journal.reader import LOG_RE, Scan, list_logs
-from kvj.journal.records import decode_payload
+from kvj.journal.reader import LOG_RE, Record, Scan, list_logs
 from kvj.journal.snapshot import list_snapshots, load_latest
 from kvj.journal.state import JournalState
-
-
-@dataclass(frozen=True)
-class Record:
-    """A decoded journal record and where it lives."""
-
-    lsn: int
-    rtype: int
-    payload: Dict[str, Any]
-    path: str
-    offset: int
 
 
 def is_legacy(path: str) -> bool:
@@ -50,7 +37,7 @@ def _legacy_file(path: str) -> str:
 
 
 class RecordStream:
-    """Decoded records of a journal after ``after_lsn``; ``tail`` is known once exhausted."""
+    """Decoded records of a journal (kvj or legacy) after ``after_lsn``; ``tail`` is known once exhausted."""
 
     def __init__(self, path: str, *, after_lsn: int = 0, strict: bool = False):
         if not os.path.exists(path):
@@ -70,12 +57,7 @@ class RecordStream:
                 if lsn > self.after_lsn:
                     yield Record(lsn, rtype, payload, self._scan.path, 0)
             return
-        for raw in self._scan:
-            try:
-                payload = decode_payload(raw.rtype, raw.payload)
-            except FormatError as exc:
-                raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
-            yield Record(raw.lsn, raw.rtype, payload, raw.path, raw.offset)
+        yield from self._scan.records()
 
 
 def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False) -> JournalState:

@@ -21,11 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, SegmentMissing
 from kvj.fileio import FS, REAL_FS, fsync_path
-from kvj.journal.framing import FILE_HEADER_SIZE, decode_file_header
 from kvj.journal.journal import default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
-from kvj.journal.reader import Scan, list_logs
-from kvj.journal.records import decode_payload
+from kvj.journal.reader import Scan, list_logs, read_header
 from kvj.journal.replay import is_legacy, replay
 from kvj.journal.snapshot import list_snapshots, load_latest, write_snapshot
 from kvj.journal.state import JournalState
@@ -55,8 +53,7 @@ class CompactResult:
 
 def _base_lsn(path: str) -> Optional[int]:
     """First LSN of a log file; None while the writer is still creating it (no header yet)."""
-    with open(path, "rb") as f:
-        header = decode_file_header(f.read(FILE_HEADER_SIZE))
+    header = read_header(path)
     return header.base_lsn if header is not None else None
 
 
@@ -65,13 +62,8 @@ def fold_sealed(directory: str, sealed: List[str]) -> JournalState:
     state = load_latest(directory) or JournalState()
     if not sealed:
         return state
-    scan = Scan(directory, after_lsn=state.snapshot_lsn, strict=True, logs=sealed)
-    for raw in scan:
-        try:
-            payload = decode_payload(raw.rtype, raw.payload)
-        except FormatError as exc:
-            raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
-        state.apply(raw.rtype, payload, raw.lsn)
+    for rec in Scan(directory, after_lsn=state.snapshot_lsn, strict=True, logs=sealed).records():
+        state.apply(rec.rtype, rec.payload, rec.lsn)
     return state
 
 

@@ -22,19 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, JournalLocked
 from kvj.fileio import FS, REAL_FS, makedirs_durable, rename_durable
-from kvj.journal.framing import (
-    FILE_HEADER_SIZE,
-    FORMAT_VERSION,
-    decode_file_header,
-    header_torn,
-    later_group_exists,
-    parse_group,
-)
 from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.locks import LOCK_NAME, DirLock
-from kvj.journal.reader import TornTail, list_logs, log_seq
-from kvj.journal.records import decode_payload
+from kvj.journal.reader import COVERED_GAP, TORN, Damage, Scan, TornTail, decode, list_logs, read_header
 from kvj.journal.replay import _legacy_file, is_legacy
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
@@ -160,12 +151,8 @@ class _Checker:
     def _first_base(self) -> int:
         """Base LSN of the oldest log file (a huge number when there is none)."""
         logs = list_logs(self.path)
-        if logs:
-            with open(logs[0], "rb") as f:
-                header = decode_file_header(f.read(FILE_HEADER_SIZE))
-            if header is not None:
-                return header.base_lsn
-        return 1 << 62
+        header = read_header(logs[0]) if logs else None
+        return header.base_lsn if header is not None else 1 << 62
 
     # -- logs ----------------------------------------------------------------------------
 
@@ -174,97 +161,58 @@ class _Checker:
         r = self.result
         snap = valid[0][2] if valid else None
         snap_canon = _canonical(snap) if snap is not None else ""
-        logs = list_logs(self.path)
-        r.logs = len(logs)
         snap_lsn = snap.snapshot_lsn if snap is not None else 0
         state = snap if snap is not None else JournalState()
         # A second fold from the next older snapshot (or from nothing) re-derives the newest
-        # snapshot while the log it was compacted from still exists.
+        # snapshot while the log it was compacted from still exists, without a gap.
         older = next(((lsn, s) for lsn, _p, s in valid if snap is not None and lsn < snap_lsn), (0, None))
         check: Optional[JournalState] = older[1] if older[1] is not None else JournalState()
-        check_from = older[0]
-        expected: Optional[int] = None
-        for index, log in enumerate(logs):
-            is_last = index == len(logs) - 1
-            with open(log, "rb") as f:
-                data = f.read()
-            header = decode_file_header(data)
-            if header is None:
-                if is_last and not header_torn(data):
-                    self.add("error", "corruption", "bad log file header before valid commit groups", log, 0)
-                elif is_last and r.writer_live:
-                    self.add("note", "file-in-progress", "the live writer is creating this log file", log, 0)
-                elif is_last:
-                    finding = self.add("error", "torn-header",
-                                       f"newest log file has no valid header ({len(data)} bytes): "
-                                       "the writer crashed while creating it", log, 0)
-                    self.fix(finding, lambda p=log, n=len(data): self._drop_file(p, n))
-                else:
-                    self.add("error", "corruption", "bad log file header in a sealed log file", log, 0)
-                return state
-            if header.version != FORMAT_VERSION:
-                self.add("error", "format", f"log format version {header.version} is not supported", log, 0)
-                return state
-            if header.seq != log_seq(log):
-                self.add("error", "corruption", f"header says file number {header.seq}, name says "
-                         f"{log_seq(log)}", log, 0)
-            if expected is None:
-                if header.base_lsn > snap_lsn + 1:
-                    self.add("error", "lsn-gap", f"log starts at LSN {header.base_lsn} but the snapshot ends at "
-                             f"{snap_lsn}: LSNs {snap_lsn + 1}..{header.base_lsn - 1} are missing", log, 0)
-                if check is not None and header.base_lsn > check_from + 1:
+        check_next = older[0] + 1
+        scan = Scan(self.path, covered_lsn=snap_lsn, reporter=self._report)
+        r.logs = len(scan.logs)
+        for raw in scan:
+            r.records += 1
+            try:
+                rec = decode(raw)
+            except CorruptionError as exc:
+                self.add("error", "corruption", exc.reason, exc.path, exc.offset)
+                continue
+            if r.first_lsn is None:
+                r.first_lsn = rec.lsn
+            r.last_lsn = rec.lsn
+            if rec.lsn > snap_lsn:
+                state.apply(rec.rtype, rec.payload, rec.lsn)
+            elif check is not None and rec.lsn >= check_next:
+                if rec.lsn != check_next:
                     check = None  # the log the newest snapshot came from is gone (compacted): nothing to compare
-            elif header.base_lsn != expected and header.base_lsn <= snap_lsn + 1:
-                # compaction deletes covered files and a crash may keep its unlinks in any order
-                self.add("note", "covered-gap", f"log files before LSN {header.base_lsn} were compacted "
-                         "into the snapshot", log, 0)
-                check = None
-            elif header.base_lsn != expected:
-                self.add("error", "lsn-gap", f"log file begins at LSN {header.base_lsn}, expected {expected} "
-                         "(missing or extra log file)", log, 0)
-            expected = header.base_lsn
-            off = FILE_HEADER_SIZE
-            while off < len(data):
-                parsed = parse_group(data, off, log, header.salt)
-                if parsed is None:
-                    self._damage(log, data, off, expected, is_last, header.salt)
-                    break
-                records, off = parsed
-                if records[0].lsn != expected:
-                    self.add("error", "lsn-order", f"LSN {records[0].lsn} out of order, expected {expected}",
-                             log, records[0].offset)
-                expected = records[-1].lsn + 1
-                for raw in records:
-                    r.records += 1
-                    try:
-                        payload = decode_payload(raw.rtype, raw.payload)
-                    except FormatError as exc:
-                        self.add("error", "corruption", f"LSN {raw.lsn}: {exc}", log, raw.offset)
-                        continue
-                    if r.first_lsn is None:
-                        r.first_lsn = raw.lsn
-                    r.last_lsn = raw.lsn
-                    if raw.lsn > snap_lsn:
-                        state.apply(raw.rtype, payload, raw.lsn)
-                    elif check is not None and raw.lsn > check_from:
-                        check.apply(raw.rtype, payload, raw.lsn)
+                    continue
+                check.apply(rec.rtype, rec.payload, rec.lsn)
+                check_next += 1
         if snap is not None:
-            self._check_snapshot(snap.snapshot_lsn, snap_canon, check, expected, valid)
+            self._check_snapshot(snap.snapshot_lsn, snap_canon, check, scan.next_lsn, valid)
         return state
 
-    def _damage(self, log: str, data: bytes, off: int, expected: int, is_last: bool, salt: int) -> None:
-        later = later_group_exists(data, off, expected - 1, salt)
-        if later is not None or not is_last:
-            where = f"; a valid group follows at offset {later}" if later is not None else " in a sealed log file"
-            self.add("error", "corruption", f"damaged commit group{where}", log, off)
-            return
-        if self.result.writer_live:
-            self.add("note", "tail-in-progress", f"{len(data) - off} bytes after the last complete group: "
-                     "the live writer may be writing them", log, off)
-            return
-        finding = self.add("error", "torn-tail", f"torn tail of {len(data) - off} bytes (records that were never "
-                           "acknowledged as durable)", log, off)
-        self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(TornTail(log, off, len(data) - off), self.fs)}")
+    def _report(self, damage: Damage) -> None:
+        """The scan's reporter: each damage becomes a finding (and a repair), and the walk goes on."""
+        if damage.kind == COVERED_GAP:
+            # compaction deletes covered files and a crash may keep its unlinks in any order
+            self.add("note", "covered-gap", f"{damage.reason}: compacted into the snapshot", damage.path, 0)
+        elif damage.kind != TORN:
+            self.add("error", damage.kind, damage.reason, damage.path, damage.offset)
+        elif damage.offset == 0 and self.result.writer_live:
+            self.add("note", "file-in-progress", "the live writer is creating this log file", damage.path, 0)
+        elif damage.offset == 0:
+            finding = self.add("error", "torn-header", f"newest log file has no valid header ({damage.length} "
+                               "bytes): the writer crashed while creating it", damage.path, 0)
+            self.fix(finding, lambda: self._drop_file(damage.path, damage.length))
+        elif self.result.writer_live:
+            self.add("note", "tail-in-progress", f"{damage.length} bytes after the last complete group: "
+                     "the live writer may be writing them", damage.path, damage.offset)
+        else:
+            tail = TornTail(damage.path, damage.offset or 0, damage.length)
+            finding = self.add("error", "torn-tail", f"torn tail of {damage.length} bytes (records that were never "
+                               "acknowledged as durable)", damage.path, damage.offset)
+            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}")
 
     def _drop_file(self, path: str, size: int) -> str:
         aside = cut_torn_tail(TornTail(path, 0, size), self.fs) if size else None

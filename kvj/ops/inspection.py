@@ -11,10 +11,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-from kvj.errors import CorruptionError, FormatError
 from kvj.journal.framing import RECORD_HEADER_SIZE
-from kvj.journal.reader import Scan
-from kvj.journal.records import NAMES, RecordType, decode_payload
+from kvj.journal.reader import Scan, decode
+from kvj.journal.records import NAMES, RecordType
 from kvj.journal.replay import Record, RecordStream, is_legacy
 from kvj.journal.snapshot import load_latest
 
@@ -67,11 +66,7 @@ class Entries:
                 group += 1  # a group header sits between this record and the previous one
             size = RECORD_HEADER_SIZE + len(raw.payload)
             end_of_prev = (raw.path, raw.offset + size)
-            try:
-                payload = decode_payload(raw.rtype, raw.payload)
-            except FormatError as exc:
-                raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
-            yield Entry(Record(raw.lsn, raw.rtype, payload, raw.path, raw.offset), size, group)
+            yield Entry(decode(raw), size, group)
         self.tail = scan.tail.to_dict() if scan.tail else None
 
 

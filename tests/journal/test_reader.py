@@ -273,3 +273,31 @@ def test_replay_is_not_fooled_by_a_compaction_between_snapshot_and_log_listing(t
     state = kvj.replay(path)
     assert len(calls) == 2 and calls[1] > calls[0]
     assert state.last_lsn == 80 and addrs(state) == list(range(80))
+
+
+def test_a_reporter_hears_each_damage_and_the_scan_goes_on_past_it(tmp_path):
+    """As LevelDB's log::Reader with a Reporter: a damaged group followed by a valid one is
+    reported and the walk resyncs at the valid group; a sealed file with a bad header is
+    reported and skipped; everything after the damage is still read."""
+    from kvj.journal.reader import CORRUPTION, Scan
+
+    write_journal(tmp_path, 200, CommitPolicy(file_size_limit=2000))
+    logs = list_logs(str(tmp_path))
+    assert len(logs) >= 5
+    data = bytearray(open(logs[1], "rb").read())
+    data[F.FILE_HEADER_SIZE + 30] ^= 0x10  # the first group of a sealed file; valid groups follow
+    open(logs[1], "wb").write(data)
+    data = bytearray(open(logs[3], "rb").read())
+    data[3] ^= 0xFF  # a sealed file's header
+    open(logs[3], "wb").write(data)
+    damage = []
+    scan = Scan(str(tmp_path), reporter=damage.append)
+    seen = [rec.lsn for rec in scan.records()]
+    assert [(d.kind, d.path, d.offset) for d in damage] == [
+        (CORRUPTION, logs[1], F.FILE_HEADER_SIZE), (CORRUPTION, logs[3], 0)]
+    assert "followed by a valid one" in damage[0].reason and "sealed" in damage[1].reason
+    assert seen == sorted(seen) and seen[-1] == 200 and scan.next_lsn == 201
+    assert 150 < len(seen) < 200  # only the damaged group and the unreadable file are missing
+    with pytest.raises(CorruptionError) as info:  # the default reporter stops at the first damage
+        list(Scan(str(tmp_path)))
+    assert info.value.path == logs[1]

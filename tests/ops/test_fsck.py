@@ -149,3 +149,25 @@ def test_newest_file_without_a_header(journal):
     data[3] ^= 0xFF  # a damaged header in front of valid groups is corruption, never cut
     open(last, "wb").write(data)
     assert errors(fsck(journal, repair=True)) == [("corruption", False)]
+
+
+def test_fsck_goes_on_past_damage_to_the_end_of_the_log(journal):
+    """One damaged sealed file does not hide what comes after it: fsck reads on (one log
+    walker with a reporter) and reports the later records and the later damage too."""
+    from kvj.journal.writer import CommitPolicy
+
+    with Journal.open(journal, policy=CommitPolicy(file_size_limit=1500)) as j:
+        for i in range(100):
+            j.alloc("cuda:1", i, 1, durable=i % 10 == 9)
+    logs = list_logs(journal)
+    last_lsn = kvj.replay(journal).last_lsn
+    with open(logs[1], "r+b") as f:
+        f.seek(3)
+        f.write(b"\xff")  # a sealed file's header
+    with open(logs[-2], "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xff\xff")  # the last group of another sealed file
+    result = fsck(journal)
+    damaged = [(f.kind, f.path) for f in result.findings if f.severity == "error"]
+    assert damaged == [("corruption", logs[1]), ("corruption", logs[-2])]
+    assert result.last_lsn == last_lsn and result.exit_code == 4
