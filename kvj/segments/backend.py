@@ -8,14 +8,15 @@ fsync directory (``man/kvj-segment.5``).
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import time
 from abc import ABC, abstractmethod
 from typing import Iterable, Iterator, Optional, Union
 
-from kvj.errors import SegmentMissing
+import numpy as np
+
+from kvj.errors import SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, DurabilityError, makedirs_durable, rename_durable
 from kvj.names import KEY_RE
 
@@ -105,6 +106,20 @@ class StorageBackend(ABC):
     def describe(self, key: str) -> str:
         """A human-readable location for error messages."""
         return key
+
+
+def _read_into(fd: int, out: memoryview, offset: int, path: str) -> None:
+    """Fill ``out`` from ``fd`` at ``offset``; a read error or an early end is ``SegmentCorrupt``."""
+    got = 0
+    while got < len(out):
+        try:
+            n = os.preadv(fd, [out[got:]], offset + got)
+        except OSError as exc:
+            raise SegmentCorrupt(path, offset + got, f"read failed: {exc.strerror or exc}") from None
+        if n == 0:
+            raise SegmentCorrupt(path, offset + got, f"file ended after {offset + got} bytes, "
+                                 f"{offset + len(out)} expected (truncated while being read)")
+        got += n
 
 
 class _LocalUpload(Upload):
@@ -207,28 +222,46 @@ class LocalDirBackend(StorageBackend):
                 pass
         return removed
 
+    def _missing(self, key: str) -> SegmentMissing:
+        return SegmentMissing(f"segment {key} not in store ({self.path(key)})")
+
     def get(self, key: str) -> Buffer:
-        """A read-only memory map of the file (segment files are immutable once renamed)."""
+        """All bytes of the file, read into memory.
+
+        Not memory-mapped: through a map, a media error or a file truncated under the reader
+        is a SIGBUS that kills the process; read, either is a ``SegmentCorrupt`` naming the file.
+        """
+        path = self.path(key)
         try:
-            with open(self.path(key), "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size == 0:
-                    return b""
-                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+            raise self._missing(key) from None
+        try:
+            size = os.fstat(fd).st_size
+            data = memoryview(np.empty(size, np.uint8)) if size else memoryview(b"")
+            _read_into(fd, data, 0, path)
+            return data
+        finally:
+            os.close(fd)
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
+        path = self.path(key)
         try:
-            with open(self.path(key), "rb", buffering=0) as f:
-                return os.pread(f.fileno(), length, offset)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+            raise self._missing(key) from None
+        try:
+            return os.pread(fd, length, offset)
+        except OSError as exc:
+            raise SegmentCorrupt(path, offset, f"read failed: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
 
     def size(self, key: str) -> int:
         try:
             return os.stat(self.path(key)).st_size
         except FileNotFoundError:
-            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+            raise self._missing(key) from None
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self.path(key))
@@ -262,13 +295,13 @@ class LocalDirBackend(StorageBackend):
         try:
             return os.stat(self.path(key)).st_mtime
         except FileNotFoundError:
-            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+            raise self._missing(key) from None
 
     def touch(self, key: str) -> None:
         try:
             os.utime(self.path(key))
         except FileNotFoundError:
-            raise SegmentMissing(f"segment {key} not in store ({self.path(key)})") from None
+            raise self._missing(key) from None
 
     def quarantine(self, key: str) -> str:
         makedirs_durable(self.quarantine_dir, self.fs)

@@ -3,6 +3,9 @@
 import errno
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import msgpack
@@ -12,6 +15,7 @@ import torch
 from kvj.errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, DurabilityError
 from kvj.segments.backend import StorageBackend, Upload
+from kvj.segments.check import verify_segment
 from kvj.segments.store import SegmentStore, check_key
 
 
@@ -362,3 +366,66 @@ def test_a_dedup_hit_restarts_the_grace_period(tmp_path):
     assert store.put(t.clone()).key == key
     assert store.backend.mtime(key) > time.time() - 60
     store.close()
+
+
+TRUNCATE_AFTER_GET = textwrap.dedent("""
+    import os, sys
+    import torch
+    from kvj.segments import format as seg
+    from kvj.segments.store import SegmentStore
+
+    with SegmentStore(sys.argv[1]) as store:
+        x = torch.randn(1 << 20)
+        key = store.put(x, codec="raw").key
+        data = store.backend.get(key)
+        os.truncate(store.backend.path(key), 4096)  # another process cuts the file under the reader
+        _, got = seg.decode_into(data, name=key)
+        assert torch.equal(got, x)
+    print("survived")
+""")
+
+
+def test_a_file_truncated_under_a_reader_is_no_sigbus(tmp_path):
+    """Through a memory map, touching pages past a truncated file's end killed the process."""
+    proc = subprocess.run([sys.executable, "-c", TRUNCATE_AFTER_GET, str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert "survived" in proc.stdout
+
+
+def test_truncation_during_a_read_is_a_clear_error(store, monkeypatch):
+    info = store.put(torch.randn(300_000))
+    path = store.backend.path(info.key)
+    real = os.preadv
+
+    def shrinking(fd, buffers, offset):
+        os.truncate(path, 1000)  # the file shrinks while the reader is in it
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", shrinking)
+    for op in (store.get, store.verify):
+        with pytest.raises(SegmentCorrupt, match="truncated") as exc:
+            op(info.key)
+        assert path in str(exc.value)
+
+
+def test_a_media_error_is_a_clear_error_and_put_writes_a_good_copy(store, monkeypatch):
+    x = torch.randn(300_000)
+    info = store.put(x)
+    real = os.preadv
+    failing = [True]
+
+    def eio(fd, buffers, offset):
+        if failing[0]:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", eio)
+    for op in (store.get, store.verify):
+        with pytest.raises(SegmentCorrupt, match="Input/output error"):
+            op(info.key)
+    assert verify_segment(store, info.key)[0] == "segment-damaged"
+    assert store.put(x) == info  # the unreadable copy is set aside and a good one written
+    failing[0] = False
+    assert torch.equal(store.get(info.key), x)
+    assert len(os.listdir(os.path.join(store.backend.root, "quarantine"))) == 1
