@@ -8,8 +8,10 @@ fsync directory (``man/kvj-segment.5``).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
+import threading
 import time
 from abc import ABC, abstractmethod
 from typing import Iterable, Iterator, Optional, Union
@@ -24,14 +26,14 @@ SEGMENT_SUFFIX = ".kvjseg"
 Buffer = Union[bytes, bytearray, memoryview]
 
 
-def _pid_alive(pid: int) -> bool:
+def _same_file(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    return True
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 class Upload(ABC):
@@ -131,10 +133,18 @@ class _LocalUpload(Upload):
     def __init__(self, backend: "LocalDirBackend"):
         self.backend = backend
         self.fs = backend.fs
-        self.tmp = os.path.join(backend.tmp_dir, f"{os.getpid()}.{secrets.token_hex(6)}.tmp")
-        self.fd: Optional[int] = self.fs.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self.size = 0
         self.unsynced = 0
+        while True:
+            self.tmp = os.path.join(backend.tmp_dir, f"{os.getpid()}.{secrets.token_hex(6)}.tmp")
+            self.fd: Optional[int] = self.fs.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            # The lock says "a live writer owns this file" (across PID namespaces too). A
+            # cleaner that locked and unlinked the file before this lock was taken has taken
+            # the name away: start over with a new one.
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            if _same_file(self.tmp, self.fd):
+                return
+            self.fs.close(self.fd)
 
     def _failed(self, exc: OSError, what: str) -> DurabilityError:
         self.abort()
@@ -158,13 +168,15 @@ class _LocalUpload(Upload):
             self.fs.fsync(self.fd)
         except OSError as exc:
             raise self._failed(exc, "fsyncing") from exc
-        self.fs.close(self.fd)
-        self.fd = None
         final = self.backend.path(key)
         directory = os.path.dirname(final)
-        makedirs_durable(directory, self.fs)
-        self.fs.rename(self.tmp, final)
-        self.fs.fsync_dir(directory)
+        try:
+            makedirs_durable(directory, self.fs)
+            self.fs.rename(self.tmp, final)  # still locked: no cleaner takes it from under us
+            self.fs.fsync_dir(directory)
+        finally:
+            fd, self.fd = self.fd, None
+            self.fs.close(fd)
         return self.size
 
     def abort(self) -> None:
@@ -183,10 +195,11 @@ class _LocalUpload(Upload):
 class LocalDirBackend(StorageBackend):
     """One file per segment under ``root/objects/<k[:2]>/<key>.kvjseg``.
 
-    New files are written in ``root/tmp/<pid>.<random>.tmp``, fsynced, renamed into place and
-    the target directory fsynced. Quarantined files move to
-    ``root/quarantine/<key>.<unix-ns>.kvjseg``. Temp files of dead writers are removed when a
-    backend opens the directory.
+    New files are written in ``root/tmp/<pid>.<random>.tmp`` (flocked by their writer while it
+    writes), fsynced, renamed into place and the target directory fsynced. Quarantined files
+    move to ``root/quarantine/<key>.<unix-ns>.kvjseg``. Opening a backend writes nothing
+    (read-only commands stay read-only); directories are made by the first write, which also
+    removes temp files that no live writer holds.
     """
 
     def __init__(self, root: Union[str, os.PathLike], fs: FS = REAL_FS):
@@ -195,9 +208,8 @@ class LocalDirBackend(StorageBackend):
         self.objects = os.path.join(self.root, "objects")
         self.tmp_dir = os.path.join(self.root, "tmp")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
-        makedirs_durable(self.objects, fs)
-        makedirs_durable(self.tmp_dir, fs)
-        self.clean_temps()
+        self._writing = False
+        self._writing_lock = threading.Lock()
 
     def path(self, key: str) -> str:
         return os.path.join(self.objects, key[:2], key + SEGMENT_SUFFIX)
@@ -206,20 +218,46 @@ class LocalDirBackend(StorageBackend):
         return self.path(key)
 
     def begin(self) -> Upload:
+        with self._writing_lock:
+            if not self._writing:
+                makedirs_durable(self.tmp_dir, self.fs)
+                self.clean_temps()
+                self._writing = True
         return _LocalUpload(self)
 
     def clean_temps(self) -> int:
-        """Remove temp files left by writers that no longer run; returns how many."""
+        """Remove temp files that no writer holds; returns how many.
+
+        A writer holds an flock on its temp file until it renames or removes it, and the kernel
+        drops the lock when the writer dies, so "not locked" means "abandoned" whatever PID
+        namespace the writer ran in (a pid in the name says nothing across containers).
+        """
         removed = 0
-        for name in os.listdir(self.tmp_dir):
-            pid = name.split(".", 1)[0]
-            if not (name.endswith(".tmp") and pid.isdigit()) or _pid_alive(int(pid)):
+        try:
+            names = os.listdir(self.tmp_dir)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            if not name.endswith(".tmp"):
+                continue
+            path = os.path.join(self.tmp_dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
                 continue
             try:
-                self.fs.unlink(os.path.join(self.tmp_dir, name))
-                removed += 1
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)  # a live writer holds it
+                continue
+            try:
+                if _same_file(path, fd):
+                    self.fs.unlink(path)
+                    removed += 1
             except FileNotFoundError:
                 pass
+            finally:
+                os.close(fd)
         return removed
 
     def _missing(self, key: str) -> SegmentMissing:

@@ -149,10 +149,10 @@ def test_durable_ordering_fsync_rename_dirsync(tmp_path, n):
     assert os.path.dirname(tmp) == store.backend.tmp_dir
     i_write = max(i for i, op in enumerate(ops) if op == ("write", tmp))
     i_fsync = ops.index(("fsync", tmp))
-    i_close = ops.index(("close", tmp))
     i_rename = ops.index(("rename", tmp, final))
     i_dir = ops.index(("fsync_dir", os.path.dirname(final)), i_rename)
-    assert i_write < i_fsync < i_close < i_rename < i_dir
+    assert i_write < i_fsync < i_rename < i_dir
+    assert ops.index(("close", tmp)) > i_dir  # the writer's lock on its temp file is held until then
     if n * 4 > 16 << 20:  # big segments are synced as they are written, overlapping compression
         assert ("fdatasync", tmp) in ops[:i_write]
     assert os.listdir(store.backend.tmp_dir) == []
@@ -172,15 +172,72 @@ def test_large_duplicate_is_not_rewritten(tmp_path):
         assert os.listdir(store.backend.tmp_dir) == []
 
 
-def test_dead_writers_temp_files_are_cleaned(tmp_path):
+HOLD_LOCK = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); " \
+            "print('locked', flush=True); sys.stdin.read()"
+
+
+def test_temp_files_no_writer_holds_are_cleaned_by_the_next_writer(tmp_path):
+    """Liveness is the writer's flock on its temp file, not its pid: a writer in another PID
+    namespace (its pid means nothing here) keeps its upload, an abandoned file goes."""
     with SegmentStore(tmp_path) as store:
+        store.put(torch.ones(3))
         tmp_dir = store.backend.tmp_dir
-    dead = os.path.join(tmp_dir, "999999999.abcdef.tmp")
-    live = os.path.join(tmp_dir, f"{os.getpid()}.abcdef.tmp")
-    for p in (dead, live):
+    abandoned = os.path.join(tmp_dir, f"{os.getpid()}.abcdef.tmp")  # a live pid, but nobody holds it
+    other_ns = os.path.join(tmp_dir, "999999999.abcdef.tmp")  # a pid dead here, its writer alive
+    for p in (abandoned, other_ns):
         open(p, "wb").close()
-    with SegmentStore(tmp_path):
-        assert sorted(os.listdir(tmp_dir)) == [os.path.basename(live)]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, other_ns], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with SegmentStore(tmp_path) as store:
+            assert sorted(os.listdir(tmp_dir)) == sorted(os.path.basename(p) for p in (abandoned, other_ns))
+            store.get(next(store.keys()))  # reading cleans nothing
+            assert len(os.listdir(tmp_dir)) == 2
+            store.put(torch.zeros(5))  # the first write cleans
+            assert os.listdir(tmp_dir) == [os.path.basename(other_ns)]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def _tree(root):
+    """Every entry under ``root`` with what a write would change."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.join(dirpath, name)] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+    return out
+
+
+class NoWritesFS(FS):
+    """Fails every mutating call: a read-only mount."""
+
+    def _refuse(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "read-only file system")
+
+    open = write = writev = fsync = fdatasync = ftruncate = rename = unlink = mkdir = fsync_dir = _refuse
+
+
+def test_opening_and_reading_a_store_writes_nothing(tmp_path):
+    root = tmp_path / "s"
+    with SegmentStore(root) as store:
+        info = store.put(torch.randn(3000), layout={"model": "m"})
+    open(os.path.join(root, "tmp", "999999999.abcdef.tmp"), "wb").close()  # a dead writer's upload
+    before = _tree(root)
+    with SegmentStore(root, fs=NoWritesFS()) as store:
+        assert list(store.keys()) == [info.key] and store.exists(info.key)
+        assert store.info(info.key) == info == store.verify(info.key)
+        assert store.get(info.key, expect_layout={"model": "m"}).shape == (3000,)
+    assert _tree(root) == before
+    empty = tmp_path / "empty"
+    os.mkdir(empty)
+    with SegmentStore(empty, fs=NoWritesFS()) as store:
+        assert list(store.keys()) == [] and not store.exists(info.key)
+        with pytest.raises(SegmentMissing):
+            store.get(info.key)
+    assert os.listdir(empty) == []
 
 
 @pytest.mark.parametrize("fail_on", ["fsync", "write"])
