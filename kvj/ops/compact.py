@@ -119,15 +119,18 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
 
     Candidates are listed *before* the journal is replayed for references, so a segment
     stored after the listing is never a candidate, and one stored before it is either
-    older than the grace period or skipped. Each candidate's age is checked again right
-    before it is deleted, so a segment the store touched since the listing survives.
+    older than the grace period or skipped. Each candidate is deleted only if it is still
+    that old, checked and unlinked atomically with respect to a writer's dedup claim
+    (``SegmentStore.delete(older_than=...)``): a segment that a writer in any process has
+    just deduplicated against survives, and one deleted first is written anew by that writer.
     """
     backend = store.backend
+    cutoff = now - grace
     aged: List[Tuple[str, int]] = []
     young: List[str] = []
     for key in store.keys():
         try:
-            if now - backend.mtime(key) >= grace:
+            if backend.mtime(key) <= cutoff:
                 aged.append((key, backend.size(key)))
             else:
                 young.append(key)
@@ -141,15 +144,11 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
     doomed = [(key, size) for key, size in aged if key not in referenced]
     result.segments_kept_young = sum(1 for key in young if key not in referenced)
     for i, (key, size) in enumerate(doomed, 1):
-        try:
-            if now - backend.mtime(key) < grace:
-                result.segments_kept_young += 1
-                continue
-        except SegmentMissing:
-            continue
-        store.delete(key)
-        result.segments_removed.append(key)
-        result.bytes_reclaimed += size
+        if store.delete(key, older_than=cutoff):
+            result.segments_removed.append(key)
+            result.bytes_reclaimed += size
+        elif store.exists(key):
+            result.segments_kept_young += 1
         if progress:
             progress("collecting segments", i, len(doomed))
 

@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
@@ -23,6 +24,8 @@ from kvj.fileio import FS, REAL_FS, DurabilityError, makedirs_durable, rename_du
 from kvj.names import KEY_RE
 
 SEGMENT_SUFFIX = ".kvjseg"
+#: The store's collection lock (see ``LocalDirBackend._collection_lock``).
+GC_LOCK = "gc.lock"
 Buffer = Union[bytes, bytearray, memoryview]
 
 
@@ -88,8 +91,13 @@ class StorageBackend(ABC):
     def exists(self, key: str) -> bool: ...
 
     @abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove ``key`` durably (no error when absent)."""
+    def delete(self, key: str, older_than: Optional[float] = None) -> bool:
+        """Remove ``key`` durably; True when it was removed (False when absent).
+
+        With ``older_than`` (a Unix time) only if ``key`` was neither stored nor touched after
+        it, atomically with respect to :meth:`touch` in any process: garbage collection uses
+        this, so a segment that a writer's dedup has just claimed is never removed.
+        """
 
     @abstractmethod
     def keys(self) -> Iterator[str]: ...
@@ -98,8 +106,9 @@ class StorageBackend(ABC):
     def mtime(self, key: str) -> float: ...
 
     @abstractmethod
-    def touch(self, key: str) -> None:
-        """Set ``key``'s mtime to now: a dedup hit restarts compaction's grace period."""
+    def touch(self, key: str) -> bool:
+        """Mark ``key`` as used now (a dedup hit restarts collection's grace period); False
+        when it is gone. Atomic with respect to :meth:`delete` with ``older_than``."""
 
     @abstractmethod
     def quarantine(self, key: str) -> str:
@@ -304,13 +313,32 @@ class LocalDirBackend(StorageBackend):
     def exists(self, key: str) -> bool:
         return os.path.isfile(self.path(key))
 
-    def delete(self, key: str) -> None:
-        path = self.path(key)
+    @contextmanager
+    def _collection_lock(self, exclusive: bool) -> Iterator[None]:
+        """``flock`` on ``root/gc.lock``: shared for a dedup hit's touch, exclusive for a
+        collector's age check and unlink, so neither can fall between the other's steps.
+        Each use opens its own descriptor, so threads and stores in one process exclude
+        each other as processes do."""
+        fd = os.open(os.path.join(self.root, GC_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            self.fs.unlink(path)
-        except FileNotFoundError:
-            return
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def delete(self, key: str, older_than: Optional[float] = None) -> bool:
+        path = self.path(key)
+        if not os.path.lexists(path):
+            return False
+        with self._collection_lock(exclusive=True):
+            try:
+                if older_than is not None and os.stat(path).st_mtime > older_than:
+                    return False
+                self.fs.unlink(path)
+            except FileNotFoundError:
+                return False
         self.fs.fsync_dir(os.path.dirname(path))
+        return True
 
     def keys(self) -> Iterator[str]:
         try:
@@ -335,11 +363,16 @@ class LocalDirBackend(StorageBackend):
         except FileNotFoundError:
             raise self._missing(key) from None
 
-    def touch(self, key: str) -> None:
-        try:
-            os.utime(self.path(key))
-        except FileNotFoundError:
-            raise self._missing(key) from None
+    def touch(self, key: str) -> bool:
+        path = self.path(key)
+        if not os.path.lexists(path):
+            return False
+        with self._collection_lock(exclusive=False):
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                return False
+        return True
 
     def quarantine(self, key: str) -> str:
         makedirs_durable(self.quarantine_dir, self.fs)

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt
+from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, DurabilityError
 from kvj.names import check_key
 from kvj.segments import format as seg
@@ -96,6 +96,8 @@ class SegmentStore:
                                        thread_name_prefix="kvj-chunk")
         self._locks = [threading.Lock() for _ in range(64)]
         self._failed: Optional[BaseException] = None
+        #: Puts answered by a stored copy (nothing written).
+        self.dedup_hits = 0
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -174,18 +176,31 @@ class SegmentStore:
         return info
 
     def _existing(self, key: str) -> Optional[SegmentInfo]:
-        """The stored copy of ``key`` if it checks out; a damaged copy is quarantined."""
+        """The stored copy of ``key`` if it checks out, claimed against collection; else None.
+
+        A damaged copy is quarantined. A copy that garbage collection removes at any point
+        before the claim (``touch``) is simply gone: the caller writes the segment anew.
+        Once claimed, the copy is young, and a collector's ``delete(older_than=...)`` keeps
+        it (the two exclude each other across processes).
+        """
         if not self.backend.exists(key):
             return None
         try:
             header = seg.check_stored(self.backend.get(key), self.backend.describe(key))
-            if header.digest.hex() == key:
-                self.backend.touch(key)
-                return SegmentInfo.from_header(header)
+            if header.digest.hex() != key:
+                raise SegmentCorrupt(self.backend.describe(key), None, "header digest does not match the key")
+        except SegmentMissing:
+            return None
         except (SegmentCorrupt, FormatError):
-            pass
-        self.backend.quarantine(key)
-        return None
+            try:
+                self.backend.quarantine(key)
+            except SegmentMissing:
+                pass
+            return None
+        if not self.backend.touch(key):
+            return None
+        self.dedup_hits += 1
+        return SegmentInfo.from_header(header)
 
     def _write(self, enc: seg.EncodedSegment, waited: List[float]) -> Upload:
         try:
@@ -270,8 +285,10 @@ class SegmentStore:
     def keys(self) -> Iterator[str]:
         return self.backend.keys()
 
-    def delete(self, key: str) -> None:
-        self.backend.delete(check_key(key))
+    def delete(self, key: str, older_than: Optional[float] = None) -> bool:
+        """Remove a segment; with ``older_than``, only if no put stored or deduplicated it since
+        (see ``StorageBackend.delete``). True when it was removed."""
+        return self.backend.delete(check_key(key), older_than)
 
     def quarantine(self, key: str) -> str:
         """Move a (damaged) segment aside; later gets see it as missing."""

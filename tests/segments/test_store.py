@@ -372,8 +372,8 @@ class DictBackend(StorageBackend):
     def exists(self, key):
         return key in self.objects
 
-    def delete(self, key):
-        self.objects.pop(key, None)
+    def delete(self, key, older_than=None):
+        return self.objects.pop(key, None) is not None
 
     def keys(self):
         return iter(sorted(self.objects))
@@ -382,7 +382,7 @@ class DictBackend(StorageBackend):
         return 0.0
 
     def touch(self, key):
-        self._obj(key)
+        return key in self.objects
 
     def quarantine(self, key):
         self.quarantined[key] = self.objects.pop(key)
