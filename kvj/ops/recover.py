@@ -270,6 +270,7 @@ def load_manifest(manifest: Dict[str, Any], store: Any, device: str, *, workers:
     """
     import torch
 
+    from kvj.segments import device as cuda
     from kvj.segments.restore import load
     from kvj.segments.staging import StagingPool
 
@@ -279,6 +280,7 @@ def load_manifest(manifest: Dict[str, Any], store: Any, device: str, *, workers:
         raise FormatError(f"bad device {device!r}: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise KvjError(f"cannot load onto {device}: CUDA is not available on this machine")
+    dev = cuda.CUDA.resolve(dev)  # here, in the caller's thread: a bare "cuda" is its current device
     keys = manifest_keys(manifest)
     failed: List[Dict[str, str]] = []
     nbytes = 0

@@ -16,12 +16,14 @@ of a request into ``new_block_ids[i]`` of the new cache, whatever ids it had bef
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from kvj.errors import LayoutMismatch
+from kvj.segments import device as cuda
 from kvj.segments.format import dtype_name
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore, layouts_match
@@ -76,31 +78,53 @@ def gather_block(kv_caches: Sequence[torch.Tensor], block_id: int) -> torch.Tens
     return torch.stack([c[block_id] for c in kv_caches])
 
 
+#: Pinned staging shared by every ``load`` not given its own (pinned memory is costly to
+#: allocate, so it is made once per process and reused; bounded like any StagingPool).
+DEFAULT_STAGING_BYTES = 256 << 20
+_default_staging: Optional[StagingPool] = None
+_default_staging_lock = threading.Lock()
+
+
+def default_staging() -> StagingPool:
+    """The process-wide pinned staging pool ``load`` uses when none is given."""
+    global _default_staging
+    with _default_staging_lock:
+        if _default_staging is None:
+            _default_staging = StagingPool(DEFAULT_STAGING_BYTES, pinned=True)
+        return _default_staging
+
+
 def load(store: SegmentStore, key: str, device: Device = "cpu",
          expect_layout: Optional[Dict[str, Any]] = None,
          staging: Optional[StagingPool] = None) -> torch.Tensor:
-    """One segment on ``device``: decoded in parallel chunks; via pinned staging for CUDA."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return store.get(key, expect_layout=expect_layout)
+    """One segment on ``device``: decoded in parallel chunks; via pinned staging for CUDA.
+
+    The host waits only for this segment's copy (an event after it), never for the caller's
+    stream; the staging buffer is reused once that copy is done. A bare ``"cuda"`` is the
+    calling thread's current device.
+    """
+    target = cuda.CUDA.resolve(device)
+    if target.type != "cuda":
+        return store.get(key, target, expect_layout=expect_layout)
     info = store.info(key)
-    pool = staging or StagingPool(info.raw_size, pinned=True)
+    pool = staging or default_staging()
     buf = pool.acquire(info.raw_size, pinned=True)
     try:
-        host = store.get(key, expect_layout=expect_layout, out=buf)
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        out.copy_(host, non_blocking=True)
-        torch.cuda.current_stream(device).synchronize()
-        return out
+        return store.get(key, target, expect_layout=expect_layout, out=buf)
     finally:
-        pool.release(buf)
+        pool.release(buf)  # get returns (or raises) only once no copy reads the buffer
 
 
 def load_many(store: SegmentStore, keys: Sequence[str], device: Device = "cpu",
               expect_layout: Optional[Dict[str, Any]] = None, workers: Optional[int] = None) -> List[torch.Tensor]:
-    """Several segments, decoded concurrently (small segments are one chunk each)."""
+    """Several segments, decoded concurrently (small segments are one chunk each).
+
+    ``device`` is resolved here, in the caller's thread: a bare ``"cuda"`` means the caller's
+    current device, not the worker threads' default (device 0).
+    """
+    target = cuda.CUDA.resolve(device)
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        return list(pool.map(lambda k: load(store, k, device, expect_layout), keys))
+        return list(pool.map(lambda k: load(store, k, target, expect_layout), keys))
 
 
 def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[torch.Tensor],
@@ -130,10 +154,10 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
                 or info.dtype != expected["dtype"]:
             raise LayoutMismatch(f"segment {key} (layout {info.layout}, shape {list(info.shape)}) "
                                  f"does not fit this cache ({expected})")
-    is_cuda = first.device.type == "cuda"
+    is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
     total = block_bytes * len(keys)
-    pool = staging or StagingPool(total, pinned=is_cuda)
+    pool = staging or (default_staging() if is_cuda else StagingPool(total))
     buf = pool.acquire(total, pinned=is_cuda)
     try:
         def one(i: int) -> None:
@@ -144,16 +168,36 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
         index = torch.tensor(ids, dtype=torch.long)
         if is_cuda:
-            stream = torch.cuda.Stream(device=first.device)
-            stream.wait_stream(torch.cuda.current_stream(first.device))
-            with torch.cuda.stream(stream):
-                blocks = host.to(first.device, non_blocking=True)
-                index = index.to(first.device, non_blocking=True)
-                for layer, cache in enumerate(kv_caches):
-                    cache.index_copy_(0, index, blocks[:, layer])
-            torch.cuda.current_stream(first.device).wait_stream(stream)
-            stream.synchronize()
+            _scatter_device(kv_caches, host, index)
         else:
             _scatter_cpu(kv_caches, host, index)
     finally:
-        pool.release(buf)
+        pool.release(buf)  # _scatter_device returns (or raises) only once its copy is done
+
+
+def _scatter_device(kv_caches: Sequence[torch.Tensor], host: torch.Tensor, index: torch.Tensor) -> None:
+    """``cache[index[i]] = host[i, layer]`` on the GPU: one copy of the pinned blocks, then one
+    ``index_copy_`` per layer, on kvj's h2d stream after the caller's queued work (which may
+    still read the old slots). Returns once the copy is done (an event, not the whole stream);
+    the caller's stream waits for the scatter on the GPU."""
+    cu = cuda.CUDA
+    dev = cu.device_of(kv_caches[0])
+    side = cu.side_stream(dev, "h2d")
+    current = cu.current_stream(dev)
+    cu.gpu_wait_stream(side, current)
+    with cu.use(side):
+        try:
+            blocks = cu.empty(tuple(host.shape), host.dtype, dev)
+            cu.copy(blocks, host)
+            dev_index = cu.empty(tuple(index.shape), index.dtype, dev)
+            cu.copy(dev_index, index)
+            for layer, cache in enumerate(kv_caches):
+                cache.index_copy_(0, dev_index, blocks[:, layer])
+            done = cu.record(side)
+        except BaseException:
+            cu.settle(side)
+            raise
+    for cache in kv_caches:
+        cu.keep_alive(cache, side)
+    cu.gpu_wait(current, done)
+    cu.finish(done, side)

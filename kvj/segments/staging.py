@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
+
+from kvj.segments import device
 
 
 class StagingPool:
@@ -22,7 +24,9 @@ class StagingPool:
         self.pinned = pinned
         self._cond = threading.Condition()
         self._in_use = 0
-        self._cached: Dict[int, List[torch.Tensor]] = {}
+        #: Free buffers by (size class, pinned): a pageable request never takes (and drops) a
+        #: pinned buffer, so mixed CPU and CUDA flushes do not thrash pinned allocations.
+        self._cached: Dict[Tuple[int, bool], List[torch.Tensor]] = {}
         self._cached_bytes = 0
         self.peak_in_use = 0
 
@@ -42,33 +46,34 @@ class StagingPool:
                 self._cond.wait()
             self._in_use += size
             self.peak_in_use = max(self.peak_in_use, self._in_use)
-            free = self._cached.get(size)
+            free = self._cached.get((size, pinned))
             if free:
                 self._cached_bytes -= size
-                buf = free.pop()
-                if buf.is_pinned() == pinned:
-                    return buf
+                return free.pop()
             while self._cached_bytes and self._cached_bytes + self._in_use > self.capacity:
                 self._evict_one()
         try:
-            return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            return device.CUDA.pinned(size) if pinned else torch.empty(size, dtype=torch.uint8)
         except BaseException:
             self.release_size(size)
             raise
 
     def _evict_one(self) -> None:
-        for cls, bufs in self._cached.items():
+        for (cls, _pinned), bufs in self._cached.items():
             if bufs:
                 bufs.pop()
                 self._cached_bytes -= cls
                 return
 
-    def release(self, buf: torch.Tensor) -> None:
+    def release(self, buf: torch.Tensor, reuse: bool = True) -> None:
+        """Return ``buf``; ``reuse=False`` when a copy may still touch it (it is never handed
+        out again, only its bytes stop counting)."""
         size = buf.numel()
+        pinned = device.CUDA.is_pinned(buf)
         with self._cond:
             self._in_use -= size
-            if self._cached_bytes + self._in_use + size <= self.capacity:
-                self._cached.setdefault(size, []).append(buf)
+            if reuse and self._cached_bytes + self._in_use + size <= self.capacity:
+                self._cached.setdefault((size, pinned), []).append(buf)
                 self._cached_bytes += size
             self._cond.notify_all()
 

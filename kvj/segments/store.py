@@ -21,6 +21,7 @@ import torch
 from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, DurabilityError
 from kvj.names import check_key
+from kvj.segments import device as cuda
 from kvj.segments import format as seg
 from kvj.segments.backend import Buffer, LocalDirBackend, StorageBackend, Upload
 from kvj.segments.codecs import Backpressure, Codec
@@ -252,7 +253,9 @@ class SegmentStore:
         """Read, verify (every chunk CRC and the digest) and return the tensor on ``device``.
 
         ``expect_layout``, when given, must equal the segment's layout (LayoutMismatch
-        otherwise). ``out`` is an optional uint8 CPU staging buffer (e.g. pinned).
+        otherwise). ``out`` is an optional uint8 CPU staging buffer (e.g. pinned) the data is
+        decoded into; for a CUDA ``device`` this returns only once the copy from ``out`` is
+        done, so the caller may reuse ``out`` at once. A bare ``"cuda"`` is the current device.
         """
         check_key(key)
         name = self.backend.describe(key)
@@ -264,10 +267,14 @@ class SegmentStore:
         header, tensor = seg.decode_into(data, out, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
-        device = torch.device(device)
-        if device.type == "cpu":
+        target = cuda.CUDA.resolve(device)
+        if target.type == "cpu":
             return tensor
-        return tensor.to(device, non_blocking=tensor.is_pinned())
+        if target.type != "cuda":
+            return tensor.to(target)
+        on_device, copied = cuda.CUDA.upload(tensor, target)
+        cuda.CUDA.finish(copied, cuda.CUDA.side_stream(target, "h2d"))
+        return on_device
 
     def verify(self, key: str) -> SegmentInfo:
         """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
