@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from kvj.segments.device import CUDA  # noqa: E402
 from kvj.segments.flusher import Flusher  # noqa: E402
 from kvj.segments.restore import gather_block, load, paged_layout, restore_paged  # noqa: E402
 from kvj.segments.staging import StagingPool
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         probe = fl.staging.acquire(block_bytes, pinned=True)
         _check(probe.is_pinned(), "staging buffers are pinned")
         fl.staging.release(probe)
-        _check(len(fl._streams) == 1, "copies ran on one side stream")
+        _check([k for k in CUDA._streams if k[1] == "d2h"] == [(dev, "d2h")], "copies ran on one side stream")
         ok = all(torch.equal(store.get(i.key), expected[b]) for i, b in zip(infos, old_ids))
         _check(ok, "flushed blocks equal the GPU data at submit time (later overwrite not seen)")
         fl.close()

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from kvj.segments import device
 from kvj.segments.codecs import Backpressure, Codec
 from kvj.segments.format import dtype_name
 from kvj.segments.staging import StagingPool
@@ -46,7 +47,6 @@ class Flusher:
         self._futures: "set[Future[SegmentInfo]]" = set()
         self._error: Optional[BaseException] = None
         self._closed = False
-        self._streams: Dict[torch.device, Any] = {}
 
     # ------------------------------------------------------------------ submit side
 
@@ -64,12 +64,12 @@ class Flusher:
                 raise self._error
         dtype_name(tensor.dtype)
         nbytes = tensor.numel() * tensor.element_size()
-        is_cuda = tensor.device.type == "cuda"
+        is_cuda = device.CUDA.is_device_tensor(tensor)
         buf = self.staging.acquire(nbytes, pinned=is_cuda)
         try:
             event = self._copy_in(tensor, buf[:nbytes], is_cuda)
         except BaseException:
-            self.staging.release(buf)
+            self.staging.release(buf)  # a failed download has settled its stream first
             raise
         with self._lock:
             self._pending += 1
@@ -89,27 +89,11 @@ class Flusher:
         """Copy ``tensor``'s bytes into ``dest``; for CUDA on a side stream, returning its event."""
         if tensor.numel() == 0:
             return None
+        view = dest.view(tensor.dtype).view(tensor.shape)
         if not is_cuda:
-            dest.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())  # one strided pass
+            view.copy_(tensor.detach())  # one strided pass
             return None
-        stream = self._side_stream(tensor.device)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            dest.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        tensor.record_stream(stream)
-        # Later work on the caller's stream (e.g. overwriting this block) waits for the copy,
-        # on the GPU, without blocking the host.
-        torch.cuda.current_stream(tensor.device).wait_event(event)
-        return event
-
-    def _side_stream(self, device: torch.device) -> Any:
-        with self._lock:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device=device)
-            return stream
+        return device.CUDA.download(tensor.detach(), view)
 
     def _update_pressure(self) -> None:
         """Step the codec down only when the queue backs up *and* compression is the bottleneck.
@@ -141,9 +125,11 @@ class Flusher:
               meta: Tuple[torch.dtype, Tuple[int, ...], Optional[Dict[str, Any]], Union[str, Codec]],
               on_durable: Optional[OnDurable]) -> SegmentInfo:
         dtype, shape, layout, codec = meta
+        landed = event is None
         try:
             if event is not None:
-                event.synchronize()
+                device.CUDA.wait(event)
+                landed = True
             raw = memoryview(buf[:nbytes].numpy()).cast("B") if nbytes else memoryview(b"")
             timings: Dict[str, float] = {}
             info = self.store.put_bytes(raw, dtype=dtype, shape=shape, layout=layout,
@@ -159,7 +145,7 @@ class Flusher:
                     self._error = exc
             raise
         finally:
-            self.staging.release(buf)
+            self.staging.release(buf, reuse=landed)  # a copy that may still run keeps its buffer
             with self._lock:
                 self._pending -= 1
                 self._update_pressure()

@@ -14,6 +14,7 @@ import torch
 from support.fakecuda import POISON, FakeCuda, any_in_flight
 
 from kvj.segments import device
+from kvj.segments.flusher import Flusher
 from kvj.segments.restore import gather_block, load, load_many, paged_layout, restore_paged
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore
@@ -82,6 +83,49 @@ def test_an_error_after_the_copy_never_frees_a_buffer_still_in_flight(fake, stor
         load(store, key, "cuda:0", staging=pool)
     assert pool.in_use == 0 and not any_in_flight(fake, pool)
     assert torch.equal(load(store, key, "cuda:0", staging=pool), store.get(key))
+
+
+def _device_blocks(fake, n, index=0):
+    return [fake.adopt(torch.randn(2, 16, 2, 8).to(torch.bfloat16), index) for _ in range(n)]
+
+
+def test_flush_from_cuda_reads_the_staging_buffer_only_after_its_copy(fake, store):
+    blocks = _device_blocks(fake, 6)
+    expected = [b.clone() for b in blocks]
+    with Flusher(store, workers=2, staging_bytes=1 << 20) as fl:
+        futures = [fl.submit(b, {"model": "m"}) for b in blocks]
+        for b in blocks:
+            b.fill_(float("nan"))  # the caller overwrites its blocks at once
+        infos = [f.result(timeout=60) for f in futures]
+    for info, want in zip(infos, expected):
+        got = store.get(info.key)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # not poison, not NaN
+        assert not (got.view(torch.uint8) == POISON).all()
+    assert all(e.blocking for e in fake.events) and fake.stream_waits == 0
+    assert {op.stream.name for op in fake.copies} == {"d2h"}
+
+
+def test_a_failed_copy_event_in_the_flusher_frees_no_buffer_in_flight(fake, store):
+    fl = Flusher(store, workers=1, staging_bytes=1 << 20)
+    fake.fail_next = "record"
+    with pytest.raises(RuntimeError, match="injected"):
+        fl.submit(_device_blocks(fake, 1)[0])
+    assert fl.staging.in_use == 0 and not any_in_flight(fake, fl.staging)
+    fake.fail_next = "wait"
+    with pytest.raises(RuntimeError, match="injected"):
+        fl.submit(_device_blocks(fake, 1)[0]).result(timeout=60)
+    assert fl.staging.in_use == 0 and not any_in_flight(fake, fl.staging)
+    fl.close()
+
+
+def test_mixed_cpu_and_cuda_flushes_reuse_their_staging(fake, store):
+    with Flusher(store, workers=1, staging_bytes=1 << 20) as fl:
+        for i in range(8):
+            t = torch.randn(2, 16, 2, 8).to(torch.bfloat16)
+            if i % 2:
+                fake.adopt(t)
+            fl.submit(t).result(timeout=60)
+    assert fake.pinned_allocs == 1
 
 
 def test_staging_pool_keeps_pinned_and_pageable_buffers_apart(fake):
