@@ -3,12 +3,14 @@
 from kvj.errors import (
                         CorruptionError,
                         FormatError,
+                        InvalidArgument,
                         InvalidName,
                         JournalClosed,
                         JournalFailed,
                         JournalLocked,
                         KvjError,
                         LayoutMismatch,
+                        NotFound,
                         SegmentCorrupt,
                         SegmentMissing,
 )
@@ -21,7 +23,7 @@ from kvj.journal.writer import CommitPolicy
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommitPolicy", "CorruptionError", "FormatError", "InvalidName", "Journal", "JournalClosed", "JournalFailed",
-    "JournalLocked", "JournalState", "KvjError", "LayoutMismatch", "RecordType", "RequestState", "SegmentCorrupt",
+    "CommitPolicy", "CorruptionError", "FormatError", "InvalidArgument", "InvalidName", "Journal", "JournalClosed", "JournalFailed",
+    "JournalLocked", "JournalState", "KvjError", "LayoutMismatch", "NotFound", "RecordType", "RequestState", "SegmentCorrupt",
     "SegmentMissing", "SegmentRef", "replay", "__version__",
 ]

@@ -10,6 +10,15 @@ class KvjError(Exception):
     """Base class for every error kvj reports on purpose."""
 
 
+class InvalidArgument(KvjError, ValueError):
+    """A caller passed an argument kvj cannot use (a bad device, an inconsistent option);
+    nothing was written. A ``ValueError`` too, for callers that catch that."""
+
+
+class NotFound(KvjError):
+    """A journal, store or input the caller named does not exist, or holds nothing kvj wrote."""
+
+
 class FormatError(KvjError):
     """Input is not in a format kvj understands (bad magic, unsupported version, bad field)."""
 

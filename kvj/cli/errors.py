@@ -16,11 +16,13 @@ from typing import Dict, Optional, Tuple
 from kvj.errors import (
     CorruptionError,
     FormatError,
+    InvalidArgument,
     InvalidName,
     JournalFailed,
     JournalLocked,
     KvjError,
     LayoutMismatch,
+    NotFound,
     SegmentMissing,
 )
 
@@ -74,8 +76,10 @@ def classify(exc: BaseException) -> Tuple[int, str]:
         return IOERR, str(exc)
     if isinstance(exc, (CorruptionError, LayoutMismatch, SegmentMissing)):
         return DATAERR, str(exc)
-    if isinstance(exc, InvalidName):
+    if isinstance(exc, (InvalidName, InvalidArgument)):
         return USAGE, str(exc)
+    if isinstance(exc, NotFound):
+        return NOINPUT, str(exc)
     if isinstance(exc, FormatError):
         return DATAERR, str(exc)
     if isinstance(exc, KvjError):

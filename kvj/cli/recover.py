@@ -12,7 +12,7 @@ from rich.text import Text
 from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, progress, store_path
 from kvj.cli.errors import FAILURE
 from kvj.ops.inspection import human_size
-from kvj.ops.recover import RecoveryResult, load_manifest
+from kvj.ops.recover import RecoveryResult, check_device, load_manifest
 from kvj.ops.recover import recover as recover_journal
 
 DeviceOpt = typer.Option("--device", metavar="DEVICE",
@@ -36,7 +36,12 @@ def recover(journal: JournalArg = None,
     segment is missing or damaged falls back to its newest good one, and the manifest
     says so. Then it appends a recovery-epoch record naming the manifest, so a restarted
     server knows exactly what to load. Reads legacy JSON-lines journals too (no epoch
-    record is written into those). Exit status 1 when --device could not load everything.
+    record is written into those).
+
+    Arguments that cannot work are refused before anything is written: a --device that
+    cannot be used here is status 64, a missing or empty store while the journal needs
+    segments (a mistyped --store or KVJ_STORE) is status 66. Exit status 1 when --device
+    could not load everything.
     """
     path = journal_path(journal)
     _run(path, store_path(path, store), device, dry_run, as_json)
@@ -61,6 +66,8 @@ def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="
 
 
 def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: bool) -> None:
+    if device is not None:
+        check_device(device)  # before anything is written: a device that cannot work is a usage error
     with progress() as update:
         result = recover_journal(path, store, dry_run=dry_run, progress=update)
         if device is not None:

@@ -25,15 +25,18 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from kvj.errors import FormatError, KvjError, SegmentMissing
+from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
 from kvj.journal.replay import _legacy_file, is_legacy, replay
 from kvj.journal.state import JournalState, RequestState, SegmentRef
 from kvj.segments.check import Problem, opened_store, verify_many
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST_VERSION = 1
 MANIFEST_RE = re.compile(r"^manifest-(\d+)\.json$")
@@ -207,6 +210,8 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, fs: FS = REA
         store_root = os.path.abspath(os.fspath(store))
     else:
         store_root = getattr(getattr(store, "backend", None), "root", None)
+    if not legacy:
+        _require_store(path, store, store_root)
     if dry_run or legacy:
         return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress)
     compactor = DirLock(path, COMPACT_LOCK, "compactor").acquire()
@@ -215,6 +220,20 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, fs: FS = REA
             return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress)
     finally:
         compactor.release()
+
+
+def _require_store(path: str, store: Any, store_root: Optional[str]) -> None:
+    """Refuse (``NotFound``, before anything is written) a missing or empty store when the
+    journal needs segments: a mistyped ``--store`` or ``KVJ_STORE`` must not turn into a
+    manifest in which every request resumes at token 0."""
+    with opened_store(store, store_root or "") as seg_store:
+        if seg_store is not None and next(iter(seg_store.keys()), None) is not None:
+            return
+    needed = {key for key, _digest in _needed(replay(path))}
+    if needed:
+        state = "holds no segments" if seg_store is not None else "does not exist"
+        raise NotFound(f"segment store {store_root} {state}, but the journal needs {len(needed)} segments: "
+                       "wrong --store or KVJ_STORE? Nothing was changed")
 
 
 def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str, legacy: bool, dry_run: bool,
@@ -260,6 +279,23 @@ def manifest_keys(manifest: Dict[str, Any]) -> List[str]:
     return list(dict.fromkeys(keys))
 
 
+def check_device(device: str) -> "torch.device":
+    """The device ``device`` names, if tensors can be placed on it here; else ``InvalidArgument``.
+
+    Called before recovery writes anything, so a device that cannot work (``bogus``,
+    ``cuda:0`` without CUDA, ``cuda:7`` on a 1-GPU machine) changes nothing.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+        torch.empty(0, device=dev)
+    except (RuntimeError, TypeError, ValueError, AssertionError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise InvalidArgument(f"cannot load onto device {device!r}: {reason}") from None
+    return dev
+
+
 def load_manifest(manifest: Dict[str, Any], store: Any, device: str, *, workers: Optional[int] = None,
                   progress: Optional[Progress] = None) -> Dict[str, Any]:
     """Load every segment the manifest plans onto ``device``; returns counts, bytes, seconds, GB/s.
@@ -274,12 +310,7 @@ def load_manifest(manifest: Dict[str, Any], store: Any, device: str, *, workers:
     from kvj.segments.restore import load
     from kvj.segments.staging import StagingPool
 
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise FormatError(f"bad device {device!r}: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise KvjError(f"cannot load onto {device}: CUDA is not available on this machine")
+    dev = check_device(device)
     dev = cuda.CUDA.resolve(dev)  # here, in the caller's thread: a bare "cuda" is its current device
     keys = manifest_keys(manifest)
     failed: List[Dict[str, str]] = []

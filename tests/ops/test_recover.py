@@ -190,12 +190,3 @@ def test_load_reports_segments_that_fail_after_planning(tmp_path):
     load = load_manifest(manifest, os.path.join(j, "segments"), "cpu")
     assert load["segments"] == 1 and [f["key"] for f in load["failed"]] == [keys["req-0"][1]]
     assert load["bytes"] == block(0, 0).nbytes and load["gb_per_s"] > 0
-
-
-def test_cuda_device_without_cuda_is_a_clear_error(tmp_path, capsys):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    j = str(tmp_path / "j")
-    build(j, requests=1, blocks=1, training=False)
-    status, _, err = run_cli(capsys, "recover", "-j", j, "--dry-run", "--device", "cuda:0")
-    assert status == 1 and err.count("\n") == 1 and "CUDA is not available" in err

@@ -50,6 +50,29 @@ def assert_fails(proc: subprocess.CompletedProcess, status: int, *needles: str, 
     return lines[0]
 
 
+def tree(path: object) -> Dict[str, object]:
+    """Every entry under ``path`` with its type, mode, size, mtime and content digest: equal
+    before and after a command exactly when the command wrote nothing there."""
+    import hashlib
+    import stat
+
+    found: Dict[str, object] = {}
+    root = os.fspath(path)  # type: ignore[call-overload]
+    if not os.path.lexists(root):
+        return found
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            digest = None
+            if stat.S_ISREG(st.st_mode):
+                with open(full, "rb") as f:
+                    digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+            found[os.path.relpath(full, root)] = (stat.S_IFMT(st.st_mode), st.st_mode, st.st_size, st.st_mtime_ns,
+                                                  digest)
+    return found
+
+
 def block(request: int, index: int) -> torch.Tensor:
     """A small, deterministic KV block ([2, 16 tokens, 2 heads, 8 dims], bf16)."""
     g = torch.Generator().manual_seed(request * 1000 + index)

@@ -1,0 +1,73 @@
+"""kvj recover (and journal_replay) through the real entry point: arguments that cannot work are
+refused before anything is written; what recovery prints and records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.cli_helpers import JOURNAL_REPLAY, append_torn_tail, assert_fails, build, kvj, tree
+
+USAGE, NOINPUT = 64, 66
+
+
+@pytest.fixture
+def torn_journal(tmp_path):
+    """A journal whose in-flight requests need segments, with a torn tail recovery would cut."""
+    path = tmp_path / "j"
+    build(str(path))
+    append_torn_tail(str(path))
+    return path
+
+
+@pytest.mark.parametrize("how", ["--store", "KVJ_STORE", "journal_replay", "dry-run", "empty dir"])
+def test_a_missing_or_empty_store_is_refused_before_anything_is_written(tmp_path, torn_journal, how):
+    wrong = tmp_path / "segmnets"
+    if how == "empty dir":
+        wrong.mkdir()
+    before = tree(torn_journal)
+    if how == "KVJ_STORE":
+        proc = kvj("recover", "-j", torn_journal, extra_env={"KVJ_STORE": str(wrong)})
+    elif how == "journal_replay":
+        proc = kvj("--log", torn_journal, "--kv-store", wrong, "--recover", prog=JOURNAL_REPLAY)
+    elif how == "dry-run":
+        proc = kvj("recover", "-j", torn_journal, "--store", wrong, "--dry-run")
+    else:
+        proc = kvj("recover", "-j", torn_journal, "--store", wrong)
+    prog = "journal_replay" if how == "journal_replay" else "kvj"
+    assert_fails(proc, NOINPUT, str(wrong), "needs 9 segments", prog=prog)
+    assert tree(torn_journal) == before  # no cut tail, no manifest, no epoch record, no new log file
+    if how != "empty dir":
+        assert not wrong.exists()
+
+
+def test_a_journal_that_needs_no_segments_recovers_without_a_store(tmp_path):
+    from kvj.journal.journal import Journal
+
+    path = tmp_path / "j"
+    with Journal.open(path) as j:
+        j.start("req-1", tokens=[1, 2, 3])
+    proc = kvj("recover", "-j", path)
+    assert proc.returncode == 0, proc.stderr
+    assert "requests to resume: 1" in proc.stdout
+
+
+def _unusable_cuda() -> str:
+    return f"cuda:{torch.cuda.device_count()}"  # one past the last GPU; cuda:0 when there is none
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:x", _unusable_cuda()])
+@pytest.mark.parametrize("dry_run", [False, True], ids=["recover", "dry-run"])
+def test_an_unusable_device_is_a_usage_error_and_writes_nothing(torn_journal, device, dry_run):
+    before = tree(torn_journal)
+    proc = kvj("recover", "-j", torn_journal, "--device", device, *(["--dry-run"] if dry_run else []))
+    assert_fails(proc, USAGE, f"cannot load onto device {device!r}")
+    assert tree(torn_journal) == before
+    proc = kvj("--log", torn_journal, "--device", device, "--recover", prog=JOURNAL_REPLAY)
+    assert_fails(proc, USAGE, "cannot load onto device", prog="journal_replay")
+    assert tree(torn_journal) == before
+
+
+def test_a_usable_device_still_recovers_and_loads(torn_journal):
+    proc = kvj("recover", "-j", torn_journal, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded 9 segments" in proc.stdout and "onto cpu" in proc.stdout
