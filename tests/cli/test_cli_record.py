@@ -154,7 +154,8 @@ def test_flush_files_as_request_segments(tmp_path, capsys, fmt):
             assert torch.equal(store.get(row["key"]), b)
             assert store.info(row["key"]).layout == {"model": "tiny"}
     # numbering continues after the last segment; --tokens takes exactly one tensor
-    status, out, err = run_cli(capsys, "flush", files[0], "-j", j, "-r", "r", "--tokens", "48:64", "--json")
+    status, out, err = run_cli(capsys, "flush", files[0], "-j", j, "-r", "r", "--tokens", "48:64", "--json",
+                               "--layout", "model=tiny")
     if fmt == "npy":
         assert status == 0 and ndjson(out)[0]["segment"] == 3
     else:
@@ -170,7 +171,7 @@ def test_flush_checkpoint_and_delta(tmp_path, capsys):
     assert state.checkpoint["step"] == 100 and set(state.checkpoint["keys"]) == {"w", "b"}
     assert [d["step"] for d in state.deltas] == [101]
     assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "--request", "nope", "--tokens", "0:1")[0] == 64
-    assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "-r", "nope", "--block-tokens", "4")[0] == 65
+    assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "-r", "nope", "--block-tokens", "4")[0] == 64
 
 
 def test_replay_summary_and_point_in_time(tmp_path, capsys):

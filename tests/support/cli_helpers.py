@@ -187,6 +187,12 @@ def run_cli(capsys, *args: object, prog: str = "kvj") -> Tuple[int, str, str]:  
     return status, captured.out, captured.err
 
 
+def in_process(capsys, *args: object, prog: str = "kvj") -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    """``run_cli`` shaped like ``kvj()``'s result, for ``assert_fails`` and friends."""
+    status, out, err = run_cli(capsys, *args, prog=prog)
+    return subprocess.CompletedProcess([prog, *map(str, args)], status, out, err)
+
+
 def ndjson(text: str) -> List[dict]:
     import json
 
