@@ -123,16 +123,33 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, must_exist: boo
     os.stat(full)  # missing or unreachable: FileNotFoundError, PermissionError, NotADirectoryError
     if not os.path.isdir(full):
         if legacy_ok:
-            with open(full, "rb"):
-                pass
+            _check_legacy(full)
             return full
         raise FileNotFoundError(2, "not a journal directory", full)
     names = os.listdir(full)
     if not any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names):
-        if legacy_ok and any(n.endswith((".jsonl", ".ndjson")) for n in names):
+        legacy = sorted(n for n in names if n.endswith((".jsonl", ".ndjson")))
+        if legacy_ok and legacy:
+            if len(legacy) == 1:
+                _check_legacy(os.path.join(full, legacy[0]))
             return full
         raise FileNotFoundError(2, "not a kvj journal (no log files)", full)
     return full
+
+
+def _check_legacy(path: str) -> None:
+    """Refuse a file that is not a seed-era JSON-lines journal (its first line is no such record):
+    a file without a kvj log header is read, and ever cut, only when it is one."""
+    from kvj.errors import CorruptionError, FormatError
+    from kvj.journal.legacy import LegacyScan
+
+    try:
+        first = next(iter(LegacyScan(path)), None)
+    except CorruptionError:
+        first = None
+    if first is None:
+        raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record "
+                          "on its first line (nothing was changed)")
 
 
 def store_path(journal: str, store: Optional[str]) -> str:

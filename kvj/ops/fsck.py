@@ -249,6 +249,8 @@ class _Checker:
             return state
         self.result.logs = 1
         self.result.first_lsn, self.result.last_lsn = state.first_lsn, state.last_lsn
+        if state.last_lsn == 0:
+            raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record")
         if scan.tail is not None:
             tail = scan.tail
             finding = self.add("error", "torn-tail", f"torn last line of {tail.length} bytes", tail.path, tail.offset)

@@ -240,6 +240,9 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
              fs: FS, journal: Optional[Journal], progress: Optional[Progress]) -> RecoveryResult:
     state = replay(path)
     cut = journal.cut_tail if journal is not None else None
+    if legacy and state.last_lsn == 0:
+        raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record "
+                          "(nothing was changed)")
     if legacy and state.tail and not dry_run:
         from kvj.journal.journal import cut_torn_tail
         from kvj.journal.reader import TornTail

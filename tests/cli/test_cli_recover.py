@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.cli_helpers import JOURNAL_REPLAY, append_torn_tail, assert_fails, build, kvj, tree
+from support.cli_helpers import JOURNAL_REPLAY, append_torn_tail, assert_fails, build, in_process, kvj, tree
 
-USAGE, NOINPUT = 64, 66
+USAGE, DATAERR, NOINPUT = 64, 65, 66
 
 
 @pytest.fixture
@@ -71,3 +71,51 @@ def test_a_usable_device_still_recovers_and_loads(torn_journal):
     proc = kvj("recover", "-j", torn_journal, "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert "loaded 9 segments" in proc.stdout and "onto cpu" in proc.stdout
+
+
+NOT_JOURNALS = {
+    "one.json": b'{"a": 1}',
+    "lines.json": b'{"a": 1}\n{"b": 2}\n',
+    "blob.bin": bytes(range(1, 256)).replace(b"\n", b"") * 8,
+    "blob-lines.bin": bytes(range(256)) * 8,
+    "empty.jsonl": b"",
+    "legacy-torn-only.jsonl": b'{"op": "start", "id": "r1"',
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_JOURNALS))
+@pytest.mark.parametrize("args", [["recover"], ["recover", "--dry-run"], ["fsck", "--repair"], ["fsck"],
+                                  ["replay"], ["inspect"], ["journal_replay"]], ids=" ".join)
+def test_a_file_that_is_not_a_journal_is_refused_and_left_alone(tmp_path, capsys, name, args):
+    target = tmp_path / name
+    target.write_bytes(NOT_JOURNALS[name])
+    before = tree(tmp_path)
+    if args == ["journal_replay"]:
+        proc = in_process(capsys, "--log", target, "--recover", prog="journal_replay")
+    else:
+        proc = in_process(capsys, *args, "-j", target)
+    assert_fails(proc, 8 if args[0] == "fsck" else DATAERR, "is not a journal",
+                 prog="journal_replay" if args == ["journal_replay"] else "kvj")
+    assert tree(tmp_path) == before  # not cut, no torn/, no recovery/
+
+
+def test_the_library_refuses_a_file_that_is_not_a_journal(tmp_path):
+    from kvj.errors import FormatError
+    from kvj.ops.fsck import fsck
+    from kvj.ops.recover import recover
+
+    target = tmp_path / "one.json"
+    target.write_bytes(NOT_JOURNALS["one.json"])
+    before = tree(tmp_path)
+    for run in (lambda: recover(str(target)), lambda: fsck(str(target), repair=True)):
+        with pytest.raises(FormatError, match="is not a journal"):
+            run()
+    assert tree(tmp_path) == before
+
+
+def test_a_seed_era_journal_with_a_torn_last_line_is_still_recovered(tmp_path):
+    target = tmp_path / "seed.jsonl"
+    target.write_bytes(b'{"op": "start", "id": "r1", "prompt_hash": "h"}\n{"op": "seg_flush", "id": "r1", "se')
+    proc = kvj("recover", "-j", target)
+    assert proc.returncode == 0, proc.stderr
+    assert target.read_bytes().endswith(b'"h"}\n') and (tmp_path / "torn").is_dir()
