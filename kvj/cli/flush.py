@@ -44,7 +44,6 @@ def natural_key(name: str) -> List[Any]:
 def _load_pt(path: str) -> Any:
     """``torch.load(weights_only=True)``; a file it refuses is one kvj line, not torch's advice
     to pass ``weights_only=False`` (an option kvj does not offer: it would run pickled code)."""
-    import pickle
     import warnings
 
     import torch
@@ -53,7 +52,9 @@ def _load_pt(path: str) -> Any:
         warnings.simplefilter("ignore")
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
+        except Exception as exc:  # torch raises pickle's UnpicklingError; kvj never imports pickle
+            if type(exc).__name__ != "UnpicklingError":
+                raise
             found = re.search(r"WeightsUnpickler error: (.*?)(?:\.\s|\s+Check the documentation|$)", str(exc), re.S)
             reason = f" ({' '.join(found.group(1).split())})" if found else ""
             raise FormatError(f"{path}: refused: kvj reads .pt files with weights_only=True and this one holds "
