@@ -289,6 +289,29 @@ class SegmentStore:
     def exists(self, key: str) -> bool:
         return self.backend.exists(check_key(key))
 
+    def read_stored(self, key: str) -> Buffer:
+        """The segment's stored bytes, as they are on disk (what a replica ships per key)."""
+        return self.backend.get(check_key(key))
+
+    def ingest_stored(self, key: str, data: Buffer) -> SegmentInfo:
+        """Durably store ``data``, a segment's stored bytes (e.g. from a replica), under ``key``.
+
+        Every chunk CRC and the digest are checked first (SegmentCorrupt on any mismatch), so
+        only bytes that name ``key`` land in the store; an intact existing copy is kept.
+        """
+        check_key(key)
+        header, _ = seg.decode_into(data, name=key, pool=self.pool, max_raw=self.max_segment_bytes)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(key, None, "segment digest does not match the key")
+        with self._key_lock(key):
+            if self._existing(key) is None:
+                try:
+                    self.backend.put_durable(key, [data])
+                except OSError as exc:
+                    self._failed = exc
+                    raise
+        return SegmentInfo.from_header(header)
+
     def keys(self) -> Iterator[str]:
         return self.backend.keys()
 
