@@ -15,6 +15,7 @@ import typer
 
 from kvj import __version__
 from kvj.cli import bench, compact, flush, fsck, inspect, record, recover, replay
+from kvj.cli import replicate, restore, verify
 from kvj.cli.common import click
 from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, USAGE, classify, debug, report
 
@@ -51,6 +52,9 @@ app.command("recover")(recover.recover)
 app.command("inspect")(inspect.inspect)
 app.command("compact")(compact.compact)
 app.command("fsck")(fsck.fsck)
+app.command("replicate")(replicate.replicate)
+app.command("restore")(restore.restore)
+app.command("verify")(verify.verify)
 app.add_typer(bench.app, name="bench")
 
 #: ``journal_replay``: the recovery command under the name of the well-known write-up.

@@ -111,10 +111,14 @@ class Lease:
             self.renew()
 
     def _fenced(self) -> None:
+        raise self.fenced()
+
+    def fenced(self) -> Fenced:
+        """The error for this lease having been taken over, naming the current holder."""
         doc, _ = self._read()
         if doc is None:
-            raise Fenced(self.remote.url, "nobody (lock.json was removed)", 0, self.generation)
-        raise Fenced(self.remote.url, doc["owner"], doc["generation"], self.generation)
+            return Fenced(self.remote.url, "nobody (lock.json was removed)", 0, self.generation)
+        return Fenced(self.remote.url, doc["owner"], doc["generation"], self.generation)
 
     def release(self) -> None:
         """Give the lease up (an expired lease, same generation); best effort if already lost."""

@@ -31,7 +31,7 @@ from kvj.journal.reader import list_logs, log_seq
 from kvj.journal.records import RecordType, decode_payload
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.replica import manifest as mf
-from kvj.replica.lease import DEFAULT_TTL, Fenced, Lease
+from kvj.replica.lease import DEFAULT_TTL, Lease
 from kvj.replica.remote import LostRace, Remote, RemoteUnavailable, md5_etag
 
 DEFAULT_INTERVAL = 1.0
@@ -132,7 +132,7 @@ class Replicator:
             current, etag = mf.load(self.remote)
             manifest = current or mf.Manifest()
             if manifest.generation > self.lease.generation:
-                raise Fenced(self.remote.url, "a newer replicator", manifest.generation, self.lease.generation)
+                raise self.lease.fenced()
             manifest.generation = self.lease.generation
             manifest.updated = self.clock()
             try:
@@ -230,7 +230,7 @@ class Replicator:
         except LostRace:
             current, _ = mf.load(self.remote)
             if current is not None and current.generation > self.lease.generation:
-                raise Fenced(self.remote.url, "a newer replicator", current.generation, self.lease.generation) from None
+                raise self.lease.fenced() from None
             raise KvjError(f"{self.remote.url}: the manifest was changed by something other than this "
                            "replicator; stopping") from None
         self.manifest = m

@@ -46,7 +46,7 @@ def test_man_pages_render_without_warnings(tmp_path):
 @pytest.mark.skipif(not KVJ[0].endswith("kvj"), reason="kvj console script not installed")
 def test_completion_scripts_call_back_into_kvj():
     proc = kvj(extra_env={"_KVJ_COMPLETE": "complete_bash", "COMP_WORDS": "kvj re", "COMP_CWORD": "1"})
-    assert proc.returncode == 0 and proc.stdout.split() == ["replay", "recover", "record"]
+    assert proc.returncode == 0 and proc.stdout.split() == ["replay", "recover", "replicate", "restore", "record"]
     proc = kvj(extra_env={"_KVJ_COMPLETE": "complete_fish", "_TYPER_COMPLETE_FISH_ACTION": "get-args",
                           "_TYPER_COMPLETE_ARGS": "kvj inspect --type "})
     assert "checkpoint" in proc.stdout.split()

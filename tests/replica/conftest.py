@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from support.s3 import MotoEndpoint, Relay, set_env
 
 
 @pytest.fixture(scope="session")
 def moto():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     endpoint = MotoEndpoint()
     yield endpoint
     endpoint.stop()

@@ -1,0 +1,57 @@
+"""``kvj restore``: rebuild a journal on this node from its S3 replica."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Annotated, Optional
+
+import typer
+
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, out, parse_time, progress, usage_error
+from kvj.ops.inspection import human_size
+from kvj.replica.remote import open_remote
+from kvj.replica.restore import restore as restore_replica
+
+
+def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL",
+                                                          help="The replica: s3://bucket/prefix.")] = None,
+            journal: JournalArg = None,
+            store: StoreArg = None,
+            at: Annotated[Optional[str], typer.Option(metavar="LSN|TIME", help="Restore the state as of this LSN "
+                                                      "(an integer), or as replicated at this time (ISO 8601, or "
+                                                      "e.g. 10m for ten minutes ago).")] = None,
+            as_json: JsonArg = False) -> None:
+    """Restore a journal and its segments from a replica onto a new directory.
+
+    Downloads the replica's snapshot, log files and every segment the restored state
+    needs, and verifies each (the BLAKE3 the manifest recorded, every CRC, LSN
+    continuity, each segment's chunks and content digest) before it is written durably.
+    The result is an ordinary journal: run kvj fsck and kvj recover on it as on the
+    original node. --at restores an earlier point (not before the replica's snapshot).
+    The target must be new or empty: nothing existing is overwritten.
+    """
+    if not source:
+        raise usage_error("no replica given: use --from s3://bucket/prefix")
+    if journal is None:
+        raise usage_error("no journal given: use --journal DIR (a new or empty directory)")
+    target = os.path.abspath(journal)
+    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
+        raise usage_error(f"{target} exists and is not empty: restore into a new directory")
+    at_lsn = at_time = None
+    if at is not None:
+        if re.fullmatch(r"\s*\d+\s*", at):
+            at_lsn = int(at)
+        else:
+            at_time = parse_time(at)
+    remote = open_remote(source)
+    with progress() as update:
+        result = restore_replica(remote, target, store=os.path.abspath(store) if store else None, at_lsn=at_lsn,
+                                 at_time=at_time, progress=update)
+    if as_json:
+        emit_json(result.to_dict())
+        return
+    snap = f", snapshot at LSN {result.snapshot_lsn}" if result.snapshot_lsn is not None else ""
+    rate = result.bytes / result.seconds / 1e6 if result.seconds else 0.0
+    out.print(f"restored {target} through LSN {result.last_lsn}: {result.logs} log files{snap}, "
+              f"{result.segments} segments, {human_size(result.bytes)} verified ({rate:.0f} MB/s)", markup=False)

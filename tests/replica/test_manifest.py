@@ -1,0 +1,86 @@
+"""The replica manifest and the log trimming restore uses: formats checked, continuity enforced."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvj import Journal
+from kvj.errors import CorruptionError, FormatError
+from kvj.journal.reader import list_logs
+from kvj.journal.replay import replay
+from kvj.journal.writer import CommitPolicy
+from kvj.replica import manifest as mf
+from kvj.replica.restore import trim_log
+
+
+def _manifest() -> mf.Manifest:
+    log1 = mf.LogEntry(1, 11, 7, 100, 20, True, [mf.Part("a", 0, 60, "x"), mf.Part("b", 60, 100, "y")])
+    log2 = mf.LogEntry(2, 21, 9, 50, 30, False, [mf.Part("c", 0, 50, "z")])
+    return mf.Manifest(generation=3, updated=5.0, last_lsn=30, snapshot=mf.SnapshotEntry(10, "s", 9, "w"),
+                       logs=[log1, log2], history=[[100.0, 20], [200.0, 30]], garbage={"old": 1.0})
+
+
+def test_json_round_trip_and_continuity():
+    m = _manifest()
+    back = mf.Manifest.from_json(m.to_json(), "m")
+    assert back == m
+    back.check("m")
+    assert back.objects() == {"a": "x", "b": "y", "c": "z", "s": "w"}
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda m: m.logs[0].parts.pop(0), "does not continue at byte 0"),
+    (lambda m: setattr(m.logs[1], "base_lsn", 22), "expected 21"),
+    (lambda m: setattr(m.logs[0], "base_lsn", 12), "LSNs after 10 are needed"),
+    (lambda m: setattr(m.logs[0], "sealed", False), "not sealed"),
+    (lambda m: setattr(m.logs[1], "size", 60), "cover 50 of 60"),
+    (lambda m: setattr(m, "last_lsn", 31), "logs end at 30"),
+])
+def test_breaks_in_continuity_are_corruption(damage, message):
+    m = _manifest()
+    damage(m)
+    with pytest.raises(CorruptionError, match=message):
+        m.check("m")
+
+
+def test_malformed_or_foreign_manifests_are_refused():
+    with pytest.raises(CorruptionError):
+        mf.Manifest.from_json(b"{not json", "m")
+    with pytest.raises(FormatError):
+        mf.Manifest.from_json(b'{"format": "other"}', "m")
+    with pytest.raises(FormatError, match="version 9"):
+        mf.Manifest.from_json(b'{"format": "kvj-replica", "version": 9}', "m")
+    with pytest.raises(CorruptionError, match="malformed"):
+        mf.Manifest.from_json(b'{"format": "kvj-replica", "version": 1, "generation": "x"}', "m")
+
+
+def test_time_maps_to_the_lsn_replicated_then():
+    m = _manifest()
+    assert m.lsn_at(150.0) == 20 and m.lsn_at(200.0) == 30 and m.lsn_at(1e12) == 30
+    with pytest.raises(FormatError, match="nothing was replicated"):
+        m.lsn_at(99.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=25), st.data())
+def test_trim_log_equals_replay_at_lsn(tmp_path_factory, groups, data):
+    """Cutting a log after any LSN (mid-group included) replays exactly as replay(at_lsn)."""
+    path = str(tmp_path_factory.mktemp("j"))
+    with Journal.open(path, policy=CommitPolicy(max_delay=10, max_records=1000)) as j:
+        for n, size in enumerate(groups):
+            for i in range(size):
+                j.alloc("cpu", n * 100 + i, size, f"g{n}")
+            j.sync()
+    log = list_logs(path)[0]
+    with open(log, "rb") as f:
+        raw = f.read()
+    last = replay(path).last_lsn
+    at = data.draw(st.integers(0, last))
+    out = str(tmp_path_factory.mktemp("t"))
+    with open(os.path.join(out, os.path.basename(log)), "wb") as f:
+        f.write(trim_log(raw, at, log))
+    assert replay(out, strict=True).to_dict() == replay(path, at_lsn=at).to_dict()
