@@ -55,7 +55,7 @@ def test_node_killed_while_replicating_then_disk_wiped_restores_every_replicated
     rep = subprocess.Popen([*KVJ, "replicate", "-j", journal, "--to", s3, "--follow", "--interval", "0.1s", "--json"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**s3_env(moto.url)))
     try:
-        wait_for(lambda: _acked(child) > 300 and any(l.startswith("S ") for l in side_lines(child)),
+        wait_for(lambda: _acked(child) > 200 and any(l.startswith("S ") for l in side_lines(child)),
                  "the writer to acknowledge flushes", 120)
         acked = _acked(child)
         wait_for(lambda: _manifest_lsn(remote) >= acked, "a replication round past the acknowledged LSN", 120)
@@ -77,8 +77,6 @@ def test_node_killed_while_replicating_then_disk_wiped_restores_every_replicated
     assert tally.segments_checked > 0
     assert verify_remote(remote).ok
     proc = kvj("fsck", "-j", fresh)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = kvj("recover", "-j", fresh, "--dry-run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -135,7 +133,8 @@ def _manifest_lsn_direct(moto, bucket: str) -> int:
     return json.loads(body)["last_lsn"]
 
 
-def test_cli_second_replicator_is_refused_naming_the_holder_and_restore_refuses_a_used_directory(s3, moto, tmp_path):
+def test_cli_second_replicator_is_refused_naming_the_holder_and_restore_refuses_a_used_directory(s3, moto, tmp_path,
+                                                                                                capsys):
     journal = str(tmp_path / "j")
     with Journal.open(journal) as j:
         j.start("a")
@@ -146,22 +145,32 @@ def test_cli_second_replicator_is_refused_naming_the_holder_and_restore_refuses_
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**e))
     try:
         wait_for(lambda: _manifest_lsn(open_remote(s3)) >= 2, "the first replicator's round", 60)
-        second = kvj("replicate", "-j", journal, "--to", s3, extra_env=e)
-        assert second.returncode == 75 and "leased by another replicator" in second.stderr
-        assert f":{first.pid}:" in second.stderr, second.stderr  # names the holder (host:pid:...)
+        status, _, stderr = _kvj_here(capsys, "replicate", "-j", journal, "--to", s3)
+        assert status == 75 and "leased by another replicator" in stderr
+        assert f":{first.pid}:" in stderr, stderr  # names the holder (host:pid:...)
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(30)
-    assert first.returncode == 0, first.stderr
-    once = kvj("replicate", "-j", journal, "--to", s3, "--json", extra_env=e)  # the lease was released
-    assert once.returncode == 0 and json.loads(once.stdout)["last_lsn"] == 2, once.stderr
+    assert first.returncode == 0, first.stderr.read()
+    status, stdout, stderr = _kvj_here(capsys, "replicate", "-j", journal, "--to", s3, "--json")
+    assert status == 0 and json.loads(stdout)["last_lsn"] == 2, stderr  # the lease was released
     os.makedirs(tmp_path / "used")
     open(tmp_path / "used" / "x", "w").close()
-    proc = kvj("restore", "--from", s3, "-j", tmp_path / "used", extra_env=e)
-    assert proc.returncode == 64 and "not empty" in proc.stderr
-    proc = kvj("restore", "--from", s3, "-j", tmp_path / "new", extra_env=e)
-    assert proc.returncode == 0 and "through LSN 2" in proc.stdout, proc.stderr
-    proc = kvj("verify", "--remote", s3, extra_env=e)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
-    proc = kvj("verify", "--remote", s3 + "-missing", extra_env=e)
-    assert proc.returncode == 66 and "no replica here" in proc.stderr
+    status, _, stderr = _kvj_here(capsys, "restore", "--from", s3, "-j", str(tmp_path / "used"))
+    assert status == 64 and "not empty" in stderr
+    status, stdout, stderr = _kvj_here(capsys, "restore", "--from", s3, "-j", str(tmp_path / "new"))
+    assert status == 0 and "through LSN 2" in stdout, stderr
+    status, stdout, stderr = _kvj_here(capsys, "verify", "--remote", s3)
+    assert status == 0 and stdout.strip().endswith("ok"), stdout + stderr
+    status, _, stderr = _kvj_here(capsys, "verify", "--remote", s3 + "-missing")
+    assert status == 66 and "no replica here" in stderr
+
+
+def _kvj_here(capsys, *argv: str):
+    """Run the kvj CLI in this process (fast); (exit status, stdout, stderr)."""
+    from kvj.cli.main import app, run
+
+    capsys.readouterr()
+    status = run(app, list(argv), "kvj")
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
