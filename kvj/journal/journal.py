@@ -8,19 +8,19 @@ segment-flush record is appended only once the segment is durable.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from kvj.errors import FormatError, JournalClosed, JournalFailed, KvjError
 from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.reader import Scan, TornTail, list_logs, log_seq, read_header
-from kvj.journal.records import RecordType, decode_payload, encode_payload
+from kvj.journal.records import RecordType, encode
 from kvj.journal.snapshot import list_snapshots
 from kvj.journal.writer import CommitPolicy, LogWriter
-from kvj.names import check_key, check_request_id
 
 if TYPE_CHECKING:  # the store pulls in torch; the journal alone does not need it
     import torch
@@ -87,6 +87,37 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
     return log_seq(last) + 1, max(next_lsn, snap_lsn + 1), aside
 
 
+def _mapped(value: Optional[Mapping[str, Any]], what: str) -> Dict[str, Any]:
+    """A caller's map argument as a dict (None is empty); anything else is a ``FormatError``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise FormatError(f"{what} must be a map, not {type(value).__name__}")
+    return dict(value)
+
+
+def _listed(value: Optional[Sequence[int]], what: str) -> Optional[List[Any]]:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise FormatError(f"{what} must be a sequence, not {type(value).__name__}")
+    return list(value)
+
+
+def _integer(value: Any, what: str) -> int:
+    """An integer argument (numpy and torch integers too); anything else is a ``FormatError``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise FormatError(f"{what} must be an integer, not {value!r}") from None
+
+
+def _token_range(token_range: Tuple[int, int]) -> Tuple[int, int]:
+    if not isinstance(token_range, (tuple, list)) or len(token_range) != 2:
+        raise FormatError(f"bad token range {token_range!r}: expected (start, end)")
+    return _integer(token_range[0], "a token position"), _integer(token_range[1], "a token position")
+
+
 class Journal:
     """A kvj journal opened for writing. Use ``Journal.open(path)`` as a context manager."""
 
@@ -136,52 +167,46 @@ class Journal:
     def start(self, request_id: str, prompt_hash: Optional[str] = None, tokens: Optional[Sequence[int]] = None,
               meta: Optional[Mapping[str, Any]] = None, durable: bool = False) -> int:
         """Record that a request started; returns its LSN."""
-        check_request_id(request_id)
-        return self.writer.append(RecordType.START, {
-            "id": request_id, "prompt_hash": prompt_hash,
-            "tokens": list(tokens) if tokens is not None else None, "meta": dict(meta or {})}, durable)
+        return self._append(RecordType.START, {"id": request_id, "prompt_hash": prompt_hash,
+                                               "tokens": _listed(tokens, "tokens"), "meta": _mapped(meta, "meta")},
+                            durable)
 
     def end(self, request_id: str, status: str = "ok", durable: bool = False) -> int:
         """Record that a request ended (its segments become collectable)."""
-        check_request_id(request_id)
-        return self.writer.append(RecordType.END, {"id": request_id, "status": status}, durable)
+        return self._append(RecordType.END, {"id": request_id, "status": status}, durable)
 
     def alloc(self, device: str, addr: int, size: int, tag: str = "", durable: bool = False) -> int:
         """Record a device memory allocation."""
-        return self.writer.append(RecordType.ALLOC, {"device": device, "addr": addr, "size": size, "tag": tag},
-                                  durable)
+        return self._append(RecordType.ALLOC, {"device": device, "addr": addr, "size": size, "tag": tag}, durable)
 
     def free(self, device: str, addr: int, durable: bool = False) -> int:
         """Record that a device allocation was freed."""
-        return self.writer.append(RecordType.FREE, {"device": device, "addr": addr}, durable)
+        return self._append(RecordType.FREE, {"device": device, "addr": addr}, durable)
 
     def checkpoint(self, step: int, keys: Mapping[str, str], meta: Optional[Mapping[str, Any]] = None,
                    durable: bool = False) -> int:
         """Record a full training checkpoint: tensor name -> segment key, all already durable."""
-        for key in keys.values():
-            check_key(key)
-        return self.writer.append(RecordType.CHECKPOINT, {"step": step, "keys": dict(keys), "meta": dict(meta or {})},
-                                  durable)
+        return self._append(RecordType.CHECKPOINT, {"step": step, "keys": _mapped(keys, "keys"),
+                                                    "meta": _mapped(meta, "meta")}, durable)
 
     def delta(self, step: int, base_step: int, keys: Mapping[str, str], meta: Optional[Mapping[str, Any]] = None,
               durable: bool = False) -> int:
         """Record a delta against the state at ``base_step``: tensor name -> segment key."""
-        for key in keys.values():
-            check_key(key)
-        return self.writer.append(RecordType.DELTA, {"step": step, "base_step": base_step, "keys": dict(keys),
-                                                     "meta": dict(meta or {})}, durable)
+        return self._append(RecordType.DELTA, {"step": step, "base_step": base_step, "keys": _mapped(keys, "keys"),
+                                               "meta": _mapped(meta, "meta")}, durable)
 
     def epoch(self, epoch: int, recovered_lsn: int, manifest: Optional[str] = None, durable: bool = True) -> int:
         """Record a recovery epoch (written by recovery before the server resumes)."""
-        return self.writer.append(RecordType.EPOCH, {"epoch": epoch, "recovered_lsn": recovered_lsn,
-                                                     "time": time.time(), "manifest": manifest}, durable)
+        return self._append(RecordType.EPOCH, {"epoch": epoch, "recovered_lsn": recovered_lsn,
+                                               "time": time.time(), "manifest": manifest}, durable)
 
     def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
         """Append a record given as a plain payload, validated against its type's schema."""
-        decode_payload(rtype, encode_payload(payload))
-        if rtype not in RecordType.__members__.values():
-            raise FormatError(f"unknown record type {rtype}")
-        return self.writer.append(rtype, payload, durable)
+        return self._append(rtype, payload, durable)
+
+    def _append(self, rtype: int, payload: Mapping[str, Any], durable: bool) -> int:
+        """Check ``payload`` against the schema (``FormatError`` at the call, nothing appended), then append."""
+        return self.writer.append(rtype, encode(rtype, payload), durable)
 
     # -- segments ------------------------------------------------------------------------
 
@@ -204,18 +229,18 @@ class Journal:
         appended only after the segment is durable. Pass ``info`` instead of ``tensor``
         to journal a segment already in the store.
         """
-        check_request_id(request_id)
-        start, end = int(token_range[0]), int(token_range[1])
-        if not 0 <= start <= end:
-            raise FormatError(f"bad token range {token_range!r}")
         if self._closed:
             raise JournalClosed("journal is closed")
+        start, end = _token_range(token_range)
+        # the caller's part of the record is checked here, in the caller's thread; the store's part later
+        payload = {"id": request_id, "seg": _integer(segment, "segment"), "key": "0" * 64, "tokens": [start, end],
+                   "layout": _mapped(layout, "layout"), "raw_size": 0, "stored_size": 0, "digest": "", "codec": ""}
+        encode(RecordType.SEGMENT, payload)
 
         def record(seg_info: "SegmentInfo") -> int:
-            return self.writer.append(RecordType.SEGMENT, {
-                "id": request_id, "seg": segment, "key": seg_info.key, "tokens": [start, end],
-                "layout": dict(seg_info.layout or {}), "raw_size": seg_info.raw_size,
-                "stored_size": seg_info.stored_size, "digest": seg_info.digest, "codec": seg_info.codec})
+            return self._append(RecordType.SEGMENT, {
+                **payload, "key": seg_info.key, "layout": dict(seg_info.layout or {}), "raw_size": seg_info.raw_size,
+                "stored_size": seg_info.stored_size, "digest": seg_info.digest, "codec": seg_info.codec}, False)
 
         result: "Future[int]" = Future()
         if info is not None:
@@ -234,7 +259,7 @@ class Journal:
                 result.set_exception(exc)
                 raise
 
-        stored = self._flusher.submit(tensor, dict(layout or {}), on_durable)
+        stored = self._flusher.submit(tensor, payload["layout"], on_durable)
         stored.add_done_callback(lambda f: f.exception() and not result.done() and result.set_exception(f.exception()))
         return result
 

@@ -1,15 +1,21 @@
-"""Record types and their payload schemas (spec: man/kvj-journal.5, RECORDS).
+"""Record types and their payload schemas, defined once (spec: man/kvj-journal.5, RECORDS).
 
-Payloads are msgpack maps with short string keys. ``validate`` checks a decoded payload
-against its type's schema so a well-framed but malformed record is reported, not trusted.
+Each type's payload is a ``msgspec.Struct``; on disk it is a MessagePack map with the
+field names as keys. The same schema checks a record on every path: ``encode`` before
+anything is appended (the typed ``Journal`` methods, ``Journal.append``, ``kvj record``),
+``decode_payload`` when a record is read back, so a well-framed but malformed record is
+refused at the call or reported as damage, never trusted. msgspec validates while it
+decodes, in C; the checks types cannot express (names that become paths, token ranges,
+string keys in nested maps) follow in ``_check``.
 """
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
-import msgpack
+import msgspec
 
 from kvj.errors import FormatError, InvalidName
 from kvj.names import check_key, check_request_id
@@ -39,61 +45,157 @@ NAMES: Dict[RecordType, str] = {
 }
 BY_NAME: Dict[str, RecordType] = {v: k for k, v in NAMES.items()}
 
-_INT = (int,)
-_STR = (str,)
-_OPT_STR = (str, type(None))
-_LIST = (list, tuple)
-_OPT_LIST = (list, tuple, type(None))
-_DICT = (dict,)
-_NUM = (int, float)
 
-#: Required fields per type: name -> accepted Python types after msgpack decoding.
-SCHEMA: Dict[RecordType, Dict[str, Tuple[type, ...]]] = {
-    RecordType.START: {"id": _STR, "prompt_hash": _OPT_STR, "tokens": _OPT_LIST, "meta": _DICT},
-    RecordType.SEGMENT: {"id": _STR, "seg": _INT, "key": _STR, "tokens": _LIST, "layout": _DICT,
-                         "raw_size": _INT, "stored_size": _INT, "digest": _STR, "codec": _STR},
-    RecordType.END: {"id": _STR, "status": _STR},
-    RecordType.ALLOC: {"device": _STR, "addr": _INT, "size": _INT, "tag": _STR},
-    RecordType.FREE: {"device": _STR, "addr": _INT},
-    RecordType.CHECKPOINT: {"step": _INT, "keys": _DICT, "meta": _DICT},
-    RecordType.DELTA: {"step": _INT, "base_step": _INT, "keys": _DICT, "meta": _DICT},
-    RecordType.EPOCH: {"epoch": _INT, "recovered_lsn": _INT, "time": _NUM, "manifest": _OPT_STR},
+class Start(msgspec.Struct):
+    id: str
+    prompt_hash: Optional[str]
+    tokens: Optional[List[int]]
+    meta: Dict[str, Any]
+
+
+class Segment(msgspec.Struct):
+    id: str
+    seg: int
+    key: str
+    tokens: List[int]  # [start, end): token positions covered
+    layout: Dict[str, Any]
+    raw_size: int
+    stored_size: int
+    digest: str
+    codec: str
+
+
+class End(msgspec.Struct):
+    id: str
+    status: str
+
+
+class Alloc(msgspec.Struct):
+    device: str
+    addr: int
+    size: int
+    tag: str
+
+
+class Free(msgspec.Struct):
+    device: str
+    addr: int
+
+
+class Checkpoint(msgspec.Struct):
+    step: int
+    keys: Dict[str, str]  # tensor name -> segment key
+    meta: Dict[str, Any]
+
+
+class Delta(msgspec.Struct):
+    step: int
+    base_step: int
+    keys: Dict[str, str]
+    meta: Dict[str, Any]
+
+
+class Epoch(msgspec.Struct):
+    epoch: int
+    recovered_lsn: int
+    time: float  # Unix seconds
+    manifest: Optional[str]
+
+
+#: The schema: each record type's payload struct.
+SCHEMA: Dict[RecordType, Type[msgspec.Struct]] = {
+    RecordType.START: Start, RecordType.SEGMENT: Segment, RecordType.END: End, RecordType.ALLOC: Alloc,
+    RecordType.FREE: Free, RecordType.CHECKPOINT: Checkpoint, RecordType.DELTA: Delta, RecordType.EPOCH: Epoch,
 }
 
+_DECODERS = {int(rtype): msgspec.msgpack.Decoder(struct) for rtype, struct in SCHEMA.items()}
+_decode_any = msgspec.msgpack.Decoder().decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def fields(rtype: RecordType) -> Tuple[str, ...]:
+    """The payload field names of ``rtype``, in schema order."""
+    return SCHEMA[rtype].__struct_fields__
+
+
 def encode_payload(payload: Mapping[str, Any]) -> bytes:
-    return msgpack.packb(payload, use_bin_type=True)
+    """MessagePack bytes of a payload map, unchecked (``encode`` checks against the schema)."""
+    try:
+        return _encode(payload)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise FormatError(f"payload cannot be encoded: {exc}") from None
+
+
+def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
+    """Check a new record's payload against its type's schema and return its bytes.
+
+    Stricter than reading: floats in nested maps must be finite too, so that what is
+    journaled stays valid JSON for ``kvj inspect --json``. Raises ``FormatError``.
+    """
+    if rtype not in _DECODERS:
+        raise FormatError(f"unknown record type {rtype}")
+    data = encode_payload(payload)
+    _check(rtype, data, finite=True)
+    return data
 
 
 def decode_payload(rtype: int, data: bytes) -> Dict[str, Any]:
     """Decode and validate a payload. Unknown types are decoded but not validated."""
     try:
-        payload = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        payload = _decode_any(data)
+    except msgspec.DecodeError as exc:
         raise FormatError(f"undecodable payload: {exc}") from None
     if not isinstance(payload, dict):
         raise FormatError("payload is not a map")
-    try:
-        schema = SCHEMA[RecordType(rtype)]
-    except ValueError:
-        return payload
-    for name, types in schema.items():
-        if name not in payload:
-            raise FormatError(f"{NAMES[RecordType(rtype)]} record lacks field {name!r}")
-        value = payload[name]
-        if not isinstance(value, types) or (types is _INT and isinstance(value, bool)):
-            raise FormatError(f"{NAMES[RecordType(rtype)]} record field {name!r} has type {type(value).__name__}")
-    if rtype in (RecordType.START, RecordType.SEGMENT, RecordType.END):
-        try:
-            check_request_id(payload["id"])
-        except InvalidName as exc:
-            raise FormatError(str(exc)) from None
-    if rtype == RecordType.SEGMENT:
-        tokens = payload["tokens"]
-        if (len(tokens) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
-                or not 0 <= tokens[0] <= tokens[1]):
-            raise FormatError(f"segment record has bad token range {tokens!r}")
-        try:
-            check_key(payload["key"])
-        except InvalidName as exc:
-            raise FormatError(str(exc)) from None
+    if rtype in _DECODERS:
+        _check(rtype, data, finite=False)
+    else:
+        _plain(payload, "payload", finite=False)
     return payload
+
+
+def _check(rtype: int, data: bytes, finite: bool) -> None:
+    """Validate encoded payload ``data`` of a known type: the schema, then what types cannot say."""
+    name = NAMES[RecordType(rtype)]
+    try:
+        rec = _DECODERS[rtype].decode(data)
+    except msgspec.ValidationError as exc:
+        raise FormatError(f"{name} record: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise FormatError(f"undecodable payload: {exc}") from None
+    try:
+        if isinstance(rec, (Start, Segment, End)):
+            check_request_id(rec.id)
+        if isinstance(rec, Segment):
+            tokens = rec.tokens
+            if len(tokens) != 2 or not 0 <= tokens[0] <= tokens[1]:
+                raise FormatError(f"segment record has bad token range {tokens!r}")
+            check_key(rec.key)
+            _plain(rec.layout, "layout", finite)
+        elif isinstance(rec, Start):
+            if rec.tokens is not None and any(t < 0 for t in rec.tokens):
+                raise FormatError("start record has a negative token")
+            _plain(rec.meta, "meta", finite)
+        elif isinstance(rec, (Checkpoint, Delta)):
+            for key in rec.keys.values():
+                check_key(key)
+            _plain(rec.meta, "meta", finite)
+    except InvalidName as exc:
+        raise FormatError(f"{name} record: {exc}") from None
+
+
+def _plain(value: Any, where: str, finite: bool) -> None:
+    """A nested map must have string keys throughout (it is shown as JSON and snapshotted);
+    with ``finite``, its floats must be finite."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise FormatError(f"{where} has a non-string key {key!r}")
+            if isinstance(item, (dict, list)) or (finite and isinstance(item, float)):
+                _plain(item, f"{where}.{key}", finite)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if isinstance(item, (dict, list)) or (finite and isinstance(item, float)):
+                _plain(item, f"{where}[{index}]", finite)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise FormatError(f"{where} is {value}: only finite numbers can be journaled")

@@ -14,14 +14,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
-import msgpack
 from crc32c import crc32c
 
 from kvj.errors import JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, DurabilityError
 from kvj.journal.framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header, new_salt
+from kvj.journal.records import encode_payload
 
 _RECORD_TAIL_PACK = RECORD_TAIL.pack
 _CRC_PACK = CRC.pack
@@ -53,7 +53,6 @@ class LogWriter:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # committer waits here
         self._done = threading.Condition(self._lock)  # sync() and full-buffer appends wait here
-        self._pack = msgpack.Packer(use_bin_type=True).pack
         self._max_buffer = policy.max_buffer_bytes
         self._max_records = policy.max_records
         self._buf = bytearray()
@@ -75,15 +74,19 @@ class LogWriter:
 
     # -- caller side ---------------------------------------------------------------------
 
-    def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
-        """Frame a record into the buffer and return its LSN; with ``durable``, wait for it."""
+    def append(self, rtype: int, payload: Union[bytes, Mapping[str, Any]], durable: bool = False) -> int:
+        """Frame a record into the buffer and return its LSN; with ``durable``, wait for it.
+
+        ``payload`` is the encoded payload, or a map to encode. The writer only frames: the
+        schema is checked by the caller (``records.encode``, as ``Journal`` does).
+        """
+        body = payload if isinstance(payload, bytes) else encode_payload(payload)
         with self._lock:
             if self._error is not None or self._closing:
                 self._raise_state()
             buf = self._buf
             if len(buf) >= self._max_buffer:
                 buf = self._wait_for_room()
-            body = self._pack(payload)  # a reused Packer is not thread-safe: pack under the lock
             lsn = self._next_lsn
             self._next_lsn = lsn + 1
             tail = _RECORD_TAIL_PACK(len(body), rtype, 0, lsn)

@@ -110,7 +110,7 @@ def test_unknown_record_types_are_skipped_with_a_warning(tmp_path):
 def test_well_framed_but_malformed_payload_is_corruption(tmp_path):
     with Journal.open(tmp_path) as j:
         j.writer.append(RecordType.ALLOC, {"device": "cuda:0"})  # lacks addr/size/tag
-    with pytest.raises(CorruptionError, match="lacks field"):
+    with pytest.raises(CorruptionError, match="missing required field `addr`"):
         kvj.replay(str(tmp_path))
 
 
