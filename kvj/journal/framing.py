@@ -61,13 +61,13 @@ class FileHeader:
     salt: int
 
 
-def header_torn(size: int) -> bool:
-    """Whether an invalid file header on a file of ``size`` bytes can be a crash during its creation.
+def header_torn(data: bytes) -> bool:
+    """Whether an invalid file header on a file starting with ``data`` can be a crash during its creation.
 
     The header is written and fsynced before any group, so a file longer than its
     header with a bad header is corruption, never a torn creation.
     """
-    return size <= FILE_HEADER_SIZE
+    return len(data) <= FILE_HEADER_SIZE
 
 
 def decode_file_header(data: bytes) -> Optional[FileHeader]:

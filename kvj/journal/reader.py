@@ -180,15 +180,16 @@ class Scan:
             is_last = index == len(self.logs) - 1
             origin = self.start[1] if index == 0 and self.start is not None else 0
             try:
-                header, data, size = self._read(path, origin)
+                head, data, size = self._read(path, origin)
             except FileNotFoundError:
                 # a concurrent compaction removed a sealed file it had folded into a snapshot
                 if not started:
                     continue
                 raise
             started = True
+            header = decode_file_header(head)
             if header is None:
-                if is_last and header_torn(size):
+                if is_last and header_torn(head):
                     # crashed while creating the newest file: no record in it was acknowledged
                     self._torn(path, 0, size)
                     return
@@ -244,18 +245,18 @@ class Scan:
                 self.end_offset = origin + pos
             self.next_lsn = expected
 
-    def _read(self, path: str, origin: int) -> Tuple[Optional[FileHeader], bytes, int]:
-        """(header, the file's bytes from ``origin`` on, file size)."""
+    def _read(self, path: str, origin: int) -> Tuple[bytes, bytes, int]:
+        """(the file's first bytes, enough for its header; its bytes from ``origin`` on; its size)."""
         with open(path, "rb") as f:
             if origin == 0:
                 data = f.read()
                 self.bytes_read += len(data)
-                return decode_file_header(data), data, len(data)
-            header = decode_file_header(f.read(FILE_HEADER_SIZE))
+                return data[:FILE_HEADER_SIZE + 1], data, len(data)
+            head = f.read(FILE_HEADER_SIZE + 1)
             f.seek(origin)
             data = f.read()
             self.bytes_read += len(data)
-            return header, data, origin + len(data)
+            return head, data, origin + len(data)
 
     def _check_base(self, path: str, base: int, expected: Optional[int], first: bool) -> None:
         """Report a file that does not begin where the log before it ended."""

@@ -40,8 +40,8 @@ def test_group_headers_only_parse_under_their_files_salt():
 
 
 def test_a_bad_header_is_a_torn_creation_only_on_a_header_sized_file():
-    assert F.header_torn(4) and F.header_torn(F.FILE_HEADER_SIZE)
-    assert not F.header_torn(F.FILE_HEADER_SIZE + 1)
+    assert F.header_torn(b"\x89KVJ") and F.header_torn(bytes(F.FILE_HEADER_SIZE))
+    assert not F.header_torn(bytes(F.FILE_HEADER_SIZE + 1))
 
 
 def test_record_layout_is_little_endian_with_crc_over_header_and_payload():
