@@ -60,17 +60,17 @@ def test_load_waits_on_its_copy_not_the_stream_and_reuses_one_pinned_pool(fake, 
 
 
 def test_a_bare_cuda_is_the_callers_device_in_load_many_and_load_manifest(fake, store, monkeypatch):
-    from kvj.ops.recover import load_manifest
+    from kvj.ops import recover
 
     keys = [store.put(torch.randn(100) * i).key for i in range(4)]
     fake.set_device(1)
     got = load_many(store, keys, "cuda")
     assert {fake.device_of(t) for t in got} == {torch.device("cuda", 1)}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(recover, "check_device", torch.device)  # it would allocate on the device
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     manifest = {"requests": [{"segments": [{"key": k} for k in keys]}],
                 "training": {"checkpoint": None, "deltas": []}}
-    result = load_manifest(manifest, store, "cuda")
+    result = recover.load_manifest(manifest, store, "cuda")
     assert result["device"] == "cuda:1" and result["segments"] == 4 and not result["failed"]
 
 
