@@ -35,11 +35,11 @@ import numpy as np
 import torch
 import zstandard
 
+from kvj.segments.codecs import codec_names
 from kvj.segments.flusher import Flusher
 from kvj.segments.restore import paged_layout, restore_paged
 from kvj.segments.store import SegmentStore
 
-KVJ_CODECS = ("raw", "zstd", "byteplane", "auto")
 BLOCK_TOKENS = 16
 
 
@@ -324,7 +324,7 @@ def run(size_mib: int = 64, directory: Optional[str] = None,
             if only and name not in only:
                 continue
             contenders: List[Tuple[str, Callable[[str], Optional[Result]]]] = [
-                (f"kvj {c}", lambda d, c=c: bench_kvj(t, d, c)) for c in KVJ_CODECS]
+                (f"kvj {c}", lambda d, c=c: bench_kvj(t, d, c)) for c in codec_names()]
             if name.startswith("kv-"):
                 contenders.append(("kvj auto, per-block flush", lambda d: bench_kvj_blocks(t, d)))
             contenders += [("torch.save", lambda d: bench_torch(t, d)),

@@ -1,6 +1,5 @@
 """Disk benchmark, like pg_test_fsync for kvj: fsync latency, journal throughput per commit
-policy, codec speeds on this machine (when ``kvj.bench.codecs`` is installed), and the
-settings they suggest.
+policy, codec speeds on this machine, and the settings they suggest.
 
 Run ``kvj bench`` (or ``python -m kvj.bench.disk``) on the disk that will hold the journal.
 """
@@ -19,6 +18,7 @@ from kvj.bench.journal import sample_payload
 from kvj.journal.journal import Journal
 from kvj.journal.records import RecordType
 from kvj.journal.writer import CommitPolicy
+from kvj.segments.codecs import codec_names
 
 BLOCK = 8192
 FILE_SIZE = 16 << 20
@@ -82,14 +82,12 @@ def journal_rate(directory: str, seconds: float, policy: CommitPolicy, durable_e
 
 def codec_speeds(directory: str, size_mib: int) -> List[Dict[str, object]]:
     """Durable save and verified load GB/s of each kvj codec on Gaussian bf16 (the hard case)."""
-    try:
-        from kvj.bench import codecs as bench_codecs
-    except ImportError:  # the segment store is not installed
-        return []
+    from kvj.bench import codecs as bench_codecs  # torch: only when codecs are measured
+
     tensor = bench_codecs.gaussian_bf16(size_mib << 20)
     raw = tensor.numel() * tensor.element_size()
     rows: List[Dict[str, object]] = []
-    for codec in bench_codecs.KVJ_CODECS:
+    for codec in codec_names():
         d = tempfile.mkdtemp(dir=directory)
         try:
             stored, save, load, exact = bench_codecs.bench_kvj(tensor, d, codec)

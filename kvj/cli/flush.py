@@ -27,13 +27,10 @@ from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 from kvj.journal.state import RequestState
 from kvj.ops.inspection import human_size
+from kvj.segments.codecs import codec_names
 
 
-class Codec(str, Enum):
-    auto = "auto"
-    raw = "raw"
-    zstd = "zstd"
-    byteplane = "byteplane"
+Codec = Enum("Codec", {name: name for name in codec_names()}, type=str)  # type: ignore[misc]
 
 
 def natural_key(name: str) -> List[Any]:

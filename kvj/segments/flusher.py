@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 
 from kvj.segments import device
-from kvj.segments.codecs import Backpressure, Codec
+from kvj.segments.codecs import Codec
+from kvj.segments.codecs.auto import Backpressure
 from kvj.segments.format import dtype_name
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentInfo, SegmentStore

@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 from kvj.errors import FormatError, SegmentCorrupt
-from kvj.segments import codecs as _codecs
-from kvj.segments.codecs import Backpressure, Codec, RowDedup, ScatterPlan, auto_codec, get_codec
+from kvj.segments.codecs import Codec, get_codec
+from kvj.segments.codecs.auto import Backpressure, auto_codec
+from kvj.segments.codecs.rowdedup import RowDedup, ScatterPlan
+from kvj.segments.codecs.zstd import ZstdCodec, zstd_decompress
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -265,7 +267,7 @@ def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout:
             payload_rows = (np.frombuffer(raw, np.uint8).reshape(-1, row_bytes), first_rows)
             payload_size = len(first_rows) * row_bytes
             map_raw = RowDedup.encode_map(src)
-            map_frame = _codecs.ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
+            map_frame = ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
             dedup_info = {"row_bytes": row_bytes, "rows": len(src), "map_raw": len(map_raw)}
     if dedup_info is None:
         payload_size = len(payload)
@@ -517,7 +519,7 @@ def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = No
         if crc32c.crc32c(frame) != dd["map_crc"]:
             raise _corrupt(name, pos, "dedup map CRC mismatch")
         try:
-            map_raw = _codecs.zstd_decompress(frame, dd["map_raw"])
+            map_raw = zstd_decompress(frame, dd["map_raw"])
             src, firsts = RowDedup.decode_map(map_raw, dd["rows"])
         except FormatError as exc:
             raise _corrupt(name, pos, str(exc)) from None

@@ -24,7 +24,8 @@ from kvj.names import check_key
 from kvj.segments import device as cuda
 from kvj.segments import format as seg
 from kvj.segments.backend import Buffer, LocalDirBackend, StorageBackend, Upload
-from kvj.segments.codecs import Backpressure, Codec
+from kvj.segments.codecs import Codec
+from kvj.segments.codecs.auto import Backpressure
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,74 @@
+"""``auto``: a codec chosen per segment from a cheap sample, stepping down under backpressure."""
+
+from __future__ import annotations
+
+from kvj.segments.codecs.base import Codec
+from kvj.segments.codecs.byteplane import BytePlaneCodec, split_planes
+from kvj.segments.codecs.raw import RawCodec
+from kvj.segments.codecs.zstd import ZstdCodec, compressor
+
+
+class Backpressure:
+    """Shared hint from the flush path to :func:`auto_codec`: 0 normal, 1 busy, 2 saturated.
+
+    At 1 only codecs that save a lot are kept (and no row dedup search); at 2 everything is
+    stored raw so that compression can never be what holds the queue up.
+    """
+
+    NORMAL, BUSY, SATURATED = 0, 1, 2
+
+    def __init__(self) -> None:
+        self._level = self.NORMAL
+
+    @property
+    def level(self) -> int:
+        return self._level
+
+    def set(self, level: int) -> None:
+        self._level = max(self.NORMAL, min(self.SATURATED, int(level)))
+
+
+#: Minimum sampled ratio for compression to be worth its CPU, by pressure level.
+_MIN_GAIN = {Backpressure.NORMAL: 1.03, Backpressure.BUSY: 1.15}
+_SAMPLE_SLICE = 64 << 10
+_SAMPLE_SLICES = 4
+
+
+def _sample(buf: memoryview, itemsize: int) -> memoryview:
+    n = len(buf)
+    if n <= _SAMPLE_SLICE * _SAMPLE_SLICES:
+        return buf
+    step = (n - _SAMPLE_SLICE) // (_SAMPLE_SLICES - 1)
+    parts = [buf[(i * step) // itemsize * itemsize:][:_SAMPLE_SLICE] for i in range(_SAMPLE_SLICES)]
+    return memoryview(b"".join(parts))
+
+
+def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0) -> Codec:
+    """Pick a codec for one segment from a sample of at most 256 KiB.
+
+    Float data gets byte planes with a per-plane choice; everything is compared against plain
+    zstd and raw. Returns raw when nothing saves ``_MIN_GAIN`` (more under pressure).
+    """
+    if pressure >= Backpressure.SATURATED or len(buf) < 4096:
+        return RawCodec()
+    sample = _sample(buf, itemsize)
+    n = len(sample)
+    best: Codec = RawCodec()
+    best_size = n / _MIN_GAIN[pressure]
+    zsize = len(compressor(("zstd", 1, False)).compress(sample))
+    if zsize < best_size:
+        best, best_size = ZstdCodec(level=1), zsize
+    if itemsize > 1 or is_float:
+        modes, total = [], 0
+        for plane in split_planes(sample, itemsize, is_float):
+            raw = len(plane)
+            esize = len(compressor(("entropy",)).compress(plane))
+            zsz = len(compressor(("zstd", 1, False)).compress(plane)) if pressure == 0 else raw
+            choice, size = min((("r", raw), ("e", esize), ("z", zsz)), key=lambda t: t[1])
+            if size > raw * 0.98:
+                choice, size = "r", raw
+            modes.append(choice)
+            total += size
+        if total < best_size and set(modes) != {"r"}:
+            best, best_size = BytePlaneCodec("".join(modes), fp=is_float, level=1), total
+    return best

@@ -1,0 +1,230 @@
+"""Row dedup: a segment-level filter (not a chunk codec) that stores each distinct row once.
+
+It finds rows repeated anywhere in a tensor, as prompts sharing a prefix produce in a KV cache.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from kvj.errors import FormatError
+from kvj.segments.codecs.base import Buffer
+
+
+class RowDedup:
+    """Segment filter that stores each distinct row once.
+
+    The tensor is viewed as rows of ``row_bytes``; ``src[i]`` is the index of the first row
+    equal to row ``i`` (``i`` itself when row ``i`` is the first of its kind). The filtered
+    payload is the first-of-kind rows in order; the map is stored as ``i - src[i]`` (uint32,
+    mostly zeros or a constant stride, so it compresses to almost nothing).
+    """
+
+    #: Smallest row worth deduplicating; shorter rows cost more in map than they save.
+    MIN_ROW_BYTES = 64
+    #: Runs of at least this many rows are copied or compared as slices.
+    MIN_RUN = 64
+
+    @staticmethod
+    def row_bytes_for(shape: Tuple[int, ...], itemsize: int) -> int:
+        """Bytes of the smallest trailing sub-tensor that is at least MIN_ROW_BYTES (0: none)."""
+        size = itemsize
+        for dim in reversed(shape):
+            size *= dim
+            if size >= RowDedup.MIN_ROW_BYTES:
+                return size if size % 8 == 0 else 0
+        return 0
+
+    @staticmethod
+    def _keys(rows: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        words = rows.shape[1]
+        cols = sorted({0, 1, words // 3, words // 2, (2 * words) // 3, words - 2, words - 1})
+        keys = np.zeros(rows.shape[0], np.uint64) if out is None else out
+        if out is not None:
+            keys.fill(0)
+        mult = np.uint64(0x9E3779B97F4A7C15)
+        step = max(1, (1 << 20) // (8 * words))  # ~1 MiB of rows at a time stays in cache
+        for lo in range(0, rows.shape[0], step):
+            k, block = keys[lo:lo + step], rows[lo:lo + step]
+            for c in cols:
+                k *= mult
+                k ^= block[:, c]
+        return keys
+
+    @staticmethod
+    def sample_dup_fraction(buf: memoryview, row_bytes: int) -> float:
+        """Share of repeated rows within a random sample of 1/16 of the rows (16Ki..256Ki).
+
+        A birthday test: with 1/16 of the rows sampled, a tensor whose rows repeat in groups of
+        two shows about 1/16 of its repeated share here, so callers use a low threshold.
+        """
+        n = len(buf) // row_bytes
+        if n < 2:
+            return 0.0
+        rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
+        sample_rows = min(max(16384, n // 16), 1 << 18)
+        if n > sample_rows:
+            idx = np.sort(np.random.default_rng(0x6B766A).choice(n, sample_rows, replace=False))
+            rows = rows[idx]
+        keys = RowDedup._keys(rows)
+        return 1.0 - len(np.unique(keys)) / len(keys)
+
+    @staticmethod
+    def row_keys(buf: memoryview, row_bytes: int, pool: Optional[Executor] = None) -> np.ndarray:
+        """The 64-bit key of every row (half of them in ``pool`` when one is given)."""
+        n = len(buf) // row_bytes
+        rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
+        keys = np.empty(n, np.uint64)
+        if pool is None or n < 8192:
+            return RowDedup._keys(rows, keys)
+        half = n // 2
+        fut = pool.submit(RowDedup._keys, rows[half:], keys[half:])
+        RowDedup._keys(rows[:half], keys[:half])
+        if fut.cancel():  # the pool is busy with other work: do that half here
+            RowDedup._keys(rows[half:], keys[half:])
+        else:
+            fut.result()
+        return keys
+
+    @staticmethod
+    def find(buf: memoryview, row_bytes: int, keys: Optional[np.ndarray] = None) -> np.ndarray:
+        """``src`` for every row of ``buf`` (rows verified byte-equal, not just hash-equal).
+
+        ``keys`` are :meth:`row_keys` of ``buf``, computed here when not given.
+        """
+        n = len(buf) // row_bytes
+        rows = np.frombuffer(buf, np.uint64).reshape(n, row_bytes // 8)
+        if keys is None:
+            keys = RowDedup._keys(rows)
+        # Group equal keys with a plain (SIMD) argsort and take each group's smallest row
+        # index: the first row of its kind. Faster than np.unique's stable sort.
+        order = np.argsort(keys)
+        sk = keys[order]
+        new = np.empty(n, bool)
+        new[0] = True
+        np.not_equal(sk[1:], sk[:-1], out=new[1:])
+        starts = np.flatnonzero(new)
+        first = np.minimum.reduceat(order, starts)
+        src = np.empty(n, np.int64)
+        src[order] = np.repeat(first, np.diff(np.append(starts, n)))
+        # Verify every candidate byte for byte: long runs at a constant distance (a shared
+        # prefix) as slices, without gathering copies; the rest row by row.
+        back = np.arange(n, dtype=np.int64) - src
+        starts, ends, vals = RowDedup._runs(back)
+        scattered = np.ones(n, bool)
+        for a, b, d in zip(starts.tolist(), ends.tolist(), vals.tolist()):
+            if d:
+                for lo in range(a, b, 4096):
+                    hi = min(b, lo + 4096)
+                    if np.array_equal(rows[lo:hi], rows[lo - d:hi - d]):
+                        continue
+                    same = (rows[lo:hi] == rows[lo - d:hi - d]).all(axis=1)
+                    src[lo:hi][~same] = np.arange(lo, hi)[~same]
+            scattered[a:b] = False
+        cand = np.flatnonzero(scattered & (back != 0))
+        for lo in range(0, len(cand), 4096):
+            part = cand[lo:lo + 4096]
+            same = (rows[part] == rows[src[part]]).all(axis=1)
+            src[part[~same]] = part[~same]
+        return src
+
+    @staticmethod
+    def _runs(back: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, end, back value) of each maximal run of at least MIN_RUN rows with equal
+        ``back`` (``i - src[i]``): a run of first-of-kind rows, or of repeats at one distance."""
+        n = len(back)
+        if n == 0:
+            return (np.zeros(0, np.int64),) * 3
+        change = np.empty(n, bool)
+        change[0] = True
+        np.not_equal(back[1:], back[:-1], out=change[1:])
+        starts = np.flatnonzero(change)
+        ends = np.append(starts[1:], n)
+        keep = ends - starts >= RowDedup.MIN_RUN
+        starts, ends = starts[keep], ends[keep]
+        return starts, ends, back[starts]
+
+    @staticmethod
+    def encode_map(src: np.ndarray) -> bytes:
+        return (np.arange(len(src), dtype=np.int64) - src).astype("<u4").tobytes()
+
+    @staticmethod
+    def decode_map(data: Buffer, n_rows: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Validate a stored map; return (src, positions of first-of-kind rows)."""
+        if len(data) != 4 * n_rows:
+            raise FormatError("dedup map has the wrong length")
+        back = np.frombuffer(data, "<u4").astype(np.int64)
+        src = np.arange(n_rows, dtype=np.int64) - back
+        if n_rows and (src.min() < 0 or (back[src] != 0).any()):
+            raise FormatError("dedup map points outside the first-of-kind rows")
+        return src, np.flatnonzero(back == 0)
+
+    @staticmethod
+    def gather(buf: memoryview, row_bytes: int, src: np.ndarray) -> np.ndarray:
+        """The first-of-kind rows of ``buf`` in order, as one contiguous array."""
+        rows = np.frombuffer(buf, np.uint8).reshape(-1, row_bytes)
+        return rows[np.flatnonzero(src == np.arange(len(src)))]
+
+    @staticmethod
+    def scatter(unique: np.ndarray, out: memoryview, row_bytes: int, src: np.ndarray,
+                firsts: np.ndarray) -> None:
+        """Rebuild every row of ``out`` from the first-of-kind rows."""
+        rows = np.frombuffer(out, np.uint8).reshape(-1, row_bytes)
+        plan = ScatterPlan(src)
+        plan.firsts(rows, unique.reshape(-1, row_bytes), 0, len(src))
+        plan.repeats(rows, 0, len(src))
+
+
+class ScatterPlan:
+    """How to rebuild rows from a dedup map, in pieces that can run in parallel.
+
+    First :meth:`firsts` for every row range (they only write first-of-kind rows), then
+    :meth:`repeats` (they read only first-of-kind rows). Long runs (first-of-kind rows in a
+    row, or repeats at one distance, as a shared prefix gives) are copied as slices, the
+    other rows through index arrays.
+    """
+
+    def __init__(self, src: np.ndarray):
+        n = len(src)
+        self.src = src
+        back = np.arange(n, dtype=np.int64) - src
+        is_first = back == 0
+        self.pidx = np.cumsum(is_first) - 1  # payload row of each first-of-kind row
+        self.starts, self.ends, self.vals = RowDedup._runs(back)
+        rest = np.ones(n, bool)
+        for a, b in zip(self.starts.tolist(), self.ends.tolist()):
+            rest[a:b] = False
+        self.short_firsts = np.flatnonzero(rest & is_first)
+        self.short_repeats = np.flatnonzero(rest & ~is_first)
+
+    def _runs_in(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
+        i0 = int(np.searchsorted(self.ends, lo, side="right"))
+        i1 = int(np.searchsorted(self.starts, hi, side="left"))
+        return [(max(a, lo), min(b, hi), d) for a, b, d in zip(
+            self.starts[i0:i1].tolist(), self.ends[i0:i1].tolist(), self.vals[i0:i1].tolist())]
+
+    @staticmethod
+    def _within(idx: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        return idx[np.searchsorted(idx, lo):np.searchsorted(idx, hi)]
+
+    def firsts(self, rows: np.ndarray, unique: np.ndarray, lo: int, hi: int) -> None:
+        """Write the first-of-kind rows among rows ``lo..hi-1`` from the payload rows."""
+        for a, b, d in self._runs_in(lo, hi):
+            if not d:
+                p = int(self.pidx[a])
+                rows[a:b] = unique[p:p + (b - a)]
+        idx = self._within(self.short_firsts, lo, hi)
+        if len(idx):
+            rows[idx] = unique[self.pidx[idx]]
+
+    def repeats(self, rows: np.ndarray, lo: int, hi: int) -> None:
+        """Copy the repeated rows among ``lo..hi-1`` from their (already written) sources."""
+        for a, b, d in self._runs_in(lo, hi):
+            if d:
+                rows[a:b] = rows[a - d:b - d]
+        idx = self._within(self.short_repeats, lo, hi)
+        if len(idx):
+            rows[idx] = rows[self.src[idx]]
