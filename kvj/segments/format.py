@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -231,117 +231,151 @@ def _default_params(name: str, dtype: torch.dtype) -> Dict[str, Any]:
     return {}
 
 
-def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout: Layout,
-           digest: Optional[bytes], codec: Union[str, Codec] = "auto", pool: Optional[Executor] = None,
-           pressure: int = Backpressure.NORMAL, dedup: Optional[bool] = None) -> EncodedSegment:
-    """Encode the C-order bytes ``raw`` of a tensor.
+class _RowPlan:
+    """Row dedup for one tensor: which rows are stored, and the map that rebuilds the rest."""
 
-    ``digest`` is :func:`compute_digest` of the same data, or None to compute it alongside
-    compression (in the pool, as the chunks go by); either way ``header.digest`` holds it.
+    def __init__(self, raw: memoryview, row_bytes: int, src: np.ndarray):
+        self.row_bytes = row_bytes
+        self.rows = np.frombuffer(raw, np.uint8).reshape(-1, row_bytes)
+        self.firsts = np.flatnonzero(src == np.arange(len(src)))
+        self.payload_size = len(self.firsts) * row_bytes
+        map_raw = RowDedup.encode_map(src)
+        self.map_frame = ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
+        self.info = {"row_bytes": row_bytes, "rows": len(src), "map_raw": len(map_raw)}
 
-    ``codec`` is a registered name, ``"auto"`` or a :class:`Codec`. ``dedup`` forces the row
-    dedup filter on or off; by default it runs when a sample shows repeated rows.
-    """
-    name = dtype_name(dtype)
-    shape = tuple(int(d) for d in shape)
-    if len(raw) != math.prod(shape) * dtype.itemsize:
-        raise FormatError("raw size does not match dtype and shape")
-    layout = canonical_layout(layout)
-    wsize = word_size(dtype)
-    chosen = _resolve_codec(codec, raw, dtype, pressure)
-    payload, dedup_info, map_frame = raw, None, None
-    row_bytes = RowDedup.row_bytes_for(shape, dtype.itemsize) if len(raw) >= 2 * CHUNK_SIZE else 0
-    if dedup is None:
-        dedup = bool(row_bytes) and pressure == Backpressure.NORMAL \
-            and RowDedup.sample_dup_fraction(raw, row_bytes) >= 0.004
-    leaf_futures: List[Any] = []
-    if dedup and row_bytes:
-        keys = RowDedup.row_keys(raw, row_bytes, pool)
-        if digest is None and pool is not None:  # the pool hashes while this thread searches
-            leaf_futures = [pool.submit(_leaf, raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
-        src = RowDedup.find(raw, row_bytes, keys)
-        first_rows = np.flatnonzero(src == np.arange(len(src)))
-        if len(first_rows) < len(src):
-            # The payload (the first-of-kind rows in order) is never built whole: each chunk
-            # task gathers its own rows, in parallel (see chunk_of).
-            payload_rows = (np.frombuffer(raw, np.uint8).reshape(-1, row_bytes), first_rows)
-            payload_size = len(first_rows) * row_bytes
-            map_raw = RowDedup.encode_map(src)
-            map_frame = ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
-            dedup_info = {"row_bytes": row_bytes, "rows": len(src), "map_raw": len(map_raw)}
-    if dedup_info is None:
-        payload_size = len(payload)
-    spans = _chunks(payload_size, CHUNK_SIZE)
-
-    def chunk_of(span: Tuple[int, int]) -> memoryview:
-        off, n = span
-        if dedup_info is None:
-            return payload[off:off + n]
-        rows, firsts = payload_rows
-        r0, r1 = off // row_bytes, -(-(off + n) // row_bytes)
-        block = rows[firsts[r0:r1]].reshape(-1)
-        skip = off - r0 * row_bytes
+    def chunk(self, off: int, n: int) -> memoryview:
+        """Payload bytes ``off..off+n`` (first-of-kind rows), gathered by the task that needs
+        them, so the payload is never built whole."""
+        r0, r1 = off // self.row_bytes, -(-(off + n) // self.row_bytes)
+        block = self.rows[self.firsts[r0:r1]].reshape(-1)
+        skip = off - r0 * self.row_bytes
         return memoryview(block[skip:skip + n])
-    # Without a filter the payload chunks are the digest's leaves: hash each one in the same
-    # task that encodes it, while it is still in cache. With row dedup the leaves cover the
-    # raw bytes, so they are separate tasks.
-    fuse = digest is None and dedup_info is None and not leaf_futures
-    fused_leaves: List[bytes] = []
 
-    def work(span: Tuple[int, int]) -> Tuple[Buffer, int, Optional[bytes]]:
-        chunk = chunk_of(span)
-        body = chosen.encode(chunk, wsize)
-        return body, crc32c.crc32c(body), _leaf(chunk) if fuse else None
 
-    def pieces() -> Iterator[Tuple[Buffer, int]]:
-        if map_frame is not None:
-            yield map_frame, crc32c.crc32c(map_frame)
-        if pool is None or len(spans) <= 1:
-            for span in spans:
-                body, crc, leaf = work(span)
+class SegmentEncoder:
+    """Encodes the C-order bytes of one tensor into a segment, chunk by chunk.
+
+    The digest's leaves (BLAKE3 of each raw chunk) come one of three ways:
+
+    - *given*: the caller passed the digest (the store hashes small segments first);
+    - *fused*: without a filter the payload chunks are the raw chunks, so each chunk task
+      hashes what it encodes while it is in cache;
+    - *separate*: with row dedup the payload is not the raw bytes, so the leaves are pool
+      tasks of their own, started while the rows are searched when a pool is there.
+    """
+
+    def __init__(self, raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout: Layout,
+                 digest: Optional[bytes], codec: Union[str, Codec], pool: Optional[Executor],
+                 pressure: int, dedup: Optional[bool]):
+        self.name = dtype_name(dtype)
+        self.shape = tuple(int(d) for d in shape)
+        if len(raw) != math.prod(self.shape) * dtype.itemsize:
+            raise FormatError("raw size does not match dtype and shape")
+        self.raw, self.layout, self.digest, self.pool = raw, canonical_layout(layout), digest, pool
+        self.wsize = word_size(dtype)
+        self.codec = _resolve_codec(codec, raw, dtype, pressure)
+        self.leaf_futures: List[Future] = []
+        self.rows = self._plan_rows(dtype, pressure, dedup)
+        self.payload_size = self.rows.payload_size if self.rows else len(raw)
+        self.spans = _chunks(self.payload_size, CHUNK_SIZE)
+        self.fused = digest is None and self.rows is None and not self.leaf_futures
+        self.fused_leaves: List[bytes] = []
+
+    def _plan_rows(self, dtype: torch.dtype, pressure: int, dedup: Optional[bool]) -> Optional[_RowPlan]:
+        """The row-dedup plan when it applies (``dedup`` forces it on or off; by default it
+        runs when a sample shows repeated rows), else None."""
+        raw = self.raw
+        row_bytes = RowDedup.row_bytes_for(self.shape, dtype.itemsize) if len(raw) >= 2 * CHUNK_SIZE else 0
+        if dedup is None:
+            dedup = bool(row_bytes) and pressure == Backpressure.NORMAL \
+                and RowDedup.sample_dup_fraction(raw, row_bytes) >= 0.004
+        if not (dedup and row_bytes):
+            return None
+        keys = RowDedup.row_keys(raw, row_bytes, self.pool)
+        if self.digest is None and self.pool is not None:  # the pool hashes while this thread searches
+            self.leaf_futures = [self.pool.submit(_leaf, raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
+        src = RowDedup.find(raw, row_bytes, keys)
+        if np.count_nonzero(src == np.arange(len(src))) == len(src):
+            return None  # no repeated rows after all
+        return _RowPlan(raw, row_bytes, src)
+
+    def _chunk(self, span: Tuple[int, int]) -> memoryview:
+        off, n = span
+        return self.rows.chunk(off, n) if self.rows else self.raw[off:off + n]
+
+    def _encode(self, span: Tuple[int, int]) -> Tuple[Buffer, int, Optional[bytes]]:
+        """One chunk's stored bytes, their CRC, and (fused) its digest leaf."""
+        chunk = self._chunk(span)
+        body = self.codec.encode(chunk, self.wsize)
+        return body, crc32c.crc32c(body), _leaf(chunk) if self.fused else None
+
+    def pieces(self) -> Iterator[Tuple[Buffer, int]]:
+        """(stored bytes, CRC) of the dedup map, if any, then of every chunk, in file order."""
+        if self.rows:
+            yield self.rows.map_frame, crc32c.crc32c(self.rows.map_frame)
+        if self.pool is None or len(self.spans) <= 1:
+            for span in self.spans:
+                body, crc, leaf = self._encode(span)
                 if leaf is not None:
-                    fused_leaves.append(leaf)
+                    self.fused_leaves.append(leaf)
                 yield body, crc
             return
+        separate = self.digest is None and not self.fused and not self.leaf_futures
+        leaf_spans = _chunks(len(self.raw), CHUNK_SIZE) if separate else []
         futures = []
-        leaf_spans = _chunks(len(raw), CHUNK_SIZE) if digest is None and not fuse and not leaf_futures else []
-        for i in range(max(len(spans), len(leaf_spans))):  # interleaved: hashing keeps pace
-            if i < len(spans):
-                futures.append(pool.submit(work, spans[i]))
+        for i in range(max(len(self.spans), len(leaf_spans))):  # interleaved: hashing keeps pace
+            if i < len(self.spans):
+                futures.append(self.pool.submit(self._encode, self.spans[i]))
             if i < len(leaf_spans):
                 o, n = leaf_spans[i]
-                leaf_futures.append(pool.submit(_leaf, raw[o:o + n]))
+                self.leaf_futures.append(self.pool.submit(_leaf, self.raw[o:o + n]))
         try:
             for fut in futures:
                 body, crc, leaf = fut.result()
                 if leaf is not None:
-                    fused_leaves.append(leaf)
+                    self.fused_leaves.append(leaf)
                 yield body, crc
         finally:
             for fut in futures:
                 fut.cancel()
 
-    def make_header(table: List[Tuple[int, int]]) -> Header:
-        final = digest
-        if final is None:
-            if fuse:
-                leaves = fused_leaves
-            elif leaf_futures:
-                leaves = [f.result() for f in leaf_futures]
-            else:
-                leaves = [_leaf(raw[o:o + n]) for o, n in _chunks(len(raw), CHUNK_SIZE)]
-            final = digest_from_leaves(name, shape, layout, CHUNK_SIZE, len(raw), leaves)
-        dd = None
-        if dedup_info is not None:
-            dd = dict(dedup_info, map_stored=table[0][0], map_crc=table[0][1])
-            table = table[1:]
-        return Header(dtype=name, shape=shape, layout=layout, codec=chosen.name,
-                      params=dict(chosen.params), raw_size=len(raw), chunk_size=CHUNK_SIZE,
-                      payload_size=payload_size, chunks=tuple(table),
-                      stored_size=sum(t[0] for t in table) + (dd["map_stored"] if dd else 0),
-                      digest=final, dedup=dd)
+    def _final_digest(self) -> bytes:
+        if self.digest is not None:
+            return self.digest
+        if self.fused:
+            leaves = self.fused_leaves
+        elif self.leaf_futures:
+            leaves = [f.result() for f in self.leaf_futures]
+        else:
+            leaves = [_leaf(self.raw[o:o + n]) for o, n in _chunks(len(self.raw), CHUNK_SIZE)]
+        return digest_from_leaves(self.name, self.shape, self.layout, CHUNK_SIZE, len(self.raw), leaves)
 
-    return EncodedSegment(make_header, pieces())
+    def header(self, table: List[Tuple[int, int]]) -> Header:
+        """The header, once every piece's (stored length, CRC) is in ``table``."""
+        dd = None
+        if self.rows:
+            dd = dict(self.rows.info, map_stored=table[0][0], map_crc=table[0][1])
+            table = table[1:]
+        return Header(dtype=self.name, shape=self.shape, layout=self.layout, codec=self.codec.name,
+                      params=dict(self.codec.params), raw_size=len(self.raw), chunk_size=CHUNK_SIZE,
+                      payload_size=self.payload_size, chunks=tuple(table),
+                      stored_size=sum(t[0] for t in table) + (dd["map_stored"] if dd else 0),
+                      digest=self._final_digest(), dedup=dd)
+
+
+def encode(raw: memoryview, *, dtype: torch.dtype, shape: Sequence[int], layout: Layout,
+           digest: Optional[bytes], codec: Union[str, Codec] = "auto", pool: Optional[Executor] = None,
+           pressure: int = Backpressure.NORMAL, dedup: Optional[bool] = None) -> EncodedSegment:
+    """Encode the C-order bytes ``raw`` of a tensor (see :class:`SegmentEncoder`).
+
+    ``digest`` is :func:`compute_digest` of the same data, or None to compute it alongside
+    compression (in the pool, as the chunks go by); either way ``header.digest`` holds it.
+    ``codec`` is a registered name, ``"auto"`` or a :class:`Codec`. ``dedup`` forces the row
+    dedup filter on or off; by default it runs when a sample shows repeated rows.
+    """
+    encoder = SegmentEncoder(raw, dtype=dtype, shape=shape, layout=layout, digest=digest, codec=codec,
+                             pool=pool, pressure=pressure, dedup=dedup)
+    return EncodedSegment(encoder.header, encoder.pieces())
 
 
 # --------------------------------------------------------------------------- parsing
