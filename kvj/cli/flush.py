@@ -188,7 +188,7 @@ def check_layout(req: RequestState, layout: Dict[str, Any], store: Any, tensor: 
     """A request's segments keep one layout, dtype and shape: refuse a flush that changes them."""
     if not req.segments:
         return
-    from kvj.segments.store import layouts_match
+    from kvj.segments.layout import layouts_match
 
     newest = req.segments[max(req.segments)]
     if not layouts_match(newest.layout, layout):

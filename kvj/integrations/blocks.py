@@ -28,6 +28,7 @@ import torch
 
 from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState, RequestState
+from kvj.segments.layout import check_layout
 from kvj.segments.restore import load as load_segment
 
 if TYPE_CHECKING:
@@ -77,10 +78,7 @@ class BlockLayout:
 
     def check(self, layout: Mapping[str, Any], where: str) -> None:
         """Refuse a segment journaled for another model or geometry (``LayoutMismatch``)."""
-        mine = self.identity()
-        diff = [f"{k}={layout.get(k)!r} (cache has {mine[k]!r})" for k in _IDENTITY if layout.get(k) != mine[k]]
-        if diff:
-            raise LayoutMismatch(f"{where} belongs to another cache layout: " + ", ".join(diff))
+        check_layout(layout, self.identity(), where, fields=_IDENTITY)
 
 
 def prompt_hash(prompt: Sequence[int]) -> str:

@@ -25,8 +25,9 @@ import torch
 from kvj.errors import LayoutMismatch
 from kvj.segments import device as cuda
 from kvj.segments.format import dtype_name
+from kvj.segments.layout import check_layout
 from kvj.segments.staging import StagingPool
-from kvj.segments.store import SegmentStore, layouts_match
+from kvj.segments.store import SegmentStore
 
 Device = Union[str, torch.device]
 
@@ -150,10 +151,10 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     block_shape = (len(kv_caches),) + tuple(first.shape[1:])
     for key in keys:
         info = store.info(key)
-        if not layouts_match(info.layout, expected) or info.shape != block_shape \
-                or info.dtype != expected["dtype"]:
-            raise LayoutMismatch(f"segment {key} (layout {info.layout}, shape {list(info.shape)}) "
-                                 f"does not fit this cache ({expected})")
+        check_layout(info.layout, expected, f"segment {key}")
+        if info.shape != block_shape or info.dtype != expected["dtype"]:
+            raise LayoutMismatch(f"segment {key} holds {info.dtype} {list(info.shape)}, this cache's blocks "
+                                 f"are {expected['dtype']} {list(block_shape)}")
     is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
     total = block_bytes * len(keys)

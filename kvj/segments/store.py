@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, DurabilityError
 from kvj.names import check_key
 from kvj.segments import device as cuda
@@ -26,6 +26,7 @@ from kvj.segments import format as seg
 from kvj.segments.backend import Buffer, LocalDirBackend, StorageBackend, Upload
 from kvj.segments.codecs import Codec
 from kvj.segments.codecs.auto import Backpressure
+from kvj.segments.layout import check_layout
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,6 @@ def _timed_parts(parts: Iterator[Buffer], waited: List[float]) -> Iterator[Buffe
         finally:
             waited[0] += time.perf_counter() - t
         yield part
-
-
-def layouts_match(actual: Optional[Dict[str, Any]], expected: Optional[Dict[str, Any]]) -> bool:
-    """Exact equality after canonicalisation (tuples and lists compare equal)."""
-    return seg.canonical_layout(actual) == seg.canonical_layout(expected)
 
 
 class SegmentStore:
@@ -262,9 +258,7 @@ class SegmentStore:
         name = self.backend.describe(key)
         data = self.backend.get(key)
         if expect_layout is not None:
-            header = seg.read_header(data, name)
-            if not layouts_match(header.layout, expect_layout):
-                raise LayoutMismatch(f"segment {name} has layout {header.layout}, expected {expect_layout}")
+            check_layout(seg.read_header(data, name).layout, expect_layout, f"segment {name}")
         header, tensor = seg.decode_into(data, out, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")

@@ -1,0 +1,45 @@
+"""The one check of whether a segment fits where it is loaded: its layout against the expected one.
+
+A layout names what a segment's tensor belongs to (model, cache geometry, block format); it is
+part of the segment's digest. The store (``get(expect_layout=...)``), paged restore and the
+KV-block integration all ask this module, so "fits" means one thing everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+from kvj.errors import LayoutMismatch
+from kvj.segments.format import Layout, canonical_layout
+
+_ABSENT = object()
+
+
+def layout_diff(actual: Layout, expected: Layout, fields: Optional[Iterable[str]] = None) -> List[str]:
+    """How ``actual`` differs from ``expected``: one ``key=value (expected value)`` per field.
+
+    Without ``fields`` every field of either counts and the two must be equal after
+    canonicalisation (tuples and lists compare equal; no layout is not an empty one); with
+    ``fields`` only those fields count (say, the ones that identify a model and geometry).
+    """
+    a, e = canonical_layout(actual), canonical_layout(expected)
+    if fields is None:
+        if a == e:
+            return []
+        if a is None or e is None:
+            return [f"layout={a!r} (expected {e!r})"]
+        fields = sorted(set(a) | set(e))
+    a, e = a or {}, e or {}
+    return [f"{k}={a.get(k)!r} (expected {e.get(k)!r})" for k in fields if a.get(k, _ABSENT) != e.get(k, _ABSENT)]
+
+
+def layouts_match(actual: Layout, expected: Layout) -> bool:
+    """Whether ``actual`` equals ``expected`` (see :func:`layout_diff`)."""
+    return not layout_diff(actual, expected)
+
+
+def check_layout(actual: Layout, expected: Layout, where: str, fields: Optional[Iterable[str]] = None) -> None:
+    """Raise ``LayoutMismatch`` naming ``where`` and every differing field unless ``actual`` fits."""
+    diff = layout_diff(actual, expected, fields)
+    if diff:
+        raise LayoutMismatch(f"{where} belongs to another layout: " + ", ".join(diff))
