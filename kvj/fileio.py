@@ -13,6 +13,8 @@ import os
 from typing import Union
 
 PathLike = Union[str, "os.PathLike[str]"]
+#: Bytes kvj writes or reads without copying them first.
+Buffer = Union[bytes, bytearray, memoryview]
 
 #: Files kvj creates are owner-only unless the caller asks otherwise.
 DEFAULT_FILE_MODE = 0o600
@@ -27,9 +29,9 @@ class FS:
     """Real file operations (the default). Subclasses record or inject faults."""
 
     def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
-        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+        return os.open(path, flags | os.O_CLOEXEC, mode)
 
-    def write(self, fd: int, data: Union[bytes, bytearray, memoryview]) -> None:
+    def write(self, fd: int, data: Buffer) -> None:
         """Write all of ``data`` at the current offset (loops over short writes)."""
         view = memoryview(data).cast("B")
         while view:
@@ -38,7 +40,7 @@ class FS:
                 raise OSError(errno.EIO, "short write")
             view = view[n:]
 
-    def writev(self, fd: int, parts: "list[Union[bytes, bytearray, memoryview]]") -> None:
+    def writev(self, fd: int, parts: "list[Buffer]") -> None:
         """Write several buffers in order without joining them (one ``write`` each)."""
         for part in parts:
             self.write(fd, part)
@@ -69,7 +71,7 @@ class FS:
 
     def fsync_dir(self, path: PathLike) -> None:
         """fsync a directory so that entries created or renamed in it survive power loss."""
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
         finally:
@@ -116,7 +118,7 @@ def fsync_path(path: PathLike, fs: FS = REAL_FS) -> None:
         fs.close(fd)
 
 
-def atomic_write(path: PathLike, data: Union[bytes, bytearray, memoryview], fs: FS = REAL_FS,
+def atomic_write(path: PathLike, data: Buffer, fs: FS = REAL_FS,
                  mode: int = DEFAULT_FILE_MODE) -> None:
     """Durably replace ``path`` with ``data``: temp file, fsync, rename, fsync directory.
 
@@ -140,9 +142,3 @@ def atomic_write(path: PathLike, data: Union[bytes, bytearray, memoryview], fs: 
     fs.close(fd)
     fs.rename(tmp, path)
     fs.fsync_dir(directory)
-
-
-def read_file(path: PathLike) -> bytes:
-    """Read a whole file (a helper so callers need not repeat the open/close dance)."""
-    with open(path, "rb") as f:
-        return f.read()

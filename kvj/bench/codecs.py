@@ -188,7 +188,7 @@ def bench_kvj(t: torch.Tensor, d: str, codec: str) -> Result:
 
 
 def _overhead(store: SegmentStore, key: str) -> int:
-    return store.backend.size(key) - store.info(key).stored_size
+    return store.stat(key).size - store.info(key).stored_size
 
 
 def bench_kvj_blocks(kv: torch.Tensor, d: str) -> Result:
@@ -204,7 +204,7 @@ def bench_kvj_blocks(kv: torch.Tensor, d: str) -> Result:
                 futs = [fl.submit(blocks[p, b], layout) for p in range(prompts) for b in range(n_blocks)]
                 return [f.result().key for f in futs]
         save, keys = _timed(flush)
-        stored = sum(store.backend.size(k) for k in set(keys))
+        stored = sum(store.stat(k).size for k in set(keys))
         ids = list(range(len(keys)))
         load, _ = _best_load(lambda: restore_paged(store, keys, caches, ids, model="bench-tiny-decoder"))
         ok = all(_same(caches[layer][p * n_blocks + b], blocks[p, b, layer])

@@ -124,18 +124,18 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
     (``SegmentStore.delete(older_than=...)``): a segment that a writer in any process has
     just deduplicated against survives, and one deleted first is written anew by that writer.
     """
-    backend = store.backend
     cutoff = now - grace
     aged: List[Tuple[str, int]] = []
     young: List[str] = []
     for key in store.keys():
         try:
-            if backend.mtime(key) <= cutoff:
-                aged.append((key, backend.size(key)))
-            else:
-                young.append(key)
+            stat = store.stat(key)
         except SegmentMissing:
             continue
+        if stat.used <= cutoff:
+            aged.append((key, stat.size))
+        else:
+            young.append(key)
     referenced = replay(directory).referenced_keys()
     # An END (or a new checkpoint) seen above may still sit unsynced in the page cache of a
     # live or killed writer; make it durable before deleting what it released.

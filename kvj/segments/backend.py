@@ -15,18 +15,18 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional, Union
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
 
 import numpy as np
 
 from kvj.errors import SegmentCorrupt, SegmentMissing
-from kvj.fileio import FS, REAL_FS, DurabilityError, makedirs_durable, rename_durable
+from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError, makedirs_durable, rename_durable
 from kvj.names import KEY_RE
 
 SEGMENT_SUFFIX = ".kvjseg"
 #: The store's collection lock (see ``LocalDirBackend._collection_lock``).
 GC_LOCK = "gc.lock"
-Buffer = Union[bytes, bytearray, memoryview]
 
 
 def _same_file(path: str, fd: int) -> bool:
@@ -37,6 +37,15 @@ def _same_file(path: str, fd: int) -> bool:
         return False
     fst = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+@dataclass(frozen=True)
+class ObjectStat:
+    """What a backend knows about a stored object besides its bytes."""
+
+    size: int
+    #: Unix time it was stored or last claimed by a dedup hit (what collection's grace period counts from).
+    used: float
 
 
 class Upload(ABC):
@@ -64,17 +73,6 @@ class StorageBackend(ABC):
     def begin(self) -> Upload:
         """Start writing a new object."""
 
-    def put_durable(self, key: str, parts: Iterable[Buffer]) -> int:
-        """Store the concatenation of ``parts`` under ``key``; durable when it returns."""
-        upload = self.begin()
-        try:
-            for part in parts:
-                upload.write(part)
-            return upload.commit(key)
-        except BaseException:
-            upload.abort()
-            raise
-
     @abstractmethod
     def get(self, key: str) -> Buffer:
         """All bytes of ``key``; SegmentMissing when absent."""
@@ -84,8 +82,8 @@ class StorageBackend(ABC):
         """Up to ``length`` bytes of ``key`` from ``offset``; SegmentMissing when absent."""
 
     @abstractmethod
-    def size(self, key: str) -> int:
-        """Byte size of ``key``; SegmentMissing when absent."""
+    def stat(self, key: str) -> ObjectStat:
+        """Size and last use of ``key``; SegmentMissing when absent."""
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -101,9 +99,6 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def keys(self) -> Iterator[str]: ...
-
-    @abstractmethod
-    def mtime(self, key: str) -> float: ...
 
     @abstractmethod
     def touch(self, key: str) -> bool:
@@ -272,43 +267,42 @@ class LocalDirBackend(StorageBackend):
     def _missing(self, key: str) -> SegmentMissing:
         return SegmentMissing(f"segment {key} not in store ({self.path(key)})")
 
+    @contextmanager
+    def _open(self, key: str) -> Iterator[int]:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise self._missing(key) from None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
     def get(self, key: str) -> Buffer:
         """All bytes of the file, read into memory.
 
         Not memory-mapped: through a map, a media error or a file truncated under the reader
         is a SIGBUS that kills the process; read, either is a ``SegmentCorrupt`` naming the file.
         """
-        path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise self._missing(key) from None
-        try:
+        with self._open(key) as fd:
             size = os.fstat(fd).st_size
             data = memoryview(np.empty(size, np.uint8)) if size else memoryview(b"")
-            _read_into(fd, data, 0, path)
+            _read_into(fd, data, 0, self.path(key))
             return data
-        finally:
-            os.close(fd)
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise self._missing(key) from None
-        try:
-            return os.pread(fd, length, offset)
-        except OSError as exc:
-            raise SegmentCorrupt(path, offset, f"read failed: {exc.strerror or exc}") from None
-        finally:
-            os.close(fd)
+        with self._open(key) as fd:
+            try:
+                return os.pread(fd, length, offset)
+            except OSError as exc:
+                raise SegmentCorrupt(self.path(key), offset, f"read failed: {exc.strerror or exc}") from None
 
-    def size(self, key: str) -> int:
+    def stat(self, key: str) -> ObjectStat:
         try:
-            return os.stat(self.path(key)).st_size
+            st = os.stat(self.path(key))
         except FileNotFoundError:
             raise self._missing(key) from None
+        return ObjectStat(st.st_size, st.st_mtime)
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self.path(key))
@@ -356,12 +350,6 @@ class LocalDirBackend(StorageBackend):
                 key = name[:-len(SEGMENT_SUFFIX)]
                 if name.endswith(SEGMENT_SUFFIX) and KEY_RE.fullmatch(key) and key[:2] == fan:
                     yield key
-
-    def mtime(self, key: str) -> float:
-        try:
-            return os.stat(self.path(key)).st_mtime
-        except FileNotFoundError:
-            raise self._missing(key) from None
 
     def touch(self, key: str) -> bool:
         path = self.path(key)

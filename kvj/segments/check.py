@@ -51,7 +51,7 @@ def verify_segment(store: Optional[Any], key: str, digest: Optional[str] = None)
         return "segment-missing", str(exc)
     except (CorruptionError, FormatError, OSError) as exc:
         return "segment-damaged", str(exc)
-    if digest is not None and getattr(info, "digest", digest) != digest:
+    if digest is not None and info.digest != digest:
         return "segment-damaged", f"digest {info.digest} differs from the {digest} its record claims"
     return None
 

@@ -31,12 +31,11 @@ import numpy as np
 import torch
 
 from kvj.errors import FormatError, SegmentCorrupt
+from kvj.fileio import Buffer
 from kvj.segments.codecs import Codec, get_codec
 from kvj.segments.codecs.auto import Backpressure, auto_codec
 from kvj.segments.codecs.rowdedup import RowDedup, ScatterPlan
 from kvj.segments.codecs.zstd import ZstdCodec, zstd_decompress
-
-Buffer = Union[bytes, bytearray, memoryview]
 
 MAGIC = b"\x89KVJSEG\n"
 END_MAGIC = b"KVJSEGOK"

@@ -14,16 +14,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
-from kvj.fileio import FS, REAL_FS, DurabilityError
+from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
 from kvj.names import check_key
 from kvj.segments import device as cuda
 from kvj.segments import format as seg
-from kvj.segments.backend import Buffer, LocalDirBackend, StorageBackend, Upload
+from kvj.segments.backend import LocalDirBackend, ObjectStat, StorageBackend, Upload
 from kvj.segments.codecs import Codec
 from kvj.segments.codecs.auto import Backpressure
 from kvj.segments.layout import check_layout
@@ -138,9 +138,7 @@ class SegmentStore:
         hashing) and the rest, ``io``: the flusher uses them to tell a CPU-bound queue (step
         the codec down) from a disk-bound one (keep compressing).
         """
-        if self._failed is not None:
-            raise DurabilityError(getattr(self._failed, "errno", None) or 0,
-                                  f"segment store failed earlier: {self._failed}")
+        self._check_alive()
         layout = seg.canonical_layout(layout)
         name = seg.dtype_name(dtype)
         waited = [0.0]
@@ -153,19 +151,19 @@ class SegmentStore:
                 if info is None:
                     enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=bytes.fromhex(key),
                                      codec=codec, pool=self.pool, pressure=pressure)
-                    upload = self._write(enc, waited)
-                    info = self._commit(upload, enc, key)
+                    self._commit(self._write(_timed_parts(enc.parts(), waited)), key)
+                    info = SegmentInfo.from_header(enc.header)
         else:
             # Large: hash while compressing and writing; the key is known at the end.
             enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=None,
                              codec=codec, pool=self.pool, pressure=pressure)
-            upload = self._write(enc, waited)
-            assert enc.header is not None
+            upload = self._write(_timed_parts(enc.parts(), waited))
             key = enc.header.digest.hex()
             with self._key_lock(key):
                 info = self._existing(key)
                 if info is None:
-                    info = self._commit(upload, enc, key)
+                    self._commit(upload, key)
+                    info = SegmentInfo.from_header(enc.header)
                 else:
                     upload.abort()
         if timings is not None:
@@ -200,14 +198,19 @@ class SegmentStore:
         self.dedup_hits += 1
         return SegmentInfo.from_header(header)
 
-    def _write(self, enc: seg.EncodedSegment, waited: List[float]) -> Upload:
+    def _check_alive(self) -> None:
+        """After a failed write or fsync nothing more is stored (fsync is never retried)."""
+        if self._failed is not None:
+            raise DurabilityError(self._failed.errno or 0, f"segment store failed earlier: {self._failed}")
+
+    def _write(self, parts: Iterable[Buffer]) -> Upload:
         try:
             upload = self.backend.begin()
         except OSError as exc:
             self._failed = exc
             raise
         try:
-            for part in _timed_parts(enc.parts(), waited):
+            for part in parts:
                 upload.write(part)
         except BaseException as exc:
             upload.abort()
@@ -216,7 +219,7 @@ class SegmentStore:
             raise
         return upload
 
-    def _commit(self, upload: Upload, enc: seg.EncodedSegment, key: str) -> SegmentInfo:
+    def _commit(self, upload: Upload, key: str) -> None:
         try:
             upload.commit(key)
         except BaseException as exc:
@@ -224,12 +227,41 @@ class SegmentStore:
             if isinstance(exc, OSError):
                 self._failed = exc
             raise
-        assert enc.header is not None
-        return SegmentInfo.from_header(enc.header)
+
+    def ingest_stored(self, key: str, data: Buffer) -> SegmentInfo:
+        """Store a segment's stored bytes (as :meth:`read_stored` gave them on another node)
+        under ``key``; durable when this returns.
+
+        The bytes are verified in full first (header, every chunk CRC, the decoded digest
+        against ``key``): a damaged or mislabelled copy raises ``SegmentCorrupt`` and nothing
+        is written. A good copy already here is kept (and claimed), not rewritten.
+        """
+        check_key(key)
+        self._check_alive()
+        name = f"ingested segment {key}"
+        header, _ = seg.decode_into(data, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        with self._key_lock(key):
+            info = self._existing(key)
+            if info is None:
+                self._commit(self._write([data]), key)
+                info = SegmentInfo.from_header(header)
+        return info
+
+    def read_stored(self, key: str) -> Buffer:
+        """A segment's stored bytes, as they are on disk (what a replica ships per key, and
+        :meth:`ingest_stored` takes on another node). Nothing is checked here: use
+        ``format.check_stored`` (cheap) before shipping them as good."""
+        return self.backend.get(check_key(key))
+
+    def stat(self, key: str) -> ObjectStat:
+        """Stored size and last use (store or dedup claim) of a segment; SegmentMissing if absent."""
+        return self.backend.stat(check_key(key))
 
     def _header(self, key: str) -> seg.Header:
         name = self.backend.describe(key)
-        size = self.backend.size(key)
+        size = self.backend.stat(key).size
         if size < seg.PREAMBLE.size + seg.TRAILER.size:
             raise SegmentCorrupt(name, None, f"file too short for a segment ({size} bytes)")
         tail = self.backend.get_range(key, size - seg.TRAILER.size, seg.TRAILER.size)
@@ -283,29 +315,6 @@ class SegmentStore:
 
     def exists(self, key: str) -> bool:
         return self.backend.exists(check_key(key))
-
-    def read_stored(self, key: str) -> Buffer:
-        """The segment's stored bytes, as they are on disk (what a replica ships per key)."""
-        return self.backend.get(check_key(key))
-
-    def ingest_stored(self, key: str, data: Buffer) -> SegmentInfo:
-        """Durably store ``data``, a segment's stored bytes (e.g. from a replica), under ``key``.
-
-        Every chunk CRC and the digest are checked first (SegmentCorrupt on any mismatch), so
-        only bytes that name ``key`` land in the store; an intact existing copy is kept.
-        """
-        check_key(key)
-        header, _ = seg.decode_into(data, name=key, pool=self.pool, max_raw=self.max_segment_bytes)
-        if header.digest.hex() != key:
-            raise SegmentCorrupt(key, None, "segment digest does not match the key")
-        with self._key_lock(key):
-            if self._existing(key) is None:
-                try:
-                    self.backend.put_durable(key, [data])
-                except OSError as exc:
-                    self._failed = exc
-                    raise
-        return SegmentInfo.from_header(header)
 
     def keys(self) -> Iterator[str]:
         return self.backend.keys()

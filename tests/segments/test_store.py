@@ -14,7 +14,7 @@ import torch
 
 from kvj.errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, DurabilityError
-from kvj.segments.backend import StorageBackend, Upload
+from kvj.segments.backend import ObjectStat, StorageBackend, Upload
 from kvj.segments.check import verify_segment
 from kvj.segments.store import SegmentStore, check_key
 
@@ -366,8 +366,8 @@ class DictBackend(StorageBackend):
     def get_range(self, key, offset, length):
         return self._obj(key)[offset:offset + length]
 
-    def size(self, key):
-        return len(self._obj(key))
+    def stat(self, key):
+        return ObjectStat(len(self._obj(key)), 0.0)
 
     def exists(self, key):
         return key in self.objects
@@ -377,9 +377,6 @@ class DictBackend(StorageBackend):
 
     def keys(self):
         return iter(sorted(self.objects))
-
-    def mtime(self, key):
-        return 0.0
 
     def touch(self, key):
         return key in self.objects
@@ -419,9 +416,9 @@ def test_a_dedup_hit_restarts_the_grace_period(tmp_path):
     key = store.put(t).key
     path = store.backend.path(key)
     os.utime(path, (1, 1))
-    assert store.backend.mtime(key) == 1
+    assert store.stat(key).used == 1
     assert store.put(t.clone()).key == key
-    assert store.backend.mtime(key) > time.time() - 60
+    assert store.stat(key).used > time.time() - 60
     store.close()
 
 
@@ -486,3 +483,46 @@ def test_a_media_error_is_a_clear_error_and_put_writes_a_good_copy(store, monkey
     failing[0] = False
     assert torch.equal(store.get(info.key), x)
     assert len(os.listdir(os.path.join(store.backend.root, "quarantine"))) == 1
+
+
+def test_a_segment_copied_between_stores_by_its_stored_bytes(tmp_path):
+    """read_stored on one node, ingest_stored on another: what replication builds on."""
+    with SegmentStore(tmp_path / "a") as a, SegmentStore(tmp_path / "b") as b:
+        x = torch.randn(300_000).to(torch.bfloat16)
+        info = a.put(x, layout={"model": "m"})
+        data = bytes(a.read_stored(info.key))
+        assert data == open(a.backend.path(info.key), "rb").read()
+        assert b.ingest_stored(info.key, data) == info
+        assert _same_bytes(b.get(info.key), x) and list(b.keys()) == [info.key]
+        st = os.stat(b.backend.path(info.key))
+        assert b.ingest_stored(info.key, data) == info  # already there: kept, not rewritten
+        assert os.stat(b.backend.path(info.key)).st_ino == st.st_ino
+
+
+def test_ingest_refuses_damaged_or_mislabelled_bytes_and_writes_nothing(tmp_path):
+    with SegmentStore(tmp_path / "a") as a, SegmentStore(tmp_path / "b") as b:
+        one, two = a.put(torch.arange(5000)), a.put(torch.arange(5000) + 1)
+        data = a.read_stored(one.key)
+        damaged = bytearray(data)
+        damaged[40] ^= 1
+        with pytest.raises(SegmentCorrupt):
+            b.ingest_stored(one.key, bytes(damaged))
+        with pytest.raises(SegmentCorrupt, match="key"):
+            b.ingest_stored(two.key, data)  # good bytes under another key
+        with pytest.raises(InvalidName):
+            b.ingest_stored("../" + one.key[3:], data)
+        assert list(b.keys()) == []
+
+
+def test_ingest_after_a_failed_fsync_is_refused(tmp_path):
+    with SegmentStore(tmp_path / "a") as a:
+        key = a.put(torch.ones(100)).key
+        data = a.read_stored(key)
+    store = SegmentStore(tmp_path / "b", fs=FailingFS("fsync"))
+    with pytest.raises(DurabilityError):
+        store.ingest_stored(key, data)
+    store.backend.fs.fail_on = None
+    with pytest.raises(DurabilityError):
+        store.ingest_stored(key, data)
+    assert list(store.keys()) == []
+    store.close()

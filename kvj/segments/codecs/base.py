@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, Union
+from typing import Any, ClassVar, Dict
 
-Buffer = Union[bytes, bytearray, memoryview]
+from kvj.fileio import Buffer
 
 
 class Codec(ABC):
