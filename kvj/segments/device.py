@@ -106,6 +106,17 @@ class Cuda:
         """Tell the caching allocator that ``stream`` uses ``tensor`` (no early reuse)."""
         tensor.record_stream(stream)
 
+    @contextmanager
+    def enqueue_on(self, stream: Any) -> Iterator[None]:
+        """Enqueue the enclosed work on ``stream``; if enqueuing fails midway, wait for the
+        stream before the error goes up, so buffers its copies touch are free again."""
+        with self.use(stream):
+            try:
+                yield
+            except BaseException:
+                self.settle(stream)
+                raise
+
     def finish(self, event: Any, stream: Any) -> None:
         """:meth:`wait` for ``event``, recorded on ``stream``; if waiting fails, settle the stream
         before raising, so buffers its copies touch are free again either way."""
@@ -135,14 +146,10 @@ class Cuda:
         is enqueued, this waits for the stream before raising, so ``host`` is free again.
         """
         side = self.side_stream(device, "h2d")
-        with self.use(side):
+        with self.enqueue_on(side):
             out = self.empty(tuple(host.shape), host.dtype, device)
-            try:
-                self.copy(out, host)
-                event = self.record(side)
-            except BaseException:
-                self.settle(side)
-                raise
+            self.copy(out, host)
+            event = self.record(side)
         current = self.current_stream(device)
         self.gpu_wait(current, event)
         self.keep_alive(out, current)
@@ -159,13 +166,9 @@ class Cuda:
         side = self.side_stream(device, "d2h")
         current = self.current_stream(device)
         self.gpu_wait_stream(side, current)
-        with self.use(side):
-            try:
-                self.copy(dest, tensor)
-                event = self.record(side)
-            except BaseException:
-                self.settle(side)
-                raise
+        with self.enqueue_on(side):
+            self.copy(dest, tensor)
+            event = self.record(side)
         self.keep_alive(tensor, side)
         self.gpu_wait(current, event)
         return event

@@ -186,18 +186,14 @@ def _scatter_device(kv_caches: Sequence[torch.Tensor], host: torch.Tensor, index
     side = cu.side_stream(dev, "h2d")
     current = cu.current_stream(dev)
     cu.gpu_wait_stream(side, current)
-    with cu.use(side):
-        try:
-            blocks = cu.empty(tuple(host.shape), host.dtype, dev)
-            cu.copy(blocks, host)
-            dev_index = cu.empty(tuple(index.shape), index.dtype, dev)
-            cu.copy(dev_index, index)
-            for layer, cache in enumerate(kv_caches):
-                cache.index_copy_(0, dev_index, blocks[:, layer])
-            done = cu.record(side)
-        except BaseException:
-            cu.settle(side)
-            raise
+    with cu.enqueue_on(side):
+        blocks = cu.empty(tuple(host.shape), host.dtype, dev)
+        cu.copy(blocks, host)
+        dev_index = cu.empty(tuple(index.shape), index.dtype, dev)
+        cu.copy(dev_index, index)
+        for layer, cache in enumerate(kv_caches):
+            cache.index_copy_(0, dev_index, blocks[:, layer])
+        done = cu.record(side)
     for cache in kv_caches:
         cu.keep_alive(cache, side)
     cu.gpu_wait(current, done)

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -203,30 +204,29 @@ class SegmentStore:
         if self._failed is not None:
             raise DurabilityError(self._failed.errno or 0, f"segment store failed earlier: {self._failed}")
 
-    def _write(self, parts: Iterable[Buffer]) -> Upload:
+    @contextmanager
+    def _failing(self, upload: Optional[Upload] = None) -> Iterator[None]:
+        """On an error, drop ``upload``; an I/O error also fails the store for good."""
         try:
-            upload = self.backend.begin()
-        except OSError as exc:
-            self._failed = exc
-            raise
-        try:
-            for part in parts:
-                upload.write(part)
+            yield
         except BaseException as exc:
-            upload.abort()
+            if upload is not None:
+                upload.abort()
             if isinstance(exc, OSError):
                 self._failed = exc
             raise
+
+    def _write(self, parts: Iterable[Buffer]) -> Upload:
+        with self._failing():
+            upload = self.backend.begin()
+        with self._failing(upload):
+            for part in parts:
+                upload.write(part)
         return upload
 
     def _commit(self, upload: Upload, key: str) -> None:
-        try:
+        with self._failing(upload):
             upload.commit(key)
-        except BaseException as exc:
-            upload.abort()
-            if isinstance(exc, OSError):
-                self._failed = exc
-            raise
 
     def ingest_stored(self, key: str, data: Buffer) -> SegmentInfo:
         """Store a segment's stored bytes (as :meth:`read_stored` gave them on another node)
