@@ -49,6 +49,46 @@ out = Console(highlight=False, soft_wrap=True, color_system=_STYLES)  # type: ig
 err = Console(stderr=True, highlight=False, soft_wrap=True, color_system=_STYLES)  # type: ignore[arg-type]
 
 
+class OutputClosed(BaseException):
+    """Whoever read standard output has gone (``kvj inspect | head``): stop quietly.
+
+    A BaseException, so that nothing between the write and the entry point takes it for a
+    failure of the command itself.
+    """
+
+
+class StdoutGuard:
+    """Wraps ``sys.stdout``: a write to a closed pipe raises ``OutputClosed`` once, and
+    standard output then points at /dev/null so that the exit flush stays quiet."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def _closed(self) -> "OutputClosed":
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # not a real descriptor (captured in tests)
+            pass
+        return OutputClosed()
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise self._closed() from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise self._closed() from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def emit_json(obj: Any) -> None:
     """Print one JSON object on one line (NDJSON-friendly)."""
     sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=_jsonable) + "\n")
@@ -67,6 +107,20 @@ def _jsonable(value: Any) -> Any:
 def usage_error(message: str) -> Exception:
     """A usage error (exit status 64; 16 for fsck) tied to the command being run."""
     return click.exceptions.UsageError(message, ctx=get_current_context(silent=True))
+
+
+def usage_and_exit(ctx: "typer.Context") -> None:
+    """A command group run without a command (``kvj``, ``kvj record``): its usage on stderr and
+    status 64, so that a script notices."""
+    from contextlib import redirect_stdout
+
+    from kvj.cli.errors import USAGE
+
+    with redirect_stdout(sys.stderr):  # typer's rich help prints for itself
+        text = ctx.get_help()
+    if text:
+        print(text, file=sys.stderr)
+    raise typer.Exit(USAGE)
 
 
 def interactive() -> bool:

@@ -56,6 +56,7 @@ FSCK_CORRECTED = 1
 FSCK_UNCORRECTED = 4
 FSCK_OPERATIONAL = 8
 FSCK_USAGE = 16
+FSCK_CANCELED = 32
 
 #: kvj fsck's statuses, as e2fsck's (a sum when both 1 and 4 apply).
 FSCK_CODES: Dict[int, str] = {
@@ -65,6 +66,7 @@ FSCK_CODES: Dict[int, str] = {
     FSCK_UNCORRECTED: "errors left uncorrected (run with --repair, or the damage cannot be repaired)",
     FSCK_OPERATIONAL: "operational error: missing or unreadable journal, locked, permission denied, I/O error",
     FSCK_USAGE: "usage error",
+    FSCK_CANCELED: "interrupted (Ctrl-C)",
 }
 
 

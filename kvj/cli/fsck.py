@@ -7,8 +7,21 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, click, emit_json, journal_path, out, progress, store_path
-from kvj.cli.errors import fail, fsck_status
+from kvj.cli.common import (
+    JournalArg,
+    JsonArg,
+    OutputClosed,
+    StoreArg,
+    click,
+    emit_json,
+    journal_path,
+    out,
+    progress,
+    store_path,
+)
+from kvj.cli.errors import FSCK_CANCELED, fail, fsck_status, report
+from kvj.cli.launch import on_interrupt
+from kvj.ops.fsck import FsckResult
 from kvj.ops.fsck import fsck as check_journal
 
 STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
@@ -31,16 +44,28 @@ def fsck(journal: JournalArg = None,
 
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
-    error); 16 usage error.
+    error); 16 usage error; 32 interrupted (Ctrl-C).
     """
+    on_interrupt(FSCK_CANCELED)
     try:
         path = journal_path(journal)
         with progress() as update:
             result = check_journal(path, store_path(path, store), repair=repair, progress=update)
     except (typer.Exit, click.exceptions.ClickException):
         raise
+    except KeyboardInterrupt:
+        report("kvj", "interrupted")
+        raise typer.Exit(FSCK_CANCELED) from None
     except Exception as exc:
         raise typer.Exit(fsck_status(fail("kvj", exc))) from None
+    try:
+        _show(result, path, as_json)
+    except OutputClosed:  # kvj fsck | head: the check is done, its status still counts
+        pass
+    raise typer.Exit(result.exit_code)
+
+
+def _show(result: FsckResult, path: str, as_json: bool) -> None:
     if as_json:
         emit_json(result.to_dict())
     else:
@@ -57,4 +82,3 @@ def fsck(journal: JournalArg = None,
                    f"{len(result.orphans)} orphans; ")
         summary += (f"{len(errors)} errors, {fixed} corrected" if errors else "clean")
         out.print(summary, markup=False)
-    raise typer.Exit(result.exit_code)

@@ -22,6 +22,7 @@ from kvj.cli.render import (
     stats_view,
     timeline_picture,
 )
+from kvj.cli.launch import on_interrupt
 from kvj.journal.follow import Follower
 from kvj.journal.reader import list_logs
 from kvj.journal.records import BY_NAME
@@ -87,6 +88,8 @@ def inspect(
         raise usage_error("--at applies to --layout and --timeline (use --to-lsn to cut a listing)")
     if follow and (is_legacy(path) or export_to is not None):
         raise usage_error("--follow needs a kvj journal directory and cannot --export")
+    if follow:
+        on_interrupt(0, None)  # Ctrl-C is how one stops following, as with tail -f
     if layout or timeline:
         state = replay(path, at_lsn=at)
         if as_json:

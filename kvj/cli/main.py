@@ -16,13 +16,13 @@ import typer
 from kvj import __version__
 from kvj.cli import bench, compact, flush, fsck, inspect, record, recover, replay
 from kvj.cli import replicate, restore, verify
-from kvj.cli.common import click
-from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, USAGE, classify, debug, report
+from kvj.cli.common import OutputClosed, StdoutGuard, click, usage_and_exit
+from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, OK, USAGE, classify, debug, report
 
 EXIT_STATUS_HELP = "Exit status: " + "; ".join(f"{code} {text.split(':')[0].split(' (')[0]}"
                                                 for code, text in EXIT_CODES.items()) + ". See kvj(1)."
 
-app = typer.Typer(name="kvj", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(name="kvj", no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown",
                   context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_STATUS_HELP)
 
@@ -33,8 +33,9 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
-def root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+@app.callback(invoke_without_command=True)
+def root(ctx: typer.Context,
+         version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                                help="Print the version and exit.")] = False) -> None:
     """Make GPU KV caches and training state survive crashes: a write-ahead journal of what is
     in flight, a store of checksummed tensor segments, and recovery.
@@ -43,6 +44,8 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_print_vers
     directory comes from --journal or KVJ_JOURNAL; the segment store defaults to its
     segments/ folder (--store or KVJ_STORE to change it).
     """
+    if ctx.invoked_subcommand is None:
+        usage_and_exit(ctx)
 
 
 app.add_typer(record.app, name="record")
@@ -77,13 +80,21 @@ def run(typer_app: typer.Typer, argv: Optional[List[str]], prog: str) -> int:
     except ImportError:  # pragma: no cover - older typer registers completion on import
         pass
     cmd = command(typer_app)
+    guard = StdoutGuard(sys.stdout)
+    sys.stdout = guard  # type: ignore[assignment]
+    try:
+        return _invoke(cmd, argv, prog)
+    except OutputClosed:
+        return OK
+    finally:
+        sys.stdout = guard.stream
+
+
+def _invoke(cmd: "click.Command", argv: Optional[List[str]], prog: str) -> int:
     try:
         rv = cmd.main(args=argv, prog_name=prog, standalone_mode=False)
     except click.exceptions.UsageError as exc:
         ctx = exc.ctx
-        if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
-            print(ctx.get_help())
-            return 0
         where = ctx.command_path if ctx is not None else prog
         hint = f" (see '{where} --help')" if ctx is not None else ""
         report(prog, f"{exc.format_message()}{hint}")

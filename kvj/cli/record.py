@@ -18,19 +18,26 @@ from kvj.cli.common import (
     parse_int,
     parse_pairs,
     store_path,
+    usage_and_exit,
 )
 from kvj.errors import FormatError, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
 from kvj.names import check_request_id
 
-app = typer.Typer(no_args_is_help=True, help="""Append records to the journal; exits only once they are durable.
+app = typer.Typer(no_args_is_help=False, help="""Append records to the journal; exits only once they are durable.
 
 One record from the command line (kvj record start ID, kvj record end ID, ...) or many
 from NDJSON (kvj record ndjson < records.ndjson). Takes the writer lock, so it fails
 while a writer holds the journal. Records that point at segments (checkpoint, delta,
 segment) are refused unless the store holds those segments.
 """)
+
+@app.callback(invoke_without_command=True)
+def record(ctx: typer.Context) -> None:
+    if ctx.invoked_subcommand is None:
+        usage_and_exit(ctx)
+
 
 MetaOpt = Annotated[Optional[List[str]], typer.Option("--meta", metavar="KEY=VALUE",
                                                       help="Metadata entry (repeatable); JSON values keep their type.")]

@@ -1,0 +1,127 @@
+"""Ctrl-C, closed pipes and a bare ``kvj`` through the real entry point: Ctrl-C is always honoured
+at once with one "interrupted" line (fsck: status 32), never a traceback; ``kvj ... | head``
+exits cleanly; ``kvj`` alone is a usage error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from support.cli_helpers import KVJ, append_torn_tail, env, kvj
+from support.wait import wait_for
+
+from kvj.journal.journal import Journal
+
+INTERRUPTED_LINE = "kvj: error: interrupted\n"
+
+
+@pytest.fixture(scope="module")
+def big_journal(tmp_path_factory):
+    """Enough segments that verifying them takes a while on any machine."""
+    path = tmp_path_factory.mktemp("interrupt") / "j"
+    g = torch.Generator().manual_seed(0)
+    with Journal.open(path) as j:
+        for r in range(24):
+            j.start(f"r{r}")
+            for b in range(8):
+                j.flush(f"r{r}", b, torch.randn(2, 16, 8, 128, generator=g), token_range=(16 * b, 16 * b + 16))
+    return path
+
+
+def _maps(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _start(*args: object) -> subprocess.Popen:
+    return subprocess.Popen([*KVJ, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env())
+
+
+def _interrupt(proc: subprocess.Popen, when, what: str):  # type: ignore[no-untyped-def]
+    wait_for(lambda: proc.poll() is not None or when(proc.pid), what)
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=30)  # honoured at once: never runs on to the end of a long job
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to see what the child is doing")
+def test_ctrl_c_while_kvj_is_still_importing(big_journal):
+    # msgpack's C extension loads while kvj.cli.main is imported, after the handler is in place
+    proc = _start("recover", "-j", big_journal, "--dry-run")
+    out, err = _interrupt(proc, lambda pid: "_cmsgpack" in _maps(pid), "the child to import msgpack")
+    assert proc.returncode == 130 and err == INTERRUPTED_LINE and out == ""
+
+
+#: The real launcher, with every segment verification stuck for good once it starts (it writes
+#: the marker first): the main thread then waits on a thread pool (recover) or inside the
+#: verification (fsck), the waits that used to swallow Ctrl-C.
+STUCK = textwrap.dedent("""
+    import sys, threading
+    marker, sys.argv = sys.argv[1], ["kvj", *sys.argv[2:]]
+    from kvj.segments.store import SegmentStore
+
+    def stuck(self, key):
+        open(marker, "w").close()
+        threading.Event().wait()
+
+    SegmentStore.verify = stuck
+    from kvj.cli.launch import kvj
+    kvj()
+""")
+
+
+@pytest.mark.parametrize("args, status", [(["recover", "--dry-run"], 130), (["recover"], 130), (["fsck"], 32),
+                                          (["fsck", "--repair"], 32)],
+                         ids=lambda a: " ".join(a) if isinstance(a, list) else str(a))
+def test_ctrl_c_while_verifying_segments(tmp_path, big_journal, args, status):
+    import shutil
+
+    journal = tmp_path / "j"
+    shutil.copytree(big_journal, journal)
+    append_torn_tail(str(journal))
+    marker = tmp_path / "verifying"
+    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(marker), *args, "-j", str(journal)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    out, err = _interrupt(proc, lambda _pid: marker.exists(), "the child to verify a segment")
+    assert proc.returncode == status and err == INTERRUPTED_LINE, (proc.returncode, err)
+    # stopping at any point leaves a journal that recovers as if nothing had happened
+    again = kvj("recover", "-j", journal)
+    assert again.returncode == 0, again.stderr
+    assert "requests to resume: 24" in again.stdout and "192 verified, 0 unusable" in again.stdout
+
+
+def test_ctrl_c_stops_follow_quietly(big_journal):
+    proc = _start("inspect", "-j", big_journal, "-f")
+    assert proc.stdout.readline()  # type: ignore[union-attr]  # the backlog is out: it is following now
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and err == ""
+
+
+@pytest.mark.parametrize("args, status", [(["inspect"], 0), (["inspect", "--json"], 0), (["fsck"], 0),
+                                          (["fsck", "--json"], 0), (["replay", "--json"], 0)],
+                         ids=lambda a: " ".join(a) if isinstance(a, list) else str(a))
+def test_a_closed_pipe_ends_the_command_cleanly(tmp_path, args, status):
+    journal = tmp_path / "j"
+    with Journal.open(journal) as j:
+        for i in range(30000):
+            j.alloc("cuda:0", i, 64, "kv")  # a listing far larger than a pipe's buffer
+    shell = f"{' '.join(KVJ)} {' '.join(args)} -j {journal} | head -c 10 >/dev/null; echo ${{PIPESTATUS[0]}}"
+    proc = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.stdout.strip() == str(status) and proc.stderr == "", proc.stderr
+
+
+def test_kvj_alone_is_a_usage_error():
+    proc = kvj()
+    assert proc.returncode == 64 and proc.stdout == ""
+    assert "Usage: kvj" in proc.stderr and "recover" in proc.stderr
+    proc = kvj("record")
+    assert proc.returncode == 64 and "Usage: kvj record" in proc.stderr
