@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -90,8 +91,37 @@ class StdoutGuard:
 
 
 def emit_json(obj: Any) -> None:
-    """Print one JSON object on one line (NDJSON-friendly)."""
-    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=_jsonable) + "\n")
+    """Print one JSON object on one line (NDJSON-friendly), always strict JSON: a non-finite
+    float that an older journal may hold is printed as the string "NaN", "Infinity" or
+    "-Infinity", never as a bare token no JSON parser accepts."""
+    try:
+        text = json.dumps(obj, separators=(",", ":"), default=_jsonable, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(obj), separators=(",", ":"), default=_jsonable, allow_nan=False)
+    sys.stdout.write(text + "\n")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` that refuses NaN and Infinity (not JSON; what kvj prints must stay JSON) and
+    turns absurd nesting into ``ValueError`` instead of ``RecursionError``."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -270,8 +300,8 @@ def parse_pairs(items: Optional[list], what: str, typed: bool = True) -> dict:
         if not sep or not key:
             raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=what)
         try:
-            result[key] = json.loads(value) if typed else value
-        except ValueError:
+            result[key] = loads_strict(value) if typed else value
+        except ValueError:  # not JSON (or NaN, nested absurdly): the text itself
             result[key] = value
     return result
 

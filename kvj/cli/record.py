@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import re
 import sys
 from typing import Annotated, Any, Dict, List, Optional, Tuple
 
@@ -14,6 +14,7 @@ from kvj.cli.common import (
     StoreArg,
     emit_json,
     journal_path,
+    loads_strict,
     out,
     parse_int,
     parse_pairs,
@@ -22,6 +23,7 @@ from kvj.cli.common import (
 )
 from kvj.errors import FormatError, KvjError
 from kvj.journal.journal import Journal
+from kvj.journal.legacy import _convert as convert_legacy
 from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
 from kvj.names import check_request_id
 
@@ -80,12 +82,48 @@ def _segment_keys(rtype: int, payload: Dict[str, Any]) -> List[Tuple[str, Option
     return []
 
 
+#: Fields a record may leave out, with the value the typed ``Journal`` methods default to.
+OPTIONAL = {
+    RecordType.START: {"prompt_hash": None, "tokens": None, "meta": {}},
+    RecordType.END: {"status": "ok"},
+    RecordType.ALLOC: {"tag": ""},
+    RecordType.CHECKPOINT: {"meta": {}},
+    RecordType.DELTA: {"meta": {}},
+}
+
+#: Token ids are stored as MessagePack unsigned integers.
+MAX_TOKEN = (1 << 64) - 1
+
+
 def _checked(rtype: int, payload: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
-    """Validate a record against its type's schema (a bad request id is InvalidName)."""
+    """Fill optional fields and validate a record against its type's schema (a bad request id
+    is InvalidName; a bad token list FormatError)."""
+    payload = {**OPTIONAL.get(RecordType(rtype), {}), **payload}
     if "id" in payload:
         check_request_id(payload["id"])
+    if rtype == RecordType.START and payload["tokens"] is not None:
+        tokens = payload["tokens"]
+        if not isinstance(tokens, list) or not all(
+                type(t) is int and 0 <= t <= MAX_TOKEN for t in tokens):  # noqa: E721 - bool is no token
+            raise FormatError(f"'tokens' must be a list of integers from 0 to 2^64-1, not {_short(tokens)}")
     decode_payload(rtype, encode_payload(payload))
     return rtype, payload
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def parse_tokens(text: str) -> List[int]:
+    """``--tokens 1,2,3``: non-negative integers separated by single commas (``1,,2`` is an error)."""
+    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of non-negative integers",
+                                 param_hint="--tokens")
+    tokens = [int(t) for t in text.split(",")]
+    if any(t > MAX_TOKEN for t in tokens):
+        raise typer.BadParameter("token ids go up to 2^64-1", param_hint="--tokens")
+    return tokens
 
 
 @app.command()
@@ -96,13 +134,7 @@ def start(request: Annotated[str, typer.Argument(help="Request id.")],
                                                         help="Prompt token ids, comma-separated.")] = None,
           meta: MetaOpt = None, as_json: JsonArg = False) -> None:
     """Record that a request started."""
-    token_ids = None
-    if tokens is not None:
-        try:
-            token_ids = [int(t) for t in tokens.split(",") if t.strip()]
-        except ValueError:
-            raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of integers",
-                                     param_hint="--tokens") from None
+    token_ids = parse_tokens(tokens) if tokens is not None else None
     _append(journal, None, [_checked(RecordType.START, {"id": request, "prompt_hash": prompt_hash,
                                                         "tokens": token_ids, "meta": parse_pairs(meta, "--meta")})],
             as_json)
@@ -178,14 +210,20 @@ def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON fi
 
 
 def parse_ndjson(lines: Any) -> Any:
-    """Yield (type, payload) from NDJSON lines; a bad line raises ``FormatError`` naming it."""
+    """Yield (type, payload) from NDJSON lines; a bad line raises ``FormatError`` naming it.
+
+    Seed-era lines (``{"op": "start"|"end", ...}``) are taken as the records they mean.
+    """
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = loads_strict(line)
             if not isinstance(obj, dict):
                 raise FormatError("not a JSON object")
+            if "op" in obj and "type" not in obj:
+                yield _seed_era(obj)
+                continue
             name = obj.pop("type", None)
             rtype = BY_NAME.get(name) if isinstance(name, str) else None
             if rtype is None or rtype == RecordType.EPOCH:
@@ -196,3 +234,12 @@ def parse_ndjson(lines: Any) -> Any:
             yield _checked(rtype, obj)
         except (ValueError, KvjError) as exc:
             raise FormatError(f"NDJSON line {lineno}: {exc}") from None
+
+
+def _seed_era(obj: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+    """A seed-era line as a kvj record, as the legacy reader converts it."""
+    if obj["op"] == "seg_flush":
+        raise FormatError("a seed-era seg_flush points at bytes in the seed's KV file (ptr), which a kvj journal "
+                          "cannot reference: store the KV with kvj flush; start and end lines are accepted")
+    rtype, payload = convert_legacy(obj)
+    return _checked(rtype, payload)

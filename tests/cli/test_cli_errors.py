@@ -129,8 +129,8 @@ def test_strict_replay_rejects_a_torn_tail(journal):
 
 
 def test_corrupt_ndjson_appends_nothing(journal):
-    lines = '{"type":"start","id":"a","prompt_hash":null,"tokens":null,"meta":{}}\n{"type":"start","id":"b"}\n'
-    assert_fails(kvj("record", "ndjson", "-j", journal, input=lines), DATAERR, "line 2", "prompt_hash")
+    lines = '{"type":"start","id":"a","prompt_hash":null,"tokens":null,"meta":{}}\n{"type":"start","id":"b","meta":3}\n'
+    assert_fails(kvj("record", "ndjson", "-j", journal, input=lines), DATAERR, "line 2", "meta")
     assert_fails(kvj("record", "ndjson", "-j", journal, input="{not json\n"), DATAERR, "line 1")
     assert_fails(kvj("record", "ndjson", "-j", journal, input='{"type":"epoch","epoch":1}\n'), DATAERR, "epoch")
     assert kvj("replay", "--json", "-j", journal).stdout.count('"id":"a"') == 0
@@ -178,3 +178,4 @@ def test_no_color_means_no_escape_sequences(journal):
     for args in (["replay"], ["inspect"]):
         assert "\x1b[" in kvj(*args, "-j", build_dir, extra_env={"FORCE_COLOR": "1", "NO_COLOR": None}).stdout
         assert "\x1b[" not in kvj(*args, "-j", build_dir, extra_env={"FORCE_COLOR": "1"}).stdout, args
+
