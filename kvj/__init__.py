@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, List
 
 from kvj.errors import (
+                        CacheFull,
                         CorruptionError,
                         FormatError,
                         InvalidArgument,
@@ -52,7 +53,7 @@ def __dir__() -> List[str]:
 
 
 __all__ = [
-    "CommitPolicy", "CorruptionError", "FormatError", "InvalidArgument", "InvalidName", "Journal", "JournalClosed",
+    "CacheFull", "CommitPolicy", "CorruptionError", "FormatError", "InvalidArgument", "InvalidName", "Journal", "JournalClosed",
     "JournalFailed", "JournalLocked", "JournalState", "KvjError", "LayoutMismatch", "NotFound", "RecordType",
     "RequestState", "SegmentCorrupt", "SegmentMissing", "SegmentRef", "replay", "__version__",
 ]

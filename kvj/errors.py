@@ -15,6 +15,11 @@ class InvalidArgument(KvjError, ValueError):
     nothing was written. A ``ValueError`` too, for callers that catch that."""
 
 
+class CacheFull(KvjError, MemoryError):
+    """A paged KV cache has no free block left for a request: free or evict one first.
+    A ``MemoryError`` too, for callers that catch that."""
+
+
 class NotFound(KvjError):
     """A journal, store or input the caller named does not exist, or holds nothing kvj wrote."""
 

@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
     from click import get_current_context  # type: ignore[no-redef]
 
+from kvj.errors import CorruptionError, FormatError
 from kvj.journal.journal import default_store_path
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
@@ -112,16 +113,18 @@ def _finite(value: Any) -> Any:
 
 
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
+    raise FormatError(f"{name} is not a JSON value")
 
 
 def loads_strict(text: str) -> Any:
-    """``json.loads`` that refuses NaN and Infinity (not JSON; what kvj prints must stay JSON) and
-    turns absurd nesting into ``ValueError`` instead of ``RecursionError``."""
+    """``json.loads`` that refuses NaN and Infinity (not JSON; what kvj prints must stay JSON);
+    anything it cannot read, absurd nesting included, is ``FormatError``."""
     try:
         return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+        raise FormatError("JSON nested too deeply") from None
+    except ValueError as exc:
+        raise FormatError(f"not JSON: {exc}") from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -224,7 +227,6 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, must_exist: boo
 def _check_legacy(path: str) -> None:
     """Refuse a file that is not a seed-era JSON-lines journal (its first line is no such record):
     a file without a kvj log header is read, and ever cut, only when it is one."""
-    from kvj.errors import CorruptionError, FormatError
     from kvj.journal.legacy import LegacyScan
 
     try:
@@ -301,7 +303,7 @@ def parse_pairs(items: Optional[list], what: str, typed: bool = True) -> dict:
             raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=what)
         try:
             result[key] = loads_strict(value) if typed else value
-        except ValueError:  # not JSON (or NaN, nested absurdly): the text itself
+        except FormatError:  # not JSON (or NaN, nested absurdly): the text itself
             result[key] = value
     return result
 

@@ -21,7 +21,7 @@ from kvj.cli.common import (
     store_path,
     usage_and_exit,
 )
-from kvj.errors import FormatError, KvjError
+from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import _convert as convert_legacy
 from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
@@ -110,6 +110,15 @@ def _checked(rtype: int, payload: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
     return rtype, payload
 
 
+def _argument(rtype: int, payload: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+    """``_checked`` for a record built from command-line arguments: what it refuses is a usage
+    error (64), not malformed input (65)."""
+    try:
+        return _checked(rtype, payload)
+    except FormatError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -135,7 +144,7 @@ def start(request: Annotated[str, typer.Argument(help="Request id.")],
           meta: MetaOpt = None, as_json: JsonArg = False) -> None:
     """Record that a request started."""
     token_ids = parse_tokens(tokens) if tokens is not None else None
-    _append(journal, None, [_checked(RecordType.START, {"id": request, "prompt_hash": prompt_hash,
+    _append(journal, None, [_argument(RecordType.START, {"id": request, "prompt_hash": prompt_hash,
                                                         "tokens": token_ids, "meta": parse_pairs(meta, "--meta")})],
             as_json)
 
@@ -146,7 +155,7 @@ def end(request: Annotated[str, typer.Argument(help="Request id.")],
         status: Annotated[str, typer.Option(help="How it ended (ok, aborted, error, ...).")] = "ok",
         as_json: JsonArg = False) -> None:
     """Record that a request ended (its segments become collectable)."""
-    _append(journal, None, [_checked(RecordType.END, {"id": request, "status": status})], as_json)
+    _append(journal, None, [_argument(RecordType.END, {"id": request, "status": status})], as_json)
 
 
 @app.command()
@@ -157,7 +166,7 @@ def alloc(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
           tag: Annotated[str, typer.Option(help="What the memory holds (e.g. kv:req-42).")] = "",
           as_json: JsonArg = False) -> None:
     """Record a device memory allocation."""
-    _append(journal, None, [_checked(RecordType.ALLOC, {"device": device, "addr": parse_int(addr),
+    _append(journal, None, [_argument(RecordType.ALLOC, {"device": device, "addr": parse_int(addr),
                                                         "size": parse_int(size), "tag": tag})], as_json)
 
 
@@ -166,7 +175,7 @@ def free(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
          addr: Annotated[str, typer.Argument(help="Address (decimal or 0x hex).")],
          journal: JournalArg = None, as_json: JsonArg = False) -> None:
     """Record that a device allocation was freed."""
-    _append(journal, None, [_checked(RecordType.FREE, {"device": device, "addr": parse_int(addr)})], as_json)
+    _append(journal, None, [_argument(RecordType.FREE, {"device": device, "addr": parse_int(addr)})], as_json)
 
 
 @app.command()
@@ -175,7 +184,7 @@ def checkpoint(step: Annotated[int, typer.Argument(min=0, help="Training step.")
                meta: MetaOpt = None, as_json: JsonArg = False) -> None:
     """Record a full training checkpoint whose tensors are already in the store."""
     keys = parse_pairs(key, "--key", typed=False)
-    _append(journal, store, [_checked(RecordType.CHECKPOINT, {"step": step, "keys": keys,
+    _append(journal, store, [_argument(RecordType.CHECKPOINT, {"step": step, "keys": keys,
                                                               "meta": parse_pairs(meta, "--meta")})], as_json)
 
 
@@ -185,7 +194,7 @@ def delta(step: Annotated[int, typer.Argument(min=0, help="Training step.")],
           key: KeysOpt, journal: JournalArg = None, store: StoreArg = None,
           meta: MetaOpt = None, as_json: JsonArg = False) -> None:
     """Record an optimizer/model delta against the state at BASE_STEP."""
-    _append(journal, store, [_checked(RecordType.DELTA, {"step": step, "base_step": base_step,
+    _append(journal, store, [_argument(RecordType.DELTA, {"step": step, "base_step": base_step,
                                                          "keys": parse_pairs(key, "--key", typed=False),
                                                          "meta": parse_pairs(meta, "--meta")})], as_json)
 

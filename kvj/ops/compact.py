@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from kvj.errors import CorruptionError, FormatError, SegmentMissing
+from kvj.errors import CorruptionError, FormatError, InvalidArgument, SegmentMissing
 from kvj.fileio import FS, REAL_FS, fsync_path
 from kvj.journal.journal import default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
@@ -165,7 +165,7 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
     if not os.path.isdir(directory) or is_legacy(directory):
         raise FormatError(f"no kvj journal directory at {directory}")
     if grace < 0:
-        raise FormatError("the grace period cannot be negative")
+        raise InvalidArgument("the grace period cannot be negative")
     lock = DirLock(directory, COMPACT_LOCK, "compactor").acquire()
     try:
         result = CompactResult()

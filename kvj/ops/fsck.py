@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from kvj.errors import CorruptionError, FormatError, JournalLocked
+from kvj.errors import CorruptionError, FormatError, JournalLocked, NotFound
 from kvj.fileio import FS, REAL_FS, makedirs_durable, rename_durable
 from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
 from kvj.journal.legacy import LegacyScan
@@ -339,13 +339,13 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, fs: FS = REAL_FS
 
     path = os.path.abspath(path)
     if not os.path.exists(path):
-        raise FormatError(f"no journal at {path}")
+        raise NotFound(f"no journal at {path}")
     checker = _Checker(path, store, repair, fs, progress)
     if is_legacy(path):
         checker.legacy()
         return checker.result
     if not os.path.isdir(path):
-        raise FormatError(f"no journal at {path}")
+        raise NotFound(f"no journal at {path}")
     locks = [DirLock(path, COMPACT_LOCK, "compactor").acquire()]
     try:
         if repair:

@@ -200,7 +200,7 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, fs: FS = REA
     """
     path = os.path.abspath(path)
     if not os.path.exists(path):
-        raise FormatError(f"no journal at {path}")
+        raise NotFound(f"no journal at {path}")
     legacy = is_legacy(path)
     home = os.path.dirname(_legacy_file(path)) if legacy else path
     recovery_dir = os.path.join(home, RECOVERY_DIR)

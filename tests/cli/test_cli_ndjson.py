@@ -115,3 +115,8 @@ def test_nan_written_by_an_older_kvj_is_printed_as_json_text(tmp_path, cli):
 def test_deep_nesting_through_the_real_entry_point(journal):
     deep = '{"type": "start", "id": "x", "meta": {"m": ' + "[" * 100_000 + "]" * 100_000 + "}}\n"
     assert_fails(kvj("record", "ndjson", "-j", journal, input=deep), DATAERR, "NDJSON line 1", "nested too deeply")
+
+
+@pytest.mark.parametrize("args", [["end", "bad id"], ["start", "x", "--meta", "a.b"]], ids=" ".join)
+def test_refused_command_line_records_are_usage_errors(journal, cli, args):
+    assert_fails(cli("record", *args, "-j", journal), USAGE)
