@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from kvj.errors import FormatError
+from kvj.errors import CacheFull, FormatError
 from kvj.integrations.blocks import BlockLayout
 from kvj.integrations.hf import layout_for
 
@@ -55,7 +55,7 @@ class PagedKVCache:
         table = self.tables.setdefault(request_id, [])
         need = -(-positions // self.layout.block_size) - len(table)
         if need > len(self._free):
-            raise MemoryError(f"paged KV cache full: request {request_id} needs {need} more blocks, "
+            raise CacheFull(f"paged KV cache full: request {request_id} needs {need} more blocks, "
                               f"{len(self._free)} free of {self.num_blocks}")
         new = [self._free.pop(0) for _ in range(max(need, 0))]
         table.extend(new)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from kvj.errors import JournalClosed
 from kvj.segments import device
 from kvj.segments.codecs import Codec
 from kvj.segments.codecs.auto import Backpressure
@@ -60,7 +61,7 @@ class Flusher:
         """
         with self._lock:
             if self._closed:
-                raise RuntimeError("submit() on a closed Flusher")
+                raise JournalClosed("submit() on a closed Flusher")
             if self._error is not None:
                 raise self._error
         dtype_name(tensor.dtype)

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 
-from kvj.errors import FormatError, SegmentCorrupt
+from kvj.errors import FormatError, InvalidArgument, SegmentCorrupt
 from kvj.fileio import Buffer
 from kvj.segments.codecs import Codec, get_codec
 from kvj.segments.codecs.auto import Backpressure, auto_codec
@@ -539,7 +539,7 @@ def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = No
             raise FormatError(f"{name} declares {header.raw_size} raw bytes: cannot allocate them") from None
     elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
             or out.numel() < header.raw_size:
-        raise ValueError("out must be a contiguous CPU uint8 tensor of at least raw_size bytes")
+        raise InvalidArgument("out must be a contiguous CPU uint8 tensor of at least raw_size bytes")
     out = out[:header.raw_size]
     raw = memoryview(out.numpy()).cast("B") if header.raw_size else memoryview(bytearray())
     codec = get_codec(header.codec, header.params)

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from kvj.errors import LayoutMismatch
+from kvj.errors import InvalidArgument, LayoutMismatch
 from kvj.segments import device as cuda
 from kvj.segments.format import dtype_name
 from kvj.segments.layout import check_layout
@@ -45,13 +45,13 @@ def paged_layout(model: str, kv_caches: Sequence[torch.Tensor]) -> Dict[str, Any
 
 def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
     if not kv_caches:
-        raise ValueError("kv_caches is empty")
+        raise InvalidArgument("kv_caches is empty")
     first = kv_caches[0]
     if first.dim() != 5 or first.shape[1] != 2:
-        raise ValueError("each cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim]")
+        raise InvalidArgument("each cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim]")
     for c in kv_caches:
         if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
-            raise ValueError("all layer caches must share shape, dtype and device")
+            raise InvalidArgument("all layer caches must share shape, dtype and device")
     return first
 
 
@@ -141,10 +141,10 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):
-        raise ValueError("keys and new_block_ids differ in length")
+        raise InvalidArgument("keys and new_block_ids differ in length")
     ids = [int(b) for b in new_block_ids]
     if len(set(ids)) != len(ids) or any(not 0 <= b < first.shape[0] for b in ids):
-        raise ValueError("new_block_ids must be distinct slots of the cache")
+        raise InvalidArgument("new_block_ids must be distinct slots of the cache")
     if not keys:
         return
     expected = paged_layout(model, kv_caches)

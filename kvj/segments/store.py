@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
+from kvj.errors import FormatError, InvalidArgument, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
 from kvj.names import check_key
 from kvj.segments import device as cuda
@@ -87,7 +87,7 @@ class SegmentStore:
                  max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES):
         if backend is None:
             if root is None:
-                raise ValueError("SegmentStore needs a root directory or a backend")
+                raise InvalidArgument("SegmentStore needs a root directory or a backend")
             backend = LocalDirBackend(root, fs)
         self.backend = backend
         self.max_segment_bytes = max_segment_bytes
@@ -125,7 +125,7 @@ class SegmentStore:
         After a failed write or fsync the store refuses further puts (fsync is never retried).
         """
         if tensor.device.type != "cpu":
-            raise ValueError("SegmentStore.put takes CPU tensors; use Flusher for device tensors")
+            raise InvalidArgument("SegmentStore.put takes CPU tensors; use Flusher for device tensors")
         return self.put_bytes(seg.tensor_bytes(tensor), dtype=tensor.dtype, shape=tuple(tensor.shape),
                               layout=layout, codec=codec, pressure=pressure)
 

@@ -179,3 +179,29 @@ def test_no_color_means_no_escape_sequences(journal):
         assert "\x1b[" in kvj(*args, "-j", build_dir, extra_env={"FORCE_COLOR": "1", "NO_COLOR": None}).stdout
         assert "\x1b[" not in kvj(*args, "-j", build_dir, extra_env={"FORCE_COLOR": "1"}).stdout, args
 
+
+#: Built-in exceptions kvj must not raise on purpose: a caller (and the CLI's exit statuses)
+#: can only tell kvj's failures apart when they are kvj's own types (kvj/errors.py).
+BARE = {"ValueError", "RuntimeError", "MemoryError", "TypeError", "KeyError", "IndexError", "Exception"}
+
+
+def test_kvj_raises_its_own_exception_types():
+    import ast
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kvj")
+    found = []
+    for dirpath, _dirs, files in os.walk(root):
+        if os.path.relpath(dirpath, root).split(os.sep)[0] in ("bench", "demo"):  # tools, not the library
+            continue
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                exc = node.exc if isinstance(node, ast.Raise) else None
+                call = exc.func if isinstance(exc, ast.Call) else exc
+                if isinstance(call, ast.Name) and call.id in BARE:
+                    found.append(f"{os.path.relpath(path, root)}:{node.lineno}: raise {call.id}")
+    assert not found, "\n".join(found)

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from kvj.errors import JournalClosed
 from kvj.fileio import FS, DurabilityError
 from kvj.segments.codecs import Backpressure, RawCodec
 from kvj.segments.flusher import Flusher
@@ -155,7 +156,7 @@ def test_worker_error_reaches_future_and_is_sticky(tmp_path):
         with pytest.raises(DurabilityError):
             fl.drain()
         fl.close()
-        with pytest.raises(RuntimeError):
+        with pytest.raises(JournalClosed):
             fl.submit(torch.randn(1))
 
 
