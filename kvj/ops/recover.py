@@ -292,8 +292,14 @@ def check_device(device: str) -> "torch.device":
 
     try:
         dev = torch.device(device)
-        torch.empty(0, device=dev)
-    except (RuntimeError, TypeError, ValueError, AssertionError) as exc:
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidArgument("CUDA is not available on this machine")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise InvalidArgument(f"this machine has {torch.cuda.device_count()} CUDA devices")
+        elif dev.type != "cpu":
+            torch.empty(0, device=dev)  # any other backend: can a tensor live there?
+    except (InvalidArgument, RuntimeError, TypeError, ValueError, AssertionError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise InvalidArgument(f"cannot load onto device {device!r}: {reason}") from None
     return dev
