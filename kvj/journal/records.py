@@ -130,7 +130,8 @@ def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
     """Check a new record's payload against its type's schema and return its bytes.
 
     Stricter than reading: floats in nested maps must be finite too, so that what is
-    journaled stays valid JSON for ``kvj inspect --json``. Raises ``FormatError``.
+    journaled stays valid JSON for ``kvj inspect --json``. Raises ``FormatError``, or
+    ``InvalidName`` for a request id or key that is unsafe as a path component.
     """
     if rtype not in _DECODERS:
         raise FormatError(f"unknown record type {rtype}")
@@ -181,6 +182,8 @@ def _check(rtype: int, data: bytes, finite: bool) -> None:
                 check_key(key)
             _plain(rec.meta, "meta", finite)
     except InvalidName as exc:
+        if finite:  # a new record (``encode``): the caller passed an unsafe name
+            raise
         raise FormatError(f"{name} record: {exc}") from None
 
 
