@@ -1,6 +1,6 @@
 """The journal's on-disk framing, shared by writer and reader (spec: man/kvj-journal.5).
 
-A log file is a 32-byte file header followed by commit groups. A commit group is
+A log file is a 36-byte file header followed by commit groups. A commit group is
 what one fdatasync made durable: a 24-byte group header, then ``count`` records.
 Each record is a 20-byte header and a msgpack payload. All integers little-endian.
 
@@ -10,8 +10,9 @@ Each record is a 20-byte header and a msgpack payload. All integers little-endia
 
 Every CRC is CRC32C: the file header's over its first 32 bytes; the group header's over
 its last 16 bytes, starting from the file's random ``salt`` instead of 0, so bytes inside
-a payload can never pass for a group header; a record's over its header after the CRC
-field and its payload. Type 0 is reserved, so zero-filled space never parses as a record.
+a payload pass for a group header only with probability about 2^-32 per position (they
+must match a CRC under a seed they do not know); a record's over its header after the
+CRC field and its payload. Type 0 is reserved, so zero-filled space never parses as a record.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def later_group_exists(data: bytes, off: int, after_lsn: int, salt: int = 0) -> 
 
     Groups are written one at a time, each only after the previous one was fdatasynced,
     so a valid group after a damaged one proves the damage is not a torn tail. The salt
-    keeps payload bytes (which a tenant may choose) from ever passing for such a group.
+    makes payload bytes (which a tenant may choose) pass for such a group only with
+    probability about 2^-32 per candidate position.
     """
     pos = data.find(GROUP_MAGIC, off + 1)
     while pos != -1:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import operator
 import os
 import time
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import threading
+from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from kvj.errors import FormatError, JournalClosed, JournalFailed, KvjError
+from kvj.errors import FormatError, JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.reader import Scan, TornTail, list_logs, log_seq, read_header
@@ -132,6 +133,10 @@ class Journal:
         self._store: Optional["SegmentStore"] = None
         self._flusher: Optional["Flusher"] = None
         self._closed = False
+        self._order = threading.Lock()
+        #: Per request id, the last of its records still waiting to be appended (see ``_in_order``).
+        self._waiting: Dict[str, "Future[int]"] = {}
+        self._deferred: "set[Future[int]]" = set()
 
     @classmethod
     def open(cls, path: Union[str, "os.PathLike[str]"], *, store: Union[None, str, "SegmentStore"] = None,
@@ -165,15 +170,37 @@ class Journal:
     # -- records -------------------------------------------------------------------------
 
     def start(self, request_id: str, prompt_hash: Optional[str] = None, tokens: Optional[Sequence[int]] = None,
-              meta: Optional[Mapping[str, Any]] = None, durable: bool = False) -> int:
-        """Record that a request started; returns its LSN."""
-        return self._append(RecordType.START, {"id": request_id, "prompt_hash": prompt_hash,
-                                               "tokens": _listed(tokens, "tokens"), "meta": _mapped(meta, "meta")},
-                            durable)
+              meta: Optional[Mapping[str, Any]] = None, durable: bool = False) -> Union[int, "Future[int]"]:
+        """Record that a request started; returns its LSN.
 
-    def end(self, request_id: str, status: str = "ok", durable: bool = False) -> int:
-        """Record that a request ended (its segments become collectable)."""
-        return self._append(RecordType.END, {"id": request_id, "status": status}, durable)
+        A request's records reach the log in the order of the calls: while an earlier
+        incarnation of this id still has flushes in flight, the record follows them and a
+        future of its LSN is returned at once (see ``end``).
+        """
+        return self._request_record(request_id, RecordType.START, {
+            "id": request_id, "prompt_hash": prompt_hash, "tokens": _listed(tokens, "tokens"),
+            "meta": _mapped(meta, "meta")}, durable)
+
+    def end(self, request_id: str, status: str = "ok", durable: bool = False) -> Union[int, "Future[int]"]:
+        """Record that a request ended (its segments become collectable); returns its LSN.
+
+        The end follows the request's flushes in the log. While some are still in flight it
+        is appended when they are, and a future of its LSN is returned at once, so the
+        serving loop never waits for segment I/O; ``sync()`` and ``durable=True`` wait for it.
+        """
+        return self._request_record(request_id, RecordType.END, {"id": request_id, "status": status}, durable)
+
+    def _request_record(self, request_id: str, rtype: int, payload: Mapping[str, Any],
+                        durable: bool) -> Union[int, "Future[int]"]:
+        body = encode(rtype, payload)  # a bad argument raises here, before anything is queued
+        later = self._in_order(request_id, [], lambda: self.writer.append(rtype, body))
+        if later is None:
+            return self.writer.append(rtype, body, durable)
+        if durable:
+            lsn = later.result()
+            self.writer.wait_durable(lsn)
+            return lsn
+        return later
 
     def alloc(self, device: str, addr: int, size: int, tag: str = "", durable: bool = False) -> int:
         """Record a device memory allocation."""
@@ -232,35 +259,83 @@ class Journal:
         if self._closed:
             raise JournalClosed("journal is closed")
         start, end = _token_range(token_range)
-        # the caller's part of the record is checked here, in the caller's thread; the store's part later
+        if info is None and tensor is None:
+            raise FormatError("flush needs a tensor or the info of a stored segment")
+        if info is not None:
+            layout = info.layout
+        else:
+            from kvj.segments.format import canonical_layout
+
+            layout = canonical_layout(_mapped(layout, "layout"))  # what the store will record
+        # The caller's part of the record is checked here, in the caller's thread: an input error
+        # raises now and never reaches the flush workers. The store fills in the rest.
         payload = {"id": request_id, "seg": _integer(segment, "segment"), "key": "0" * 64, "tokens": [start, end],
-                   "layout": _mapped(layout, "layout"), "raw_size": 0, "stored_size": 0, "digest": "", "codec": ""}
+                   "layout": dict(layout or {}), "raw_size": 0, "stored_size": 0, "digest": "", "codec": ""}
         encode(RecordType.SEGMENT, payload)
 
         def record(seg_info: "SegmentInfo") -> int:
             return self._append(RecordType.SEGMENT, {
-                **payload, "key": seg_info.key, "layout": dict(seg_info.layout or {}), "raw_size": seg_info.raw_size,
+                **payload, "key": seg_info.key, "raw_size": seg_info.raw_size,
                 "stored_size": seg_info.stored_size, "digest": seg_info.digest, "codec": seg_info.codec}, False)
 
-        result: "Future[int]" = Future()
         if info is not None:
-            result.set_result(record(info))
-            return result
-        if tensor is None:
-            raise FormatError("flush needs a tensor or the info of a stored segment")
-        if self._flusher is None:
+            stored: "Future[SegmentInfo]" = Future()
+            stored.set_result(info)
+        else:
             from kvj.segments.flusher import Flusher
-            self._flusher = Flusher(self.store)
 
-        def on_durable(seg_info: "SegmentInfo") -> None:
+            if self._flusher is None:
+                self._flusher = Flusher(self.store)
             try:
-                result.set_result(record(seg_info))
+                stored = self._flusher.submit(tensor, payload["layout"])
+            except OSError as exc:  # an earlier flush failed to reach the disk: final
+                raise JournalFailed(f"a segment flush failed earlier: {exc}") from exc
+        later = self._in_order(request_id, [stored], lambda: record(stored.result()))
+        if later is None:
+            done: "Future[int]" = Future()
+            done.set_result(record(stored.result()))
+            return done
+        return later
+
+    def _in_order(self, request_id: str, ready: List["Future[Any]"],
+                  append: Callable[[], int]) -> Optional["Future[int]"]:
+        """Append a record of ``request_id`` after its earlier records and once ``ready`` are done.
+
+        Returns None when nothing is pending (the caller appends at once), else a future of
+        the record's LSN; ``append`` then runs on the thread that completes the last of them.
+        """
+        with self._order:
+            before = self._waiting.get(request_id)
+            deps = [f for f in ready + ([before] if before is not None else []) if not f.done()]
+            if not deps and all(f.exception() is None for f in ready):
+                return None
+            result: "Future[int]" = Future()
+            self._waiting[request_id] = result
+            self._deferred.add(result)
+            left = [len(deps)]
+
+        def fire() -> None:
+            try:
+                result.set_result(append())
             except BaseException as exc:
                 result.set_exception(exc)
-                raise
+            finally:
+                with self._order:
+                    if self._waiting.get(request_id) is result:
+                        del self._waiting[request_id]
+                    self._deferred.discard(result)
 
-        stored = self._flusher.submit(tensor, payload["layout"], on_durable)
-        stored.add_done_callback(lambda f: f.exception() and not result.done() and result.set_exception(f.exception()))
+        def one_done(_f: "Future[Any]") -> None:
+            with self._order:
+                left[0] -= 1
+                go = left[0] == 0
+            if go:
+                fire()
+
+        if not deps:
+            fire()
+        for dep in deps:
+            dep.add_done_callback(one_done)
         return result
 
     # -- durability ----------------------------------------------------------------------
@@ -275,14 +350,22 @@ class Journal:
         return self.writer.sync()
 
     def _drain_flushes(self) -> None:
-        if self._flusher is None:
-            return
-        try:
-            self._flusher.drain()
-        except KvjError:
-            raise
-        except Exception as exc:
-            raise JournalFailed(f"a segment flush failed: {exc}") from exc
+        """Wait for segment flushes and the records queued behind them to be appended.
+
+        Only a durability failure (a write or fsync of a segment that failed) is final and
+        raises ``JournalFailed``; a flush refused for its input failed on its own future.
+        """
+        if self._flusher is not None:
+            try:
+                self._flusher.drain()
+            except OSError as exc:
+                raise JournalFailed(f"a segment flush failed: {exc}") from exc
+        while True:
+            with self._order:
+                deferred = list(self._deferred)
+            if not deferred:
+                return
+            wait(deferred)
 
     @property
     def durable_lsn(self) -> int:
@@ -296,9 +379,13 @@ class Journal:
         try:
             if self._flusher is not None:
                 self._flusher.close()
-                self._drain_flushes()
+            self._drain_flushes()
         finally:
             try:
                 self.writer.close()
             finally:
-                self._lock.release()
+                try:
+                    if self._store is not None and self._store is not self._store_arg:
+                        self._store.close()  # the store (and its thread pool) this journal opened
+                finally:
+                    self._lock.release()

@@ -2,8 +2,11 @@
 
 ``append`` frames a record into an in-memory buffer and returns its LSN without a
 syscall. The committer thread takes whatever accumulated while the previous fdatasync
-ran, writes it as one commit group and fdatasyncs it; records wait at most
-``max_delay`` seconds or ``max_records`` records. A failed write or fsync is final: the
+ran, writes it as one commit group and fdatasyncs it. A group is written ``max_delay``
+seconds after its first record, or once ``max_records`` are pending, as soon as the
+fdatasync in flight returns: a record is durable within ``max_delay`` plus two
+fdatasync times. At most ``max_pending_records`` records are ever appended but not
+durable (``append`` blocks beyond that), so that is the most a crash can lose. A failed write or fsync is final: the
 writer enters the failed state, every waiter gets the error, fsync is never retried.
 """
 
@@ -39,6 +42,9 @@ class CommitPolicy:
     max_delay: float = 0.100  # seconds a record may wait before its group is committed
     max_records: int = 100  # commit as soon as this many records are pending
     max_buffer_bytes: int = 64 << 20  # append blocks beyond this (backpressure, not memory growth)
+    #: append blocks while this many records are appended but not yet durable: the most a crash
+    #: can lose, however slow the disk's fsync gets (groups never grow past it)
+    max_pending_records: int = 10_000
     file_size_limit: int = 64 << 20  # rotate to a new log file after this many bytes
 
 
@@ -54,6 +60,7 @@ class LogWriter:
         self._wake = threading.Condition(self._lock)  # committer waits here
         self._done = threading.Condition(self._lock)  # sync() and full-buffer appends wait here
         self._max_buffer = policy.max_buffer_bytes
+        self._max_pending = max(1, policy.max_pending_records)
         self._max_records = policy.max_records
         self._buf = bytearray()
         self._count = 0
@@ -85,7 +92,7 @@ class LogWriter:
             if self._error is not None or self._closing:
                 self._raise_state()
             buf = self._buf
-            if len(buf) >= self._max_buffer:
+            if len(buf) >= self._max_buffer or self._next_lsn - self._durable_lsn > self._max_pending:
                 buf = self._wait_for_room()
             lsn = self._next_lsn
             self._next_lsn = lsn + 1
@@ -104,8 +111,12 @@ class LogWriter:
         return lsn
 
     def _wait_for_room(self) -> bytearray:
-        """Block (lock held) while the buffer is full: backpressure instead of memory growth."""
-        while len(self._buf) >= self._max_buffer:
+        """Block (lock held) while the buffer is full or too many records are not yet durable:
+        backpressure instead of memory growth, and a cap on what a crash can lose."""
+        while len(self._buf) >= self._max_buffer or self._next_lsn - self._durable_lsn > self._max_pending:
+            if self._sync_target < self._next_lsn - 1:
+                self._sync_target = self._next_lsn - 1  # commit what is pending now, not after max_delay
+                self._wake.notify()
             self._done.wait()
             if self._error is not None or self._closing:
                 self._raise_state()

@@ -57,7 +57,8 @@ class Flusher:
                codec: Optional[Union[str, Codec]] = None) -> "Future[SegmentInfo]":
         """Snapshot ``tensor`` and queue it; the caller may modify ``tensor`` once this returns.
 
-        Blocks while staging memory is full. Raises the first earlier worker error (sticky).
+        Blocks while staging memory is full. Raises the first earlier I/O error of a worker
+        (sticky: a segment that could not be made durable); other errors fail only their future.
         """
         with self._lock:
             if self._closed:
@@ -142,9 +143,10 @@ class Flusher:
                 on_durable(info)
             return info
         except BaseException as exc:
-            with self._lock:
-                if self._error is None:
-                    self._error = exc
+            if isinstance(exc, OSError):  # a failed write or fsync is final; a refused input is not
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
             raise
         finally:
             self.staging.release(buf, reuse=landed)  # a copy that may still run keeps its buffer
@@ -156,13 +158,13 @@ class Flusher:
 
     @property
     def error(self) -> Optional[BaseException]:
-        """The first worker error, if any (then every later submit raises it)."""
+        """The first worker I/O error, if any (then every later submit raises it)."""
         return self._error
 
     def drain(self) -> None:
         """Wait until every segment submitted so far is durable and reported (or failed).
 
-        Raises the sticky error if any worker failed.
+        Raises the sticky error if a worker failed to write a segment.
         """
         with self._lock:
             outstanding = list(self._futures)

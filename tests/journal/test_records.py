@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,10 +47,11 @@ BAD_CALLS = [
     ("epoch, string lsn", lambda j: j.epoch(1, "9")),
     ("append, unknown type", lambda j: j.append(99, {"x": 1})),
     ("append, missing field", lambda j: j.append(RecordType.END, {"id": "r1"})),
-    ("flush, backwards token range", lambda j: j.flush("r1", 0, info=object(), token_range=(16, 0))),
-    ("flush, float segment", lambda j: j.flush("r1", 0.5, info=object(), token_range=(0, 16))),
-    ("flush, NaN in layout", lambda j: j.flush("r1", 0, info=object(), token_range=(0, 16),
-                                               layout={"x": math.inf})),
+    ("flush, backwards token range", lambda j: j.flush("r1", 0, torch.zeros(4), token_range=(16, 0))),
+    ("flush, float segment", lambda j: j.flush("r1", 0.5, torch.zeros(4), token_range=(0, 16))),
+    ("flush, bad id", lambda j: j.flush("a/b", 0, torch.zeros(4), token_range=(0, 16))),
+    ("flush, infinity in layout", lambda j: j.flush("r1", 0, torch.zeros(4), token_range=(0, 16),
+                                                    layout={"x": math.inf})),
 ]
 
 
@@ -59,7 +61,7 @@ def test_a_bad_argument_raises_at_the_call_and_appends_nothing(tmp_path, what, c
         j.start("ok")
         with pytest.raises(InvalidName if "bad id" in what or "bad key" in what else FormatError):
             call(j)
-        assert j.writer.last_lsn == 1
+        assert j.sync() == 1 and list(j.store.keys()) == []  # nothing journaled, nothing stored
         j.end("ok")
     state = kvj.replay(str(tmp_path))
     assert state.last_lsn == 2 and state.requests["ok"].ended

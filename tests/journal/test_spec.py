@@ -31,3 +31,14 @@ def test_record_types_and_fields_match():
         entry = section.split(f".B {int(rtype)} {NAMES[rtype]}")[1].split("\n.TP")[0]
         for field in fields(rtype):
             assert field in entry, (NAMES[rtype], field)
+
+
+def test_the_spec_states_one_header_size_and_what_the_salt_guarantees():
+    """Issue 9 item 19: the page and framing.py called the file header 32 bytes in one place and
+    36 in another, and claimed payload bytes "can never pass" for a group header."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for text in (PAGE, framing.__doc__, readme):
+        sizes = set(re.findall(r"(\d+)-byte file header|File header \((\d+) bytes\)", text))
+        assert {int(a or b) for a, b in sizes} <= {framing.FILE_HEADER_SIZE}, sizes
+        assert "never pass" not in text
+    assert "2^-32" in PAGE and "2^-32" in framing.__doc__ and "2^-32" in readme

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from support.wait import wait_for
 
 import kvj
 from kvj.errors import JournalFailed, JournalLocked
@@ -211,3 +212,28 @@ def test_a_failed_segment_flush_makes_sync_and_close_fail(tmp_path):
     with pytest.raises(JournalFailed):
         j.close()
     assert not kvj.replay(str(tmp_path / "j")).counts.get("segment")
+
+
+def test_what_a_crash_can_lose_is_capped_however_slow_fsync_gets(tmp_path):
+    """Issue 9 item 14: with a slow fdatasync, groups used to grow to thousands of records, all
+    at risk. Now at most ``max_pending_records`` are appended but not durable: append waits."""
+    fs = SlowSyncFS()
+    policy = CommitPolicy(max_pending_records=50)
+    with Journal.open(tmp_path, policy=policy, fs=fs) as j:
+        fs.gate.clear()
+        j.alloc("cuda:0", 0, 1)
+        wait_for(lambda: fs.calls >= 1, "the first group's fdatasync")
+        appender = threading.Thread(target=lambda: [j.alloc("cuda:0", i, 1) for i in range(1, 500)])
+        appender.start()
+        w = j.writer
+        wait_for(lambda: w.last_lsn - w.durable_lsn == 50, "append to stop at the cap")
+        assert appender.is_alive() and w.durable_lsn == 0  # held by the cap, not by an error
+        fs.gate.set()
+        appender.join(60)
+        assert j.sync() == 500
+    assert max(group_sizes(tmp_path)) <= 50
+    fs = SlowSyncFS(delay=0.02)  # a slow disk under a steady writer: no group beyond the cap either
+    with Journal.open(tmp_path / "slow", policy=policy, fs=fs) as j:
+        for i in range(600):
+            j.alloc("cuda:0", i, 1)
+    assert max(group_sizes(tmp_path / "slow")) <= 50 and sum(group_sizes(tmp_path / "slow")) == 600

@@ -160,15 +160,27 @@ def test_worker_error_reaches_future_and_is_sticky(tmp_path):
             fl.submit(torch.randn(1))
 
 
-def test_callback_error_propagates(tmp_path):
-    def boom(info):
-        raise ValueError("journal append failed")
+def test_callback_error_propagates_and_only_io_errors_are_sticky(tmp_path):
+    """A refused input fails only its own flush; a failed write or fsync is final (issue 9 item 7)."""
+    import errno
+
+    def refuse(info):
+        raise ValueError("journal append refused")
+
+    def eio(info):
+        raise OSError(errno.EIO, "injected EIO")
 
     with SegmentStore(tmp_path) as store, Flusher(store) as fl:
         with pytest.raises(ValueError):
-            fl.submit(torch.ones(4), on_durable=boom).result(timeout=30)
-        with pytest.raises(ValueError):
+            fl.submit(torch.ones(4), on_durable=refuse).result(timeout=30)
+        assert fl.submit(torch.ones(5)).result(timeout=30).raw_size == 20
+        fl.drain()
+        with pytest.raises(OSError):
+            fl.submit(torch.ones(4), on_durable=eio).result(timeout=30)
+        with pytest.raises(OSError):
             fl.submit(torch.ones(4))
+        with pytest.raises(OSError):
+            fl.drain()
 
 
 def test_staging_pool_reuses_buffers():
