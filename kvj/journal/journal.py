@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 from kvj.errors import FormatError, JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
+from kvj.journal.framing import FORMAT_VERSION
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.reader import Scan, TornTail, list_logs, log_seq, read_header
 from kvj.journal.records import RecordType, encode
@@ -60,13 +61,19 @@ def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
     return aside
 
 
-def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
-    """(next file seq, next LSN, copy of any cut tail) for a writer resuming this journal."""
+def _find_end(directory: str, fs: FS, file_size_limit: int) -> Tuple[int, int, Optional[str], Optional[int]]:
+    """Where a writer resuming this journal goes on: (file seq, next LSN, copy of any cut
+    tail, and the salt of that file when the writer appends to it, None for a new file).
+
+    The newest log file is continued when its tail is clean, it is in the current format
+    and below the size limit; otherwise (a torn tail was cut, a 0.1.0 file, a full one) a
+    new file follows it.
+    """
     snaps = list_snapshots(directory)
     snap_lsn = snaps[0][0] if snaps else 0
     logs = list_logs(directory)
     if not logs:
-        return 1, snap_lsn + 1, None
+        return 1, snap_lsn + 1, None, None
     last = logs[-1]
     header = read_header(last)
     scan = Scan(directory, after_lsn=header.base_lsn - 1 if header else 0, logs=[last])
@@ -76,8 +83,8 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
         aside = cut_torn_tail(TornTail(last, 0, os.path.getsize(last)), fs)
         fs.unlink(last)
         fs.fsync_dir(directory)
-        seq, lsn, _ = _find_end(directory, fs)
-        return seq, lsn, aside
+        seq, lsn, _, salt = _find_end(directory, fs, file_size_limit)
+        return seq, lsn, aside, salt
     aside = cut_torn_tail(scan.tail, fs) if scan.tail else None
     if aside is None:
         # What was just read may sit unsynced in the page cache (a writer killed between a
@@ -85,7 +92,10 @@ def _find_end(directory: str, fs: FS) -> Tuple[int, int, Optional[str]]:
         # before any later record is acknowledged (the cut above already fsynced the file).
         fsync_path(last, fs)
     next_lsn = header.base_lsn if scan.next_lsn is None else scan.next_lsn
-    return log_seq(last) + 1, max(next_lsn, snap_lsn + 1), aside
+    if (aside is None and header.version == FORMAT_VERSION and scan.end_offset < file_size_limit
+            and next_lsn > snap_lsn):
+        return log_seq(last), next_lsn, None, header.salt
+    return log_seq(last) + 1, max(next_lsn, snap_lsn + 1), aside, None
 
 
 def _mapped(value: Optional[Mapping[str, Any]], what: str) -> Dict[str, Any]:
@@ -145,7 +155,8 @@ class Journal:
 
         Takes the writer lock (a second writer gets ``JournalLocked`` naming the holder's
         pid), cuts a torn tail left by a crash (the bytes are kept in ``torn/``), and
-        starts a new log file. Mid-log corruption raises ``CorruptionError``: run fsck.
+        continues the newest log file when its tail is clean (else starts a new one).
+        Mid-log corruption raises ``CorruptionError``: run fsck.
         """
         path = os.path.abspath(os.fspath(path))
         if not os.path.isdir(path):
@@ -154,8 +165,9 @@ class Journal:
             makedirs_durable(path, fs)
         lock = DirLock(path, LOCK_NAME, "writer").acquire()
         try:
-            seq, lsn, aside = _find_end(path, fs)
-            writer = LogWriter(path, next_seq=seq, next_lsn=lsn, policy=policy or CommitPolicy(), fs=fs)
+            policy = policy or CommitPolicy()
+            seq, lsn, aside, salt = _find_end(path, fs, policy.file_size_limit)
+            writer = LogWriter(path, next_seq=seq, next_lsn=lsn, policy=policy, fs=fs, resume_salt=salt)
         except BaseException:
             lock.release()
             raise

@@ -21,6 +21,7 @@ from kvj.errors import CorruptionError, FormatError
 from kvj.journal.framing import (
     FILE_HEADER_SIZE,
     FORMAT_VERSION,
+    READABLE_VERSIONS,
     FileHeader,
     RawRecord,
     decode_file_header,
@@ -40,13 +41,14 @@ CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, TORN, COVERED_GAP = (
 
 @dataclass(frozen=True)
 class Record:
-    """A decoded journal record and where it lives."""
+    """A decoded journal record, where it lives, and when its commit group was written."""
 
     lsn: int
     rtype: int
     payload: Dict[str, Any]
     path: str
     offset: int
+    time: Optional[float] = None  # Unix seconds; None for records of kvj 0.1.0 (format version 1)
 
 
 def decode(raw: RawRecord) -> Record:
@@ -55,7 +57,7 @@ def decode(raw: RawRecord) -> Record:
         payload = decode_payload(raw.rtype, raw.payload)
     except FormatError as exc:
         raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
-    return Record(raw.lsn, raw.rtype, payload, raw.path, raw.offset)
+    return Record(raw.lsn, raw.rtype, payload, raw.path, raw.offset, raw.time)
 
 
 @dataclass
@@ -197,9 +199,9 @@ class Scan:
                 self.report(Damage(CORRUPTION, path, 0, f"bad log file header {where}"))
                 expected = None  # the walk goes on with the next file, whatever LSN it starts at
                 continue
-            if header.version != FORMAT_VERSION:
+            if header.version not in READABLE_VERSIONS:
                 self.report(Damage(FORMAT, path, 0, f"log format version {header.version} is not supported "
-                                   f"(this kvj reads version {FORMAT_VERSION})"))
+                                   f"(this kvj reads versions up to {FORMAT_VERSION})"))
                 expected = None
                 continue
             if header.seq != log_seq(path):
@@ -213,9 +215,9 @@ class Scan:
             pos = FILE_HEADER_SIZE if origin == 0 else 0
             resynced = False
             while pos < len(data):
-                parsed = parse_group(data, pos, path, header.salt, origin)
+                parsed = parse_group(data, pos, path, header.salt, origin, header.version)
                 if parsed is None:
-                    later = later_group_exists(data, pos, expected - 1, header.salt)
+                    later = later_group_exists(data, pos, expected - 1, header.salt, header.version)
                     if later is None and is_last:
                         self.end_offset = origin + pos
                         self._torn(path, origin + pos, len(data) - pos)
@@ -277,3 +279,41 @@ class Scan:
         self.tail = TornTail(path, offset, length)
         if self.strict:
             raise CorruptionError(path, offset, f"torn tail of {length} bytes (strict mode)")
+
+
+@dataclass(frozen=True)
+class LogEnd:
+    """Where a journal's log ends, for status displays: the last complete commit group."""
+
+    lsn: int  #: its last LSN (the snapshot's, or 0, when no log file holds a group)
+    time: Optional[float]  #: when it was written (Unix seconds); None for kvj 0.1.0 files or no group
+    path: Optional[str]  #: the log file holding it
+    tail: Optional[TornTail]  #: incomplete bytes after it in the newest file (a live writer's, or a crash's)
+
+
+def log_end(directory: str, snapshot_lsn: int = 0) -> LogEnd:
+    """The last complete group of the log, reading only the newest log files (newest first,
+    until one holds a group): what ``kvj status`` shows as the last durable write and its age.
+
+    Complete is not durable for a live writer, whose last group may await its fdatasync;
+    for a journal no writer holds, it is what replay will return.
+    """
+    logs = list_logs(directory)
+    tail: Optional[TornTail] = None
+    for index in range(len(logs) - 1, -1, -1):
+        path = logs[index]
+        try:
+            header = read_header(path)
+        except FileNotFoundError:
+            continue
+        if header is None:
+            continue
+        scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None)
+        last: Optional[RawRecord] = None
+        for raw in scan:
+            last = raw
+        if index == len(logs) - 1:
+            tail = scan.tail
+        if last is not None:
+            return LogEnd(last.lsn, last.time, path, tail)
+    return LogEnd(snapshot_lsn, None, None, tail)

@@ -52,7 +52,9 @@ class LogWriter:
     """Appends records to the log files of one journal directory. One per journal."""
 
     def __init__(self, directory: str, *, next_seq: int, next_lsn: int,
-                 policy: CommitPolicy = CommitPolicy(), fs: FS = REAL_FS):
+                 policy: CommitPolicy = CommitPolicy(), fs: FS = REAL_FS, resume_salt: Optional[int] = None):
+        """Write LSNs from ``next_lsn`` on: appending to log file ``next_seq`` when
+        ``resume_salt`` (its salt) is given, else in a new file of that number."""
         self.directory = directory
         self.policy = policy
         self.fs = fs
@@ -75,7 +77,10 @@ class LogWriter:
         self._seq = next_seq
         self._fd = -1
         self._size = 0
-        self._open_file(next_seq, next_lsn)
+        if resume_salt is None:
+            self._open_file(next_seq, next_lsn)
+        else:
+            self._resume_file(next_seq, resume_salt)
         self._thread = threading.Thread(target=self._run, name="kvj-committer", daemon=True)
         self._thread.start()
 
@@ -195,6 +200,12 @@ class LogWriter:
             raise
         self._fd, self._seq, self._size, self._salt = fd, seq, len(header), salt
 
+    def _resume_file(self, seq: int, salt: int) -> None:
+        """Append to log file ``seq``, whose content up to here is whole groups and durable."""
+        path = os.path.join(self.directory, log_name(seq))
+        fd = self.fs.open(path, os.O_WRONLY | os.O_APPEND)
+        self._fd, self._seq, self._size, self._salt = fd, seq, os.fstat(fd).st_size, salt
+
     def _take_group(self) -> Optional[tuple]:
         """Wait until a group is due; return (data, count, first_lsn) or None to stop."""
         policy = self.policy
@@ -225,9 +236,10 @@ class LogWriter:
                 if group is None:
                     return
                 data, count, first = group
-                self.fs.writev(self._fd, [encode_group_header(len(data), count, first, self._salt), data])
+                head = encode_group_header(len(data), count, first, self._salt, time.time_ns())
+                self.fs.writev(self._fd, [head, data])
                 self.fs.fdatasync(self._fd)
-                self._size += len(data) + 24
+                self._size += len(head) + len(data)
                 with self._lock:
                     self._durable_lsn = first + count - 1
                     self._done.notify_all()

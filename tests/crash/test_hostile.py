@@ -186,7 +186,7 @@ def test_huge_declared_lengths_allocate_nothing(tmp_path):
     process whose address space is capped (so an allocation from a declared length fails)."""
     j1 = tmp_path / "group"
     j1.mkdir()
-    head = F.GROUP_HEADER.pack(F.GROUP_MAGIC, 0, F.MAX_GROUP_BODY, 0xFFFFFFFF, 1)
+    head = F.GROUP_HEADER.pack(F.GROUP_MAGIC, 0, F.MAX_GROUP_BODY, 0xFFFFFFFF, 1, 0)
     head = head[:4] + struct.pack("<I", crc32c(head[8:])) + head[8:]
     (j1 / "0000000000000001.log").write_bytes(log_file([head + b"\0" * 64]))
     j2 = tmp_path / "record"

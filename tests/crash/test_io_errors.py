@@ -221,7 +221,8 @@ def test_open_failure_is_loud_and_releases_the_lock(tmp_path, op, path_part, err
     fs = FaultFS([Fault(op, err, path_contains=path_part)])
     committers = committer_threads()
     with pytest.raises((OSError, KvjError)):
-        Journal.open(path, fs=fs)
+        # the newest file is full, so the writer creates a new one (a clean one it would continue)
+        Journal.open(path, fs=fs, policy=CommitPolicy(file_size_limit=1))
     assert fs.fired == 1
     assert committer_threads() == committers, "a failed open left a committer thread running"
     with Journal.open(path) as j:

@@ -14,7 +14,7 @@ def group(records, first_lsn=1):
 
 
 def test_sizes_match_the_spec():
-    assert (F.FILE_HEADER_SIZE, F.GROUP_HEADER_SIZE, F.RECORD_HEADER_SIZE) == (36, 24, 20)
+    assert (F.FILE_HEADER_SIZE, F.GROUP_HEADER_SIZE, F.RECORD_HEADER_SIZE) == (36, 32, 20)
     assert F.FILE_MAGIC == b"\x89KVJLOG\n"
 
 

@@ -17,7 +17,7 @@ def test_magics_match():
 
 def test_header_sizes_match():
     assert "File header (36 bytes)" in PAGE and framing.FILE_HEADER_SIZE == 36
-    assert "Commit group (24-byte header" in PAGE and framing.GROUP_HEADER_SIZE == 24
+    assert "Commit group (32-byte header" in PAGE and framing.GROUP_HEADER_SIZE == 32
     assert "Record (20-byte header" in PAGE and framing.RECORD_HEADER_SIZE == 20
     assert snapshot.SNAP_HEADER.size == 32
     assert "at most 16 MiB" in PAGE and framing.MAX_RECORD_PAYLOAD == 16 << 20

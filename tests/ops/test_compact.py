@@ -21,6 +21,7 @@ from kvj.journal.journal import Journal
 from kvj.journal.locks import DirLock
 from kvj.journal.reader import list_logs
 from kvj.journal.snapshot import list_snapshots
+from kvj.journal.writer import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.recover import recover
 
@@ -31,9 +32,10 @@ def live(state):
 
 
 def sessions(path, n=4):
-    """Several writer sessions, so the journal has several sealed log files."""
+    """Several writer sessions, each filling a log file past its size limit, so the journal has
+    several sealed log files and an empty newest one (a writer continues a file below the limit)."""
     for s in range(n):
-        with Journal.open(path) as j:
+        with Journal.open(path, policy=CommitPolicy(file_size_limit=100)) as j:
             j.start(f"s{s}")
             j.alloc("cuda:0", s * 4096, 4096, f"s{s}")
             if s % 2:
@@ -48,15 +50,15 @@ def test_compaction_folds_sealed_logs_and_keeps_the_state(tmp_path, capsys):
     logs = list_logs(j)
     status, out, err = run_cli(capsys, "compact", "-j", j)
     assert status == 0, err
-    # sessions of 2, 4, 2 and 4 records: the first three files (LSN 1..8) are sealed
-    assert "snapshot at LSN 8" in out and "removed 3 log files" in out and "reclaimed" in out
-    assert list_logs(j) == logs[-1:] and [lsn for lsn, _ in list_snapshots(j)] == [8]
+    # sessions of 2, 4, 2 and 4 records, one file each: all four (LSN 1..12) are sealed
+    assert "snapshot at LSN 12" in out and "removed 4 log files" in out and "reclaimed" in out
+    assert list_logs(j) == logs[-1:] and [lsn for lsn, _ in list_snapshots(j)] == [12]
     after = kvj.replay(j)
-    assert live(after) == before and after.snapshot_lsn == 8 and after.ended_compacted == 1
+    assert live(after) == before and after.snapshot_lsn == 12 and after.ended_compacted == 2
     sessions(j, 2)
     again = compact(j)
-    assert again.snapshot_lsn == 14 and len(again.snapshots_removed) == 1 and again.bytes_reclaimed > 0
-    assert [lsn for lsn, _ in list_snapshots(j)] == [14]
+    assert again.snapshot_lsn == 18 and len(again.snapshots_removed) == 1 and again.bytes_reclaimed > 0
+    assert [lsn for lsn, _ in list_snapshots(j)] == [18]
     nothing = compact(j)  # only the newest file is left: nothing sealed to fold
     assert nothing.snapshot is None and nothing.logs_removed == [] and nothing.bytes_reclaimed == 0
 
@@ -89,7 +91,7 @@ def test_snapshot_is_durable_before_any_log_is_deleted(tmp_path):
     fs = RecordingFS()
     compact(j, fs=fs, collect=False)
     names = fs.ops
-    renamed = names.index(("rename", "snapshot-0000000000000008.snap"))
+    renamed = names.index(("rename", "snapshot-0000000000000012.snap"))
     assert names[renamed + 1] == ("fsync_dir", j)  # durable before ...
     first_unlink = next(i for i, op in enumerate(names) if op[0] == "unlink")
     assert renamed < first_unlink  # ... anything it covers is deleted
