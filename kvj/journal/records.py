@@ -187,18 +187,24 @@ def _check(rtype: int, data: bytes, finite: bool) -> None:
         raise FormatError(f"{name} record: {exc}") from None
 
 
+_CONTAINERS = (dict, list)
+_CONTAINERS_OR_FLOAT = (dict, list, float)
+
+
 def _plain(value: Any, where: str, finite: bool) -> None:
     """A nested map must have string keys throughout (it is shown as JSON and snapshotted);
-    with ``finite``, its floats must be finite."""
-    if isinstance(value, dict):
+    with ``finite``, its floats must be finite. Only containers (and floats) are looked into:
+    a flat map of scalars costs one type test per value."""
+    look = _CONTAINERS_OR_FLOAT if finite else _CONTAINERS
+    if type(value) is dict:
         for key, item in value.items():
-            if not isinstance(key, str):
+            if type(key) is not str:
                 raise FormatError(f"{where} has a non-string key {key!r}")
-            if isinstance(item, (dict, list)) or (finite and isinstance(item, float)):
+            if type(item) in look:
                 _plain(item, f"{where}.{key}", finite)
-    elif isinstance(value, list):
+    elif type(value) is list:
         for index, item in enumerate(value):
-            if isinstance(item, (dict, list)) or (finite and isinstance(item, float)):
+            if type(item) in look:
                 _plain(item, f"{where}[{index}]", finite)
-    elif isinstance(value, float) and not math.isfinite(value):
+    elif type(value) is float and not math.isfinite(value):
         raise FormatError(f"{where} is {value}: only finite numbers can be journaled")
