@@ -189,22 +189,31 @@ def _check(rtype: int, data: bytes, finite: bool) -> None:
 
 _CONTAINERS = (dict, list)
 _CONTAINERS_OR_FLOAT = (dict, list, float)
+#: Leaves a nested map may hold: what JSON can show. Reading also accepts bytes (MessagePack
+#: bin, which kvj 0.1.0 could write); nothing else (no extension types) is ever accepted.
+_NEW_LEAVES = (type(None), bool, int, float, str)
+_READ_LEAVES = _NEW_LEAVES + (bytes,)
 
 
 def _plain(value: Any, where: str, finite: bool) -> None:
-    """A nested map must have string keys throughout (it is shown as JSON and snapshotted);
-    with ``finite``, its floats must be finite. Only containers (and floats) are looked into:
-    a flat map of scalars costs one type test per value."""
+    """A nested map must hold only plain data with string keys throughout (it is shown as JSON
+    and snapshotted); with ``finite`` (a new record), floats must be finite and bytes are refused.
+    Only containers and floats are looked into: a flat map of scalars costs two type tests a value."""
     look = _CONTAINERS_OR_FLOAT if finite else _CONTAINERS
+    leaves = _NEW_LEAVES if finite else _READ_LEAVES
     if type(value) is dict:
         for key, item in value.items():
             if type(key) is not str:
                 raise FormatError(f"{where} has a non-string key {key!r}")
             if type(item) in look:
                 _plain(item, f"{where}.{key}", finite)
+            elif type(item) not in leaves:
+                raise FormatError(f"{where}.{key} is a {type(item).__name__}, not plain data")
     elif type(value) is list:
         for index, item in enumerate(value):
             if type(item) in look:
                 _plain(item, f"{where}[{index}]", finite)
+            elif type(item) not in leaves:
+                raise FormatError(f"{where}[{index}] is a {type(item).__name__}, not plain data")
     elif type(value) is float and not math.isfinite(value):
         raise FormatError(f"{where} is {value}: only finite numbers can be journaled")

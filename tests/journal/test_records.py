@@ -136,3 +136,19 @@ VALID = {
 def test_every_valid_payload_is_accepted_and_round_trips(data, rtype):
     payload = data.draw(VALID[rtype])
     assert records.decode_payload(rtype, records.encode(rtype, payload)) == payload
+
+
+def test_maps_hold_plain_data_only(tmp_path):
+    """An extension type or bytes in meta is refused for a new record; read back, an extension
+    type is corruption (it could be neither snapshotted nor shown), bytes from 0.1.0 still read."""
+    import msgpack
+
+    from kvj.journal.records import decode_payload, encode
+
+    with pytest.raises(FormatError):
+        encode(RecordType.CHECKPOINT, {"step": 0, "keys": {}, "meta": {"x": b"raw"}})
+    ext = msgpack.packb({"step": 0, "keys": {}, "meta": {"": msgpack.ExtType(0, b"")}})
+    with pytest.raises(FormatError, match="not plain data"):
+        decode_payload(RecordType.CHECKPOINT, ext)
+    old = msgpack.packb({"step": 0, "keys": {}, "meta": {"x": b"raw"}}, use_bin_type=True)
+    assert decode_payload(RecordType.CHECKPOINT, old)["meta"] == {"x": b"raw"}
