@@ -20,7 +20,7 @@ from kvj.errors import JournalClosed
 from kvj.segments import device
 from kvj.segments.codecs import Codec
 from kvj.segments.codecs.auto import Backpressure
-from kvj.segments.format import dtype_name
+from kvj.segments.format import copy_into, dtype_name
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentInfo, SegmentStore
 
@@ -94,7 +94,7 @@ class Flusher:
             return None
         view = dest.view(tensor.dtype).view(tensor.shape)
         if not is_cuda:
-            view.copy_(tensor.detach())  # one strided pass
+            copy_into(view, tensor)  # one strided pass
             return None
         return device.CUDA.download(tensor.detach(), view)
 
