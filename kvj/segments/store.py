@@ -26,7 +26,7 @@ from kvj.segments import device as cuda
 from kvj.segments import format as seg
 from kvj.segments.backend import LocalDirBackend, ObjectStat, StorageBackend, Upload
 from kvj.segments.codecs import Codec
-from kvj.segments.codecs.auto import Backpressure
+from kvj.segments.codecs.auto import AutoChoices, Backpressure
 from kvj.segments.layout import check_layout
 
 
@@ -97,6 +97,7 @@ class SegmentStore:
         self._failed: Optional[BaseException] = None
         #: Puts answered by a stored copy (nothing written).
         self.dedup_hits = 0
+        self._auto = AutoChoices()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -142,6 +143,8 @@ class SegmentStore:
         self._check_alive()
         layout = seg.canonical_layout(layout)
         name = seg.dtype_name(dtype)
+        if codec == "auto":
+            codec = self._auto.choose(raw, seg.word_size(dtype), seg.is_float(dtype), pressure, (name, shape))
         waited = [0.0]
         t0 = time.perf_counter()
         if len(raw) <= self.HASH_FIRST_BYTES:

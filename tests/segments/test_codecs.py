@@ -168,3 +168,23 @@ def test_row_dedup_keeps_rows_that_only_share_sampled_words():
     rows[1, 5] = 1  # same key columns as row 0, different content
     src = RowDedup.find(memoryview(rows.tobytes()), 256)
     assert src[1] == 1 and src[2] == 0 and src[3] == 0
+
+
+def test_auto_choice_is_reused_for_a_stream_of_small_segments(monkeypatch):
+    from kvj.segments.codecs import auto
+
+    calls = []
+    real = auto.auto_codec
+    monkeypatch.setattr(auto, "auto_codec", lambda *a: calls.append(a) or real(*a))
+    choices = auto.AutoChoices()
+    block = memoryview(torch.randn(64, 1024).to(torch.bfloat16).view(torch.uint8).numpy()).cast("B")
+    kind = ("bfloat16", (64, 1024))
+    picked = {choices.choose(block, 2, True, Backpressure.NORMAL, kind) for _ in range(2 * auto.AutoChoices.REUSE)}
+    assert len(calls) == 2 and len(picked) == 1  # sampled once per REUSE segments of a kind
+    choices.choose(block, 2, True, Backpressure.BUSY, kind)  # another pressure level: its own sample
+    choices.choose(block, 2, True, Backpressure.NORMAL, ("bfloat16", (32, 2048)))  # another kind too
+    assert len(calls) == 4
+    big = memoryview(bytes(auto.AutoChoices.SMALL + 4096))
+    choices.choose(big, 4, False, Backpressure.NORMAL, ("float32", (1,)))
+    choices.choose(big, 4, False, Backpressure.NORMAL, ("float32", (1,)))
+    assert len(calls) == 6  # large segments are sampled every time

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any, Dict, Hashable, List
+
 from kvj.segments.codecs.base import Codec
 from kvj.segments.codecs.byteplane import BytePlaneCodec, split_planes
 from kvj.segments.codecs.raw import RawCodec
@@ -72,3 +75,38 @@ def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0
         if total < best_size and set(modes) != {"r"}:
             best, best_size = BytePlaneCodec("".join(modes), fp=is_float, level=1), total
     return best
+
+
+class AutoChoices:
+    """``auto`` for a stream of small segments: one sample serves the next ``REUSE`` segments
+    of the same kind (dtype and shape) at the same backpressure level.
+
+    Sampling a small segment costs about as much as compressing it (a 512 KiB KV block is its
+    own 256 KiB sample, tried with four compressions), while one model's blocks are alike, so
+    a flusher writing block after block would spend most of its CPU choosing. Segments over
+    ``SMALL`` bytes are sampled each time (their sample is a small part of them).
+    """
+
+    REUSE = 64
+    SMALL = 2 << 20
+    MAX_KINDS = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chosen: Dict[Hashable, List[Any]] = {}  # key -> [codec, uses left]
+
+    def choose(self, buf: memoryview, itemsize: int, is_float: bool, pressure: int, kind: Hashable) -> Codec:
+        if len(buf) > self.SMALL:
+            return auto_codec(buf, itemsize, is_float, pressure)
+        key = (kind, pressure)
+        with self._lock:
+            entry = self._chosen.get(key)
+            if entry is not None and entry[1] > 0:
+                entry[1] -= 1
+                return entry[0]
+        codec = auto_codec(buf, itemsize, is_float, pressure)
+        with self._lock:
+            if len(self._chosen) >= self.MAX_KINDS:
+                self._chosen.clear()
+            self._chosen[key] = [codec, self.REUSE - 1]
+        return codec
