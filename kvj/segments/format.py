@@ -546,16 +546,18 @@ def check_stored(data: Union[bytes, memoryview], name: str = "<segment>") -> Hea
 
 def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = None, *,
                 name: str = "<segment>", pool: Optional[Executor] = None,
-                max_raw: int = MAX_RAW_SIZE) -> Tuple[Header, torch.Tensor]:
+                max_raw: int = MAX_RAW_SIZE, header: Optional[Header] = None) -> Tuple[Header, torch.Tensor]:
     """Check and decode a whole segment file; return its header and tensor (on CPU).
 
     ``out``, when given, is a contiguous uint8 CPU tensor (e.g. pinned staging) of at least
     ``raw_size`` bytes that receives the data; the returned tensor is a view of it. Every chunk
     CRC and the digest are checked; any failure raises :class:`SegmentCorrupt` naming ``name``.
     A segment declaring more than ``max_raw`` bytes is refused before anything is allocated.
+    ``header`` is :func:`read_header` of the same ``data`` when the caller has parsed it already.
     """
     view = memoryview(data).cast("B")
-    header = read_header(view, name)
+    if header is None:
+        header = read_header(view, name)
     dtype = header.torch_dtype
     if header.raw_size > max_raw:
         raise FormatError(f"{name} declares {header.raw_size} raw bytes, more than the limit of {max_raw} "

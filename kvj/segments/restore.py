@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from kvj.errors import InvalidArgument, LayoutMismatch
@@ -149,7 +150,7 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         return
     expected = paged_layout(model, kv_caches)
     block_shape = (len(kv_caches),) + tuple(first.shape[1:])
-    for key in keys:
+    for key in dict.fromkeys(keys):
         info = store.info(key)
         check_layout(info.layout, expected, f"segment {key}")
         if info.shape != block_shape or info.dtype != expected["dtype"]:
@@ -161,11 +162,20 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     pool = staging or (default_staging() if is_cuda else StagingPool(total))
     buf = pool.acquire(total, pinned=is_cuda)
     try:
+        # A key that recurs (a shared prefix block) is decoded once and its bytes copied.
+        first_of: Dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first_of.setdefault(key, i)
+        slot = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
+
         def one(i: int) -> None:
-            store.get(keys[i], expect_layout=expected, out=buf[i * block_bytes:(i + 1) * block_bytes])
+            store.get(keys[i], expect_layout=expected, out=slot[i])
 
         with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as ex:
-            list(ex.map(one, range(len(keys))))
+            list(ex.map(one, first_of.values()))
+        for i, key in enumerate(keys):
+            if first_of[key] != i:
+                np.copyto(slot[i].numpy(), slot[first_of[key]].numpy())
         host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
         index = torch.tensor(ids, dtype=torch.long)
         if is_cuda:

@@ -292,9 +292,11 @@ class SegmentStore:
         check_key(key)
         name = self.backend.describe(key)
         data = self.backend.get(key)
+        header = seg.read_header(data, name)
         if expect_layout is not None:
-            check_layout(seg.read_header(data, name).layout, expect_layout, f"segment {name}")
-        header, tensor = seg.decode_into(data, out, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
+            check_layout(header.layout, expect_layout, f"segment {name}")
+        header, tensor = seg.decode_into(data, out, name=name, pool=self.pool, max_raw=self.max_segment_bytes,
+                                         header=header)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
         target = cuda.CUDA.resolve(device)

@@ -96,3 +96,18 @@ def test_gpu_selfcheck_exits_cleanly_without_cuda():
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA" in proc.stdout
+
+
+def test_a_recurring_block_is_read_and_decoded_once(store, monkeypatch):
+    src = _caches(5)
+    keys = _flush(store, src, [1, 2, 1, 1, 2])  # a shared prefix: the same block in several requests
+    assert len(set(keys)) == 2
+    gets = []
+    real = store.get
+    monkeypatch.setattr(store, "get", lambda key, **kw: gets.append(key) or real(key, **kw))
+    dst = _caches(fill=0.0)
+    restore_paged(store, keys, dst, [0, 3, 5, 7, 9], model="tiny-llm")
+    assert sorted(gets) == sorted(set(keys))
+    for layer in range(L):
+        for old, new in zip([1, 2, 1, 1, 2], [0, 3, 5, 7, 9]):
+            assert torch.equal(dst[layer][new], src[layer][old])
