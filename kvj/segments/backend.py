@@ -23,6 +23,7 @@ import numpy as np
 from kvj.errors import SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError, makedirs_durable, rename_durable
 from kvj.names import KEY_RE
+from kvj.segments.format import BytesSource, Source
 
 SEGMENT_SUFFIX = ".kvjseg"
 #: The store's collection lock (see ``LocalDirBackend._collection_lock``).
@@ -77,6 +78,12 @@ class StorageBackend(ABC):
     def get(self, key: str) -> Buffer:
         """All bytes of ``key``; SegmentMissing when absent."""
 
+    @contextmanager
+    def open(self, key: str) -> Iterator[Source]:
+        """``key``'s bytes to read by offset while the context lasts; SegmentMissing when absent.
+        (This default reads them all with :meth:`get`; a file backend reads as asked.)"""
+        yield BytesSource(self.get(key), self.describe(key))
+
     @abstractmethod
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         """Up to ``length`` bytes of ``key`` from ``offset``; SegmentMissing when absent."""
@@ -126,6 +133,16 @@ def _read_into(fd: int, out: memoryview, offset: int, path: str) -> None:
             raise SegmentCorrupt(path, offset + got, f"file ended after {offset + got} bytes, "
                                  f"{offset + len(out)} expected (truncated while being read)")
         got += n
+
+
+class _FileSource(Source):
+    """A segment file read by offset (thread-safe: ``pread``); reads are errors, never SIGBUS."""
+
+    def __init__(self, fd: int, size: int, path: str):
+        self.fd, self.size, self.name = fd, size, path
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        _read_into(self.fd, out, offset, self.name)
 
 
 class _LocalUpload(Upload):
@@ -277,6 +294,12 @@ class LocalDirBackend(StorageBackend):
             yield fd
         finally:
             os.close(fd)
+
+    @contextmanager
+    def open(self, key: str) -> Iterator[Source]:
+        """The file, read chunk by chunk by whoever decodes it (one descriptor, ``pread``)."""
+        with self._open(key) as fd:
+            yield _FileSource(fd, os.fstat(fd).st_size, self.path(key))
 
     def get(self, key: str) -> Buffer:
         """All bytes of the file, read into memory.

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
+from abc import ABC, abstractmethod
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -34,6 +36,7 @@ from kvj.errors import FormatError, InvalidArgument, SegmentCorrupt
 from kvj.fileio import Buffer
 from kvj.segments.codecs import Codec, get_codec
 from kvj.segments.codecs.auto import Backpressure, auto_codec
+from kvj.segments.codecs.raw import RawCodec
 from kvj.segments.codecs.rowdedup import RowDedup, ScatterPlan
 from kvj.segments.codecs.zstd import ZstdCodec, zstd_decompress
 
@@ -518,14 +521,68 @@ def parse_header(preamble: bytes, head: bytes, crc: int, file_size: int, name: s
         raise _corrupt(name, file_size - TRAILER.size - len(head), f"header does not parse: {exc}") from None
 
 
-def read_header(data: Union[bytes, memoryview], name: str = "<segment>") -> Header:
-    """Parse and validate the header of a whole segment file held in memory."""
-    view = memoryview(data).cast("B")
-    size = len(view)
+class Source(ABC):
+    """A segment's stored bytes, read by offset: held in memory (:class:`BytesSource`) or read
+    from a file chunk by chunk as the decoder needs them (``StorageBackend.open``), so a load
+    neither copies the whole file into a buffer first nor waits for it before decoding."""
+
+    name: str
+    size: int
+
+    @abstractmethod
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; ``SegmentCorrupt`` if the file ends first."""
+
+    def read(self, offset: int, n: int) -> memoryview:
+        """``n`` bytes at ``offset``, in this thread's scratch buffer: valid until the thread's
+        next read."""
+        buf = _thread_buffer(n)
+        self.read_into(offset, buf)
+        return buf
+
+
+class BytesSource(Source):
+    """A whole segment file held in memory (reads are zero-copy slices)."""
+
+    def __init__(self, data: Buffer, name: str = "<segment>"):
+        self.view = memoryview(data).cast("B")
+        self.name, self.size = name, len(self.view)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        if offset + len(out) > self.size:
+            raise _corrupt(self.name, offset, "segment ends inside a chunk")
+        out[:] = self.view[offset:offset + len(out)]
+
+    def read(self, offset: int, n: int) -> memoryview:
+        if offset + n > self.size:
+            raise _corrupt(self.name, offset, "segment ends inside a chunk")
+        return self.view[offset:offset + n]
+
+
+_local = threading.local()
+
+
+def _thread_buffer(n: int) -> memoryview:
+    """This thread's reusable read buffer, at least ``n`` bytes (reused, so no page faults)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = np.empty(max(n, 1 << 20), np.uint8)
+    return memoryview(buf)[:n]
+
+
+def _source(data: Union[Buffer, Source], name: str) -> Source:
+    return data if isinstance(data, Source) else BytesSource(data, name)
+
+
+def read_header(data: Union[Buffer, Source], name: str = "<segment>") -> Header:
+    """Parse and validate the header of a segment file (in memory or a :class:`Source`)."""
+    src = _source(data, name)
+    size = src.size
     if size < PREAMBLE.size + TRAILER.size:
-        raise _corrupt(name, None, f"file too short for a segment ({size} bytes)")
-    off, hlen, crc = header_location(bytes(view[size - TRAILER.size:]), size, name)
-    return parse_header(bytes(view[:PREAMBLE.size]), bytes(view[off:off + hlen]), crc, size, name)
+        raise _corrupt(src.name, None, f"file too short for a segment ({size} bytes)")
+    off, hlen, crc = header_location(bytes(src.read(size - TRAILER.size, TRAILER.size)), size, src.name)
+    head = bytes(src.read(off, hlen))
+    return parse_header(bytes(src.read(0, PREAMBLE.size)), head, crc, size, src.name)
 
 
 def check_stored(data: Union[bytes, memoryview], name: str = "<segment>") -> Header:
@@ -544,20 +601,23 @@ def check_stored(data: Union[bytes, memoryview], name: str = "<segment>") -> Hea
     return header
 
 
-def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = None, *,
+def decode_into(data: Union[Buffer, Source], out: Optional[torch.Tensor] = None, *,
                 name: str = "<segment>", pool: Optional[Executor] = None,
                 max_raw: int = MAX_RAW_SIZE, header: Optional[Header] = None) -> Tuple[Header, torch.Tensor]:
     """Check and decode a whole segment file; return its header and tensor (on CPU).
 
-    ``out``, when given, is a contiguous uint8 CPU tensor (e.g. pinned staging) of at least
-    ``raw_size`` bytes that receives the data; the returned tensor is a view of it. Every chunk
-    CRC and the digest are checked; any failure raises :class:`SegmentCorrupt` naming ``name``.
-    A segment declaring more than ``max_raw`` bytes is refused before anything is allocated.
-    ``header`` is :func:`read_header` of the same ``data`` when the caller has parsed it already.
+    ``data`` is the file in memory or a :class:`Source` (each chunk is then read by the task
+    that decodes it; a raw chunk straight into ``out``). ``out``, when given, is a contiguous
+    uint8 CPU tensor (e.g. pinned staging) of at least ``raw_size`` bytes that receives the
+    data; the returned tensor is a view of it. Every chunk CRC and the digest are checked; any
+    failure raises :class:`SegmentCorrupt` naming the segment. A segment declaring more than
+    ``max_raw`` bytes is refused before anything is allocated. ``header`` is
+    :func:`read_header` of the same segment when the caller has parsed it already.
     """
-    view = memoryview(data).cast("B")
+    source = _source(data, name)
+    name = source.name
     if header is None:
-        header = read_header(view, name)
+        header = read_header(source)
     dtype = header.torch_dtype
     if header.raw_size > max_raw:
         raise FormatError(f"{name} declares {header.raw_size} raw bytes, more than the limit of {max_raw} "
@@ -578,7 +638,7 @@ def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = No
     src = firsts = None
     if header.dedup is not None:
         dd = header.dedup
-        frame = view[pos:pos + dd["map_stored"]]
+        frame = bytes(source.read(pos, dd["map_stored"]))
         if crc32c.crc32c(frame) != dd["map_crc"]:
             raise _corrupt(name, pos, "dedup map CRC mismatch")
         try:
@@ -599,17 +659,23 @@ def decode_into(data: Union[bytes, memoryview], out: Optional[torch.Tensor] = No
         jobs.append((i, pos, stored, crc, raw_off, min(header.chunk_size, header.payload_size - raw_off)))
         pos += stored
     hash_inline = header.dedup is None
+    in_place = isinstance(codec, RawCodec)  # stored bytes are the raw bytes: read them into place
 
     def work(job: Tuple[int, int, int, int, int, int]) -> bytes:
         i, off, stored, crc, raw_off, raw_len = job
-        body = view[off:off + stored]
+        dest = target[raw_off:raw_off + raw_len]
+        if in_place and stored == raw_len:
+            source.read_into(off, dest)
+            body: memoryview = dest
+        else:
+            body = source.read(off, stored)
         if crc32c.crc32c(body) != crc:
             raise _corrupt(name, off, f"chunk {i} CRC mismatch")
-        dest = target[raw_off:raw_off + raw_len]
-        try:
-            codec.decode_into(body, dest, wsize)
-        except FormatError as exc:
-            raise _corrupt(name, off, f"chunk {i}: {exc}") from None
+        if body is not dest:
+            try:
+                codec.decode_into(body, dest, wsize)
+            except FormatError as exc:
+                raise _corrupt(name, off, f"chunk {i}: {exc}") from None
         return _leaf(dest) if hash_inline else b""
 
     leaves = _map(pool, work, jobs)

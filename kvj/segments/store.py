@@ -290,13 +290,13 @@ class SegmentStore:
         done, so the caller may reuse ``out`` at once. A bare ``"cuda"`` is the current device.
         """
         check_key(key)
-        name = self.backend.describe(key)
-        data = self.backend.get(key)
-        header = seg.read_header(data, name)
-        if expect_layout is not None:
-            check_layout(header.layout, expect_layout, f"segment {name}")
-        header, tensor = seg.decode_into(data, out, name=name, pool=self.pool, max_raw=self.max_segment_bytes,
-                                         header=header)
+        with self.backend.open(key) as src:
+            name = src.name
+            header = seg.read_header(src)
+            if expect_layout is not None:
+                check_layout(header.layout, expect_layout, f"segment {name}")
+            header, tensor = seg.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
+                                             header=header)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
         target = cuda.CUDA.resolve(device)
@@ -311,9 +311,9 @@ class SegmentStore:
     def verify(self, key: str) -> SegmentInfo:
         """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
         check_key(key)
-        name = self.backend.describe(key)
-        header, _ = seg.decode_into(self.backend.get(key), name=name, pool=self.pool,
-                                    max_raw=self.max_segment_bytes)
+        with self.backend.open(key) as src:
+            name = src.name
+            header, _ = seg.decode_into(src, pool=self.pool, max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
         return SegmentInfo.from_header(header)

@@ -18,7 +18,7 @@ import numpy as np
 from kvj.errors import FormatError
 from kvj.segments.codecs.base import Buffer, Codec
 from kvj.segments.codecs.registry import register
-from kvj.segments.codecs.zstd import compressor, zstd_decompress_into
+from kvj.segments.codecs.zstd import compressor, zstd_decompress
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _local = threading.local()
@@ -181,7 +181,6 @@ class BytePlaneCodec(Codec):
         if len(data) < head or data[0] != itemsize:
             raise FormatError("byteplane chunk header is damaged")
         pos, planes = head, []
-        scratch = None
         for p in range(itemsize):
             kind, length = _PLANE_HEADER.unpack_from(data, 1 + p * _PLANE_HEADER.size)
             body = data[pos:pos + length]
@@ -192,12 +191,8 @@ class BytePlaneCodec(Codec):
                 if length != plane_len:
                     raise FormatError(f"raw plane holds {length} bytes, expected {plane_len}")
                 planes.append(np.frombuffer(body, np.uint8))
-            elif kind == 1:
-                if scratch is None:
-                    scratch = _scratch("dplanes", raw_len)
-                plane = scratch[p * plane_len:(p + 1) * plane_len]
-                zstd_decompress_into(body, memoryview(plane))
-                planes.append(plane)
+            elif kind == 1:  # one-shot into a new buffer is faster than streaming into scratch
+                planes.append(np.frombuffer(zstd_decompress(body, plane_len), np.uint8))
             else:
                 raise FormatError(f"byteplane plane mode {kind} unknown")
         if pos != len(data):
