@@ -10,6 +10,7 @@ never out-of-memory); when work queues up the codec steps down to faster choices
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -31,14 +32,20 @@ class Flusher:
     """Background, bounded, durable segment writer.
 
     ``workers`` threads each compress and write one segment at a time (chunks of a segment are
-    further parallelised by the store's pool). ``staging_bytes`` bounds snapshot memory.
+    further parallelised by the store's pool). There are more of them than cores by default:
+    a worker waiting for its segment's fsync uses no CPU, and while several wait at once the
+    file system commits their fsyncs together (ext4 and XFS batch concurrent fsyncs into one
+    journal commit), so a stream of small blocks is not one fsync latency per block.
+    ``staging_bytes`` bounds snapshot memory.
     """
 
-    def __init__(self, store: SegmentStore, workers: int = 2, staging_bytes: int = 256 << 20,
+    def __init__(self, store: SegmentStore, workers: int = 8, staging_bytes: int = 256 << 20,
                  codec: Union[str, Codec] = "auto"):
         self.store = store
         self.codec = codec
         self.workers = max(1, int(workers))
+        #: Segments that can be compressing at once: the pressure thresholds count in these.
+        self._slots = min(self.workers, os.cpu_count() or 1)
         self.staging = StagingPool(staging_bytes)
         self.pressure = Backpressure()
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvj-flush")
@@ -104,13 +111,13 @@ class Flusher:
         When the disk is what holds the queue up, compression is free (the CPU waits anyway)
         and writing fewer bytes drains the queue sooner, so the codec is left alone.
         """
-        queued = self._pending - self.workers
+        queued = self._pending - self._slots
         full = self.staging.in_use / max(1, self.staging.capacity)
         if self._cpu_share <= 0.5:
             level = Backpressure.NORMAL
-        elif queued >= 4 * self.workers or full >= 0.9:
+        elif queued >= 4 * self._slots or full >= 0.9:
             level = Backpressure.SATURATED
-        elif queued >= self.workers or full >= 0.5:
+        elif queued >= self._slots or full >= 0.5:
             level = Backpressure.BUSY
         else:
             level = Backpressure.NORMAL

@@ -204,3 +204,19 @@ def test_every_dtype_strided_and_scalar(tmp_path):
             got = store.get(fl.submit(x).result(timeout=30).key)
             assert torch.equal(got.contiguous().view(torch.uint8), x.contiguous().view(torch.uint8)), dt
         assert store.get(fl.submit(torch.tensor(3.5)).result().key).item() == 3.5
+
+
+def test_durable_writes_of_several_blocks_overlap(tmp_path):
+    """A stream of small blocks is not one fsync latency per block: several workers wait in
+    fsync at once (and the file system commits them together)."""
+    meeting = threading.Barrier(4, timeout=30)
+
+    class MeetingFS(FS):
+        def fsync(self, fd):
+            meeting.wait()  # returns only once four fsyncs are in flight together
+            super().fsync(fd)
+
+    with SegmentStore(tmp_path, fs=MeetingFS()) as store, Flusher(store) as fl:
+        futures = [fl.submit(torch.full((1024,), float(i))) for i in range(8)]
+        infos = [f.result(timeout=120) for f in futures]
+    assert len({i.key for i in infos}) == 8 and not meeting.broken
