@@ -1,19 +1,26 @@
 """Codec benchmark: kvj's segment store against what a user would pick instead.
 
 Side by side in one run, on identical tensors, every contender writing durably (file fsync,
-rename, directory fsync) to the same disk and loading from a warm page cache:
+rename, directory fsync) to the same disk and loading from a warm page cache into fresh
+memory (each load pays one pass from the page cache into new memory, as kvj's does):
 
 - kvj: ``SegmentStore.put``/``get`` with each codec and ``auto`` (hashing, compression,
   per-chunk CRCs, digest verification on load all inside the timings), and for the KV data
   also the real flush path: one segment per 16-token block through the ``Flusher``, restored
   with ``restore_paged`` into a paged cache;
-- torch.save / torch.load(weights_only=True); safetensors save_file / load_file (load
-  materialised: load_file only maps the file, so every byte is read once after it); zstd level 1 on the plain bytes (and, for reference,
-  with ``--long`` matching); ZipNN and blosc2 (shuffle + zstd) when they are installed.
+- torch.save / torch.load(weights_only=True); safetensors save_file / load_file, twice:
+  ``safetensors (mmap)`` maps the file and reads every byte through the map (no copy), and
+  ``safetensors`` copies the tensor into fresh memory (like for like); zstd level 1 on the
+  plain bytes, compressing with as many threads as kvj's pool (one frame: zstd decompresses
+  it on one thread), and for reference with ``--long`` matching; ZipNN and blosc2 (shuffle +
+  zstd) when they are installed, with the same thread count.
 
-Data: Gaussian bf16; Adam ``exp_avg_sq``-like fp32 moments; and K/V from a small, randomly
+Data: Gaussian bf16; Adam ``exp_avg_sq``-like fp32 moments; K/V from a small, randomly
 initialised transformer (RMSNorm, RoPE, grouped-query attention, SwiGLU) run over prompts that
-share a long prefix, stacked per request as ``[prompts, layers, 2, tokens, kv_heads, head_dim]``.
+share a long prefix, stacked per request as ``[prompts, layers, 2, tokens, kv_heads, head_dim]``;
+and the same for a small model's geometry (Qwen2.5-0.5B: 24 layers, 2 KV heads, head dim 64:
+a 16-token block is 192 KiB), where each block's own cost weighs most. Per-block rows also
+report blocks per second.
 
 Run ``python -m kvj.bench.codecs [--size MiB]`` or ``kvj bench codecs``. Disk speed swings
 between runs here, so compare the ratio columns, which come from one run.
@@ -29,6 +36,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -164,7 +172,7 @@ def _timed(fn: Callable[[], Any]) -> Tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def _best_load(load: Callable[[], Any], reps: int = 2) -> Tuple[float, Any]:
+def _best_load(load: Callable[[], Any], reps: int = 3) -> Tuple[float, Any]:
     best, out = math.inf, None
     for _ in range(reps):
         dt, out = _timed(load)
@@ -200,7 +208,7 @@ def bench_kvj_blocks(kv: torch.Tensor, d: str) -> Result:
     layout = paged_layout("bench-tiny-decoder", caches)
     with SegmentStore(os.path.join(d, "kvj-blocks")) as store:
         def flush() -> List[str]:
-            with Flusher(store, workers=2) as fl:
+            with Flusher(store) as fl:
                 futs = [fl.submit(blocks[p, b], layout) for p in range(prompts) for b in range(n_blocks)]
                 return [f.result().key for f in futs]
         save, keys = _timed(flush)
@@ -219,7 +227,9 @@ def bench_torch(t: torch.Tensor, d: str) -> Result:
     return os.path.getsize(path), save, load, _same(out, t)
 
 
-def bench_safetensors(t: torch.Tensor, d: str) -> Optional[Result]:
+def bench_safetensors(t: torch.Tensor, d: str, copy: bool) -> Optional[Result]:
+    """``copy``: the tensor in fresh memory (one pass from the page cache, like kvj's load);
+    else the mapped file with every byte read through the map once (no copy at all)."""
     try:
         from safetensors.torch import load_file, save_file
     except ImportError:
@@ -228,8 +238,10 @@ def bench_safetensors(t: torch.Tensor, d: str) -> Optional[Result]:
     save, _ = _timed(lambda: _durable_write(path, lambda p: save_file({"t": t.contiguous()}, p)))
 
     def load() -> torch.Tensor:
-        out = load_file(path)["t"]
-        out.reshape(-1).view(torch.uint8).max()  # materialise: load_file only maps; read every byte
+        out = load_file(path)["t"]  # a map of the file
+        if copy:
+            return out.clone()
+        np.bitwise_or.reduce(out.reshape(-1).view(torch.uint8).numpy())  # read every byte, one thread
         return out
     dt, out = _best_load(load)
     return os.path.getsize(path), save, dt, _same(out, t)
@@ -239,13 +251,20 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _from_bytes(data: Any, like: torch.Tensor) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(like.dtype).reshape(like.shape)
+def _tensor_of(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s dtype and shape over ``array``'s bytes (no copy)."""
+    return torch.from_numpy(array).view(like.dtype).reshape(like.shape)
+
+
+def _threads() -> int:
+    """kvj's chunk pool size (``SegmentStore``'s default): every contender gets as many."""
+    return max(2, os.cpu_count() or 2)
 
 
 def bench_zstd(t: torch.Tensor, d: str, long: bool) -> Result:
     path = os.path.join(d, "t.zst" + ("l" if long else ""))
-    params = zstandard.ZstdCompressionParameters.from_level(1, enable_ldm=long, window_log=27 if long else 0)
+    params = zstandard.ZstdCompressionParameters.from_level(1, enable_ldm=long, window_log=27 if long else 0,
+                                                            threads=_threads(), write_content_size=True)
     comp = zstandard.ZstdCompressor(compression_params=params)
     raw = _raw_bytes(t)
 
@@ -253,8 +272,19 @@ def bench_zstd(t: torch.Tensor, d: str, long: bool) -> Result:
         _durable_write(path, _write_bytes(comp.compress(raw)))
     dt_save, _ = _timed(save)
     dec = zstandard.ZstdDecompressor(max_window_size=1 << 27)
-    load, out = _best_load(lambda: _from_bytes(dec.decompress(_read(path)), t))
-    return os.path.getsize(path), dt_save, load, _same(out, t)
+
+    def load() -> torch.Tensor:
+        out = np.empty(len(raw), np.uint8)  # decoded straight into fresh memory, as kvj's load
+        view, got = memoryview(out), 0
+        reader = dec.stream_reader(_read(path), read_size=1 << 20)
+        while got < len(raw):
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        return _tensor_of(out, t)
+    load_s, out = _best_load(load)
+    return os.path.getsize(path), dt_save, load_s, _same(out, t)
 
 
 def bench_zipnn(t: torch.Tensor, d: str) -> Optional[Result]:
@@ -266,11 +296,16 @@ def bench_zipnn(t: torch.Tensor, d: str) -> Optional[Result]:
     except ImportError:
         return None
     path = os.path.join(d, "t.znn")
-    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtypes[t.dtype], threads=os.cpu_count() or 1)
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtypes[t.dtype], threads=_threads())
     work = bytes(_raw_bytes(t))  # ZipNN rewrites its input buffer in place: give it a copy
     save, _ = _timed(lambda: _durable_write(path, _write_bytes(z.compress(work))))
-    load, out = _best_load(lambda: _from_bytes(z.decompress(_read(path)), t))
-    return os.path.getsize(path), save, load, _same(out, t)
+
+    def load() -> torch.Tensor:
+        with warnings.catch_warnings():  # ZipNN returns new, read-only bytes: viewed, not copied
+            warnings.simplefilter("ignore", UserWarning)
+            return _tensor_of(np.frombuffer(z.decompress(_read(path)), np.uint8), t)
+    load_s, out = _best_load(load)
+    return os.path.getsize(path), save, load_s, _same(out, t)
 
 
 def bench_blosc2(t: torch.Tensor, d: str) -> Optional[Result]:
@@ -281,7 +316,7 @@ def bench_blosc2(t: torch.Tensor, d: str) -> Optional[Result]:
     path = os.path.join(d, "t.b2")
     raw = _raw_bytes(t)
     cparams = {"codec": blosc2.Codec.ZSTD, "clevel": 1, "filters": [blosc2.Filter.SHUFFLE],
-               "typesize": t.element_size(), "nthreads": os.cpu_count() or 1}
+               "typesize": t.element_size(), "nthreads": _threads()}
     # blosc2 chunks are limited to 2 GiB; compress in 256 MiB pieces like a real user would
     step = 256 << 20
 
@@ -293,11 +328,11 @@ def bench_blosc2(t: torch.Tensor, d: str) -> Optional[Result]:
     def load() -> torch.Tensor:
         data = _read(path)
         nl = data.index(b"\n")
-        out, pos = bytearray(), nl + 1
-        for n in json.loads(data[:nl]):
-            out += blosc2.decompress2(data[pos:pos + n], nthreads=os.cpu_count() or 1)
+        out, pos = np.empty(len(raw), np.uint8), nl + 1
+        for i, n in enumerate(json.loads(data[:nl])):  # each piece decoded into its place in fresh memory
+            blosc2.decompress2(data[pos:pos + n], dst=memoryview(out)[i * step:], nthreads=_threads())
             pos += n
-        return _from_bytes(out, t)
+        return _tensor_of(out, t)
     dt_save, _ = _timed(save)
     dt_load, out = _best_load(load)
     return os.path.getsize(path), dt_save, dt_load, _same(out, t)
@@ -306,12 +341,23 @@ def bench_blosc2(t: torch.Tensor, d: str) -> Optional[Result]:
 # --------------------------------------------------------------------------- driver
 
 
-def datasets(size_mib: int) -> List[Tuple[str, torch.Tensor, Dict[str, Any]]]:
-    nbytes = size_mib << 20
-    kv, desc = shared_prefix_kv(nbytes)
-    return [("gaussian-bf16", gaussian_bf16(nbytes), {}),
-            ("adam-v-fp32", adam_moments_fp32(nbytes), {}),
-            ("kv-shared-prefix-bf16", kv, desc)]
+#: The small model of the per-block rows: Qwen2.5-0.5B's KV geometry (16-token block = 192 KiB).
+SMALL_MODEL = {"layers": 24, "kv_heads": 2, "head_dim": 64, "q_heads": 14, "hidden": 896}
+
+
+#: Each dataset by name: nbytes -> (tensor, description).
+DATASETS: Dict[str, Callable[[int], Tuple[torch.Tensor, Dict[str, Any]]]] = {
+    "gaussian-bf16": lambda n: (gaussian_bf16(n), {}),
+    "adam-v-fp32": lambda n: (adam_moments_fp32(n), {}),
+    "kv-shared-prefix-bf16": lambda n: shared_prefix_kv(n),
+    "kv-small-model-bf16": lambda n: shared_prefix_kv(n, seed=3, **SMALL_MODEL),
+}
+
+
+def _blocks_of(kv: torch.Tensor) -> Tuple[int, int]:
+    """(number of 16-token blocks, bytes per block) of a stacked KV tensor."""
+    prompts, layers, two, tokens, heads, hd = kv.shape
+    return prompts * (tokens // BLOCK_TOKENS), layers * two * BLOCK_TOKENS * heads * hd * kv.element_size()
 
 
 def run(size_mib: int = 64, directory: Optional[str] = None,
@@ -320,15 +366,17 @@ def run(size_mib: int = 64, directory: Optional[str] = None,
     rows: List[Dict[str, Any]] = []
     base = tempfile.mkdtemp(prefix="kvj-bench-codecs-", dir=directory)
     try:
-        for name, t, desc in datasets(size_mib):
+        for name, make in DATASETS.items():
             if only and name not in only:
                 continue
+            t, desc = make(size_mib << 20)
             contenders: List[Tuple[str, Callable[[str], Optional[Result]]]] = [
                 (f"kvj {c}", lambda d, c=c: bench_kvj(t, d, c)) for c in codec_names()]
             if name.startswith("kv-"):
                 contenders.append(("kvj auto, per-block flush", lambda d: bench_kvj_blocks(t, d)))
             contenders += [("torch.save", lambda d: bench_torch(t, d)),
-                           ("safetensors", lambda d: bench_safetensors(t, d)),
+                           ("safetensors", lambda d: bench_safetensors(t, d, copy=True)),
+                           ("safetensors (mmap)", lambda d: bench_safetensors(t, d, copy=False)),
                            ("zstd-1", lambda d: bench_zstd(t, d, long=False)),
                            ("zstd-1 --long", lambda d: bench_zstd(t, d, long=True)),
                            ("zipnn", lambda d: bench_zipnn(t, d)),
@@ -343,9 +391,14 @@ def run(size_mib: int = 64, directory: Optional[str] = None,
                 if res is None:
                     continue
                 stored, save, load, ok = res
-                rows.append({"dataset": name, "method": method, "raw_bytes": raw, "stored_bytes": stored,
-                             "ratio": raw / stored, "save_gbps": raw / save / 1e9,
-                             "load_gbps": raw / load / 1e9, "exact": ok, "data": desc})
+                row = {"dataset": name, "method": method, "raw_bytes": raw, "stored_bytes": stored,
+                       "ratio": raw / stored, "save_gbps": raw / save / 1e9,
+                       "load_gbps": raw / load / 1e9, "exact": ok, "data": desc}
+                if "per-block" in method:
+                    n_blocks, block_bytes = _blocks_of(t)
+                    row.update(blocks=n_blocks, block_bytes=block_bytes, blocks_per_s_save=n_blocks / save,
+                               blocks_per_s_load=n_blocks / load)
+                rows.append(row)
             _relative(rows, name)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -365,6 +418,9 @@ def _relative(rows: List[Dict[str, Any]], dataset: str) -> None:
             r["ratio_vs_zstd1"] = r["ratio"] / peer["zstd-1"]["ratio"]
         if "zipnn" in peer:
             r["ratio_vs_zipnn"] = r["ratio"] / peer["zipnn"]["ratio"]
+        if "blocks" in r and "kvj auto" in peer:
+            r["save_vs_whole"] = r["save_gbps"] / peer["kvj auto"]["save_gbps"]
+            r["load_vs_whole"] = r["load_gbps"] / peer["kvj auto"]["load_gbps"]
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
@@ -389,6 +445,12 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     notes = {r["dataset"]: r["data"] for r in rows if r["data"]}
     for name, desc in notes.items():
         out.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in desc.items()))
+    for r in rows:
+        if "blocks" in r:
+            out.append(f"{r['dataset']} per-block flush: {r['blocks']} blocks of {r['block_bytes'] >> 10} KiB, "
+                       f"save {r['blocks_per_s_save']:,.0f} blocks/s, load {r['blocks_per_s_load']:,.0f} blocks/s; "
+                       f"vs the whole tensor (kvj auto): save {f(r.get('save_vs_whole'))}x, "
+                       f"load {f(r.get('load_vs_whole'))}x")
     return "\n".join(out)
 
 
