@@ -42,6 +42,24 @@ class DirLock:
         self.fd = fd
         return self
 
+    def acquire_shared(self) -> Optional["DirLock"]:
+        """Hold the lock shared, for a reader that must not run beside its holder but writes
+        nothing: the existing lock file is opened read-only, never created or written (this
+        works on a read-only mount). None when there is no lock file: no holder ever ran."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise JournalLocked(self.directory, self.holder_pid(), self.what) from None
+            raise
+        self.fd = fd
+        return self
+
     def holder_pid(self) -> Optional[int]:
         try:
             with open(self.path, "rb") as f:
