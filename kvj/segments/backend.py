@@ -16,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Iterator, List, Optional, Union
 
 import numpy as np
 
@@ -115,6 +115,11 @@ class StorageBackend(ABC):
     @abstractmethod
     def quarantine(self, key: str) -> str:
         """Move ``key`` aside so that it no longer resolves; returns where it went."""
+
+    def quarantined_copies(self, key: str) -> List[str]:
+        """Where copies of ``key`` were quarantined, oldest first (a backend that keeps no
+        quarantine has none)."""
+        return []
 
     def describe(self, key: str) -> str:
         """A human-readable location for error messages."""
@@ -394,3 +399,11 @@ class LocalDirBackend(StorageBackend):
         except FileNotFoundError:
             raise SegmentMissing(f"segment {key} not in store ({src})") from None
         return dst
+
+    def quarantined_copies(self, key: str) -> List[str]:
+        try:
+            names = os.listdir(self.quarantine_dir)
+        except FileNotFoundError:
+            return []
+        return [os.path.join(self.quarantine_dir, n) for n in sorted(names)
+                if n.startswith(key + ".") and n.endswith(SEGMENT_SUFFIX)]

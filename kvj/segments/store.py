@@ -332,3 +332,7 @@ class SegmentStore:
     def quarantine(self, key: str) -> str:
         """Move a (damaged) segment aside; later gets see it as missing."""
         return self.backend.quarantine(check_key(key))
+
+    def quarantined_copies(self, key: str) -> List[str]:
+        """Where damaged copies of ``key`` were quarantined (by a repair or a healing put)."""
+        return self.backend.quarantined_copies(check_key(key))
