@@ -38,9 +38,15 @@ def fsck(journal: JournalArg = None,
     across files; each snapshot's checksum, its place in the log and its agreement with
     the log it was compacted from (while that log exists); that every segment the live
     state needs exists with a matching digest; damaged and orphan segments. Without
-    --repair nothing is changed (a live writer is allowed: its unfinished tail is not an
-    error). --repair needs the writer stopped and never deletes data: cut bytes go to
-    torn/, damaged segments to the store's quarantine.
+    --repair nothing is written, not even a lock file (it works on a read-only mount; a
+    live writer is allowed: its unfinished tail is not an error). --repair needs the
+    writer stopped and never deletes data: cut bytes go to torn/, damaged segments to the
+    store's quarantine.
+
+    What recovery handles by itself is a warning, not an error, so that `kvj fsck && kvj
+    recover` recovers after a crash: a damaged or torn tail (recovery cuts it and keeps
+    the bytes in torn/), an empty newest log file, a needed segment an earlier --repair
+    quarantined (recovery falls back to the segments before it).
 
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
@@ -76,9 +82,16 @@ def _show(result: FsckResult, path: str, as_json: bool) -> None:
                 line.append(f" -> {f.action}", style="green" if f.fixed else "yellow")
             out.print(line)
         errors = result.errors
-        fixed = sum(1 for f in errors if f.fixed)
+        warned = [f for f in result.findings if f.severity == "warning"]
+        fixed = sum(1 for f in result.findings if f.fixed)
         summary = (f"{path}: {result.logs} log files, {result.records} records (LSN {result.first_lsn}.."
                    f"{result.last_lsn}), {result.snapshots} snapshots, {result.segments_checked} segments checked, "
                    f"{len(result.orphans)} orphans; ")
-        summary += (f"{len(errors)} errors, {fixed} corrected" if errors else "clean")
+        if errors:
+            summary += f"{len(errors)} errors, {len(warned)} warnings, {fixed} corrected"
+        elif warned:
+            summary += (f"no errors, {len(warned)} warnings" + (f", {fixed} corrected" if fixed else
+                                                                 " (recovery handles them)"))
+        else:
+            summary += "clean"
         out.print(summary, markup=False)

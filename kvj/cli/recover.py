@@ -28,8 +28,8 @@ def recover(journal: JournalArg = None,
             as_json: JsonArg = False) -> None:
     """Recover after a crash: verify, plan, and write the recovery manifest.
 
-    Takes the writer lock (fails with status 75 while a writer runs), cuts a torn tail
-    (the cut bytes are kept in JOURNAL/torn/), replays the journal, verifies the digest of
+    Takes the writer lock (fails with status 75 while a writer runs), cuts a damaged or
+    torn tail (the cut bytes are kept in JOURNAL/torn/), replays the journal, verifies the digest of
     every segment the live state needs, and writes JOURNAL/recovery/manifest-EPOCH.json:
     the requests to resume with their prompt, tokens, resume positions and segment keys,
     and the training state to restore (checkpoint and deltas). A request whose newest
@@ -90,7 +90,7 @@ def summary(result: RecoveryResult) -> Group:
     tail = m.get("torn_tail")
     if tail:
         kept = f", kept at {tail['kept_at']}" if tail.get("kept_at") else "; recovery cuts it and keeps the bytes"
-        parts.append(Text(f"torn tail: {tail['length']} bytes{kept}", style="yellow"))
+        parts.append(Text(f"damaged or torn tail: {tail['length']} bytes{kept}", style="yellow"))
     parts.append(Text(f"requests to resume: {len(m['requests'])}  (ended: {m['ended_requests']})", style="bold"))
     if m["requests"]:
         table = Table(box=None, pad_edge=False, header_style="bold")

@@ -61,8 +61,10 @@ def state_summary(path: str, state: JournalState, at: Optional[int] = None) -> R
         parts.append(Text(f"recovered {len(state.epochs)} times; last epoch {last['epoch']} at LSN {last['lsn']}"))
     if state.tail:
         t = state.tail
-        parts.append(Text(f"damage: torn tail of {t['length']} bytes in {os.path.basename(t['path'])} at offset "
-                          f"{t['offset']} (never acknowledged; recovery cuts it and keeps the bytes)", style="yellow"))
+        parts.append(Text(f"damage: damaged or torn tail of {t['length']} bytes in {os.path.basename(t['path'])} at "
+                          f"offset {t['offset']}: the end of the log (a crash while writing it, or damage to its last "
+                          "group, whose records may have been acknowledged); recovery cuts it and keeps the bytes in "
+                          "torn/", style="yellow"))
     else:
         parts.append(Text("damage: none found in the journal", style="green"))
     for warning in state.warnings[:20]:

@@ -5,12 +5,19 @@ every snapshot (checksum, position in the log, and agreement with the log it was
 compacted from while that log still exists), that every segment the live state needs
 exists with a matching digest, and lists orphan segments.
 
-``repair=True`` cuts a torn tail (its bytes kept in ``torn/``), sets a damaged or
-disagreeing snapshot aside when the log can replace it, and quarantines damaged
+``repair=True`` cuts a damaged or torn tail (its bytes kept in ``torn/``), sets a damaged
+or disagreeing snapshot aside when the log can replace it, and quarantines damaged
 segments. Nothing is deleted: whatever a repair removes from the live journal is kept.
 
+Without ``repair`` nothing is written, not even a lock file: the locks are held shared,
+through lock files opened read-only, so fsck works on a read-only mount.
+
 The result's ``exit_code`` follows e2fsck: 0 clean, 1 errors corrected, 4 errors left
-uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned).
+uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned). What
+recovery handles by itself is a warning, not an error, so ``kvj fsck && kvj recover``
+recovers after a crash: a damaged or torn tail (recovery cuts it and keeps the bytes), an
+empty newest log file (a crash while rotating), and a needed segment that an earlier
+repair quarantined (recovery falls back to the segments before it).
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ class FsckResult:
     @property
     def exit_code(self) -> int:
         code = CLEAN
-        if any(f.fixed for f in self.errors):
+        if any(f.fixed for f in self.findings):
             code |= CORRECTED
         if any(not f.fixed for f in self.errors):
             code |= UNCORRECTED
@@ -201,17 +208,23 @@ class _Checker:
             self.add("error", damage.kind, damage.reason, damage.path, damage.offset)
         elif damage.offset == 0 and self.result.writer_live:
             self.add("note", "file-in-progress", "the live writer is creating this log file", damage.path, 0)
+        elif damage.offset == 0 and damage.length == 0:
+            self.add("note", "empty-log", "the newest log file is empty (a crash while starting it): harmless, "
+                     "the next writer replaces it", damage.path, 0)
         elif damage.offset == 0:
-            finding = self.add("error", "torn-header", f"newest log file has no valid header ({damage.length} "
-                               "bytes): the writer crashed while creating it", damage.path, 0)
+            finding = self.add("warning", "torn-header", f"the newest log file has an incomplete header "
+                               f"({damage.length} bytes: a crash while creating it, or damage); no record is in it. "
+                               f"Recovery (or fsck --repair) moves its bytes to {TORN_DIR}/", damage.path, 0)
             self.fix(finding, lambda: self._drop_file(damage.path, damage.length))
         elif self.result.writer_live:
             self.add("note", "tail-in-progress", f"{damage.length} bytes after the last complete group: "
                      "the live writer may be writing them", damage.path, damage.offset)
         else:
             tail = TornTail(damage.path, damage.offset or 0, damage.length)
-            finding = self.add("error", "torn-tail", f"torn tail of {damage.length} bytes (records that were never "
-                               "acknowledged as durable)", damage.path, damage.offset)
+            finding = self.add("warning", "torn-tail", f"damaged or torn tail of {damage.length} bytes: the end of "
+                               "the log (a crash while writing it, or damage to its last group, whose records may "
+                               "have been acknowledged). Recovery (or fsck --repair) cuts it and keeps the bytes in "
+                               f"{TORN_DIR}/", damage.path, damage.offset)
             self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}")
 
     def _drop_file(self, path: str, size: int) -> str:
@@ -253,7 +266,9 @@ class _Checker:
             raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record")
         if scan.tail is not None:
             tail = scan.tail
-            finding = self.add("error", "torn-tail", f"torn last line of {tail.length} bytes", tail.path, tail.offset)
+            finding = self.add("warning", "torn-tail", f"damaged or torn last line of {tail.length} bytes: the end "
+                               "of the log. Recovery (or fsck --repair) cuts it and keeps the bytes in "
+                               f"{TORN_DIR}/", tail.path, tail.offset)
             self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}")
         self.add("note", "legacy", "legacy JSON-lines journal: its records carry no digests, segments not checked")
         return state
@@ -287,11 +302,18 @@ class _Checker:
             if problem is None:
                 continue
             kind, reason = problem
+            aside = store.quarantined_copies(key) if kind == "segment-missing" else []
+            if aside:  # a known loss: an earlier repair (or a healing put) moved the damaged copy aside
+                self.add("warning", "segment-quarantined", f"{who} needs segment {key}, quarantined as damaged "
+                         f"earlier ({aside[-1]}); recovery falls back to the segments before it")
+                continue
             finding = self.add("error", kind, f"{who} needs segment {key}: {reason}; recovery will fall back "
                                "to an older segment or recompute")
             if kind == "segment-damaged":
-                # quarantined, the bytes are out of harm's way but the data is still lost
-                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}", corrects=False)
+                # the bytes are out of harm's way and recovery's plan no longer depends on them;
+                # the tokens the segment held are lost (recovery says which)
+                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}; recovery falls back to "
+                         "the segments before it")
         for key in keys:
             if key in referenced:
                 continue
@@ -320,11 +342,13 @@ def _record_digests(state: JournalState) -> Dict[str, str]:
 
 
 def _writer_live(path: str) -> bool:
-    """Whether a live process holds the writer lock (probed without keeping it)."""
+    """Whether a live process holds the writer lock (probed read-only, without keeping it)."""
     try:
-        DirLock(path, LOCK_NAME, "writer").acquire().release()
+        lock = DirLock(path, LOCK_NAME, "writer").acquire_shared()
     except JournalLocked:
         return True
+    if lock is not None:
+        lock.release()
     return False
 
 
@@ -346,7 +370,8 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, fs: FS = REAL_FS
         return checker.result
     if not os.path.isdir(path):
         raise NotFound(f"no journal at {path}")
-    locks = [DirLock(path, COMPACT_LOCK, "compactor").acquire()]
+    compactor = DirLock(path, COMPACT_LOCK, "compactor")
+    locks = [compactor.acquire()] if repair else [lock for lock in [compactor.acquire_shared()] if lock]
     try:
         if repair:
             locks.append(DirLock(path, LOCK_NAME, "writer").acquire())

@@ -61,9 +61,10 @@ def test_crashed_writer_to_verified_manifest_with_the_cli_alone(tmp_path, capsys
     child.wait()
     last, size, torn = append_torn_tail(str(j), 45)  # the half-written group a power cut leaves
 
-    check = kvj_proc("fsck", "-j", j, "--json")
-    assert check.returncode == 4, check.stdout + check.stderr
-    assert [f["kind"] for f in json.loads(check.stdout)["findings"] if f["severity"] == "error"] == ["torn-tail"]
+    check = kvj_proc("fsck", "-j", j, "--json")  # the end of the log after a crash: recovery cuts it
+    assert check.returncode == 0, check.stdout + check.stderr
+    findings = json.loads(check.stdout)["findings"]
+    assert [f["kind"] for f in findings if f["severity"] in ("error", "warning")] == ["torn-tail"]
 
     proc = kvj_proc("recover", "-j", j, "--json")
     assert proc.returncode == 0, proc.stderr
