@@ -89,7 +89,7 @@ def summary(result: RecoveryResult) -> Group:
                                f" up to LSN {m['recovered_lsn']} (epoch {m['epoch']})"))
     tail = m.get("torn_tail")
     if tail:
-        kept = f", kept at {tail['kept_at']}" if tail.get("kept_at") else "; recovery cuts it and keeps the bytes"
+        kept = f", kept at {tail['kept_at']}" if tail.get("kept_at") else "; recovery cuts it and keeps the bytes in torn/"
         parts.append(Text(f"damaged or torn tail: {tail['length']} bytes{kept}", style="yellow"))
     parts.append(Text(f"requests to resume: {len(m['requests'])}  (ended: {m['ended_requests']})", style="bold"))
     if m["requests"]:

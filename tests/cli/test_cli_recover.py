@@ -119,3 +119,22 @@ def test_a_seed_era_journal_with_a_torn_last_line_is_still_recovered(tmp_path):
     proc = kvj("recover", "-j", target)
     assert proc.returncode == 0, proc.stderr
     assert target.read_bytes().endswith(b'"h"}\n') and (tmp_path / "torn").is_dir()
+
+
+def test_tail_damage_is_called_damaged_or_torn_and_its_bytes_are_kept_where_named(torn_journal):
+    """The newest log's last group may have been acknowledged before a disk damaged it: no
+    command calls it "never acknowledged", and the bytes recovery cuts are kept at the path
+    it names."""
+    for args in (["replay"], ["fsck"], ["recover", "--dry-run"]):
+        proc = kvj(*args, "-j", torn_journal)
+        assert proc.returncode == 0 and "damaged or torn tail" in proc.stdout, proc.stdout + proc.stderr
+        assert "never acknowledged" not in proc.stdout and "torn/" in proc.stdout
+    from kvj.journal.reader import list_logs
+
+    last = list_logs(str(torn_journal))[-1]
+    with open(last, "rb") as f:
+        tail = f.read()[-30:]
+    proc = kvj("recover", "-j", torn_journal)
+    kept = proc.stdout.split("damaged or torn tail: 30 bytes, kept at ")[1].split()[0]
+    with open(kept, "rb") as f:
+        assert f.read() == tail
