@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -58,37 +58,108 @@ def unxor(base: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(_bits(base), bits).view(base.dtype)
 
 
-def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
-    """Parameters and AdamW moments as three flat tensors (copies), zeros before step 1."""
+class Snapshot(dict):
+    """Named host (CPU) copies of training state, and the CUDA event after which they hold
+    their values (none when every source was on the CPU).
+
+    The copies are queued on the producing device's current stream, so they read the state
+    as the step left it; the next step's in-place updates, queued after them on the same
+    stream, cannot overwrite the state before it is copied. The saver thread waits for
+    ``ready`` before it reads a byte.
+    """
+
+    ready: Tuple[Any, ...] = ()
+
+    def wait(self) -> None:
+        """Block until the copies have landed (blocking events: no core spins meanwhile)."""
+        for event in self.ready:
+            event.synchronize()
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+def _finish(snap: Snapshot, sources: Sequence[torch.Tensor]) -> Snapshot:
+    """Record, on each source device's current stream, the event that follows the copies."""
+    events = []
+    for device in {t.device for t in sources if t.device.type == "cuda"}:
+        event = torch.cuda.Event(blocking=True)
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    snap.ready = tuple(events)
+    return snap
+
+
+def snapshot(state: Mapping[str, torch.Tensor]) -> Snapshot:
+    """Host copies of ``state``'s tensors, queued on the caller's thread (see ``Snapshot``)."""
+    if isinstance(state, Snapshot):
+        return state
+    sources = [t.detach() for t in state.values()]
+    pin = any(t.device.type == "cuda" for t in sources)
+    snap = Snapshot()
+    for name, t in zip(state, sources):
+        host = _host_buffer(t.numel(), t.dtype, pin and t.device.type == "cuda").view(t.shape)
+        host.copy_(t, non_blocking=pin)
+        snap[name] = host
+    return _finish(snap, sources)
+
+
+def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
+    """Parameters and AdamW moments as three flat host tensors, zeros before step 1.
+
+    Each tensor is copied straight into its slice of a host buffer: no concatenated copy
+    of the state is ever made on the device.
+    """
     params = list(model.parameters())
-    out = {"params": torch.cat([p.detach().reshape(-1) for p in params])}
-    for name in STATE_NAMES[1:]:
-        out[name] = torch.cat([optimizer.state[p][name].reshape(-1) if p in optimizer.state
-                               else torch.zeros_like(p).reshape(-1) for p in params])
-    return out
+    total = sum(p.numel() for p in params)
+    dtype = params[0].dtype if params else torch.float32
+    pin = any(p.device.type == "cuda" for p in params)
+    snap = Snapshot({name: _host_buffer(total, dtype, pin) for name in STATE_NAMES})
+    offset = 0
+    for p in params:
+        n = p.numel()
+        sources = {"params": p.detach()}
+        for name in STATE_NAMES[1:]:
+            sources[name] = optimizer.state[p][name] if p in optimizer.state else None
+        for name, src in sources.items():
+            dest = snap[name][offset:offset + n]
+            if src is None:
+                dest.zero_()
+            else:
+                dest.copy_(src.reshape(-1), non_blocking=pin)
+        offset += n
+    return _finish(snap, params)
 
 
 def load_flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
                     state: Mapping[str, torch.Tensor]) -> None:
-    """Install a ``flat_state`` taken after ``step`` optimizer steps into model and optimizer."""
+    """Install a ``flat_state`` taken after ``step`` optimizer steps into model and optimizer.
+
+    The optimizer state goes in through ``optimizer.load_state_dict``, so each value lands
+    where that optimizer keeps it (for fused or capturable AdamW, ``step`` on the
+    parameter's device)."""
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     for name in STATE_NAMES:
         if state[name].numel() != total:
             raise FormatError(f"state {name} holds {state[name].numel()} values, the model has {total}")
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    per_param: Dict[int, Dict[str, torch.Tensor]] = {}
     offset = 0
     with torch.no_grad():
         for p in params:
             n = p.numel()
             p.copy_(state["params"][offset:offset + n].view_as(p))
-            if step > 0:
-                optimizer.state[p] = {
+            if step > 0 and id(p) in index:
+                per_param[index[id(p)]] = {
                     "step": torch.tensor(float(step), dtype=torch.float32),
-                    "exp_avg": state["exp_avg"][offset:offset + n].view_as(p).clone().to(p.device),
-                    "exp_avg_sq": state["exp_avg_sq"][offset:offset + n].view_as(p).clone().to(p.device)}
-            else:
-                optimizer.state.pop(p, None)
+                    "exp_avg": state["exp_avg"][offset:offset + n].view_as(p).clone(),
+                    "exp_avg_sq": state["exp_avg_sq"][offset:offset + n].view_as(p).clone()}
             offset += n
+    sd = optimizer.state_dict()
+    sd["state"] = per_param
+    optimizer.load_state_dict(sd)
 
 
 @dataclass
@@ -164,11 +235,17 @@ class StateJournal:
         self._pending: List["Future[None]"] = []
 
     def save(self, step: int, state: Mapping[str, torch.Tensor]) -> "Future[None]":
-        """Journal the state after ``step`` (the tensors must not change afterwards)."""
+        """Journal the state after ``step``. Host copies are queued before this returns (a
+        ``flat_state`` already is one), so the caller may update the tensors at once."""
         full = step % self.full_every == 0 or not self._has_base
         self._has_base = True
         self._slots.acquire()
-        fut = self._pool.submit(self._write, step, dict(state), full)
+        try:
+            snap = snapshot(state)  # on the caller's thread: later in-place updates cannot reach it
+        except BaseException:
+            self._slots.release()
+            raise
+        fut = self._pool.submit(self._write, step, snap, full)
         fut.add_done_callback(lambda _: self._slots.release())
         self._pending = [f for f in self._pending if not f.done()] + [fut]
         return fut
@@ -188,8 +265,8 @@ class StateJournal:
             return store.put(bits, layout=self._layout(DELTA_FORMAT, name, t, base_step=base_step)), False
         return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), True
 
-    def _write(self, step: int, state: Dict[str, torch.Tensor], full: bool) -> None:
-        state = {name: state[name].cpu() for name in STATE_NAMES}  # the store takes CPU tensors
+    def _write(self, step: int, state: Snapshot, full: bool) -> None:
+        state.wait()  # the device-to-host copies were queued on the producing stream
         # The tensors are stored concurrently, so their fsyncs overlap; the record follows all three.
         results = list(self._io.map(lambda name: self._put(name, state[name], full), STATE_NAMES))
         keys: Dict[str, str] = {}
