@@ -195,10 +195,11 @@ def uninterrupted_generation(work: "GenerationWorkload", backend: str = "hf",
     return out, sum(len(run.positions_run) for run in loop.finished.values())
 
 
-def state_digests(state: Dict[str, Any]) -> Tuple[str, str]:
-    """SHA-256 of the parameters, and of parameters plus AdamW moments."""
-    return (hashlib.sha256(state["params"].cpu().numpy().tobytes()).hexdigest(),
-            hashlib.sha256(b"".join(t.cpu().numpy().tobytes() for t in state.values())).hexdigest())
+def state_digests(tensors: Dict[str, List[Any]]) -> Tuple[str, str]:
+    """SHA-256 of the parameters, and of parameters plus optimizer state (``Trainer.tensors()``)."""
+    params = b"".join(t.cpu().numpy().tobytes() for t in tensors["params"])
+    return (hashlib.sha256(params).hexdigest(),
+            hashlib.sha256(params + b"".join(t.cpu().numpy().tobytes() for t in tensors["optimizer"])).hexdigest())
 
 
 def uninterrupted_training(spec: "TrainSpec", device: str = "cpu") -> Tuple[str, str]:
@@ -207,4 +208,4 @@ def uninterrupted_training(spec: "TrainSpec", device: str = "cpu") -> Tuple[str,
     from kvj.demo.training import train
 
     trainer, _ = train(spec, device=device)
-    return state_digests(trainer.state())
+    return state_digests(trainer.tensors())

@@ -65,6 +65,11 @@ def prepare(out: str) -> str:
     return out
 
 
+def _model_stream(stats: Dict[str, Any]) -> Dict[str, int]:
+    """The save statistics of the model's parameters (the stream named ``model.<dtype>``)."""
+    return next(v for k, v in stats["per_stream"].items() if k.startswith("model."))
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
@@ -264,8 +269,8 @@ class Demo:
                 self.say(f"  bytes after the restart: {stats['fulls']} full checkpoints "
                          f"{_mb(stats['full_stored'] / stats['fulls'])} each, {stats['deltas']} deltas "
                          f"{_mb(stats['delta_stored'] / stats['deltas'])} each "
-                         f"(parameters: {_mb(stats['per_tensor']['params']['delta_stored'] / stats['deltas'])} "
-                         f"as XOR vs {_mb(stats['per_tensor']['params']['full_stored'] / stats['fulls'])} full).")
+                         f"(parameters: {_mb(_model_stream(stats)['delta_stored'] / stats['deltas'])} "
+                         f"as XOR vs {_mb(_model_stream(stats)['full_stored'] / stats['fulls'])} full).")
         verdict = ("[bold green]PROOF: every request continued token for token, and the fine-tune ended "
                    "bit-identical.[/]" if ok else "[bold red]MISMATCH: see above.[/]")
         self.c.print(Panel(verdict, expand=False))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from kvj.demo.workload import ModelSpec, training_batch
-from kvj.integrations.training import RecoveredState, SaveStats, StateJournal, flat_state, load_flat_state
+from kvj.integrations.training import (RecoveredState, SaveStats, StateJournal, restore_training_state,
+                                       training_state)
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal
@@ -55,12 +56,19 @@ class Trainer:
         self.step += 1
         return loss.detach().item()
 
-    def state(self) -> Dict[str, torch.Tensor]:
-        return flat_state(self.model, self.optimizer)
+    def state(self) -> Dict[str, Any]:
+        """What ``StateJournal`` saves after each step (the data is a function of the step)."""
+        return training_state(self.model, self.optimizer, step=self.step, data={"step": self.step})
 
-    def load(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
-        load_flat_state(self.model, self.optimizer, step, state)
-        self.step = step
+    def load(self, state: Mapping[str, Any]) -> None:
+        self.step = restore_training_state(state, self.model, self.optimizer)
+
+    def tensors(self) -> Dict[str, List[torch.Tensor]]:
+        """The parameters, and the optimizer's state tensors in parameter order (for digests)."""
+        params = list(self.model.parameters())
+        moments = [t for p in params for _, t in sorted(self.optimizer.state.get(p, {}).items())
+                   if isinstance(t, torch.Tensor)]
+        return {"params": [p.detach() for p in params], "optimizer": moments}
 
 
 def train(spec: TrainSpec, journal: Optional["Journal"] = None, *, device: Union[str, torch.device] = "cpu",
@@ -71,12 +79,9 @@ def train(spec: TrainSpec, journal: Optional["Journal"] = None, *, device: Union
     trainer = Trainer(spec, device)
     saver = None
     if resume is not None:
-        trainer.load(resume.step, resume.state)
+        trainer.load(resume.state)
     if journal is not None:
-        saver = StateJournal(journal, spec.full_every, model=spec.model.model_id,
-                             base=(resume.base_step, resume.base_state) if resume is not None else None)
-        if resume is None:
-            saver.save(0, trainer.state())
+        saver = StateJournal(journal, spec.full_every, model=spec.model.model_id, resume=resume)
     try:
         while trainer.step < spec.steps:
             loss = trainer.train_step()

@@ -161,7 +161,7 @@ def train_main(args: argparse.Namespace) -> None:
                      restore_s=time.perf_counter() - t0)
         trainer, stats = train(spec, journal, device=args.device, resume=resume,
                                on_step=lambda step, loss: emit(event="step", step=step, loss=loss))
-    params_sha256, state_sha256 = state_digests(trainer.state())
+    params_sha256, state_sha256 = state_digests(trainer.tensors())
     emit(event="done", step=trainer.step, stats=stats.to_dict() if stats else None,
          params_sha256=params_sha256, state_sha256=state_sha256)
 

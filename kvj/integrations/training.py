@@ -1,27 +1,37 @@
-"""Crash-safe fine-tuning: full model and AdamW state every K steps, XOR deltas in between.
+"""Crash-safe training: what a run needs to continue, journaled every step, small.
 
-The training state is three flat tensors (parameters, AdamW ``exp_avg`` and ``exp_avg_sq``,
-in parameter order) and the step count. Every ``full_every`` steps the three are stored
-as segments and journaled as a checkpoint. At every other step each is XORed, as raw
-bits, against the last full state and stored through the store's automatic codec: a value
-that moved a little keeps its sign and exponent, so the XOR's high byte planes are almost
-all zeros and compress to nearly nothing. Each delta is against the last full state (not
-chained), so recovery reads one checkpoint and one delta, and a damaged delta falls back
-to the one before it.
+What is journaled is exactly the state training needs (``training_state``): the trainable
+parameters only (for a PEFT model, the adapter; frozen base weights never), the optimizer's
+whole ``state_dict()`` (any ``torch.optim`` optimizer: AdamW, SGD with momentum, Adafactor,
+fused or capturable variants), the LR scheduler, the gradient scaler, the RNG streams
+(Python, NumPy, torch CPU and CUDA), the step and the caller's data position. Any nested
+structure of tensors and plain values works, in any mix of dtypes.
 
-Saving runs on a background thread (``StateJournal``), so the training loop waits only
-for the copy of its state, never for the disk. With deterministic data (a function of
-the step), no dropout and a fixed thread count, a run killed at any step and resumed from
-its journal ends with parameters bit-identical to an uninterrupted run.
+``capture`` takes it off the device: each tensor is copied once, straight into its slice of
+a host buffer (pinned for CUDA), on the caller's thread and the producing stream, and the
+tensors of one role and dtype share a buffer (a *stream*: the model's float32 weights, Adam's
+``exp_avg``...). Everything else (the structure, numbers, the RNG tuples) is one msgpack
+document. Every ``full_every`` steps each stream is stored as a segment and the save is
+journaled as a checkpoint; at other steps a stream is XORed, as raw bits, against the last
+full state and stored through the automatic codec when that pays (a value that moved a
+little keeps its sign and exponent, so the XOR's high planes are nearly all zeros), whole
+otherwise. Deltas are against the last full state, not chained: recovery reads one
+checkpoint and one delta, and a damaged delta falls back to the one before it.
+
+``StateJournal`` saves on a background thread, so the loop waits only for the copy.
+``kvj.integrations.hf_trainer`` (Hugging Face ``Trainer``) and the demo's trainer use it.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Union
 
+import msgpack
+import numpy as np
 import torch
 
 from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
@@ -32,10 +42,13 @@ if TYPE_CHECKING:
     from kvj.journal.journal import Journal
     from kvj.segments.store import SegmentStore
 
-#: Names of the flat state tensors, in the order they are stored.
-STATE_NAMES = ("params", "exp_avg", "exp_avg_sq")
+FORMAT = "kvj-train/2"
 FULL_FORMAT = "kvj-train-full/1"
 DELTA_FORMAT = "kvj-train-xor/1"
+#: The record key of the document segment (structure and plain values); streams are "s:<name>".
+TREE = "tree"
+STREAM_PREFIX = "s:"
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -58,140 +71,190 @@ def unxor(base: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(_bits(base), bits).view(base.dtype)
 
 
-class Snapshot(dict):
-    """Named host (CPU) copies of training state, and the CUDA event after which they hold
-    their values (none when every source was on the CPU).
+# -- what training needs ---------------------------------------------------------------------
 
-    The copies are queued on the producing device's current stream, so they read the state
-    as the step left it; the next step's in-place updates, queued after them on the same
-    stream, cannot overwrite the state before it is copied. The saver thread waits for
-    ``ready`` before it reads a byte.
+
+def trainable_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The parameters that train (``requires_grad``), by name: a PEFT model's adapter, never
+    its frozen base weights."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def rng_state() -> Dict[str, Any]:
+    """Python's, NumPy's and torch's (CPU and every initialised CUDA device) RNG states."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": list(cuda)}
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Install an ``rng_state()``."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
+                   scheduler: Any = None, scaler: Any = None, data: Any = None, rng: bool = True) -> Dict[str, Any]:
+    """What training needs to continue after ``step``, for ``StateJournal.save``: trainable
+    parameters, the optimizer's ``state_dict()``, the scheduler's and scaler's, the RNG
+    states and ``data`` (the caller's data position: epoch, sampler state, samples seen)."""
+    return {"step": step, "model": trainable_state_dict(model), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": rng_state() if rng else None, "data": data}
+
+
+def restore_training_state(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                           scheduler: Any = None, scaler: Any = None, rng: bool = True) -> int:
+    """Install a recovered ``training_state`` (``RecoveredState.state``); returns its step.
+
+    Optimizer state goes in through ``optimizer.load_state_dict``, so each value lands where
+    that optimizer keeps it (for fused or capturable AdamW, ``step`` on the parameter's device)."""
+    load_trainable(model, state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
+    if rng and state.get("rng") is not None:
+        set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def load_trainable(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy saved trainable parameters into ``model`` (every trainable one must be there)."""
+    params = trainable_state_dict(model)
+    if set(params) != set(tensors):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise FormatError(f"saved trainable parameters do not match the model: missing {missing[:5]}, "
+                          f"unexpected {extra[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])
+
+
+# -- capture: off the device, into host streams and one document ------------------------------
+
+
+class Snapshot:
+    """Host copies of a training state: ``streams`` (one flat tensor per role and dtype),
+    ``doc`` (the structure and plain values, msgpack) and the CUDA events after which the
+    copies hold their values (none when every tensor was on the CPU).
+
+    The copies are queued on each device's current stream, so they read the state as the
+    step left it, and the next step's in-place updates, queued after them on the same
+    stream, cannot overwrite it first. The saver thread waits for ``ready`` before reading.
     """
 
-    ready: Tuple[Any, ...] = ()
+    def __init__(self, streams: Dict[str, torch.Tensor], doc: bytes, ready: Tuple[Any, ...] = ()):
+        self.streams = streams
+        self.doc = doc
+        self.ready = ready
 
     def wait(self) -> None:
         """Block until the copies have landed (blocking events: no core spins meanwhile)."""
         for event in self.ready:
             event.synchronize()
 
+    def signature(self) -> Dict[str, Tuple[str, int]]:
+        """Stream name -> (dtype, numel): a delta needs the same as its base."""
+        return {n: (str(t.dtype), t.numel()) for n, t in self.streams.items()}
 
-def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+def _stream_name(path: Tuple[Any, ...], dtype: torch.dtype) -> str:
+    """Tensors of one role share a stream: the optimizer's per-parameter state by its key
+    (``exp_avg``, ``momentum_buffer``...), anything else by its top-level part."""
+    role = str(path[0]) if path else "state"
+    if len(path) >= 4 and path[0] == "optimizer" and path[1] == "state":
+        role = f"optimizer.{path[3]}"
+    return f"{role}.{str(dtype).replace('torch.', '')}"
 
 
-def _finish(snap: Snapshot, sources: Sequence[torch.Tensor]) -> Snapshot:
-    """Record, on each source device's current stream, the event that follows the copies."""
+def _encode(value: Any, path: Tuple[Any, ...], leaves: List[Tuple[Tuple[Any, ...], Any]]) -> Any:
+    """``value`` as a msgpack-safe tagged tree; tensors and arrays become leaf indices."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, np.generic):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, torch.Tensor):
+        leaves.append((path, value))
+        return {"t": len(leaves) - 1}
+    if isinstance(value, np.ndarray):
+        leaves.append((path, value))
+        return {"n": len(leaves) - 1}
+    if isinstance(value, Mapping):
+        return {"d": [[_encode(k, path, leaves), _encode(v, path + (k,), leaves)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"u": [_encode(v, path + (i,), leaves) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return {"l": [_encode(v, path + (i,), leaves) for i, v in enumerate(value)]}
+    raise FormatError(f"cannot journal a {type(value).__name__} at {'/'.join(map(str, path)) or 'top level'}")
+
+
+def _decode(node: Any, leaves: List[Any]) -> Any:
+    if isinstance(node, dict):
+        (tag, body), = node.items()
+        if tag in ("t", "n"):
+            return leaves[body]
+        if tag == "d":
+            return {_decode(k, leaves): _decode(v, leaves) for k, v in body}
+        if tag == "u":
+            return tuple(_decode(v, leaves) for v in body)
+        if tag == "l":
+            return [_decode(v, leaves) for v in body]
+        raise FormatError(f"unknown node {tag!r} in a training state document")
+    return node
+
+
+def capture(state: Mapping[str, Any]) -> Snapshot:
+    """Host copies of ``state`` (any nested mapping of tensors, arrays and plain values),
+    queued on the caller's thread; see ``Snapshot``. No device memory is allocated."""
+    leaves: List[Tuple[Tuple[Any, ...], Any]] = []
+    tree = _encode(state, (), leaves)
+    sources = [torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach()
+               for _, v in leaves]
+    pin = any(t.device.type == "cuda" for t in sources)
+    sizes: Dict[str, int] = {}
+    places = []
+    dtypes: Dict[str, torch.dtype] = {}
+    for (path, value), t in zip(leaves, sources):
+        name = _stream_name(path, t.dtype)
+        places.append([name, sizes.get(name, 0), list(t.shape), "n" if isinstance(value, np.ndarray) else "t"])
+        sizes[name] = sizes.get(name, 0) + t.numel()
+        dtypes[name] = t.dtype
+    streams = {name: torch.empty(n, dtype=dtypes[name], pin_memory=pin) for name, n in sizes.items()}
+    for (name, offset, shape, _), t in zip(places, sources):
+        dest = streams[name][offset:offset + t.numel()].view(t.shape)
+        dest.copy_(t, non_blocking=pin and t.device.type == "cuda")  # strided sources copy in one pass
     events = []
     for device in {t.device for t in sources if t.device.type == "cuda"}:
         event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(device))
         events.append(event)
-    snap.ready = tuple(events)
-    return snap
+    doc = msgpack.packb({"format": FORMAT, "tree": tree, "leaves": places}, use_bin_type=True)
+    return Snapshot(streams, doc, tuple(events))
 
 
-def snapshot(state: Mapping[str, torch.Tensor]) -> Snapshot:
-    """Host copies of ``state``'s tensors, queued on the caller's thread (see ``Snapshot``)."""
-    if isinstance(state, Snapshot):
-        return state
-    sources = [t.detach() for t in state.values()]
-    pin = any(t.device.type == "cuda" for t in sources)
-    snap = Snapshot()
-    for name, t in zip(state, sources):
-        host = _host_buffer(t.numel(), t.dtype, pin and t.device.type == "cuda").view(t.shape)
-        host.copy_(t, non_blocking=pin)
-        snap[name] = host
-    return _finish(snap, sources)
-
-
-def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
-    """Parameters and AdamW moments as three flat host tensors, zeros before step 1.
-
-    Each tensor is copied straight into its slice of a host buffer: no concatenated copy
-    of the state is ever made on the device.
-    """
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
-    dtype = params[0].dtype if params else torch.float32
-    pin = any(p.device.type == "cuda" for p in params)
-    snap = Snapshot({name: _host_buffer(total, dtype, pin) for name in STATE_NAMES})
-    offset = 0
-    for p in params:
-        n = p.numel()
-        sources = {"params": p.detach()}
-        for name in STATE_NAMES[1:]:
-            sources[name] = optimizer.state[p][name] if p in optimizer.state else None
-        for name, src in sources.items():
-            dest = snap[name][offset:offset + n]
-            if src is None:
-                dest.zero_()
-            else:
-                dest.copy_(src.reshape(-1), non_blocking=pin)
-        offset += n
-    return _finish(snap, params)
-
-
-def load_flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    state: Mapping[str, torch.Tensor]) -> None:
-    """Install a ``flat_state`` taken after ``step`` optimizer steps into model and optimizer.
-
-    The optimizer state goes in through ``optimizer.load_state_dict``, so each value lands
-    where that optimizer keeps it (for fused or capturable AdamW, ``step`` on the
-    parameter's device)."""
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
-    for name in STATE_NAMES:
-        if state[name].numel() != total:
-            raise FormatError(f"state {name} holds {state[name].numel()} values, the model has {total}")
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    per_param: Dict[int, Dict[str, torch.Tensor]] = {}
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(state["params"][offset:offset + n].view_as(p))
-            if step > 0 and id(p) in index:
-                per_param[index[id(p)]] = {
-                    "step": torch.tensor(float(step), dtype=torch.float32),
-                    "exp_avg": state["exp_avg"][offset:offset + n].view_as(p).clone(),
-                    "exp_avg_sq": state["exp_avg_sq"][offset:offset + n].view_as(p).clone()}
-            offset += n
-    sd = optimizer.state_dict()
-    sd["state"] = per_param
-    optimizer.load_state_dict(sd)
-
-
-@dataclass
-class SaveStats:
-    """Bytes written by full checkpoints and by deltas (raw = before the codec), in total and
-    per state tensor; ``whole`` counts tensors a delta stored whole (their XOR did not pay)."""
-
-    fulls: int = 0
-    full_raw: int = 0
-    full_stored: int = 0
-    deltas: int = 0
-    delta_raw: int = 0
-    delta_stored: int = 0
-    per_tensor: Dict[str, Dict[str, int]] = field(
-        default_factory=lambda: {n: {"full_stored": 0, "delta_stored": 0, "xor": 0, "whole": 0} for n in STATE_NAMES})
-
-    def add(self, name: str, full: bool, whole: bool, info: Any) -> None:
-        entry = self.per_tensor[name]
-        if full:
-            self.full_raw += info.raw_size
-            self.full_stored += info.stored_size
-            entry["full_stored"] += info.stored_size
-        else:
-            self.delta_raw += info.raw_size
-            self.delta_stored += info.stored_size
-            entry["delta_stored"] += info.stored_size
-            entry["whole" if whole else "xor"] += 1
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"fulls": self.fulls, "full_raw": self.full_raw, "full_stored": self.full_stored,
-                "deltas": self.deltas, "delta_raw": self.delta_raw, "delta_stored": self.delta_stored,
-                "per_tensor": {n: dict(v) for n, v in self.per_tensor.items()}}
+def materialize(doc: bytes, streams: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+    """The nested state a ``Snapshot``'s document and streams describe (CPU tensors that are
+    views of ``streams``; NumPy arrays copied)."""
+    try:
+        parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
+        if parsed.get("format") != FORMAT:
+            raise FormatError(f"training state document of format {parsed.get('format')!r}, expected {FORMAT}")
+        leaves: List[Any] = []
+        for name, offset, shape, kind in parsed["leaves"]:
+            numel = int(np.prod(shape)) if shape else 1
+            t = streams[name][offset:offset + numel].view(shape)
+            leaves.append(t.numpy().copy() if kind == "n" else t)
+        return _decode(parsed["tree"], leaves)
+    except (KeyError, ValueError, TypeError, msgpack.ExtraData) as exc:
+        raise FormatError(f"bad training state document: {exc}") from None
 
 
 _SAMPLE_SLICES, _SAMPLE_BYTES = 4, 64 << 10
@@ -207,44 +270,78 @@ def estimate_stored(t: torch.Tensor, is_float: bool) -> int:
     return len(auto_codec(buf, t.element_size(), is_float).encode(buf, t.element_size()))
 
 
+@dataclass
+class SaveStats:
+    """Bytes written by full checkpoints and by deltas (raw = before the codec), in total and
+    per stream; ``whole`` counts streams a delta stored whole (their XOR did not pay)."""
+
+    fulls: int = 0
+    full_raw: int = 0
+    full_stored: int = 0
+    deltas: int = 0
+    delta_raw: int = 0
+    delta_stored: int = 0
+    per_stream: Dict[str, Dict[str, int]] = field(default_factory=dict)
+
+    def add(self, name: str, full: bool, whole: bool, info: Any) -> None:
+        entry = self.per_stream.setdefault(name, {"full_stored": 0, "delta_stored": 0, "xor": 0, "whole": 0})
+        if full:
+            self.full_raw += info.raw_size
+            self.full_stored += info.stored_size
+            entry["full_stored"] += info.stored_size
+        else:
+            self.delta_raw += info.raw_size
+            self.delta_stored += info.stored_size
+            entry["delta_stored"] += info.stored_size
+            entry["whole" if whole else "xor"] += 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"fulls": self.fulls, "full_raw": self.full_raw, "full_stored": self.full_stored,
+                "deltas": self.deltas, "delta_raw": self.delta_raw, "delta_stored": self.delta_stored,
+                "per_stream": {n: dict(v) for n, v in self.per_stream.items()}}
+
+
 class StateJournal:
     """Journals training state: a checkpoint every ``full_every`` steps, a delta otherwise.
 
-    ``save`` hands the state to one background thread (at most ``max_pending`` saves
-    queue; more block the caller) which stores the segments durably and then appends the
-    checkpoint or delta record. In a delta, a tensor whose XOR would not compress better
-    than the tensor itself (Adam's first moment moves ~10% a step) is stored whole, and
-    the record's ``meta.whole`` lists it. ``close`` (or leaving a ``with`` block) waits
-    for every save. Resuming, pass the recovered base (``RecoveredState.base_step`` and
-    ``base_state``) so the next deltas are taken against it.
+    ``save`` captures the state (host copies, on the caller's thread) and hands it to one
+    background thread (at most ``max_pending`` saves queue; more block the caller), which
+    stores the segments durably and then appends the checkpoint or delta record: the record
+    is the commit point. A delta stores each stream as its XOR against the last full save
+    when that compresses better than the stream itself, else whole (``meta.whole`` lists
+    those); a save whose streams differ from the base's (the optimizer's state appears at
+    its first step) is a full one. ``close`` (or leaving a ``with`` block) waits for every
+    save. Resuming, pass the ``RecoveredState`` so the next deltas are taken against its base.
     """
 
     def __init__(self, journal: "Journal", full_every: int, *, model: str,
-                 base: Optional[Tuple[int, Mapping[str, torch.Tensor]]] = None, max_pending: int = 2):
+                 resume: Optional["RecoveredState"] = None, max_pending: int = 2):
         if full_every < 1:
             raise FormatError("full_every must be at least 1")
         self.journal = journal
         self.full_every = full_every
         self.model = model
         self.stats = SaveStats()
-        self._base = (base[0], {n: t.cpu() for n, t in base[1].items()}) if base is not None else None
-        self._has_base = base is not None  # a full save is scheduled or done (the thread sets _base)
+        self._base: Optional[Tuple[int, Snapshot]] = (resume.base_step, resume.base) if resume is not None else None
+        self._base_signature = self._base[1].signature() if self._base is not None else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvj-train-save")
-        self._io = ThreadPoolExecutor(len(STATE_NAMES), thread_name_prefix="kvj-train-put")
+        self._io = ThreadPoolExecutor(4, thread_name_prefix="kvj-train-put")
         self._slots = threading.Semaphore(max_pending)
         self._pending: List["Future[None]"] = []
 
-    def save(self, step: int, state: Mapping[str, torch.Tensor]) -> "Future[None]":
-        """Journal the state after ``step``. Host copies are queued before this returns (a
-        ``flat_state`` already is one), so the caller may update the tensors at once."""
-        full = step % self.full_every == 0 or not self._has_base
-        self._has_base = True
+    def save(self, step: int, state: Union[Mapping[str, Any], Snapshot]) -> "Future[None]":
+        """Journal ``state`` (e.g. ``training_state(...)``) as the state after ``step``. The
+        host copy is queued before this returns, so the caller may update its tensors at once."""
         self._slots.acquire()
         try:
-            snap = snapshot(state)  # on the caller's thread: later in-place updates cannot reach it
+            snap = state if isinstance(state, Snapshot) else capture(state)
         except BaseException:
             self._slots.release()
             raise
+        signature = snap.signature()
+        full = step % self.full_every == 0 or signature != self._base_signature
+        if full:
+            self._base_signature = signature  # the thread installs the base itself once durable
         fut = self._pool.submit(self._write, step, snap, full)
         fut.add_done_callback(lambda _: self._slots.release())
         self._pending = [f for f in self._pending if not f.done()] + [fut]
@@ -255,33 +352,37 @@ class StateJournal:
                 "numel": t.numel(), **extra}
 
     def _put(self, name: str, t: torch.Tensor, full: bool) -> Tuple[Any, bool]:
-        """Store one tensor of a save; (its SegmentInfo, whether a delta stored it whole)."""
+        """Store one stream of a save; (its SegmentInfo, whether a delta stored it whole)."""
         store = self.journal.store
         if full:
             return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), False
         base_step, base = self._base  # type: ignore[misc]
-        bits = xor(t, base[name])
+        bits = xor(t, base.streams[name])
         if estimate_stored(bits, False) < estimate_stored(t, t.is_floating_point()):
             return store.put(bits, layout=self._layout(DELTA_FORMAT, name, t, base_step=base_step)), False
         return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), True
 
-    def _write(self, step: int, state: Snapshot, full: bool) -> None:
-        state.wait()  # the device-to-host copies were queued on the producing stream
-        # The tensors are stored concurrently, so their fsyncs overlap; the record follows all three.
-        results = list(self._io.map(lambda name: self._put(name, state[name], full), STATE_NAMES))
-        keys: Dict[str, str] = {}
+    def _write(self, step: int, snap: Snapshot, full: bool) -> None:
+        snap.wait()  # the device-to-host copies were queued on the producing streams
+        doc = torch.frombuffer(bytearray(snap.doc), dtype=torch.uint8)
+        names = list(snap.streams)
+        # Segments are stored concurrently, so their fsyncs overlap; the record follows them all.
+        doc_put = self._io.submit(self.journal.store.put, doc, layout=self._layout(FORMAT, TREE, doc))
+        results = list(self._io.map(lambda name: self._put(name, snap.streams[name], full), names))
+        keys: Dict[str, str] = {TREE: doc_put.result().key}
         whole: List[str] = []
-        for name, (info, stored_whole) in zip(STATE_NAMES, results):
-            keys[name] = info.key
+        for name, (info, stored_whole) in zip(names, results):
+            keys[STREAM_PREFIX + name] = info.key
             self.stats.add(name, full, stored_whole, info)
             if stored_whole:
                 whole.append(name)
         if full:
-            self.journal.checkpoint(step, keys, {"model": self.model})
-            self._base = (step, state)
+            self.journal.checkpoint(step, keys, {"format": FORMAT, "model": self.model})
+            self._base = (step, snap)
             self.stats.fulls += 1
         else:
-            self.journal.delta(step, self._base[0], keys, {"model": self.model, "whole": whole})  # type: ignore[index]
+            self.journal.delta(step, self._base[0], keys,  # type: ignore[index]
+                               {"format": FORMAT, "model": self.model, "whole": whole})
             self.stats.deltas += 1
 
     def __enter__(self) -> "StateJournal":
@@ -291,7 +392,7 @@ class StateJournal:
         self.close()
 
     def close(self) -> None:
-        """Wait for every save (re-raising the first failure) and stop the thread."""
+        """Wait for every save (re-raising the first failure) and stop the threads."""
         try:
             for fut in self._pending:
                 fut.result()
@@ -302,20 +403,23 @@ class StateJournal:
 
 @dataclass
 class RecoveredState:
-    """Training state rebuilt from the journal."""
+    """Training state rebuilt from the journal: ``state`` is what was saved (the nested
+    structure, CPU tensors) after ``step``; ``base`` the full save the deltas are against."""
 
     step: int
-    state: Dict[str, torch.Tensor]
+    state: Dict[str, Any]
     base_step: int
-    base_state: Dict[str, torch.Tensor]
+    base: Snapshot
     fallback: Optional[str] = None  #: why a newer delta listed in the journal was not used
 
 
-def _load(store: "SegmentStore", keys: Mapping[str, str], device: Union[str, torch.device]) -> Dict[str, torch.Tensor]:
-    missing = [n for n in STATE_NAMES if n not in keys]
-    if missing:
-        raise FormatError(f"training record lacks tensors {missing}")
-    return {name: store.get(keys[name], device=device) for name in STATE_NAMES}
+def _load(store: "SegmentStore", keys: Mapping[str, str], device: Union[str, torch.device]) -> Tuple[bytes, Dict[str, torch.Tensor]]:
+    if TREE not in keys:
+        raise FormatError("training record has no state document: written by kvj 0.1.0's flat format, "
+                          "which this kvj does not resume (finish that run with kvj 0.1.0)")
+    doc = store.get(keys[TREE]).numpy().tobytes()
+    streams = {k[len(STREAM_PREFIX):]: store.get(v, device=device) for k, v in keys.items() if k.startswith(STREAM_PREFIX)}
+    return doc, streams
 
 
 def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "SegmentStore",
@@ -330,15 +434,20 @@ def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "Seg
     if not checkpoint:
         return None
     base_step = checkpoint["step"]
-    base = _load(store, checkpoint["keys"], device)
+    base_doc, base_streams = _load(store, checkpoint["keys"], device)
+    base = Snapshot(base_streams, base_doc)
     fallback = None
     for delta in sorted((d for d in deltas if d["base_step"] == base_step), key=lambda d: -d["step"]):
         try:
-            stored = _load(store, delta["keys"], device)
+            doc, stored = _load(store, delta["keys"], device)
         except (SegmentMissing, SegmentCorrupt) as exc:
             fallback = f"delta of step {delta['step']} unreadable ({exc})"
             continue
         whole = set((delta.get("meta") or {}).get("whole", []))
-        state = {n: stored[n] if n in whole else unxor(base[n], stored[n]) for n in STATE_NAMES}
-        return RecoveredState(delta["step"], state, base_step, base, fallback)
-    return RecoveredState(base_step, {n: t.clone() for n, t in base.items()}, base_step, base, fallback)
+        if set(stored) != set(base_streams):
+            raise FormatError(f"delta of step {delta['step']} holds streams {sorted(stored)}, "
+                              f"its base {sorted(base_streams)}")
+        streams = {n: stored[n] if n in whole else unxor(base_streams[n], stored[n]) for n in stored}
+        return RecoveredState(delta["step"], materialize(doc, streams), base_step, base, fallback)
+    streams = {n: t.clone() for n, t in base_streams.items()}
+    return RecoveredState(base_step, materialize(base_doc, streams), base_step, base, fallback)

@@ -11,7 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvj
-from kvj.integrations.training import StateJournal, flat_state, load_flat_state, recover_training
+from kvj.integrations.training import (StateJournal, capture, materialize, recover_training, restore_training_state,
+                                       training_state)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -46,7 +47,7 @@ class _OpLog(TorchDispatchMode):
         return out
 
 
-def test_flat_state_copies_each_tensor_once_into_host_memory_without_a_device_concatenation():
+def test_capture_copies_each_tensor_once_into_host_memory_without_a_device_concatenation():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for i in range(2):
@@ -54,26 +55,24 @@ def test_flat_state_copies_each_tensor_once_into_host_memory_without_a_device_co
     params = list(model.parameters())
     live = params + [opt.state[p][n] for p in params for n in ("exp_avg", "exp_avg_sq")]
     with _OpLog(live) as log:
-        snap = flat_state(model, opt)
+        snap = capture(training_state(model, opt, step=2, rng=False))
     reading = [(name, dest) for name, reads, dest in log.ops if reads]
     allocating = {name for name, _ in reading} - {"copy_", "detach", "view", "_reshape_alias", "alias"}
     assert not allocating, f"ops that made device copies of the state: {allocating}"
     copies = [dest for name, dest in reading if name == "copy_"]
     assert len(copies) == len(live)
     assert all(d.untyped_storage().data_ptr() not in log.watched for d in copies)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        assert torch.equal(snap["params"][offset:offset + n], p.detach().reshape(-1))
-        assert torch.equal(snap["exp_avg_sq"][offset:offset + n], opt.state[p]["exp_avg_sq"].reshape(-1))
-        offset += n
+    back = materialize(snap.doc, snap.streams)
+    for (name, p), i in zip(model.named_parameters(), range(len(params))):
+        assert torch.equal(back["model"][name], p.detach())
+        assert torch.equal(back["optimizer"]["state"][i]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
 
 
 def test_save_takes_its_copy_before_returning_so_the_next_step_cannot_change_it(tmp_path):
     """The saver thread is held until after the caller has updated the tensors in place;
     the journal must still hold the values they had at ``save``."""
-    live = {n: torch.arange(64, dtype=torch.float32) + i for i, n in enumerate(("params", "exp_avg", "exp_avg_sq"))}
-    expected = {n: t.clone() for n, t in live.items()}
+    live = {"w": torch.arange(64, dtype=torch.float32), "m": {"a": torch.ones(8, dtype=torch.bfloat16)}}
+    expected = {"w": live["w"].clone(), "m": {"a": live["m"]["a"].clone()}}
     gate = threading.Event()
     with kvj.Journal.open(tmp_path / "j") as journal:
         put = journal.store.put
@@ -85,14 +84,13 @@ def test_save_takes_its_copy_before_returning_so_the_next_step_cannot_change_it(
         journal.store.put = held_put
         with StateJournal(journal, full_every=4, model="m") as saver:
             fut = saver.save(0, live)
-            for t in live.values():
-                t.mul_(-3.0)  # what the next optimizer step does to the live state
+            live["w"].mul_(-3.0)  # what the next optimizer step does to the live state
+            live["m"]["a"].add_(1)
             gate.set()
             fut.result()
         journal.sync()
         rec = recover_training(kvj.replay(str(tmp_path / "j")), journal.store)
-    assert {n: t.view(torch.int32).tolist() for n, t in rec.state.items()} == \
-        {n: t.view(torch.int32).tolist() for n, t in expected.items()}
+    assert torch.equal(rec.state["w"], expected["w"]) and torch.equal(rec.state["m"]["a"], expected["m"]["a"])
 
 
 def _adamw_variants(device: str):
@@ -109,11 +107,11 @@ def test_restored_adamw_state_sits_where_the_optimizer_keeps_it_and_continues_bi
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **variant)
         for i in range(3):
             _step(model, opt, i)
-        snap = flat_state(model, opt)
+        snap = capture(training_state(model, opt, step=3))
         snap.wait()
         model2 = _model(device)
         opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, **variant)
-        load_flat_state(model2, opt2, 3, snap)
+        assert restore_training_state(materialize(snap.doc, snap.streams), model2, opt2) == 3
         for p, p2 in zip(model.parameters(), model2.parameters()):
             for name, value in opt.state[p].items():
                 restored = opt2.state[p2][name]
