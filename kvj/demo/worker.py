@@ -9,6 +9,8 @@ line, flushed at once) so the parent can pick its moment to kill and read what w
   ``{"event": "finish", "id"}`` once a request's output is durably in ``--results``, and
   ``{"event": "done", "requests": {...}}`` with per-request resume figures.
 * train: ``{"event": "step", "step", "loss"}`` and ``{"event": "done", "params_sha256", ...}``.
+* hf-train: ``{"event": "substep"|"step", "step"}``, ``{"event": "log", "step", "loss"}`` and
+  ``{"event": "done", "adapter_sha256", "optimizer_sha256"}``.
 
 ``--resume`` continues from ``--manifest`` (written by ``kvj recover``) or, without one,
 from a replay of the journal.
@@ -166,6 +168,23 @@ def train_main(args: argparse.Namespace) -> None:
          params_sha256=params_sha256, state_sha256=state_sha256)
 
 
+def hf_train_main(args: argparse.Namespace) -> None:
+    from kvj.demo.hf_training import LoraRun, build_trainer, digests, progress_callback
+    from kvj.integrations.hf_trainer import KvjCallback
+
+    torch.use_deterministic_algorithms(True)
+    run = LoraRun(ModelSpec(args.arch, args.size, args.seed, args.dtype), steps=args.steps, samples=args.samples,
+                  seq_len=args.seq_len, batch=args.batch, grad_accum=args.grad_accum, optim=args.optim,
+                  scheduler=args.scheduler, warmup=args.warmup, lr=args.lr, rank=args.rank, seed=args.run_seed)
+    kvj_cb = KvjCallback(journal=args.journal, full_every=args.full_every, model_id=run.model.model_id)
+    trainer = build_trainer(run, args.output_dir, [kvj_cb, progress_callback(emit)])
+    checkpoint = kvj_cb.resume(trainer) if args.resume else None
+    if checkpoint is not None:
+        emit(event="resumed", step=kvj_cb.recovered.step, base_step=kvj_cb.recovered.base_step)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    emit(event="done", step=trainer.state.global_step, **digests(trainer))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvj.demo.worker", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -202,6 +221,20 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=32)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--data-seed", type=int, default=7)
+    h = sub.add_parser("hf-train", parents=[common], help="LoRA fine-tune with transformers.Trainer and KvjCallback")
+    h.add_argument("--output-dir", required=True)
+    h.add_argument("--steps", type=int, default=24)
+    h.add_argument("--full-every", type=int, default=8)
+    h.add_argument("--samples", type=int, default=64)
+    h.add_argument("--seq-len", type=int, default=16)
+    h.add_argument("--batch", type=int, default=4)
+    h.add_argument("--grad-accum", type=int, default=1)
+    h.add_argument("--optim", default="adamw", choices=["adamw", "sgd"])
+    h.add_argument("--scheduler", default="linear")
+    h.add_argument("--warmup", type=int, default=0)
+    h.add_argument("--lr", type=float, default=2e-3)
+    h.add_argument("--rank", type=int, default=4)
+    h.add_argument("--run-seed", type=int, default=3)
     return p
 
 
@@ -212,6 +245,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.command == "generate":
         generate(args)
+    elif args.command == "hf-train":
+        hf_train_main(args)
     else:
         train_main(args)
 
