@@ -133,10 +133,15 @@ def recover(journal: str) -> Dict[str, Any]:
 
 def nth_step(n: int) -> Callable[[Event], bool]:
     """Kill predicate: the ``n``-th progress event."""
+    return nth_event("step", n)
+
+
+def nth_event(name: str, n: int) -> Callable[[Event], bool]:
+    """Kill predicate: the ``n``-th event named ``name``."""
     seen = [0]
 
     def now(event: Event) -> bool:
-        seen[0] += event.get("event") == "step"
+        seen[0] += event.get("event") == name
         return seen[0] >= n
     return now
 

@@ -106,3 +106,13 @@ def progress_callback(emit: Callable[..., None]) -> Any:
                 emit(event="log", step=state.global_step, loss=logs["loss"])
 
     return Progress()
+
+
+def uninterrupted(run: LoraRun, output_dir: str) -> List[Dict[str, Any]]:
+    """The events of the fine-tune without kvj and without a crash, in this process (set
+    torch's threads and deterministic mode as the worker does first)."""
+    events: List[Dict[str, Any]] = []
+    trainer = build_trainer(run, output_dir, [progress_callback(lambda **e: events.append(e))])
+    trainer.train()
+    events.append({"event": "done", "step": trainer.state.global_step, **digests(trainer)})
+    return events
