@@ -1,0 +1,218 @@
+"""``torch.distributed.checkpoint`` (DCP) through kvj: ``JournalWriter`` and ``JournalReader``.
+
+::
+
+    dcp.save(state_dict, storage_writer=JournalWriter("/ckpt/run-7", step=step))
+    dcp.load(state_dict, storage_reader=JournalReader("/ckpt/run-7"))   # the newest committed one
+
+Every rank stores its shards as kvj segments (content-addressed, checksummed, compressed by
+the codec that pays, durable when ``write_data`` returns; an unchanged shard is not written
+again). The coordinator then stores DCP's ``Metadata`` (encoded as msgpack, no pickle) as one
+more segment and appends **one** journal checkpoint record naming the metadata and every
+shard, durably: that record is the commit point. DCP runs ``finish`` only after every rank's
+``write_data`` returned, so a checkpoint counts only when all shards and the metadata are
+durable; a rank killed mid-save leaves no record, and ``JournalReader`` loads the previous
+checkpoint whole. Use a journal directory of its own for DCP checkpoints. Non-tensor values
+are DCP's ``BYTE_IO`` items, serialised by DCP's planner; kvj stores their bytes as they are.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Dict, List, Optional, Union
+
+import msgpack
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from kvj.errors import FormatError
+from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.replay import replay
+from kvj.segments.store import SegmentStore
+
+FORMAT = "kvj-dcp/1"
+METADATA = "metadata"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"unknown dtype {name!r} in DCP metadata")
+    return dtype
+
+
+def encode_metadata(md: Metadata) -> bytes:
+    """DCP ``Metadata`` as msgpack (tensor layout, planner paths, shard keys)."""
+    entries = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            entries[fqn] = {"bytes": True}
+        else:
+            entries[fqn] = {"dtype": str(item.properties.dtype).replace("torch.", ""), "size": list(item.size),
+                            "requires_grad": item.properties.requires_grad,
+                            "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks]}
+    planner = {k: list(v) for k, v in (md.planner_data or {}).items()}
+    storage = [[i.fqn, list(i.offset) if i.offset is not None else None, i.index, s]
+               for i, s in (md.storage_data or {}).items()]
+    return msgpack.packb({"format": FORMAT, "entries": entries, "planner": planner, "storage": storage,
+                          "version": md.version}, use_bin_type=True)
+
+
+def decode_metadata(data: bytes) -> Metadata:
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if doc.get("format") != FORMAT:
+            raise FormatError(f"DCP metadata of format {doc.get('format')!r}, expected {FORMAT}")
+        entries: Dict[str, Any] = {}
+        for fqn, e in doc["entries"].items():
+            if e.get("bytes"):
+                entries[fqn] = BytesStorageMetadata()
+            else:
+                entries[fqn] = TensorStorageMetadata(
+                    TensorProperties(dtype=_dtype(e["dtype"]), requires_grad=e["requires_grad"]),
+                    torch.Size(e["size"]),
+                    [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in e["chunks"]])
+        storage = {MetadataIndex(fqn, torch.Size(off) if off is not None else None, idx): s
+                   for fqn, off, idx, s in doc["storage"]}
+        return Metadata(entries, planner_data={k: tuple(v) for k, v in doc["planner"].items()},
+                        storage_data=storage, storage_meta=StorageMeta(), version=doc["version"])
+    except (KeyError, ValueError, TypeError, msgpack.ExtraData) as exc:
+        raise FormatError(f"bad DCP metadata: {exc}") from None
+
+
+def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    """The part of stored shard ``t`` a load request wants."""
+    for dim, (off, n) in enumerate(zip(offsets, lengths)):
+        if off != 0 or n != t.size(dim):
+            t = t.narrow(dim, off, n)
+    return t
+
+
+def _done(value: Any) -> "torch.futures.Future[Any]":
+    fut: "torch.futures.Future[Any]" = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class JournalWriter(StorageWriter):
+    """DCP ``StorageWriter`` into the kvj journal directory ``path`` (shared by all ranks):
+    the checkpoint of training step ``step`` commits with one journal record."""
+
+    def __init__(self, path: Union[str, "os.PathLike[str]"], step: int, *, model: str = "dcp"):
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.step = step
+        self.model = model
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return True
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.path)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[List[WriteResult]]":
+        """Store this rank's shards; every one is durable when the future is set."""
+        results = []
+        with SegmentStore(default_store_path(self.path)) as store:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                    kind = "bytes"
+                else:
+                    tensor = data.detach().to("cpu").contiguous()
+                    kind = "tensor"
+                layout = {"format": FORMAT, "model": self.model, "fqn": item.index.fqn, "kind": kind,
+                          "offset": list(item.index.offset) if item.index.offset is not None else None}
+                info = store.put(tensor, layout=layout)
+                results.append(WriteResult(index=item.index, size_in_bytes=info.raw_size,
+                                           storage_data={"key": info.key, "kind": kind}))
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        """On the coordinator, after every rank's shards are durable: store the metadata,
+        then append the checkpoint record (durably): the commit point."""
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        with Journal.open(self.path) as journal:
+            doc = encode_metadata(metadata)
+            info = journal.store.put(torch.frombuffer(bytearray(doc), dtype=torch.uint8),
+                                     layout={"format": FORMAT, "model": self.model, "name": METADATA})
+            keys = {METADATA: info.key}
+            for n, r in enumerate(r for rank in results for r in rank):
+                keys[f"shard-{n}"] = r.storage_data["key"]
+            journal.checkpoint(self.step, keys, {"format": FORMAT, "model": self.model}, durable=True)
+
+
+class JournalReader(StorageReader):
+    """DCP ``StorageReader`` of the newest checkpoint committed in journal directory ``path``."""
+
+    def __init__(self, path: Union[str, "os.PathLike[str]"]):
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.step: Optional[int] = None  #: the training step of the checkpoint read
+        self._storage: Dict[MetadataIndex, Any] = {}
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        ckpt = replay(self.path).checkpoint
+        if ckpt is None or (ckpt.get("meta") or {}).get("format") != FORMAT:
+            raise FormatError(f"no DCP checkpoint committed in {self.path}")
+        self.step = ckpt["step"]
+        with SegmentStore(default_store_path(self.path)) as store:
+            md = decode_metadata(store.get(ckpt["keys"][METADATA]).numpy().tobytes())
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
+        """Read, verify (every chunk CRC and the digest) and install this rank's items."""
+        with SegmentStore(default_store_path(self.path)) as store:
+            for req in plan.items:
+                stored = store.get(self._storage[req.storage_index]["key"])
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(stored.numpy().tobytes()))
+                    continue
+                tensor = _narrow(stored, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise FormatError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
+                                      f"wanted {tuple(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        return _done(None)
