@@ -8,9 +8,10 @@ fused or capturable variants), the LR scheduler, the gradient scaler, the RNG st
 structure of tensors and plain values works, in any mix of dtypes.
 
 ``capture`` takes it off the device: each tensor is copied once, straight into its slice of
-a host buffer (pinned for CUDA), on the caller's thread and the producing stream, and the
-tensors of one role and dtype share a buffer (a *stream*: the model's float32 weights, Adam's
-``exp_avg``...). Everything else (the structure, numbers, the RNG tuples) is one msgpack
+a host buffer (pinned for CUDA), through ``kvj.segments.device`` (the flusher's copy: kvj's
+side stream, after the work that produced the state; the loop's next step waits for it on
+the GPU, not on the host), and the tensors of one role and dtype share a buffer (a *stream*:
+the model's float32 weights, Adam's ``exp_avg``...). Everything else (the structure, numbers, the RNG tuples) is one msgpack
 document. Every ``full_every`` steps each stream is stored as a segment and the save is
 journaled as a checkpoint; at other steps a stream is XORed, as raw bits, against the last
 full state and stored through the automatic codec when that pays (a value that moved a
@@ -36,6 +37,7 @@ import torch
 
 from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState
+from kvj.segments import device as cuda
 from kvj.segments.codecs import auto_codec
 
 if TYPE_CHECKING:
@@ -144,9 +146,9 @@ class Snapshot:
     ``doc`` (the structure and plain values, msgpack) and the CUDA events after which the
     copies hold their values (none when every tensor was on the CPU).
 
-    The copies are queued on each device's current stream, so they read the state as the
-    step left it, and the next step's in-place updates, queued after them on the same
-    stream, cannot overwrite it first. The saver thread waits for ``ready`` before reading.
+    The copies are ``kvj.segments.device`` downloads: they run after the work queued so far
+    (they read the state as the step left it), and the caller's later work (the next step's
+    in-place updates) waits for them on the GPU. The saver thread waits for ``ready``.
     """
 
     def __init__(self, streams: Dict[str, torch.Tensor], doc: bytes, ready: Tuple[Any, ...] = ()):
@@ -157,7 +159,7 @@ class Snapshot:
     def wait(self) -> None:
         """Block until the copies have landed (blocking events: no core spins meanwhile)."""
         for event in self.ready:
-            event.synchronize()
+            cuda.CUDA.wait(event)
 
     def signature(self) -> Dict[str, Tuple[str, int]]:
         """Stream name -> (dtype, numel): a delta needs the same as its base."""
@@ -218,7 +220,8 @@ def capture(state: Mapping[str, Any]) -> Snapshot:
     tree = _encode(state, (), leaves)
     sources = [torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach()
                for _, v in leaves]
-    pin = any(t.device.type == "cuda" for t in sources)
+    on_device = [cuda.CUDA.is_device_tensor(t) for t in sources]
+    pin = any(on_device)
     sizes: Dict[str, int] = {}
     places = []
     dtypes: Dict[str, torch.dtype] = {}
@@ -227,17 +230,24 @@ def capture(state: Mapping[str, Any]) -> Snapshot:
         places.append([name, sizes.get(name, 0), list(t.shape), "n" if isinstance(value, np.ndarray) else "t"])
         sizes[name] = sizes.get(name, 0) + t.numel()
         dtypes[name] = t.dtype
-    streams = {name: torch.empty(n, dtype=dtypes[name], pin_memory=pin) for name, n in sizes.items()}
-    for (name, offset, shape, _), t in zip(places, sources):
+    streams = {name: _host_buffer(n, dtypes[name], pin) for name, n in sizes.items()}
+    events: Dict[torch.device, Any] = {}
+    for (name, offset, shape, _), t, is_device in zip(places, sources, on_device):
         dest = streams[name][offset:offset + t.numel()].view(t.shape)
-        dest.copy_(t, non_blocking=pin and t.device.type == "cuda")  # strided sources copy in one pass
-    events = []
-    for device in {t.device for t in sources if t.device.type == "cuda"}:
-        event = torch.cuda.Event(blocking=True)
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
+        if not is_device:
+            dest.copy_(t)  # strided sources copy in one pass
+        elif t.numel():
+            # One d2h stream per device runs its copies in order: the last event covers them all.
+            events[cuda.CUDA.device_of(t)] = cuda.CUDA.download(t, dest)
     doc = msgpack.packb({"format": FORMAT, "tree": tree, "leaves": places}, use_bin_type=True)
-    return Snapshot(streams, doc, tuple(events))
+    return Snapshot(streams, doc, tuple(events.values()))
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """A flat host tensor for one stream; page-locked when device copies land in it."""
+    if not pinned:
+        return torch.empty(numel, dtype=dtype)
+    return cuda.CUDA.pinned(numel * dtype.itemsize).view(dtype)
 
 
 def materialize(doc: bytes, streams: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
@@ -363,7 +373,7 @@ class StateJournal:
         return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), True
 
     def _write(self, step: int, snap: Snapshot, full: bool) -> None:
-        snap.wait()  # the device-to-host copies were queued on the producing streams
+        snap.wait()  # the device-to-host copies may still be running
         doc = torch.frombuffer(bytearray(snap.doc), dtype=torch.uint8)
         names = list(snap.streams)
         # Segments are stored concurrently, so their fsyncs overlap; the record follows them all.

@@ -8,9 +8,11 @@ import threading
 
 import pytest
 import torch
+from support.fakecuda import POISON, FakeCuda
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvj
+from kvj.segments import device
 from kvj.integrations.training import (StateJournal, capture, materialize, recover_training, restore_training_state,
                                        training_state)
 
@@ -91,6 +93,53 @@ def test_save_takes_its_copy_before_returning_so_the_next_step_cannot_change_it(
         journal.sync()
         rec = recover_training(kvj.replay(str(tmp_path / "j")), journal.store)
     assert torch.equal(rec.state["w"], expected["w"]) and torch.equal(rec.state["m"]["a"], expected["m"]["a"])
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeCuda(devices=1)
+    monkeypatch.setattr(device, "CUDA", f)
+    return f
+
+
+def test_device_state_leaves_through_kvjs_download_and_is_read_only_after_it_lands(fake, tmp_path):
+    """On a GPU (here the CPU stand-in of tests/support/fakecuda.py, which leaves a download's
+    destination full of poison until the host waits on an event recorded after it), capture
+    copies each tensor once through kvj.segments.device into pinned host streams, and the
+    saver stores them only after their copies have landed."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(2):
+        _step(model, opt, i)
+    params = list(model.parameters())
+    live = params + [v for p in params for v in opt.state[p].values()]
+    for t in live:
+        fake.adopt(t, 0)
+    want_params = [p.detach().clone() for p in params]
+    want_opt = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+    snap = capture(training_state(model, opt, step=2, rng=False))
+    assert len(fake.copies) == len(live) and all(c.kind == "d2h" and fake.is_pinned(c.host) for c in fake.copies)
+    assert all(bool((s.view(torch.uint8) == POISON).all()) for s in snap.streams.values())  # still in flight
+    snap.wait()
+    assert not any(fake.in_flight(c.host) for c in fake.copies)
+
+    with kvj.Journal.open(tmp_path / "j") as journal:
+        with StateJournal(journal, full_every=4, model="m") as saver:
+            fut = saver.save(2, training_state(model, opt, step=2, rng=False))
+            with torch.no_grad():
+                for t in live:
+                    t.add_(1)  # the next step, which the GPU runs after the copies
+            fut.result()
+        journal.sync()
+        rec = recover_training(kvj.replay(str(tmp_path / "j")), journal.store)
+    assert len(fake.copies) == 2 * len(live) and not fake.violations
+    assert fake.stream_waits == 0  # the host waited on the copies' events, never on a stream
+    for name, want in zip(dict(model.named_parameters()), want_params):
+        assert torch.equal(rec.state["model"][name], want), name
+    for i, want in enumerate(want_opt):
+        for k, v in want.items():
+            assert torch.equal(rec.state["optimizer"]["state"][i][k], v), (i, k)
 
 
 def _adamw_variants(device: str):

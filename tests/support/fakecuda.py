@@ -153,7 +153,7 @@ class FakeCuda(Cuda):
                 op = Copy(stream, src, "h2d", src.detach().clone())
             else:
                 op = Copy(stream, dst, "d2h", src.detach().clone())
-                dst.view(torch.uint8).fill_(POISON)
+                (dst.view(1) if dst.dim() == 0 else dst).view(torch.uint8).fill_(POISON)  # 0-dim: view needs a dim
             stream.log.append(op)
             self.copies.append(op)
 
