@@ -5,15 +5,22 @@
     dcp.save(state_dict, storage_writer=JournalWriter("/ckpt/run-7", step=step))
     dcp.load(state_dict, storage_reader=JournalReader("/ckpt/run-7"))   # the newest committed one
 
-Every rank stores its shards as kvj segments (content-addressed, checksummed, compressed by
-the codec that pays, durable when ``write_data`` returns; an unchanged shard is not written
-again). The coordinator then stores DCP's ``Metadata`` (encoded as msgpack, no pickle) as one
+Every rank stores its shards as kvj segments through a ``Flusher`` (the one device-to-host
+copy in kvj, so a CUDA shard goes through pinned staging; content-addressed, checksummed,
+compressed by the codec that pays, durable when ``write_data`` returns; an unchanged shard is
+not written again). The coordinator then stores DCP's ``Metadata`` (encoded as msgpack, no pickle) as one
 more segment and appends **one** journal checkpoint record naming the metadata and every
 shard, durably: that record is the commit point. DCP runs ``finish`` only after every rank's
 ``write_data`` returned, so a checkpoint counts only when all shards and the metadata are
 durable; a rank killed mid-save leaves no record, and ``JournalReader`` loads the previous
-checkpoint whole. Use a journal directory of its own for DCP checkpoints. Non-tensor values
-are DCP's ``BYTE_IO`` items, serialised by DCP's planner; kvj stores their bytes as they are.
+checkpoint whole. Use a journal directory of its own for DCP checkpoints.
+
+Non-tensor values are DCP's ``BYTE_IO`` items, which DCP's planner serialises with
+``torch.save`` and loads with pickle's full unpickler (``weights_only=False``). kvj never
+lets stored bytes reach that: it reads each such value with
+``torch.load(weights_only=True)`` (plain data and tensors only) when saving, refusing anything
+else, and again when loading, and hands the planner only a fresh ``torch.save`` of the value so
+read.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from kvj.errors import FormatError
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.replay import replay
+from kvj.segments.flusher import Flusher
 from kvj.segments.store import SegmentStore
 
 FORMAT = "kvj-dcp/1"
@@ -94,6 +102,20 @@ def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.
     return t
 
 
+def plain_value(raw: bytes, fqn: str) -> Any:
+    """The value a ``BYTE_IO`` item's bytes hold, read with ``torch.load(weights_only=True)``:
+    plain data and tensors; anything that needs pickle's full unpickler is refused."""
+    buf = io.BytesIO(raw)
+    try:
+        return torch.load(buf, weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises pickle's UnpicklingError, RuntimeError... for bad bytes
+        # torch's message advises weights_only=False, which kvj does not offer: keep its reason only.
+        body = str(exc).split("trusted source.", 1)[-1].split("Check the documentation", 1)[0]
+        reason = " ".join(body.split()).replace("WeightsUnpickler error: ", "")[:200] or type(exc).__name__
+        raise FormatError(f"DCP value {fqn!r} is not plain data that torch.load(weights_only=True) reads, "
+                          f"and kvj unpickles nothing else ({reason})") from None
+
+
 def _done(value: Any) -> "torch.futures.Future[Any]":
     fut: "torch.futures.Future[Any]" = torch.futures.Future()
     fut.set_result(value)
@@ -132,21 +154,26 @@ class JournalWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[List[WriteResult]]":
-        """Store this rank's shards; every one is durable when the future is set."""
-        results = []
-        with SegmentStore(default_store_path(self.path)) as store:
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
-                    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-                    kind = "bytes"
-                else:
-                    tensor = data.detach().to("cpu").contiguous()
-                    kind = "tensor"
-                layout = {"format": FORMAT, "model": self.model, "fqn": item.index.fqn, "kind": kind,
-                          "offset": list(item.index.offset) if item.index.offset is not None else None}
-                info = store.put(tensor, layout=layout)
+        """Store this rank's shards; every one is durable when the future is set. A non-tensor
+        value that is not plain data is refused before anything is stored."""
+        items = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                plain_value(raw, item.index.fqn)
+                items.append((item, "bytes", torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                              if raw else torch.empty(0, dtype=torch.uint8)))
+            else:
+                items.append((item, "tensor", data.detach()))
+        with SegmentStore(default_store_path(self.path)) as store, Flusher(store) as flusher:
+            futures = [flusher.submit(tensor, {"format": FORMAT, "model": self.model, "fqn": item.index.fqn,
+                                               "kind": kind, "offset": list(item.index.offset)
+                                               if item.index.offset is not None else None})
+                       for item, kind, tensor in items]
+            results = []
+            for (item, kind, _), fut in zip(items, futures):
+                info = fut.result()
                 results.append(WriteResult(index=item.index, size_in_bytes=info.raw_size,
                                            storage_data={"key": info.key, "kind": kind}))
         return _done(results)
@@ -206,7 +233,12 @@ class JournalReader(StorageReader):
             for req in plan.items:
                 stored = store.get(self._storage[req.storage_index]["key"])
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(stored.numpy().tobytes()))
+                    # The planner unpickles what it is handed: give it a torch.save of the value
+                    # torch.load(weights_only=True) read, never the stored bytes themselves.
+                    value, fresh = plain_value(stored.numpy().tobytes(), req.storage_index.fqn), io.BytesIO()
+                    torch.save(value, fresh)
+                    fresh.seek(0)
+                    planner.load_bytes(req, fresh)
                     continue
                 tensor = _narrow(stored, req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()

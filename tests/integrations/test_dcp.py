@@ -68,3 +68,49 @@ def test_round_trip_is_bit_exact_and_a_rank_killed_mid_save_leaves_the_previous_
     state = kvj.replay(journal)
     assert state.counts == {"checkpoint": 1} and state.checkpoint["step"] == 1
     assert {(e["step"], e["tensor_step"], e["digest"]) for e in _run("load", journal, 0)} == expected
+
+
+class _Evil:
+    """Unpickling this makes the directory ``path``: proof that something was unpickled."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_plain_values_round_trip_and_nothing_else_is_ever_unpickled(tmp_path, monkeypatch):
+    """DCP stores non-tensor values as torch.save bytes (BYTE_IO) and its planner loads them
+    with pickle's full unpickler: kvj reads them with torch.load(weights_only=True) on save
+    and on load, so plain data round-trips and a pickled object is refused both ways."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kvj.errors import FormatError
+    from kvj.integrations import dcp as kvj_dcp
+
+    journal, marker = str(tmp_path / "dcp"), str(tmp_path / "unpickled")
+    extra = {"epoch": 3, "lr": 0.25, "name": "run-7", "sizes": [1, 2, 3]}
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "extra": dict(extra)},
+             storage_writer=kvj_dcp.JournalWriter(journal, step=1))
+    target = {"w": torch.zeros(3, 4), "extra": {"epoch": 0, "lr": 0.0, "name": "", "sizes": []}}
+    dcp.load(target, storage_reader=kvj_dcp.JournalReader(journal))
+    assert target["extra"] == extra and torch.equal(target["w"], torch.arange(12.0).reshape(3, 4))
+
+    with pytest.raises(CheckpointException, match="'extra' is not plain data"):  # DCP wraps a rank's error
+        dcp.save({"w": torch.zeros(3, 4), "extra": _Evil(marker)}, storage_writer=kvj_dcp.JournalWriter(journal, step=2))
+    assert kvj.replay(journal).checkpoint["step"] == 1 and not os.path.exists(marker)
+
+    # A journal whose value got past the check (written by another tool, or planted): the
+    # load refuses it instead of handing its bytes to DCP's unpickler.
+    with monkeypatch.context() as m:
+        m.setattr(kvj_dcp, "plain_value", lambda raw, fqn: None)
+        dcp.save({"w": torch.zeros(3, 4), "extra": _Evil(marker)}, storage_writer=kvj_dcp.JournalWriter(journal, step=3))
+    assert kvj.replay(journal).checkpoint["step"] == 3
+    with pytest.raises(CheckpointException, match="'extra' is not plain data"):
+        dcp.load({"w": torch.zeros(3, 4), "extra": None}, storage_reader=kvj_dcp.JournalReader(journal))
+    assert not os.path.exists(marker)
+    with pytest.raises(FormatError, match="weights_only"):
+        kvj_dcp.plain_value(b"not a torch.save", "x")

@@ -51,7 +51,7 @@ def main() -> None:
     if mode == "save":
         die_after = int(os.environ.get("KVJ_DCP_DIE_AFTER", "0"))
         if die_after:
-            put, count = SegmentStore.put, [0]
+            put, count = SegmentStore.put_bytes, [0]
 
             def put_then_die(self, *args, **kwargs):
                 info = put(self, *args, **kwargs)
@@ -61,7 +61,7 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return info
 
-            SegmentStore.put = put_then_die
+            SegmentStore.put_bytes = put_then_die
         dcp.save(state, storage_writer=JournalWriter(journal, step=step))
         print(json.dumps({"event": "saved", "rank": dist.get_rank(), "step": step}), flush=True)
     else:
