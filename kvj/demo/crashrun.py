@@ -73,11 +73,12 @@ class Killed:
         return out
 
 
-def start(argv: List[str]) -> subprocess.Popen:
-    """Launch a workload process; its stderr goes to a temporary file (a pipe nobody reads
-    while we follow stdout could fill up and stall it)."""
+def start(argv: List[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """Launch a workload process (``env``: variables to add to ours); its stderr goes to a
+    temporary file (a pipe nobody reads while we follow stdout could fill up and stall it)."""
     err = tempfile.TemporaryFile()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
+                            env={**os.environ, **env} if env else None)
     proc.kvj_stderr = err  # type: ignore[attr-defined]
     return proc
 

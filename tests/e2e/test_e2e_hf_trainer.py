@@ -1,13 +1,17 @@
 """End to end: a PEFT LoRA fine-tune through Hugging Face ``Trainer`` with ``KvjCallback``,
 SIGKILLed at a random optimizer step (or between micro-batches) while saves are in flight,
-recovered with ``kvj fsck`` + ``kvj recover`` and resumed with ``cb.resume(trainer)``: every
-loss logged after the resume, the adapter weights and the optimizer state equal an
-uninterrupted run's bit for bit, and the journal holds no frozen base weight."""
+or inside a save (after some of its segments are durable, before its record), recovered with
+``kvj fsck`` + ``kvj recover`` and resumed with ``cb.resume(trainer)``: every loss logged
+after the resume, the adapter weights and the optimizer state equal an uninterrupted run's
+bit for bit, and the journal holds no frozen base weight."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pytest
 from support.e2e import rng, workload_threads
+from support.trainkill import check_died_inside_save, inside_save
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -35,43 +39,59 @@ def _losses(events):
     return {e["step"]: e["loss"] for e in events if e.get("event") == "log"}
 
 
-def kill_and_resume(run: LoraRun, tmp_path, kills: int, seed_name: str, event: str = "step",
-                    operator: bool = False):
-    """Kill ``kills`` times, resume, compare with the uninterrupted run. ``operator``: run
-    ``kvj fsck`` and ``kvj recover`` before each resume, as the shipped unit does."""
+def kill_and_resume(run: LoraRun, tmp_path, kills: Sequence[str], seed_name: str, operator: bool = False):
+    """Kill once per entry of ``kills``, resume, compare with the uninterrupted run.
+
+    ``"step"`` (``"substep"``): SIGKILL from outside after a random optimizer step (a
+    micro-batch before a step's last), while saves are in flight. ``"save"``: the worker
+    SIGKILLs itself inside a random save, once its state document is durable and before its
+    record (``support.trainkill``), which is checked: the document is stored, no record names
+    it. ``operator``: run ``kvj fsck`` and ``kvj recover`` before each resume, as the
+    shipped unit does."""
     r = rng(seed_name)
     with workload_threads(deterministic=True):
         ref_events = uninterrupted(run, str(tmp_path / "ref-out"))
     expected_losses, expected = _losses(ref_events), ref_events[-1]
     argv = _argv(run, tmp_path, "run")
     journal = argv[argv.index("--journal") + 1]
-    resume, history = ["--resume"], []
-    total = run.steps * (run.grad_accum - 1 if event == "substep" else 1)  # substep: a micro-batch before the last
-    for _ in range(kills + 4):  # a kill before the first save was durable restarts from scratch: not counted
-        killed = crashrun.kill_when(crashrun.start(argv + resume), crashrun.nth_event(event, r.randint(3, total - 3)))
+    resume, history, reached = ["--resume"], [], 0
+    for _ in range(len(kills) + 4):  # a kill before the first save was durable restarts from scratch: not counted
+        kind = kills[len(history)]
+        # The n-th event (or save) of this process, n leaving a few of the steps it has left.
+        last = max(1, (run.steps - reached) * (run.grad_accum - 1 if kind == "substep" else 1) - 3)
+        n = r.randint(min(3, last), last)
+        if kind == "save":
+            env, now = inside_save(n), crashrun.nth_event("dying", 1)
+        else:
+            env, now = None, crashrun.nth_event(kind, n)
+        killed = crashrun.kill_when(crashrun.start(argv + resume, env), now)
         if killed.finished:
             break
+        if kind == "save":
+            check_died_inside_save(journal, killed)
         steps = [e["step"] for e in killed.last("step")]
         if operator:
             crashrun.recover(journal)  # kvj fsck, then kvj recover: cuts a torn tail, verifies every segment
+        reached = 0
         if kvj.replay(journal).checkpoint is not None:
-            history.append((max(steps, default=0), _losses(killed.events)))
-        if len(history) == kills:
+            reached = max(steps, default=0)
+            history.append((kind, reached, _losses(killed.events)))
+        if len(history) == len(kills):
             break
     events = crashrun.finish(argv + resume)
     done = events[-1]
     assert done["event"] == "done" and done["step"] == run.steps
     resumed = [e for e in events if e["event"] == "resumed"]
-    assert len(history) == kills and resumed, "the kills did not land after durable saves"
-    assert resumed[0]["step"] <= history[-1][0] + 1
+    assert len(history) == len(kills) and resumed, "the kills did not land after durable saves"
+    assert resumed[0]["step"] <= history[-1][1] + 1
     after = _losses(events)
     assert set(after) == {s for s in expected_losses if s > resumed[0]["step"]}
     assert after == {s: expected_losses[s] for s in after}, "a loss logged after the resume differs"
-    for _, before in history:  # what the killed processes logged matches too
+    for _, _, before in history:  # what the killed processes logged matches too
         assert before == {s: expected_losses[s] for s in before}
     assert (done["adapter_sha256"], done["optimizer_sha256"]) == (expected["adapter_sha256"],
                                                                   expected["optimizer_sha256"])
-    print(f"{seed_name}: killed at steps {[h[0] for h in history]}, resumed from {[e['step'] for e in resumed]}")
+    print(f"{seed_name}: killed {[(h[0], h[1]) for h in history]}, resumed from {[e['step'] for e in resumed]}")
     return journal
 
 
@@ -102,22 +122,23 @@ def _assert_no_base_weights(run: LoraRun, journal: str) -> None:
 
 def test_lora_trainer_killed_twice_resumes_bit_identical_and_journals_no_base_weights(tmp_path):
     run = RUNS["lora-adamw"]
-    journal = kill_and_resume(run, tmp_path, 2, "hf-lora", operator=True)
+    journal = kill_and_resume(run, tmp_path, ["save", "step"], "hf-lora", operator=True)
     _assert_no_base_weights(run, journal)
 
 
 @pytest.mark.parametrize("name", ["sgd-momentum", "cosine-warmup"])
 def test_trainer_variant_killed_resumes_bit_identical(tmp_path, name):
-    kill_and_resume(RUNS[name], tmp_path, 1, f"hf-{name}")
+    kill_and_resume(RUNS[name], tmp_path, ["step"], f"hf-{name}")
 
 
 def test_gradient_accumulation_killed_between_micro_batches_resumes_bit_identical(tmp_path):
-    kill_and_resume(RUNS["grad-accum"], tmp_path, 1, "hf-grad-accum", event="substep")
+    kill_and_resume(RUNS["grad-accum"], tmp_path, ["substep"], "hf-grad-accum")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_many_kills_trainer(tmp_path, name):
     run = RUNS[name]
-    kill_and_resume(LoraRun(**{**run.__dict__, "steps": 40}), tmp_path, 5, f"hf-many-{name}",
-                    event="substep" if run.grad_accum > 1 else "step")
+    kind = "substep" if run.grad_accum > 1 else "step"
+    kill_and_resume(LoraRun(**{**run.__dict__, "steps": 40}), tmp_path, [kind, "save", kind, "save", kind],
+                    f"hf-many-{name}")

@@ -1,5 +1,6 @@
-"""End to end: SIGKILL a fine-tuning process at a random step, recover, continue, and end
-with parameters and AdamW state bit-identical to an uninterrupted run (SHA-256 compared)."""
+"""End to end: SIGKILL a fine-tuning process at a random step and inside a save, recover,
+continue, and end with parameters and AdamW state bit-identical to an uninterrupted run
+(SHA-256 compared)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import pytest
 import torch
 from support.e2e import rng, workload_threads
+from support.trainkill import check_died_inside_save, inside_save
 
 import kvj
 from kvj.demo import crashrun
@@ -37,37 +39,46 @@ def test_xor_delta_round_trips_every_bit_pattern():
     assert (bits.view(torch.uint8).view(-1, 4)[:, 3] == 0).float().mean() > 0.9  # sign/exponent barely move
 
 
-def test_sigkill_at_random_step_continues_bit_identical(tmp_path):
+def test_sigkill_at_random_step_and_inside_a_save_continues_bit_identical(tmp_path):
+    """Two kills after durable saves: one from outside at a random step, one inside a save
+    (its document durable, its record not written); each resume goes through kvj recover."""
     r = rng("training")
     expected = reference(SPEC)
     journal = str(tmp_path / "j")
     argv = crashrun.worker("train", "--journal", journal, *SPEC.argv())
-    resume, killed_at, resumed_steps = [], [], []
-    durable_kills = 0
-    for _ in range(8):  # two kills after a durable save; an earlier kill restarts from scratch
-        killed = crashrun.kill_when(crashrun.start(argv + resume), crashrun.nth_step(r.randint(2, SPEC.steps - 4)))
+    resume, killed_at, resumed_steps, kinds, held = [], [], [], [], 0
+    for _ in range(8):  # an early kill (before the first save was durable) restarts from scratch: not counted
+        kind = "save" if kinds else "step"
+        n = r.randint(2, max(2, SPEC.steps - held - 4))  # of this process's steps (saves)
+        if kind == "save":
+            killed = crashrun.kill_when(crashrun.start(argv + resume, inside_save(n)), crashrun.nth_event("dying", 1))
+        else:
+            killed = crashrun.kill_when(crashrun.start(argv + resume), crashrun.nth_step(n))
         steps = [e["step"] for e in killed.last("step")]
         resumed_steps += [e["step"] for e in killed.last("resumed")]
         if killed.finished:
             break
+        if kind == "save":
+            check_died_inside_save(journal, killed)
         killed_at.append(max(steps, default=0))
         doc = crashrun.recover(journal)
         training = doc["manifest"]["training"]
         resume = ["--resume", "--manifest", doc["manifest_path"]]
+        held = training["step"] or 0
         if training["step"] is None:  # killed before the first save was durable: nothing to restore
             continue
         assert training["step"] <= killed_at[-1]
         assert training["checkpoint"]["step"] == 1 or training["checkpoint"]["step"] % SPEC.full_every == 0
-        durable_kills += 1
-        if durable_kills == 2:
+        kinds.append(kind)
+        if len(kinds) == 2:
             break
     events = crashrun.finish(argv + resume)
     resumed_steps += [e["step"] for e in events if e["event"] == "resumed"]
     done = events[-1]
     assert done["event"] == "done" and done["step"] == SPEC.steps
     assert (done["params_sha256"], done["state_sha256"]) == expected
-    assert killed_at and resumed_steps and max(resumed_steps) > 0, "no kill happened after a durable save"
-    print(f"training: killed at steps {killed_at}, resumed from {resumed_steps}")
+    assert kinds == ["step", "save"], f"kills after durable saves: {kinds}"
+    print(f"training: killed at steps {killed_at} ({kinds}), resumed from {resumed_steps}")
 
 
 def test_damaged_newest_delta_falls_back_to_the_one_before(tmp_path):
