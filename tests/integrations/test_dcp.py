@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint through kvj: two ranks on CPU (gloo), DTensor state sharded
-across them, saved with JournalWriter and loaded with JournalReader. A round trip is bit-exact;
-a rank SIGKILLed mid-save leaves the previous checkpoint, whole, as what loads."""
+across them, saved with JournalWriter and loaded with JournalReader. A round trip is bit-exact
+(in the ranks, and resharded into whole tensors in one process); a rank SIGKILLed mid-save
+leaves the previous checkpoint, whole, as what loads."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(mode: str, journal: str, step: int, die: dict = None):
+def _ranks(journal: str, step: int, die: dict = None):
     port = _port()
     procs = []
     for rank in range(2):
@@ -36,29 +37,40 @@ def _ranks(mode: str, journal: str, step: int, die: dict = None):
                "OMP_NUM_THREADS": "1"}
         if die and rank in die:
             env["KVJ_DCP_DIE_AFTER"] = str(die[rank])
-        procs.append(subprocess.Popen([sys.executable, "-m", "support.dcp_rank", mode, journal, str(step)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "support.dcp_rank", journal, str(step)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 
-def _run(mode: str, journal: str, step: int):
-    out = []
-    for p in _ranks(mode, journal, step):
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+def _load_whole(journal: str):
+    """The newest committed checkpoint, loaded in this process (no process group) into whole
+    tensors: DCP reads every rank's shards. Its step, and the digest of the tensors."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from kvj.integrations.dcp import JournalReader
+
+    state = {"model": {"w": torch.zeros(64, 48)}, "optim": {"m": torch.zeros(96, 8, dtype=torch.bfloat16)},
+             "step": torch.tensor(-1)}
+    reader = JournalReader(journal)
+    dcp.load(state, storage_reader=reader)
+    return reader.step, digest({"w": state["model"]["w"], "m": state["optim"]["m"], "step": state["step"]})
 
 
 def test_round_trip_is_bit_exact_and_a_rank_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path):
     journal = str(tmp_path / "dcp")
-    assert [e["event"] for e in _run("save", journal, 1)] == ["saved", "saved"]
+    out = []
+    for p in _ranks(journal, 1):  # each rank saves step 1, then loads it back
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
     state = kvj.replay(journal)
     assert state.counts == {"checkpoint": 1} and state.checkpoint["step"] == 1  # one record: the commit point
-    expected = {(1, 1, digest(full_state(1)))}
-    assert {(e["step"], e["tensor_step"], e["digest"]) for e in _run("load", journal, 0)} == expected
-    procs = _ranks("save", journal, 2, die={1: 1})  # rank 1 SIGKILLs itself after storing its first shard
-    rank0, rank1 = procs
+    expected = digest(full_state(1))
+    assert {(e["event"], e["step"], e["tensor_step"], e["digest"]) for e in out} == {("loaded", 1, 1, expected)}
+    assert _load_whole(journal) == (1, expected)
+
+    rank0, rank1 = _ranks(journal, 2, die={1: 1})  # rank 1 SIGKILLs itself after storing its first shard
     rank1.wait(timeout=300)
     assert rank1.returncode == -signal.SIGKILL
     assert "dying" in rank1.stdout.read()
@@ -67,7 +79,7 @@ def test_round_trip_is_bit_exact_and_a_rank_killed_mid_save_leaves_the_previous_
     rank0.wait(timeout=60)
     state = kvj.replay(journal)
     assert state.counts == {"checkpoint": 1} and state.checkpoint["step"] == 1
-    assert {(e["step"], e["tensor_step"], e["digest"]) for e in _run("load", journal, 0)} == expected
+    assert _load_whole(journal) == (1, expected)
 
 
 class _Evil:
