@@ -67,6 +67,14 @@ class KvjCallback(TrainerCallback):
         self._deferred = False
 
     @property
+    def durable_step(self) -> Optional[int]:
+        """The newest step whose save is durable: where a crash now would resume (None before
+        the first; see ``StateJournal.durable_step``)."""
+        if self._saver is not None:
+            return self._saver.durable_step
+        return self.recovered.step if self.recovered is not None else None
+
+    @property
     def journal_path(self) -> str:
         arg = self.journal_arg
         return arg.path if isinstance(arg, Journal) else os.path.abspath(os.fspath(arg))

@@ -11,9 +11,11 @@ structure of tensors and plain values works, in any mix of dtypes.
 a host buffer (pinned for CUDA), through ``kvj.segments.device`` (the flusher's copy: kvj's
 side stream, after the work that produced the state; the loop's next step waits for it on
 the GPU, not on the host), and the tensors of one role and dtype share a buffer (a *stream*:
-the model's float32 weights, Adam's ``exp_avg``...). Everything else (the structure, numbers, the RNG tuples) is one msgpack
-document. Every ``full_every`` steps each stream is stored as a segment and the save is
-journaled as a checkpoint; at other steps a stream is XORed, as raw bits, against the last
+the model's float32 weights, Adam's ``exp_avg``...). Everything else (the structure, numbers,
+the RNG tuples) is one msgpack document, which also carries the streams of at most
+``INLINE_BYTES`` (a file and an fsync each would cost more than they hold). Every
+``full_every`` steps each other stream is stored as a segment and the save is journaled as
+a checkpoint; at other steps such a stream is XORed, as raw bits, against the last
 full state and stored through the automatic codec when that pays (a value that moved a
 little keeps its sign and exponent, so the XOR's high planes are nearly all zeros), whole
 otherwise. Deltas are against the last full state, not chained: recovery reads one
@@ -27,9 +29,10 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
 import msgpack
 import numpy as np
@@ -39,6 +42,7 @@ from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState
 from kvj.segments import device as cuda
 from kvj.segments.codecs import auto_codec
+from kvj.segments.format import DTYPES, dtype_name
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal
@@ -50,6 +54,9 @@ DELTA_FORMAT = "kvj-train-xor/1"
 #: The record key of the document segment (structure and plain values); streams are "s:<name>".
 TREE = "tree"
 STREAM_PREFIX = "s:"
+#: Streams this small (a step counter, the RNG states) travel inside the save's document
+#: instead of a segment of their own, which would cost a file and an fsync per save.
+INLINE_BYTES = 64 << 10
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -175,6 +182,9 @@ def _stream_name(path: Tuple[Any, ...], dtype: torch.dtype) -> str:
     return f"{role}.{str(dtype).replace('torch.', '')}"
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
 def _encode(value: Any, path: Tuple[Any, ...], leaves: List[Tuple[Tuple[Any, ...], Any]]) -> Any:
     """``value`` as a msgpack-safe tagged tree; tensors and arrays become leaf indices."""
     if value is None or isinstance(value, (bool, str, bytes)):
@@ -191,10 +201,11 @@ def _encode(value: Any, path: Tuple[Any, ...], leaves: List[Tuple[Tuple[Any, ...
         return {"n": len(leaves) - 1}
     if isinstance(value, Mapping):
         return {"d": [[_encode(k, path, leaves), _encode(v, path + (k,), leaves)] for k, v in value.items()]}
-    if isinstance(value, tuple):
-        return {"u": [_encode(v, path + (i,), leaves) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return {"l": [_encode(v, path + (i,), leaves) for i, v in enumerate(value)]}
+    if isinstance(value, (tuple, list)):
+        tag = "u" if isinstance(value, tuple) else "l"
+        if all(type(v) in _PLAIN for v in value):  # Python's RNG state: 625 ints, no recursion
+            return {tag: list(value)}
+        return {tag: [_encode(v, path + (i,), leaves) for i, v in enumerate(value)]}
     raise FormatError(f"cannot journal a {type(value).__name__} at {'/'.join(map(str, path)) or 'top level'}")
 
 
@@ -316,8 +327,8 @@ class StateJournal:
 
     ``save`` captures the state (host copies, on the caller's thread) and hands it to one
     background thread (at most ``max_pending`` saves queue; more block the caller), which
-    stores the segments durably and then appends the checkpoint or delta record: the record
-    is the commit point. A delta stores each stream as its XOR against the last full save
+    stores the segments durably and then appends the checkpoint or delta record, durably: the
+    record is the commit point (``durable_step`` tells how far that has come). A delta stores each stream as its XOR against the last full save
     when that compresses better than the stream itself, else whole (``meta.whole`` lists
     those); a save whose streams differ from the base's (the optimizer's state appears at
     its first step) is a full one. ``close`` (or leaving a ``with`` block) waits for every
@@ -338,6 +349,9 @@ class StateJournal:
         self._io = ThreadPoolExecutor(4, thread_name_prefix="kvj-train-put")
         self._slots = threading.Semaphore(max_pending)
         self._pending: List["Future[None]"] = []
+        self._lock = threading.Lock()
+        self._durable: Optional[int] = resume.step if resume is not None else None
+        self._appended: Deque[Tuple[int, int]] = deque()  # (step, LSN) of records maybe not yet durable
 
     def save(self, step: int, state: Union[Mapping[str, Any], Snapshot]) -> "Future[None]":
         """Journal ``state`` (e.g. ``training_state(...)``) as the state after ``step``. The
@@ -374,8 +388,9 @@ class StateJournal:
 
     def _write(self, step: int, snap: Snapshot, full: bool) -> None:
         snap.wait()  # the device-to-host copies may still be running
-        doc = torch.frombuffer(bytearray(snap.doc), dtype=torch.uint8)
-        names = list(snap.streams)
+        names = [n for n, t in snap.streams.items() if t.numel() * t.element_size() > INLINE_BYTES]
+        inline = {n: t for n, t in snap.streams.items() if n not in names}
+        doc = torch.frombuffer(bytearray(_with_inline(snap.doc, inline)), dtype=torch.uint8)
         # Segments are stored concurrently, so their fsyncs overlap; the record follows them all.
         doc_put = self._io.submit(self.journal.store.put, doc, layout=self._layout(FORMAT, TREE, doc))
         results = list(self._io.map(lambda name: self._put(name, snap.streams[name], full), names))
@@ -386,14 +401,28 @@ class StateJournal:
             self.stats.add(name, full, stored_whole, info)
             if stored_whole:
                 whole.append(name)
+        # Durable at once (not after the group-commit delay): a crash loses only what is queued.
         if full:
-            self.journal.checkpoint(step, keys, {"format": FORMAT, "model": self.model})
+            lsn = self.journal.checkpoint(step, keys, {"format": FORMAT, "model": self.model}, durable=True)
             self._base = (step, snap)
             self.stats.fulls += 1
         else:
-            self.journal.delta(step, self._base[0], keys,  # type: ignore[index]
-                               {"format": FORMAT, "model": self.model, "whole": whole})
+            lsn = self.journal.delta(step, self._base[0], keys,  # type: ignore[index]
+                                     {"format": FORMAT, "model": self.model, "whole": whole}, durable=True)
             self.stats.deltas += 1
+        with self._lock:
+            self._appended.append((step, lsn))
+
+    @property
+    def durable_step(self) -> Optional[int]:
+        """The newest step whose save is durable, so where a crash now would resume (None
+        before the first). It trails the step just saved by the saves still queued or being
+        stored and the journal's group-commit delay."""
+        durable_lsn = self.journal.durable_lsn
+        with self._lock:
+            while self._appended and self._appended[0][1] <= durable_lsn:
+                self._durable = self._appended.popleft()[0]
+            return self._durable
 
     def __enter__(self) -> "StateJournal":
         return self
@@ -423,13 +452,35 @@ class RecoveredState:
     fallback: Optional[str] = None  #: why a newer delta listed in the journal was not used
 
 
-def _load(store: "SegmentStore", keys: Mapping[str, str], device: Union[str, torch.device]) -> Tuple[bytes, Dict[str, torch.Tensor]]:
+def _with_inline(doc: bytes, inline: Mapping[str, torch.Tensor]) -> bytes:
+    """The stored document: ``doc`` with the ``inline`` streams' bytes added."""
+    if not inline:
+        return doc
+    parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
+    parsed["inline"] = {n: [dtype_name(t.dtype), t.view(torch.uint8).numpy().tobytes()] for n, t in inline.items()}
+    return msgpack.packb(parsed, use_bin_type=True)
+
+
+def _inline_streams(doc: bytes) -> Dict[str, torch.Tensor]:
+    """The streams a stored document carries itself (CPU tensors)."""
+    try:
+        parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
+        return {n: (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
+                .view(DTYPES[dtype]) for n, (dtype, data) in (parsed.get("inline") or {}).items()}
+    except (KeyError, ValueError, TypeError, AttributeError, msgpack.ExtraData) as exc:
+        raise FormatError(f"bad training state document: {exc}") from None
+
+
+def _load(store: "SegmentStore", keys: Mapping[str, str],
+          device: Union[str, torch.device]) -> Tuple[bytes, Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """A save's document, its streams stored as segments, and those inside the document."""
     if TREE not in keys:
         raise FormatError("training record has no state document: written by kvj 0.1.0's flat format, "
                           "which this kvj does not resume (finish that run with kvj 0.1.0)")
     doc = store.get(keys[TREE]).numpy().tobytes()
     streams = {k[len(STREAM_PREFIX):]: store.get(v, device=device) for k, v in keys.items() if k.startswith(STREAM_PREFIX)}
-    return doc, streams
+    inline = {n: t.to(device) for n, t in _inline_streams(doc).items()}
+    return doc, streams, inline
 
 
 def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "SegmentStore",
@@ -444,20 +495,21 @@ def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "Seg
     if not checkpoint:
         return None
     base_step = checkpoint["step"]
-    base_doc, base_streams = _load(store, checkpoint["keys"], device)
+    base_doc, base_stored, base_inline = _load(store, checkpoint["keys"], device)
+    base_streams = {**base_stored, **base_inline}
     base = Snapshot(base_streams, base_doc)
     fallback = None
     for delta in sorted((d for d in deltas if d["base_step"] == base_step), key=lambda d: -d["step"]):
         try:
-            doc, stored = _load(store, delta["keys"], device)
+            doc, stored, inline = _load(store, delta["keys"], device)
         except (SegmentMissing, SegmentCorrupt) as exc:
             fallback = f"delta of step {delta['step']} unreadable ({exc})"
             continue
         whole = set((delta.get("meta") or {}).get("whole", []))
-        if set(stored) != set(base_streams):
-            raise FormatError(f"delta of step {delta['step']} holds streams {sorted(stored)}, "
+        if set(stored) | set(inline) != set(base_streams):
+            raise FormatError(f"delta of step {delta['step']} holds streams {sorted({*stored, *inline})}, "
                               f"its base {sorted(base_streams)}")
-        streams = {n: stored[n] if n in whole else unxor(base_streams[n], stored[n]) for n in stored}
-        return RecoveredState(delta["step"], materialize(doc, streams), base_step, base, fallback)
+        streams = {n: t if n in whole else unxor(base_streams[n], t) for n, t in stored.items()}
+        return RecoveredState(delta["step"], materialize(doc, {**streams, **inline}), base_step, base, fallback)
     streams = {n: t.clone() for n, t in base_streams.items()}
     return RecoveredState(base_step, materialize(base_doc, streams), base_step, base, fallback)

@@ -97,7 +97,8 @@ def kill_and_resume(run: LoraRun, tmp_path, kills: Sequence[str], seed_name: str
 
 def _assert_no_base_weights(run: LoraRun, journal: str) -> None:
     """Every byte the journal stored, decoded: no frozen base weight is in it, and the model
-    streams hold exactly the adapter's values."""
+    streams (segments, or inside a save's document when small) hold exactly the adapter's values."""
+    import msgpack
     import torch
 
     base = run.model.build("cpu")
@@ -116,6 +117,12 @@ def _assert_no_base_weights(run: LoraRun, journal: str) -> None:
         if str(layout.get("name", "")).startswith("model.") and layout.get("format") == "kvj-train-full/1":
             assert layout["numel"] == adapter_values
             seen += 1
+        if layout.get("name") == "tree":
+            inline = msgpack.unpackb(raw, raw=False, strict_map_key=False).get("inline") or {}
+            for name, (dtype, data) in inline.items():
+                if name.startswith("model."):
+                    assert (dtype, len(data)) == ("float32", 4 * adapter_values)
+                    seen += 1
     assert seen
     store.close()
 

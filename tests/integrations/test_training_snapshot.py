@@ -95,6 +95,54 @@ def test_save_takes_its_copy_before_returning_so_the_next_step_cannot_change_it(
     assert torch.equal(rec.state["w"], expected["w"]) and torch.equal(rec.state["m"]["a"], expected["m"]["a"])
 
 
+def test_durable_step_is_where_a_crash_now_would_resume(tmp_path):
+    gate = threading.Event()
+    with kvj.Journal.open(tmp_path / "j") as journal:
+        put = journal.store.put
+
+        def held_put(*args, **kwargs):
+            assert gate.wait(60)
+            return put(*args, **kwargs)
+
+        with StateJournal(journal, full_every=4, model="m") as saver:
+            assert saver.durable_step is None
+            saver.save(1, {"w": torch.ones(4)}).result()
+            journal.sync()
+            assert saver.durable_step == 1
+            journal.store.put = held_put
+            fut = saver.save(2, {"w": torch.full((4,), 2.0)})
+            assert saver.durable_step == 1  # its segments are not stored yet, so no record either
+            gate.set()
+            fut.result()
+            journal.sync()
+            assert saver.durable_step == 2
+        rec = recover_training(kvj.replay(str(tmp_path / "j")), journal.store)
+        with StateJournal(journal, full_every=4, model="m", resume=rec) as resumed:
+            assert resumed.durable_step == 2
+
+
+def test_small_streams_travel_in_the_document_and_round_trip_through_deltas(tmp_path):
+    """A stream of at most INLINE_BYTES (step counters, RNG states) costs no segment (no file,
+    no fsync) of its own: the save's document carries it, whole, in checkpoints and deltas."""
+    from kvj.integrations.training import INLINE_BYTES, STREAM_PREFIX, TREE
+
+    big = torch.randn(INLINE_BYTES // 4 + 1)
+    states = [{"w": big + i, "m": torch.full((7,), float(i), dtype=torch.bfloat16), "n": torch.tensor(i)}
+              for i in range(3)]
+    with kvj.Journal.open(tmp_path / "j") as journal:
+        with StateJournal(journal, full_every=8, model="m") as saver:
+            for i, state in enumerate(states):
+                saver.save(i, state).result()
+        replayed = kvj.replay(str(tmp_path / "j"))
+        records = [replayed.checkpoint] + list(replayed.deltas)
+        assert [r["step"] for r in records] == [0, 1, 2]
+        assert all(set(r["keys"]) == {TREE, STREAM_PREFIX + "w.float32"} for r in records)
+        rec = recover_training(replayed, journal.store)
+    assert rec.step == 2 and rec.base_step == 0
+    for name, want in states[2].items():
+        assert rec.state[name].dtype == want.dtype and torch.equal(rec.state[name], want), name
+
+
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeCuda(devices=1)
