@@ -1,22 +1,34 @@
-"""Training benchmark (``python -m kvj.bench.training``): one run, side by side.
+"""Training benchmark (``kvj bench training``, or ``python -m kvj.bench.training``), side by side.
 
-1. The LoRA fine-tune of the tests (tiny Llama, PEFT on q/v, CPU) three ways: no
-   checkpointing, kvj's ``KvjCallback`` journaling every step, and Trainer's own
-   checkpointing every 50 steps (safetensors adapter + optimizer.pt + scheduler + RNG):
-   seconds per step, bytes written per step, and what a crash loses.
-2. DCP on one process: the same state saved and loaded through kvj's ``JournalWriter``/
-   ``JournalReader`` and through DCP's ``FileSystemWriter``/``FileSystemReader``; GB/s.
+1. The LoRA fine-tune of the tests (tiny random Llama, PEFT LoRA on q/v, CPU, one torch
+   thread) four ways: no checkpointing; kvj's ``KvjCallback`` journaling every step (a full
+   save every 50 steps, XOR deltas between); Trainer's own checkpointing every 50 steps
+   (``save_steps=50``: safetensors adapter, ``optimizer.pt``, scheduler, RNG, trainer state);
+   and Trainer every step (``save_steps=1``, what Trainer needs to lose as little as kvj).
+   Per method: the median seconds per step over ``rounds`` interleaved runs, the overhead
+   against no checkpointing, bytes written per step, and the steps a crash loses, measured
+   at every step boundary (maximum and mean): for kvj the steps after ``durable_step``, for
+   Trainer those after its last checkpoint (which Trainer does not fsync).
+2. DCP in one process: the same state saved and loaded through kvj's ``JournalWriter`` /
+   ``JournalReader`` and through DCP's ``FileSystemWriter`` / ``FileSystemReader``
+   (``sync_files=True``, its other defaults): save GB/s (durable), load GB/s (from the page
+   cache), bytes on disk, and whether the load is bit-exact.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
-from typing import Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+from kvj.errors import InvalidArgument
+
+METHODS = ("no checkpoints", "kvj every step", "Trainer save_steps=50", "Trainer save_steps=1")
 
 
 def _bytes_under(path: str) -> int:
@@ -24,30 +36,66 @@ def _bytes_under(path: str) -> int:
                if os.path.isfile(os.path.join(d, f)))
 
 
-def trainer_rows(steps: int, root: str) -> List[Dict[str, object]]:
+def _crash_probe(held: Optional[Callable[[], Optional[int]]], lags: List[int]) -> Any:
+    """A callback noting, before every step, how many steps a crash at that moment would lose:
+    those after ``held()`` (kvj), or without ``held``, after Trainer's last checkpoint."""
+    from transformers import TrainerCallback
+
+    class Probe(TrainerCallback):
+        def __init__(self) -> None:
+            self.saved = 0
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.saved = state.global_step
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            lags.append(state.global_step - ((held() if held is not None else self.saved) or 0))
+
+    return Probe()
+
+
+def _one_run(method: str, steps: int, size: str, out: str) -> Dict[str, Any]:
     from kvj.demo.hf_training import LoraRun, build_trainer
+    from kvj.demo.workload import ModelSpec
     from kvj.integrations.hf_trainer import KvjCallback
 
+    run = LoraRun(model=ModelSpec("llama", size), steps=steps, samples=256)
+    lags: List[int] = []
+    callbacks: List[Any] = [_crash_probe(None, lags)]
+    if method == "kvj every step":
+        kvj_cb = KvjCallback(journal=os.path.join(out, "journal"), full_every=50)
+        callbacks = [kvj_cb, _crash_probe(lambda: kvj_cb.durable_step, lags)]
+    save_steps = int(method.split("=")[1]) if method.startswith("Trainer") else None
+    trainer = build_trainer(run, out, callbacks, save_steps=save_steps)
+    t0 = time.perf_counter()
+    trainer.train()
+    elapsed = time.perf_counter() - t0
+    return {"s/step": elapsed / steps, "bytes/step": _bytes_under(out) / steps, "lags": lags}
+
+
+def trainer_rows(steps: int, rounds: int, size: str, root: str) -> List[Dict[str, Any]]:
+    """The four methods, ``rounds`` times each, interleaved (so a change in machine load
+    hits them alike); medians of seconds per step."""
     torch.set_num_threads(1)
-    run = LoraRun(steps=steps, samples=256)
+    runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in METHODS}
+    for r in range(rounds):
+        for method in METHODS:
+            out = os.path.join(root, f"{method.replace(' ', '_').replace('=', '')}-{r}")
+            runs[method].append(_one_run(method, steps, size, out))
+            shutil.rmtree(out, ignore_errors=True)
+    base = statistics.median(x["s/step"] for x in runs[METHODS[0]])
     rows = []
-    for name in ("no checkpoints", "kvj every step", "Trainer save_steps=50"):
-        out = os.path.join(root, name.replace(" ", "_"))
-        cbs = [KvjCallback(journal=os.path.join(out, "journal"), full_every=50)] if name.startswith("kvj") else []
-        trainer = build_trainer(run, out, cbs, save_steps=50 if name.startswith("Trainer") else None)
-        t0 = time.perf_counter()
-        trainer.train()
-        elapsed = time.perf_counter() - t0
-        rows.append({"method": name, "s/step": elapsed / steps, "bytes/step": _bytes_under(out) / steps,
-                     "crash loses": {"no checkpoints": "everything", "kvj every step": "<= 1 step",
-                                     "Trainer save_steps=50": "<= 50 steps"}[name]})
-    base = rows[0]["s/step"]
-    for r in rows:
-        r["overhead"] = f"{(r['s/step'] / base - 1) * 100:+.1f}%"  # type: ignore[operator]
+    for method in METHODS:
+        s_step = statistics.median(x["s/step"] for x in runs[method])
+        lags = [lag for x in runs[method] for lag in x["lags"]]
+        rows.append({"method": method, "s/step": s_step, "overhead": f"{(s_step / base - 1) * 100:+.1f}%",
+                     "KiB written/step": statistics.median(x["bytes/step"] for x in runs[method]) / 1024,
+                     "crash loses (max, mean steps)": f"{max(lags)}, {statistics.fmean(lags):.1f}"})
     return rows
 
 
-def dcp_rows(mib: int, root: str) -> List[Dict[str, object]]:
+def dcp_rows(mib: int, root: str) -> List[Dict[str, Any]]:
+    """One state of ``mib`` MiB (four float32 tensors) through kvj and DCP's file system storage."""
     import torch.distributed.checkpoint as dcp
 
     from kvj.integrations.dcp import JournalReader, JournalWriter
@@ -59,23 +107,41 @@ def dcp_rows(mib: int, root: str) -> List[Dict[str, object]]:
     rows = []
     for name in ("kvj JournalWriter", "DCP FileSystemWriter"):
         path = os.path.join(root, name.split()[0])
-        writer = JournalWriter(path, step=1) if name.startswith("kvj") else dcp.FileSystemWriter(path, sync_files=True)
+        kvj_side = name.startswith("kvj")
+        writer = JournalWriter(path, step=1) if kvj_side else dcp.FileSystemWriter(path, sync_files=True)
         t0 = time.perf_counter()
         dcp.save(state, storage_writer=writer, no_dist=True)
         save = time.perf_counter() - t0
         target = {k: torch.zeros_like(v) for k, v in state.items()}
-        reader = JournalReader(path) if name.startswith("kvj") else dcp.FileSystemReader(path)
+        reader = JournalReader(path) if kvj_side else dcp.FileSystemReader(path)
         t0 = time.perf_counter()
         dcp.load(target, storage_reader=reader, no_dist=True)
         load = time.perf_counter() - t0
         exact = all(torch.equal(target[k], state[k]) for k in state)
         rows.append({"method": name, "MiB": size >> 20, "save GB/s": size / save / 1e9,
                      "load GB/s": size / load / 1e9, "on disk MiB": _bytes_under(path) / (1 << 20),
-                     "exact": "yes" if exact else "NO"})
+                     "bit-exact": "yes" if exact else "NO"})
     return rows
 
 
-def _table(rows: List[Dict[str, object]]) -> str:
+def run(directory: Optional[str] = None, steps: int = 200, rounds: int = 3, size: str = "tiny",
+        mib: int = 256) -> Dict[str, Any]:
+    """Both comparisons, in a temporary directory under ``directory`` (removed afterwards)."""
+    from kvj.demo.workload import SIZES
+
+    if size not in SIZES:
+        raise InvalidArgument(f"model size must be one of {', '.join(sorted(SIZES))}, not {size!r}")
+    root = tempfile.mkdtemp(prefix="kvj-bench-training-", dir=directory)
+    try:
+        trainer = trainer_rows(steps, rounds, size, os.path.join(root, "trainer"))
+        dcp = dcp_rows(mib, os.path.join(root, "dcp"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"steps": steps, "rounds": rounds, "size": size, "mib": mib, "trainer": trainer, "dcp": dcp,
+            "cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}
+
+
+def _table(rows: List[Dict[str, Any]]) -> str:
     cols = list(rows[0])
     cells = [[f"{r[c]:.4f}" if isinstance(r[c], float) and r[c] < 1 else f"{r[c]:,.2f}" if isinstance(r[c], float)
               else str(r[c]) for c in cols] for r in rows]
@@ -85,17 +151,17 @@ def _table(rows: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def main(steps: int = 200, mib: int = 256) -> None:
-    root = tempfile.mkdtemp(prefix="kvj-bench-training-", dir=os.environ.get("KVJ_BENCH_DIR"))
-    try:
-        print(f"LoRA fine-tune through transformers.Trainer, {steps} steps, CPU, 1 thread")
-        print(_table(trainer_rows(steps, os.path.join(root, "trainer"))))
-        print(f"\nDCP, one process, {mib} MiB of float32 state, durable saves, warm-cache loads")
-        print(_table(dcp_rows(mib, os.path.join(root, "dcp"))))
-        print(f"\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} after the run")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def format_report(result: Dict[str, Any]) -> str:
+    return "\n".join([
+        f"LoRA fine-tune ({result['size']} Llama) through transformers.Trainer, {result['steps']} steps, "
+        f"CPU, 1 thread; median of {result['rounds']} interleaved rounds",
+        _table(result["trainer"]),
+        "",
+        f"DCP, one process, {result['mib']} MiB of float32 state; durable saves, loads from the page cache",
+        _table(result["dcp"]),
+        "",
+        f"{result['cpus']} CPUs, load average {result['load_average']:.2f} after the run"])
 
 
 if __name__ == "__main__":
-    main()
+    print(format_report(run(os.environ.get("KVJ_BENCH_DIR"))))

@@ -149,3 +149,20 @@ def test_many_kills_trainer(tmp_path, name):
     kind = "substep" if run.grad_accum > 1 else "step"
     kill_and_resume(LoraRun(**{**run.__dict__, "steps": 40}), tmp_path, [kind, "save", kind, "save", kind],
                     f"hf-many-{name}")
+
+
+def test_the_benchmark_runs_and_measures_crash_loss_as_it_says(tmp_path):
+    """kvj bench training, shrunk: every method ran, DCP loads are bit-exact both ways, and
+    the crash-loss column means what it says (no checkpoints loses every step done, Trainer
+    saving every step loses none). Its timings are not asserted: they are the benchmark's."""
+    from kvj.bench.training import METHODS, run
+
+    with workload_threads():
+        result = run(str(tmp_path), steps=4, rounds=1, mib=1)
+    rows = {r["method"]: r for r in result["trainer"]}
+    assert list(rows) == list(METHODS)
+    assert rows["no checkpoints"]["crash loses (max, mean steps)"] == "3, 1.5"  # before steps 1..4: 0, 1, 2, 3
+    assert rows["Trainer save_steps=1"]["crash loses (max, mean steps)"] == "0, 0.0"
+    assert rows["kvj every step"]["KiB written/step"] > 0 and rows["no checkpoints"]["KiB written/step"] == 0
+    assert [(r["method"], r["bit-exact"]) for r in result["dcp"]] == [("kvj JournalWriter", "yes"),
+                                                                      ("DCP FileSystemWriter", "yes")]
