@@ -1,14 +1,16 @@
 """Training benchmark (``kvj bench training``, or ``python -m kvj.bench.training``), side by side.
 
-1. The LoRA fine-tune of the tests (tiny random Llama, PEFT LoRA on q/v, CPU, one torch
-   thread) four ways: no checkpointing; kvj's ``KvjCallback`` journaling every step (a full
-   save every 50 steps, XOR deltas between); Trainer's own checkpointing every 50 steps
-   (``save_steps=50``: safetensors adapter, ``optimizer.pt``, scheduler, RNG, trainer state);
-   and Trainer every step (``save_steps=1``, what Trainer needs to lose as little as kvj).
-   Per method: the median seconds per step over ``rounds`` interleaved runs, the overhead
-   against no checkpointing, bytes written per step, and the steps a crash loses, measured
-   at every step boundary (maximum and mean): for kvj the steps after ``durable_step``, for
-   Trainer those after its last checkpoint (which Trainer does not fsync).
+1. The LoRA fine-tune of the tests (random Llama, tiny by default; PEFT LoRA on q/v; CPU,
+   one torch thread) four ways: no checkpointing; kvj's ``KvjCallback`` journaling every
+   step (a full save every 50 steps, deltas between); Trainer's own checkpointing every 50
+   steps (``save_steps=50``: safetensors adapter, ``optimizer.pt``, scheduler, RNG, trainer
+   state); and Trainer every step (``save_steps=1``, what Trainer needs to lose as little
+   as kvj). Per method: the median seconds per step over ``rounds`` interleaved runs, the
+   overhead against no checkpointing, CPU time per step (every thread of the process: on a
+   busy machine a steadier measure of the work than wall time), bytes written per step,
+   and the steps a crash loses, measured at every step boundary (maximum and mean): for kvj
+   the steps after ``durable_step``, for Trainer those after its last checkpoint (which
+   Trainer does not fsync).
 2. DCP in one process: the same state saved and loaded through kvj's ``JournalWriter`` /
    ``JournalReader`` and through DCP's ``FileSystemWriter`` / ``FileSystemReader``
    (``sync_files=True``, its other defaults): save GB/s (durable), load GB/s (from the page
@@ -67,10 +69,10 @@ def _one_run(method: str, steps: int, size: str, out: str) -> Dict[str, Any]:
         callbacks = [kvj_cb, _crash_probe(lambda: kvj_cb.durable_step, lags)]
     save_steps = int(method.split("=")[1]) if method.startswith("Trainer") else None
     trainer = build_trainer(run, out, callbacks, save_steps=save_steps)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()
-    elapsed = time.perf_counter() - t0
-    return {"s/step": elapsed / steps, "bytes/step": _bytes_under(out) / steps, "lags": lags}
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"s/step": elapsed / steps, "cpu/step": cpu / steps, "bytes/step": _bytes_under(out) / steps, "lags": lags}
 
 
 def trainer_rows(steps: int, rounds: int, size: str, root: str) -> List[Dict[str, Any]]:
@@ -89,6 +91,7 @@ def trainer_rows(steps: int, rounds: int, size: str, root: str) -> List[Dict[str
         s_step = statistics.median(x["s/step"] for x in runs[method])
         lags = [lag for x in runs[method] for lag in x["lags"]]
         rows.append({"method": method, "s/step": s_step, "overhead": f"{(s_step / base - 1) * 100:+.1f}%",
+                     "CPU ms/step": statistics.median(x["cpu/step"] for x in runs[method]) * 1e3,
                      "KiB written/step": statistics.median(x["bytes/step"] for x in runs[method]) / 1024,
                      "crash loses (max, mean steps)": f"{max(lags)}, {statistics.fmean(lags):.1f}"})
     return rows
