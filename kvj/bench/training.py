@@ -12,7 +12,8 @@
    the steps after ``durable_step``, for Trainer those after its last checkpoint (which
    Trainer does not fsync).
 2. DCP in one process: the same state saved and loaded through kvj's ``JournalWriter`` /
-   ``JournalReader`` and through DCP's ``FileSystemWriter`` / ``FileSystemReader``
+   ``JournalReader`` (its automatic codec, and no compression) and through DCP's
+   ``FileSystemWriter`` / ``FileSystemReader``
    (``sync_files=True``, its other defaults): save GB/s (durable), load GB/s (from the page
    cache), bytes on disk, and whether the load is bit-exact.
 """
@@ -108,10 +109,11 @@ def dcp_rows(mib: int, root: str) -> List[Dict[str, Any]]:
     state = {f"layer{i}": torch.randn(n, generator=gen) * 0.02 for i in range(4)}
     size = sum(t.numel() * t.element_size() for t in state.values())
     rows = []
-    for name in ("kvj JournalWriter", "DCP FileSystemWriter"):
-        path = os.path.join(root, name.split()[0])
+    for name in ("kvj JournalWriter", "kvj JournalWriter codec=raw", "DCP FileSystemWriter"):
+        path = os.path.join(root, name.replace(" ", "_").replace("=", ""))
         kvj_side = name.startswith("kvj")
-        writer = JournalWriter(path, step=1) if kvj_side else dcp.FileSystemWriter(path, sync_files=True)
+        writer = (JournalWriter(path, step=1, codec="raw" if name.endswith("raw") else "auto") if kvj_side
+                  else dcp.FileSystemWriter(path, sync_files=True))
         t0 = time.perf_counter()
         dcp.save(state, storage_writer=writer, no_dist=True)
         save = time.perf_counter() - t0

@@ -124,13 +124,16 @@ def _done(value: Any) -> "torch.futures.Future[Any]":
 
 class JournalWriter(StorageWriter):
     """DCP ``StorageWriter`` into the kvj journal directory ``path`` (shared by all ranks):
-    the checkpoint of training step ``step`` commits with one journal record."""
+    the checkpoint of training step ``step`` commits with one journal record. ``codec``
+    names the segment codec (``"auto"``: what pays; ``"raw"``: no compression, faster on a
+    busy CPU; see ``kvj.segments.codecs``)."""
 
-    def __init__(self, path: Union[str, "os.PathLike[str]"], step: int, *, model: str = "dcp"):
+    def __init__(self, path: Union[str, "os.PathLike[str]"], step: int, *, model: str = "dcp", codec: str = "auto"):
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
         self.step = step
         self.model = model
+        self.codec = codec
         self.is_coordinator = False
 
     def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
@@ -166,7 +169,7 @@ class JournalWriter(StorageWriter):
                               if raw else torch.empty(0, dtype=torch.uint8)))
             else:
                 items.append((item, "tensor", data.detach()))
-        with SegmentStore(default_store_path(self.path)) as store, Flusher(store) as flusher:
+        with SegmentStore(default_store_path(self.path)) as store, Flusher(store, codec=self.codec) as flusher:
             futures = [flusher.submit(tensor, {"format": FORMAT, "model": self.model, "fqn": item.index.fqn,
                                                "kind": kind, "offset": list(item.index.offset)
                                                if item.index.offset is not None else None})
