@@ -330,7 +330,8 @@ class StateJournal:
     stores the segments durably and then appends the checkpoint or delta record, durably: the
     record is the commit point (``durable_step`` tells how far that has come). A delta stores each stream as its XOR against the last full save
     when that compresses better than the stream itself, else whole (``meta.whole`` lists
-    those); a save whose streams differ from the base's (the optimizer's state appears at
+    those; which pays is estimated again at the 1st, 2nd, 4th... delta on a base, not every
+    time); a save whose streams differ from the base's (the optimizer's state appears at
     its first step) is a full one. ``close`` (or leaving a ``with`` block) waits for every
     save. Resuming, pass the ``RecoveredState`` so the next deltas are taken against its base.
     """
@@ -345,6 +346,10 @@ class StateJournal:
         self.stats = SaveStats()
         self._base: Optional[Tuple[int, Snapshot]] = (resume.base_step, resume.base) if resume is not None else None
         self._base_signature = self._base[1].signature() if self._base is not None else None
+        # Whether a stream's XOR paid, and the deltas taken against the current base: the
+        # choice is estimated again at the 1st, 2nd, 4th, 8th... delta (as values drift).
+        self._xor_pays: Dict[str, bool] = {}
+        self._deltas_on_base = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvj-train-save")
         self._io = ThreadPoolExecutor(4, thread_name_prefix="kvj-train-put")
         self._slots = threading.Semaphore(max_pending)
@@ -382,12 +387,16 @@ class StateJournal:
             return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), False
         base_step, base = self._base  # type: ignore[misc]
         bits = xor(t, base.streams[name])
-        if estimate_stored(bits, False) < estimate_stored(t, t.is_floating_point()):
+        n = self._deltas_on_base
+        if name not in self._xor_pays or n & (n - 1) == 0:
+            self._xor_pays[name] = estimate_stored(bits, False) < estimate_stored(t, t.is_floating_point())
+        if self._xor_pays[name]:
             return store.put(bits, layout=self._layout(DELTA_FORMAT, name, t, base_step=base_step)), False
         return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), True
 
     def _write(self, step: int, snap: Snapshot, full: bool) -> None:
         snap.wait()  # the device-to-host copies may still be running
+        self._deltas_on_base = 0 if full else self._deltas_on_base + 1
         names = [n for n, t in snap.streams.items() if t.numel() * t.element_size() > INLINE_BYTES]
         inline = {n: t for n, t in snap.streams.items() if n not in names}
         doc = torch.frombuffer(bytearray(_with_inline(snap.doc, inline)), dtype=torch.uint8)

@@ -143,6 +143,25 @@ def test_small_streams_travel_in_the_document_and_round_trip_through_deltas(tmp_
         assert rec.state[name].dtype == want.dtype and torch.equal(rec.state[name], want), name
 
 
+def test_whether_a_streams_xor_pays_is_estimated_at_the_1st_2nd_4th_8th_delta_only(tmp_path, monkeypatch):
+    """Estimating costs two trial compressions per stream: a delta reuses the last choice,
+    re-estimating as the distance from the base doubles; every delta still round-trips."""
+    from kvj.integrations import training
+
+    calls = []
+    real = training.estimate_stored
+    monkeypatch.setattr(training, "estimate_stored", lambda t, f: calls.append(f) or real(t, f))
+    gen = torch.Generator().manual_seed(1)
+    states = [{"w": torch.randn(40000, generator=gen)} for _ in range(10)]
+    with kvj.Journal.open(tmp_path / "j") as journal:
+        with StateJournal(journal, full_every=100, model="m") as saver:
+            for step, state in enumerate(states):
+                saver.save(step, state).result()
+        assert len(calls) == 2 * 4  # deltas 1, 2, 4 and 8 of 9
+        rec = recover_training(kvj.replay(str(tmp_path / "j")), journal.store)
+    assert rec.step == 9 and torch.equal(rec.state["w"], states[9]["w"])
+
+
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeCuda(devices=1)
