@@ -26,7 +26,6 @@ import torch
 from kvj.errors import InvalidArgument, LayoutMismatch
 from kvj.segments import device as cuda
 from kvj.segments.format import dtype_name
-from kvj.segments.layout import check_layout
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore
 
@@ -135,10 +134,11 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     """Scatter a request's block segments into ``kv_caches`` at ``new_block_ids``.
 
     ``keys[i]`` (see the module convention) goes to block ``new_block_ids[i]`` of every layer.
-    All headers are checked first: a segment of another model or layout raises LayoutMismatch
-    before any slot is written. Blocks are decoded in parallel into one staging buffer (pinned
-    when the cache is on CUDA), copied to the device with one non-blocking transfer on a side
-    stream, then written with one ``index_copy_`` per layer.
+    Blocks are decoded in parallel into one staging buffer (pinned when the cache is on CUDA),
+    each checked against the cache's layout before it is decoded and its shape after; only
+    when all are in does anything reach the cache (a segment of another model or layout raises
+    LayoutMismatch with every slot untouched): on the CPU one row copy per layer, on a GPU one
+    non-blocking transfer on a side stream, then one ``index_copy_`` per layer.
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):
@@ -150,12 +150,6 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         return
     expected = paged_layout(model, kv_caches)
     block_shape = (len(kv_caches),) + tuple(first.shape[1:])
-    for key in dict.fromkeys(keys):
-        info = store.info(key)
-        check_layout(info.layout, expected, f"segment {key}")
-        if info.shape != block_shape or info.dtype != expected["dtype"]:
-            raise LayoutMismatch(f"segment {key} holds {info.dtype} {list(info.shape)}, this cache's blocks "
-                                 f"are {expected['dtype']} {list(block_shape)}")
     is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
     total = block_bytes * len(keys)
@@ -169,7 +163,13 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         slot = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
 
         def one(i: int) -> None:
-            store.get(keys[i], expect_layout=expected, out=slot[i])
+            try:  # the layout is checked before decoding, the size on the way in
+                block = store.get(keys[i], expect_layout=expected, out=slot[i])
+            except InvalidArgument:
+                raise LayoutMismatch(f"segment {keys[i]} holds more than one block of this cache") from None
+            if tuple(block.shape) != block_shape or block.dtype != first.dtype:
+                raise LayoutMismatch(f"segment {keys[i]} holds {block.dtype} {list(block.shape)}, this cache's "
+                                     f"blocks are {first.dtype} {list(block_shape)}")
 
         with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as ex:
             list(ex.map(one, first_of.values()))

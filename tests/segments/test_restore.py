@@ -111,3 +111,16 @@ def test_a_recurring_block_is_read_and_decoded_once(store, monkeypatch):
     for layer in range(L):
         for old, new in zip([1, 2, 1, 1, 2], [0, 3, 5, 7, 9]):
             assert torch.equal(dst[layer][new], src[layer][old])
+
+
+@pytest.mark.parametrize("forged", ["bigger", "reshaped"])
+def test_a_segment_that_claims_the_layout_but_holds_another_shape_is_refused(store, forged):
+    src = _caches(6)
+    good = _flush(store, src, [1])
+    block = gather_block(src, 2)
+    wrong = torch.cat([block, block]) if forged == "bigger" else block.reshape(2, L, BS, H, D)
+    bad = store.put(wrong, layout=paged_layout("tiny-llm", src)).key  # the right layout, the wrong tensor
+    dst = _caches(fill=0.0)
+    with pytest.raises(LayoutMismatch):
+        restore_paged(store, good + [bad], dst, [0, 1], model="tiny-llm")
+    assert all(torch.count_nonzero(c.float()) == 0 for c in dst)
