@@ -4,14 +4,16 @@ Side by side in one run, on the same disk, with the same record (a segment-flush
 record of a realistic size):
 
 - kvj at the default commit policy (records/s until ``sync`` returns), through the public,
-  schema-checked ``Journal.append``, and through the writer alone with an already encoded
-  payload (what the framing and group commit cost without the schema check);
+  schema-checked ``Journal.append``, through ``append_many`` (100 records a call), through a
+  typed method (``Journal.start`` with a start record of about the same size), and through the
+  writer alone with an already encoded payload (what the framing and group commit cost without
+  the schema check);
 - the seed design: one JSON line plus fsync per record (it runs for the same wall time as
   kvj did in that round rather than the same count, which would take minutes), and its
   batched variant (fsync every 100 lines);
 - SQLite in WAL mode, synchronous=FULL, committing every 100 records;
 - the floor: pre-encoded bytes, one fdatasync per 100 records;
-- the caller-thread cost of ``append`` (p50, p99).
+- the caller-thread cost of ``append`` and ``start`` (p50, p99).
 
 Every other contender writes the same number of records. Every contender but the floor and
 kvj's writer row starts from the same Python dicts, so encoding is inside each timing (kvj:
@@ -47,6 +49,13 @@ def sample_payload(i: int) -> Dict[str, object]:
             "raw_size": 2097152, "stored_size": 1503221, "digest": f"{i:064x}", "codec": "byteplane"}
 
 
+def sample_start(i: int) -> Dict[str, object]:
+    """The arguments of a realistic ``Journal.start`` (a start record of about 300 bytes)."""
+    return {"request_id": f"req-{i:08d}", "prompt_hash": f"{i:064x}",
+            "tokens": [(i * 7919 + t * 104729) % 128_000 for t in range(48)],
+            "meta": {"model": "llama-3-8b", "tenant": f"t{i % 16}"}}
+
+
 def _timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -66,6 +75,33 @@ def bench_kvj(directory: str, n: int, policy: Optional[CommitPolicy] = None) -> 
         return n / _timed(work)
 
 
+def bench_kvj_many(directory: str, n: int) -> float:
+    """Records/s through ``Journal.append_many``, ``BATCH`` records a call (all checked first)."""
+    batches = [[(RecordType.SEGMENT, sample_payload(i)) for i in range(start, min(start + BATCH, n))]
+               for start in range(0, n, BATCH)]
+    with Journal.open(directory) as j:
+        append_many = j.append_many
+
+        def work() -> None:
+            for batch in batches:
+                append_many(batch)
+            j.sync()
+        return n / _timed(work)
+
+
+def bench_kvj_typed(directory: str, n: int) -> float:
+    """Records/s through the typed ``Journal.start`` (the same schema check, built from arguments)."""
+    calls = [sample_start(i) for i in range(n)]
+    with Journal.open(directory) as j:
+        start = j.start
+
+        def work() -> None:
+            for c in calls:
+                start(**c)
+            j.sync()
+        return n / _timed(work)
+
+
 def bench_kvj_encoded(directory: str, n: int) -> float:
     """Records/s through the writer alone, payloads already encoded: framing and group commit."""
     payloads = [encode_payload(sample_payload(i)) for i in range(n)]
@@ -79,17 +115,24 @@ def bench_kvj_encoded(directory: str, n: int) -> float:
         return n / _timed(work)
 
 
-def append_latency(directory: str, n: int) -> List[float]:
-    """Caller-thread nanoseconds per checked ``Journal.append`` of a segment record, committer running."""
-    payloads = [sample_payload(i) for i in range(n)]
+def append_latency(directory: str, n: int, typed: bool = False) -> List[float]:
+    """Caller-thread nanoseconds per checked ``Journal.append`` of a segment record (or, with
+    ``typed``, per ``Journal.start``), committer running."""
     lat = []
     clock = time.perf_counter_ns
     with Journal.open(directory) as j:
-        append = j.append
-        for p in payloads:
-            t0 = clock()
-            append(RecordType.SEGMENT, p)
-            lat.append(clock() - t0)
+        if typed:
+            start = j.start
+            for c in [sample_start(i) for i in range(n)]:
+                t0 = clock()
+                start(**c)
+                lat.append(clock() - t0)
+        else:
+            append = j.append
+            for p in [sample_payload(i) for i in range(n)]:
+                t0 = clock()
+                append(RecordType.SEGMENT, p)
+                lat.append(clock() - t0)
         j.sync()
     lat.sort()
     return lat
@@ -173,6 +216,8 @@ def run(directory: Optional[str] = None, n: int = 100_000,
 
     contenders: Dict[str, Callable[[str], float]] = {
         "kvj Journal.append (schema-checked)": kvj_checked,
+        f"kvj Journal.append_many, {BATCH} a call": lambda d: bench_kvj_many(d, n),
+        "kvj Journal.start (typed, schema-checked)": lambda d: bench_kvj_typed(d, n),
         "kvj writer, payload pre-encoded": lambda d: bench_kvj_encoded(d, n),
         "seed: JSON line + fsync per record (kvj's time)": lambda d: bench_jsonl(d, n, 1, budget=kvj_time[0]),
         f"seed batched: fsync per {BATCH} lines": lambda d: bench_jsonl(d, n, BATCH),
@@ -187,17 +232,19 @@ def run(directory: Optional[str] = None, n: int = 100_000,
                 os.mkdir(path)
                 rates[name].append(fn(path))
                 shutil.rmtree(path)
-        lat_dir = os.path.join(base, "latency")
-        os.mkdir(lat_dir)
-        lat = append_latency(lat_dir, n)
+        lat = {}
+        for name, typed in (("kvj Journal.append, caller thread", False), ("kvj Journal.start, caller thread", True)):
+            lat_dir = os.path.join(base, f"latency-{typed}")
+            os.mkdir(lat_dir)
+            lat[name] = append_latency(lat_dir, n, typed)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     median = {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
     floor = median[f"floor: raw bytes, fdatasync per {BATCH}"]
     rows: List[Dict[str, object]] = [{"system": name, "records_per_s": rate, "vs_sqlite": rate / median[sqlite_name],
                                       "vs_floor": rate / floor} for name, rate in median.items()]
-    rows.append({"system": "kvj Journal.append, caller thread", "p50_us": lat[len(lat) // 2] / 1000,
-                 "p99_us": lat[int(len(lat) * 0.99)] / 1000})
+    for name, ns in lat.items():
+        rows.append({"system": name, "p50_us": ns[len(ns) // 2] / 1000, "p99_us": ns[int(len(ns) * 0.99)] / 1000})
     return rows
 
 

@@ -13,7 +13,7 @@ import os
 import time
 import threading
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from kvj.errors import FormatError, JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
@@ -100,6 +100,8 @@ def _find_end(directory: str, fs: FS, file_size_limit: int) -> Tuple[int, int, O
 
 def _mapped(value: Optional[Mapping[str, Any]], what: str) -> Dict[str, Any]:
     """A caller's map argument as a dict (None is empty); anything else is a ``FormatError``."""
+    if type(value) is dict:
+        return value
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -108,8 +110,8 @@ def _mapped(value: Optional[Mapping[str, Any]], what: str) -> Dict[str, Any]:
 
 
 def _listed(value: Optional[Sequence[int]], what: str) -> Optional[List[Any]]:
-    if value is None:
-        return None
+    if value is None or type(value) is list:
+        return value
     if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
         raise FormatError(f"{what} must be a sequence, not {type(value).__name__}")
     return list(value)
@@ -205,6 +207,8 @@ class Journal:
     def _request_record(self, request_id: str, rtype: int, payload: Mapping[str, Any],
                         durable: bool) -> Union[int, "Future[int]"]:
         body = encode(rtype, payload)  # a bad argument raises here, before anything is queued
+        if not self._waiting:  # no record of any request waits (entries leave only once appended)
+            return self.writer.append(rtype, body, durable)
         later = self._in_order(request_id, [], lambda: self.writer.append(rtype, body))
         if later is None:
             return self.writer.append(rtype, body, durable)
@@ -240,8 +244,14 @@ class Journal:
                                                "time": time.time(), "manifest": manifest}, durable)
 
     def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
-        """Append a record given as a plain payload, validated against its type's schema."""
-        return self._append(rtype, payload, durable)
+        """Append a record given as a plain payload, validated against its type's schema
+        (``FormatError`` at the call, nothing appended)."""
+        return self.writer.append(rtype, encode(rtype, payload), durable)
+
+    def append_many(self, records: Iterable[Tuple[int, Mapping[str, Any]]], durable: bool = False) -> List[int]:
+        """Append (type, payload) records in order, as ``append`` does each, and return their LSNs.
+        All are checked first: one bad record raises ``FormatError`` and none is appended."""
+        return self.writer.append_many([(rtype, encode(rtype, payload)) for rtype, payload in records], durable)
 
     def _append(self, rtype: int, payload: Mapping[str, Any], durable: bool) -> int:
         """Check ``payload`` against the schema (``FormatError`` at the call, nothing appended), then append."""

@@ -4,16 +4,16 @@ Each type's payload is a ``msgspec.Struct``; on disk it is a MessagePack map wit
 field names as keys. The same schema checks a record on every path: ``encode`` before
 anything is appended (the typed ``Journal`` methods, ``Journal.append``, ``kvj record``),
 ``decode_payload`` when a record is read back, so a well-framed but malformed record is
-refused at the call or reported as damage, never trusted. msgspec validates while it
-decodes, in C; the checks types cannot express (names that become paths, token ranges,
-string keys in nested maps) follow in ``_check``.
+refused at the call or reported as damage, never trusted. msgspec checks the types in C,
+converting a new payload or decoding a stored one; what types cannot express (names that
+become paths, token order, plain data in nested maps) is each struct's ``check``.
 """
 
 from __future__ import annotations
 
 import math
 from enum import IntEnum
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Tuple, Type
 
 import msgspec
 
@@ -46,56 +46,91 @@ NAMES: Dict[RecordType, str] = {
 BY_NAME: Dict[str, RecordType] = {v: k for k, v in NAMES.items()}
 
 
-class Start(msgspec.Struct):
+#: Token positions and ids are non-negative (checked by msgspec while converting).
+Token = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Schema(msgspec.Struct, gc=False):
+    """A record type's payload. msgspec checks the field types; ``check`` adds what types cannot say.
+    (Not tracked by the cycle collector: one is built per record and dropped at once, and it
+    never holds itself.)"""
+
+    def check(self, new: bool) -> None:
+        """Raise ``FormatError`` (``InvalidName`` for an unsafe name) for what types cannot express.
+        ``new``: a record about to be appended, whose maps must also hold only finite numbers."""
+
+
+class Start(Schema):
     id: str
     prompt_hash: Optional[str]
-    tokens: Optional[List[int]]
+    tokens: Optional[List[Token]]
     meta: Dict[str, Any]
 
+    def check(self, new: bool) -> None:
+        check_request_id(self.id)
+        _plain(self.meta, "meta", new)
 
-class Segment(msgspec.Struct):
+
+class Segment(Schema):
     id: str
     seg: int
     key: str
-    tokens: List[int]  # [start, end): token positions covered
+    tokens: Annotated[List[Token], msgspec.Meta(min_length=2, max_length=2)]  # [start, end): positions covered
     layout: Dict[str, Any]
     raw_size: int
     stored_size: int
     digest: str
     codec: str
 
+    def check(self, new: bool) -> None:
+        check_request_id(self.id)
+        check_key(self.key)
+        if self.tokens[0] > self.tokens[1]:
+            raise FormatError(f"segment record has bad token range {self.tokens!r}")
+        _plain(self.layout, "layout", new)
 
-class End(msgspec.Struct):
+
+class End(Schema):
     id: str
     status: str
 
+    def check(self, new: bool) -> None:
+        check_request_id(self.id)
 
-class Alloc(msgspec.Struct):
+
+class Alloc(Schema):
     device: str
     addr: int
     size: int
     tag: str
 
 
-class Free(msgspec.Struct):
+class Free(Schema):
     device: str
     addr: int
 
 
-class Checkpoint(msgspec.Struct):
+class Checkpoint(Schema):
     step: int
     keys: Dict[str, str]  # tensor name -> segment key
     meta: Dict[str, Any]
 
+    def check(self, new: bool) -> None:
+        for key in self.keys.values():
+            check_key(key)
+        _plain(self.meta, "meta", new)
 
-class Delta(msgspec.Struct):
+
+class Delta(Schema):
     step: int
     base_step: int
     keys: Dict[str, str]
     meta: Dict[str, Any]
 
+    check = Checkpoint.check
 
-class Epoch(msgspec.Struct):
+
+class Epoch(Schema):
     epoch: int
     recovered_lsn: int
     time: float  # Unix seconds
@@ -103,14 +138,16 @@ class Epoch(msgspec.Struct):
 
 
 #: The schema: each record type's payload struct.
-SCHEMA: Dict[RecordType, Type[msgspec.Struct]] = {
+SCHEMA: Dict[RecordType, Type[Schema]] = {
     RecordType.START: Start, RecordType.SEGMENT: Segment, RecordType.END: End, RecordType.ALLOC: Alloc,
     RecordType.FREE: Free, RecordType.CHECKPOINT: Checkpoint, RecordType.DELTA: Delta, RecordType.EPOCH: Epoch,
 }
 
+_STRUCTS: Dict[int, Type[Schema]] = {int(rtype): struct for rtype, struct in SCHEMA.items()}
 _DECODERS = {int(rtype): msgspec.msgpack.Decoder(struct) for rtype, struct in SCHEMA.items()}
 _decode_any = msgspec.msgpack.Decoder().decode
 _encode = msgspec.msgpack.Encoder().encode
+_convert = msgspec.convert
 
 
 def fields(rtype: RecordType) -> Tuple[str, ...]:
@@ -129,62 +166,54 @@ def encode_payload(payload: Mapping[str, Any]) -> bytes:
 def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
     """Check a new record's payload against its type's schema and return its bytes.
 
-    Stricter than reading: floats in nested maps must be finite too, so that what is
-    journaled stays valid JSON for ``kvj inspect --json``. Raises ``FormatError``, or
-    ``InvalidName`` for a request id or key that is unsafe as a path component.
+    One conversion in C builds the typed struct and checks every field's type; the struct's
+    ``check`` adds names, token order and plain, finite data in nested maps (stricter than
+    reading, so that what is journaled stays valid JSON for ``kvj inspect --json``); the
+    struct is what is encoded. Raises ``FormatError``, or ``InvalidName`` for a request id
+    or key that is unsafe as a path component.
     """
-    if rtype not in _DECODERS:
+    struct = _STRUCTS.get(rtype)
+    if struct is None:
         raise FormatError(f"unknown record type {rtype}")
-    data = encode_payload(payload)
-    _check(rtype, data, finite=True)
-    return data
+    try:
+        rec = _convert(payload, struct)
+    except msgspec.ValidationError as exc:
+        raise FormatError(f"{NAMES[RecordType(rtype)]} record: {exc}") from None
+    if len(payload) != len(struct.__struct_fields__):
+        unknown = ", ".join(repr(k) for k in payload if k not in struct.__struct_fields__)
+        raise FormatError(f"{NAMES[RecordType(rtype)]} record: unknown field {unknown}")
+    try:
+        rec.check(True)
+        return _encode(rec)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise FormatError(f"{NAMES[RecordType(rtype)]} record cannot be encoded: {exc}") from None
+    except RecursionError:
+        raise FormatError(f"{NAMES[RecordType(rtype)]} record: a map is nested too deeply (or holds itself)") from None
 
 
 def decode_payload(rtype: int, data: bytes) -> Dict[str, Any]:
-    """Decode and validate a payload. Unknown types are decoded but not validated."""
+    """Decode and validate a payload. A record of an unknown type is checked only for plain
+    data; unknown fields of a known type are kept and ignored."""
     try:
         payload = _decode_any(data)
     except msgspec.DecodeError as exc:
         raise FormatError(f"undecodable payload: {exc}") from None
+    except RecursionError:
+        raise FormatError("payload is nested too deeply") from None
     if not isinstance(payload, dict):
         raise FormatError("payload is not a map")
-    if rtype in _DECODERS:
-        _check(rtype, data, finite=False)
-    else:
-        _plain(payload, "payload", finite=False)
+    decoder = _DECODERS.get(rtype)
+    name = NAMES[RecordType(rtype)] if decoder is not None else f"type {rtype}"
+    try:
+        if decoder is None:
+            _walk(payload, "payload", False)
+        else:
+            decoder.decode(data).check(False)
+    except (msgspec.DecodeError, InvalidName) as exc:  # read back, an unsafe name is damage
+        raise FormatError(f"{name} record: {exc}") from None
+    except RecursionError:
+        raise FormatError(f"{name} record: a map is nested too deeply") from None
     return payload
-
-
-def _check(rtype: int, data: bytes, finite: bool) -> None:
-    """Validate encoded payload ``data`` of a known type: the schema, then what types cannot say."""
-    name = NAMES[RecordType(rtype)]
-    try:
-        rec = _DECODERS[rtype].decode(data)
-    except msgspec.ValidationError as exc:
-        raise FormatError(f"{name} record: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise FormatError(f"undecodable payload: {exc}") from None
-    try:
-        if isinstance(rec, (Start, Segment, End)):
-            check_request_id(rec.id)
-        if isinstance(rec, Segment):
-            tokens = rec.tokens
-            if len(tokens) != 2 or not 0 <= tokens[0] <= tokens[1]:
-                raise FormatError(f"segment record has bad token range {tokens!r}")
-            check_key(rec.key)
-            _plain(rec.layout, "layout", finite)
-        elif isinstance(rec, Start):
-            if rec.tokens is not None and any(t < 0 for t in rec.tokens):
-                raise FormatError("start record has a negative token")
-            _plain(rec.meta, "meta", finite)
-        elif isinstance(rec, (Checkpoint, Delta)):
-            for key in rec.keys.values():
-                check_key(key)
-            _plain(rec.meta, "meta", finite)
-    except InvalidName as exc:
-        if finite:  # a new record (``encode``): the caller passed an unsafe name
-            raise
-        raise FormatError(f"{name} record: {exc}") from None
 
 
 _CONTAINERS = (dict, list)
@@ -193,12 +222,22 @@ _CONTAINERS_OR_FLOAT = (dict, list, float)
 #: bin, which kvj 0.1.0 could write); nothing else (no extension types) is ever accepted.
 _NEW_LEAVES = (type(None), bool, int, float, str)
 _READ_LEAVES = _NEW_LEAVES + (bytes,)
+#: Values a flat map may hold without a closer look (floats of a new record need one: finite?).
+_FLAT_NEW = frozenset((type(None), bool, int, str))
+_FLAT_READ = frozenset(_READ_LEAVES)
 
 
-def _plain(value: Any, where: str, finite: bool) -> None:
-    """A nested map must hold only plain data with string keys throughout (it is shown as JSON
+def _plain(value: Dict[str, Any], where: str, new: bool) -> None:
+    """Check a map whose keys msgspec already checked are strings: one pass in C over the
+    types of its values for the usual flat map of scalars, else the walk of ``_walk``."""
+    if not (_FLAT_NEW if new else _FLAT_READ).issuperset(map(type, value.values())):
+        _walk(value, where, new)
+
+
+def _walk(value: Any, where: str, finite: bool) -> None:
+    """Nested maps must hold only plain data with string keys throughout (they are shown as JSON
     and snapshotted); with ``finite`` (a new record), floats must be finite and bytes are refused.
-    Only containers and floats are looked into: a flat map of scalars costs two type tests a value."""
+    Only containers and floats are looked into."""
     look = _CONTAINERS_OR_FLOAT if finite else _CONTAINERS
     leaves = _NEW_LEAVES if finite else _READ_LEAVES
     if type(value) is dict:
@@ -206,13 +245,13 @@ def _plain(value: Any, where: str, finite: bool) -> None:
             if type(key) is not str:
                 raise FormatError(f"{where} has a non-string key {key!r}")
             if type(item) in look:
-                _plain(item, f"{where}.{key}", finite)
+                _walk(item, f"{where}.{key}", finite)
             elif type(item) not in leaves:
                 raise FormatError(f"{where}.{key} is a {type(item).__name__}, not plain data")
     elif type(value) is list:
         for index, item in enumerate(value):
             if type(item) in look:
-                _plain(item, f"{where}[{index}]", finite)
+                _walk(item, f"{where}[{index}]", finite)
             elif type(item) not in leaves:
                 raise FormatError(f"{where}[{index}] is a {type(item).__name__}, not plain data")
     elif type(value) is float and not math.isfinite(value):

@@ -17,13 +17,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, List, Mapping, Optional, Tuple, Union
 
 from crc32c import crc32c
 
 from kvj.errors import JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, DurabilityError
-from kvj.journal.framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header, new_salt
+from kvj.journal.framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header, encode_record, new_salt
 from kvj.journal.records import encode_payload
 
 _RECORD_TAIL_PACK = RECORD_TAIL.pack
@@ -70,6 +70,9 @@ class LogWriter:
         self._first_time = 0.0
         self._next_lsn = next_lsn
         self._durable_lsn = next_lsn - 1
+        #: the last LSN ``append`` may give without waiting: durable + max pending; -1 once the
+        #: writer failed or is closing, so that one comparison sends ``append`` to the slow path
+        self._room_lsn = self._durable_lsn + self._max_pending
         self._sync_target = 0
         self._error: Optional[BaseException] = None
         self._closing = False
@@ -92,40 +95,66 @@ class LogWriter:
         ``payload`` is the encoded payload, or a map to encode. The writer only frames: the
         schema is checked by the caller (``records.encode``, as ``Journal`` does).
         """
-        body = payload if isinstance(payload, bytes) else encode_payload(payload)
+        body = payload if type(payload) is bytes else encode_payload(payload)
         with self._lock:
-            if self._error is not None or self._closing:
-                self._raise_state()
-            buf = self._buf
-            if len(buf) >= self._max_buffer or self._next_lsn - self._durable_lsn > self._max_pending:
-                buf = self._wait_for_room()
             lsn = self._next_lsn
+            buf = self._buf
+            if lsn > self._room_lsn or len(buf) >= self._max_buffer:
+                lsn, buf = self._wait_for_room()
             self._next_lsn = lsn + 1
+            # framing.encode_record, inlined: this is the one-record hot path
             tail = _RECORD_TAIL_PACK(len(body), rtype, 0, lsn)
             buf += _CRC_PACK(crc32c(body, crc32c(tail)))
             buf += tail
             buf += body
             count = self._count = self._count + 1
-            if count == 1:
-                self._first_time = time.monotonic()
-                self._wake.notify()
-            elif count == self._max_records:
-                self._wake.notify()
+            if count == 1 or count == self._max_records:
+                self._group_due(count)
         if durable:
             self.wait_durable(lsn)
         return lsn
 
-    def _wait_for_room(self) -> bytearray:
+    def append_many(self, records: Iterable[Tuple[int, bytes]], durable: bool = False) -> List[int]:
+        """Frame encoded records in order under one lock and return their LSNs (consecutive
+        unless the buffer filled on the way and another thread appended meanwhile)."""
+        lsns: List[int] = []
+        with self._lock:
+            for rtype, body in records:
+                lsn = self._next_lsn
+                buf = self._buf
+                if lsn > self._room_lsn or len(buf) >= self._max_buffer:
+                    lsn, buf = self._wait_for_room()
+                self._next_lsn = lsn + 1
+                buf += encode_record(rtype, lsn, body)
+                lsns.append(lsn)
+                count = self._count = self._count + 1
+                if count == 1 or count == self._max_records:
+                    self._group_due(count)
+        if durable and lsns:
+            self.wait_durable(lsns[-1])
+        return lsns
+
+    def _group_due(self, count: int) -> None:
+        """(Lock held) wake the committer for a group's first record (its max_delay starts)
+        or once max_records are pending."""
+        if count == 1:
+            self._first_time = time.monotonic()
+        self._wake.notify()
+
+    def _wait_for_room(self) -> Tuple[int, bytearray]:
         """Block (lock held) while the buffer is full or too many records are not yet durable:
-        backpressure instead of memory growth, and a cap on what a crash can lose."""
-        while len(self._buf) >= self._max_buffer or self._next_lsn - self._durable_lsn > self._max_pending:
+        backpressure instead of memory growth, and a cap on what a crash can lose. Raises once
+        the writer failed or is closing (``_room_lsn`` is then below any LSN). Returns the
+        next LSN and the buffer."""
+        while True:
+            if self._error is not None or self._closing:
+                self._raise_state()
+            if len(self._buf) < self._max_buffer and self._next_lsn <= self._room_lsn:
+                return self._next_lsn, self._buf
             if self._sync_target < self._next_lsn - 1:
                 self._sync_target = self._next_lsn - 1  # commit what is pending now, not after max_delay
                 self._wake.notify()
             self._done.wait()
-            if self._error is not None or self._closing:
-                self._raise_state()
-        return self._buf
 
     def sync(self) -> int:
         """Block until every record appended so far is durable; return the last LSN."""
@@ -167,6 +196,7 @@ class LogWriter:
             if self._closed:
                 return
             self._closing = True
+            self._room_lsn = -1
             self._wake.notify()
         self._thread.join()
         with self._lock:
@@ -242,6 +272,8 @@ class LogWriter:
                 self._size += len(head) + len(data)
                 with self._lock:
                     self._durable_lsn = first + count - 1
+                    if not self._closing:
+                        self._room_lsn = self._durable_lsn + self._max_pending
                     self._done.notify_all()
                 if self._size >= self.policy.file_size_limit:
                     self.fs.close(self._fd)
@@ -251,4 +283,5 @@ class LogWriter:
             err = exc if isinstance(exc, OSError) else DurabilityError(errno.EIO, str(exc))
             with self._lock:
                 self._error = err
+                self._room_lsn = -1
                 self._done.notify_all()

@@ -30,6 +30,19 @@ def test_a_0_1_0_journal_replays_unchanged(tmp_path):
     assert json.loads(json.dumps(state, sort_keys=True)) == expected
 
 
+def holding_itself():
+    meta = {}
+    meta["me"] = meta
+    return meta
+
+
+def nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 BAD_CALLS = [
     ("end, status None", lambda j: j.end("r1", status=None, durable=True)),
     ("start, non-string meta key", lambda j: j.start("r1", meta={1: "a"})),
@@ -47,6 +60,13 @@ BAD_CALLS = [
     ("epoch, string lsn", lambda j: j.epoch(1, "9")),
     ("append, unknown type", lambda j: j.append(99, {"x": 1})),
     ("append, missing field", lambda j: j.append(RecordType.END, {"id": "r1"})),
+    ("append, unknown field", lambda j: j.append(RecordType.END, {"id": "r1", "status": "ok", "stauts": "x"})),
+    ("append, not a map", lambda j: j.append(RecordType.END, [("id", "r1"), ("status", "ok")])),
+    ("start, meta holds itself", lambda j: j.start("r1", meta=holding_itself())),
+    ("start, deeply nested meta", lambda j: j.start("r1", meta={"x": nested(10_000)})),
+    ("segment, three token positions", lambda j: j.append(RecordType.SEGMENT, {
+        "id": "r1", "seg": 0, "key": KEY, "tokens": [0, 8, 16], "layout": {}, "raw_size": 1, "stored_size": 1,
+        "digest": "", "codec": "raw"})),
     ("flush, backwards token range", lambda j: j.flush("r1", 0, torch.zeros(4), token_range=(16, 0))),
     ("flush, float segment", lambda j: j.flush("r1", 0.5, torch.zeros(4), token_range=(0, 16))),
     ("flush, bad id", lambda j: j.flush("a/b", 0, torch.zeros(4), token_range=(0, 16))),
@@ -152,3 +172,13 @@ def test_maps_hold_plain_data_only(tmp_path):
         decode_payload(RecordType.CHECKPOINT, ext)
     old = msgpack.packb({"step": 0, "keys": {}, "meta": {"x": b"raw"}}, use_bin_type=True)
     assert decode_payload(RecordType.CHECKPOINT, old)["meta"] == {"x": b"raw"}
+
+
+@pytest.mark.parametrize("rtype", [RecordType.START, 99])
+def test_a_stored_payload_nested_too_deeply_is_damage_not_a_crash(rtype):
+    import msgpack
+
+    head = msgpack.packb({"id": "r1", "prompt_hash": None, "tokens": None})
+    data = b"\x84" + head[1:] + msgpack.packb("meta") + b"\x81" + msgpack.packb("x") + b"\x91" * 5000 + b"\x90"
+    with pytest.raises(FormatError, match="nested too deeply"):
+        records.decode_payload(rtype, data)

@@ -11,11 +11,12 @@ import pytest
 from support.wait import wait_for
 
 import kvj
-from kvj.errors import JournalFailed, JournalLocked
+from kvj.errors import FormatError, JournalFailed, JournalLocked
 from kvj.fileio import FS
 from kvj.journal import framing as F
 from kvj.journal.journal import Journal
-from kvj.journal.reader import list_logs
+from kvj.journal.reader import Scan, list_logs
+from kvj.journal.records import RecordType
 from kvj.journal.writer import CommitPolicy
 
 
@@ -237,3 +238,39 @@ def test_what_a_crash_can_lose_is_capped_however_slow_fsync_gets(tmp_path):
         for i in range(600):
             j.alloc("cuda:0", i, 1)
     assert max(group_sizes(tmp_path / "slow")) <= 50 and sum(group_sizes(tmp_path / "slow")) == 600
+
+
+def alloc(addr):
+    return RecordType.ALLOC, {"device": "cuda:0", "addr": addr, "size": 1, "tag": ""}
+
+
+def test_append_many_checks_every_record_first_then_appends_them_in_order(tmp_path):
+    with Journal.open(tmp_path) as j:
+        j.start("r0")
+        with pytest.raises(FormatError):
+            j.append_many([alloc(1), alloc(2), (RecordType.FREE, {"device": "cuda:0", "addr": "x"})])
+        assert j.sync() == 1  # a bad record anywhere in the batch: none of it appended
+        assert j.append_many([alloc(i) for i in range(5)], durable=True) == [2, 3, 4, 5, 6]
+        assert j.durable_lsn >= 6
+        assert j.append_many([]) == []
+    recs = list(Scan(str(tmp_path)).records())
+    assert [(r.lsn, r.payload.get("addr")) for r in recs] == [(1, None)] + [(i + 2, i) for i in range(5)]
+
+
+def test_append_many_waits_at_the_cap_on_what_a_crash_can_lose(tmp_path):
+    """A batch larger than ``max_pending_records`` is not one unbounded group: it waits at the cap."""
+    fs = SlowSyncFS()
+    with Journal.open(tmp_path, policy=CommitPolicy(max_pending_records=50), fs=fs) as j:
+        fs.gate.clear()
+        j.alloc("cuda:0", 0, 1)
+        wait_for(lambda: fs.calls >= 1, "the first group's fdatasync")
+        batch = threading.Thread(target=lambda: j.append_many([alloc(i) for i in range(1, 301)]))
+        batch.start()
+        w = j.writer
+        wait_for(lambda: w.last_lsn - w.durable_lsn == 50, "the batch to stop at the cap")
+        assert batch.is_alive() and w.durable_lsn == 0
+        fs.gate.set()
+        batch.join(60)
+        assert j.sync() == 301
+    assert max(group_sizes(tmp_path)) <= 50
+    assert [r.payload["addr"] for r in Scan(str(tmp_path)).records()] == list(range(301))
