@@ -20,6 +20,13 @@ class CacheFull(KvjError, MemoryError):
     A ``MemoryError`` too, for callers that catch that."""
 
 
+class UnsafePath(KvjError):
+    """A path kvj would read or write is a symbolic link, a FIFO, a device, a file with other
+    hard links, or a directory whose owner kvj should not trust: refused, nothing done.
+    (Planted in a directory another user can write, such a path could turn a privileged kvj
+    against its machine.)"""
+
+
 class NotFound(KvjError):
     """A journal, store or input the caller named does not exist, or holds nothing kvj wrote."""
 

@@ -3,14 +3,25 @@
 Every write, fsync, rename, create and unlink the engine performs goes through an
 ``FS`` object, so tests can swap in a recording or fault-injecting implementation
 (see ``tests/crashfs.py``) and construct the crash states a real disk allows.
-Reads go through plain ``open``: a crash state is materialised as real files.
+Reads go through ``open_regular`` (or ``open_read``), not through the FS: a crash state is
+materialised as real files.
+
+Every file kvj opens, to read or to write, is opened with ``O_NOFOLLOW`` and must be a
+regular file (``open_regular``): a symlink, FIFO, device or socket planted in a journal
+or store directory is refused (``UnsafePath``), and so is a file with other hard links
+that kvj would write to. A directory kvj creates or writes into is never a symlink
+(``makedirs_durable``).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
-from typing import Union
+import stat
+from typing import BinaryIO, Union
+
+from kvj.errors import UnsafePath
 
 PathLike = Union[str, "os.PathLike[str]"]
 #: Bytes kvj writes or reads without copying them first.
@@ -25,11 +36,43 @@ class DurabilityError(OSError):
     """A write or fsync failed; nothing after it may be reported durable."""
 
 
+def open_regular(path: PathLike, flags: int = os.O_RDONLY, mode: int = DEFAULT_FILE_MODE) -> int:
+    """Open a file kvj keeps: never through a symlink (``O_NOFOLLOW``), never a FIFO, device
+    or socket (opened non-blocking, so a FIFO cannot hang the open, then checked), and to
+    write never a file with other hard links. Anything else is ``UnsafePath``."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePath(f"{os.fspath(path)} is a symbolic link: refused (kvj opens its files only "
+                             "directly)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"{os.fspath(path)} is not a regular file (a FIFO, device, socket or directory): "
+                             "refused")
+        if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+            raise UnsafePath(f"{os.fspath(path)} has {st.st_nlink} hard links: refused (kvj writes only to files "
+                             "it created)")
+        if not flags & os.O_NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_read(path: PathLike) -> BinaryIO:
+    """``open(path, "rb")`` through ``open_regular``."""
+    return os.fdopen(open_regular(path), "rb")
+
+
 class FS:
     """Real file operations (the default). Subclasses record or inject faults."""
 
     def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
-        return os.open(path, flags | os.O_CLOEXEC, mode)
+        return open_regular(path, flags, mode)
 
     def write(self, fd: int, data: Buffer) -> None:
         """Write all of ``data`` at the current offset (loops over short writes)."""
@@ -83,13 +126,25 @@ REAL_FS = FS()
 
 
 def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_MODE) -> None:
-    """Create ``path`` and any missing parents, fsyncing each new entry's parent."""
+    """Create ``path`` and any missing parents, fsyncing each new entry's parent.
+
+    ``path`` itself must not be a symlink (``UnsafePath``): kvj writes into the directories
+    it makes (``torn/``, ``recovery/``, a store's folders), never through a link to another
+    place. Parents that exist are taken as they are (a journal may live behind a symlink
+    its owner made).
+    """
     path = os.path.abspath(os.fspath(path))
+    if os.path.islink(path):
+        raise UnsafePath(f"{path} is a symbolic link: refused (kvj writes only into directories it made)")
+    _makedirs(path, fs, mode)
+
+
+def _makedirs(path: str, fs: FS, mode: int) -> None:
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
     if parent != path:
-        makedirs_durable(parent, fs, mode)
+        _makedirs(parent, fs, mode)
     try:
         fs.mkdir(path, mode)
     except FileExistsError:
@@ -128,7 +183,11 @@ def atomic_write(path: PathLike, data: Buffer, fs: FS = REAL_FS,
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
-    fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:  # left by a crashed run with this pid, or planted: replace the name, not its target
+        fs.unlink(tmp)
+        fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         fs.write(fd, data)
         fs.fsync(fd)
