@@ -16,7 +16,7 @@ from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from kvj.errors import FormatError, JournalClosed, JournalFailed
-from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable
+from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable, open_read
 from kvj.journal.framing import FORMAT_VERSION
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.reader import Scan, TornTail, list_logs, log_seq, read_header
@@ -47,7 +47,7 @@ def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
     journal_dir = os.path.dirname(tail.path)
     aside_dir = os.path.join(journal_dir, TORN_DIR)
     makedirs_durable(aside_dir, fs)
-    with open(tail.path, "rb") as f:
+    with open_read(tail.path) as f:
         f.seek(tail.offset)
         data = f.read()
     aside = os.path.join(aside_dir, f"{os.path.basename(tail.path)}.{tail.offset}.torn")

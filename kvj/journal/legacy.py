@@ -16,6 +16,7 @@ import json
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, KvjError
+from kvj.fileio import open_read
 from kvj.journal.reader import TornTail
 from kvj.journal.records import RecordType
 from kvj.names import check_request_id
@@ -55,7 +56,7 @@ class LegacyScan:
         self.last_lsn = 0
 
     def __iter__(self) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
-        with open(self.path, "rb") as f:
+        with open_read(self.path) as f:
             data = f.read()
         offset = 0
         lineno = 0

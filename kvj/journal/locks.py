@@ -12,7 +12,8 @@ import fcntl
 import os
 from typing import Optional
 
-from kvj.errors import JournalLocked
+from kvj.errors import JournalLocked, UnsafePath
+from kvj.fileio import open_read, open_regular
 
 #: Held by the one process that appends to the journal (``Journal.open``, recovery).
 LOCK_NAME = "LOCK"
@@ -29,7 +30,7 @@ class DirLock:
         self.fd: Optional[int] = None
 
     def acquire(self) -> "DirLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -47,7 +48,7 @@ class DirLock:
         nothing: the existing lock file is opened read-only, never created or written (this
         works on a read-only mount). None when there is no lock file: no holder ever ran."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_regular(self.path)
         except FileNotFoundError:
             return None
         try:
@@ -62,9 +63,9 @@ class DirLock:
 
     def holder_pid(self) -> Optional[int]:
         try:
-            with open(self.path, "rb") as f:
+            with open_read(self.path) as f:
                 return int(f.read(32).strip() or 0) or None
-        except (OSError, ValueError):
+        except (OSError, ValueError, UnsafePath):
             return None
 
     def release(self) -> None:

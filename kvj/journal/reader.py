@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError
+from kvj.fileio import open_read
 from kvj.journal.framing import (
     FILE_HEADER_SIZE,
     FORMAT_VERSION,
@@ -113,7 +114,7 @@ def log_seq(path: str) -> int:
 
 def read_header(path: str) -> Optional[FileHeader]:
     """The header of log file ``path``; None when it is not (yet) a valid one."""
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         return decode_file_header(f.read(FILE_HEADER_SIZE))
 
 
@@ -249,7 +250,7 @@ class Scan:
 
     def _read(self, path: str, origin: int) -> Tuple[bytes, bytes, int]:
         """(the file's first bytes, enough for its header; its bytes from ``origin`` on; its size)."""
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             if origin == 0:
                 data = f.read()
                 self.bytes_read += len(data)

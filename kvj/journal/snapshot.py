@@ -19,7 +19,7 @@ import msgpack
 from crc32c import crc32c
 
 from kvj.errors import CorruptionError, FormatError
-from kvj.fileio import FS, REAL_FS, atomic_write
+from kvj.fileio import FS, REAL_FS, atomic_write, open_read
 from kvj.journal.state import JournalState
 
 SNAP_MAGIC = b"\x89KVJSNP\n"
@@ -83,7 +83,7 @@ def load_latest(directory: str) -> Optional[JournalState]:
     if not snaps:
         return None
     _lsn, path = snaps[0]
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         return decode_snapshot(f.read(), path)
 
 
