@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import stat
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -20,8 +21,8 @@ from typing import Iterator, List, Optional, Union
 
 import numpy as np
 
-from kvj.errors import SegmentCorrupt, SegmentMissing
-from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError, makedirs_durable, rename_durable
+from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
+from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError, makedirs_durable, open_regular, rename_durable
 from kvj.names import KEY_RE
 from kvj.segments.format import BytesSource, Source
 
@@ -292,9 +293,11 @@ class LocalDirBackend(StorageBackend):
     @contextmanager
     def _open(self, key: str) -> Iterator[int]:
         try:
-            fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(self.path(key))
         except FileNotFoundError:
             raise self._missing(key) from None
+        except UnsafePath as exc:  # a link, FIFO or device where a segment should be: a damaged segment
+            raise SegmentCorrupt(self.path(key), None, str(exc)) from None
         try:
             yield fd
         finally:
@@ -327,13 +330,16 @@ class LocalDirBackend(StorageBackend):
 
     def stat(self, key: str) -> ObjectStat:
         try:
-            st = os.stat(self.path(key))
+            st = os.stat(self.path(key), follow_symlinks=False)
         except FileNotFoundError:
             raise self._missing(key) from None
         return ObjectStat(st.st_size, st.st_mtime)
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self.path(key))
+        try:
+            return stat.S_ISREG(os.stat(self.path(key), follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
 
     @contextmanager
     def _collection_lock(self, exclusive: bool) -> Iterator[None]:
@@ -341,7 +347,7 @@ class LocalDirBackend(StorageBackend):
         collector's age check and unlink, so neither can fall between the other's steps.
         Each use opens its own descriptor, so threads and stores in one process exclude
         each other as processes do."""
-        fd = os.open(os.path.join(self.root, GC_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_regular(os.path.join(self.root, GC_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
@@ -354,7 +360,7 @@ class LocalDirBackend(StorageBackend):
             return False
         with self._collection_lock(exclusive=True):
             try:
-                if older_than is not None and os.stat(path).st_mtime > older_than:
+                if older_than is not None and os.stat(path, follow_symlinks=False).st_mtime > older_than:
                     return False
                 self.fs.unlink(path)
             except FileNotFoundError:
@@ -385,7 +391,7 @@ class LocalDirBackend(StorageBackend):
             return False
         with self._collection_lock(exclusive=False):
             try:
-                os.utime(path)
+                os.utime(path, follow_symlinks=False)
             except FileNotFoundError:
                 return False
         return True
