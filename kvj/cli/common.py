@@ -23,13 +23,15 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
     from click import get_current_context  # type: ignore[no-redef]
 
-from kvj.errors import CorruptionError, FormatError
+from kvj.errors import CorruptionError, FormatError, UnsafePath
 from kvj.journal.journal import default_store_path
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
 
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"
+#: Set to 1 to let kvj run as root on a journal or store another user owns.
+TRUST_ENV = "KVJ_TRUST_OWNER"
 
 JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=True, metavar="DIR",
                           help="Journal directory.")
@@ -206,13 +208,18 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, must_exist: boo
         raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
     full = os.path.abspath(os.fspath(path))
     if not must_exist:
+        if os.path.isdir(full):
+            check_owner(full)
         return full
     os.stat(full)  # missing or unreachable: FileNotFoundError, PermissionError, NotADirectoryError
     if not os.path.isdir(full):
         if legacy_ok:
+            full = os.path.realpath(full)  # a link the caller named: read the file it names, keep files beside that
+            check_owner(os.path.dirname(full))
             _check_legacy(full)
             return full
         raise FileNotFoundError(2, "not a journal directory", full)
+    check_owner(full)
     names = os.listdir(full)
     if not any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names):
         legacy = sorted(n for n in names if n.endswith((".jsonl", ".ndjson")))
@@ -239,10 +246,36 @@ def _check_legacy(path: str) -> None:
 
 
 def store_path(journal: str, store: Optional[str]) -> str:
-    """The store directory: ``--store``, or ``segments/`` inside the journal."""
+    """The store directory: ``--store``, or ``segments/`` inside the journal (never a link
+    planted there: a store elsewhere is named with --store)."""
     if store is not None:
-        return os.path.abspath(os.fspath(store))
-    return default_store_path(journal if os.path.isdir(journal) else os.path.dirname(journal))
+        path = os.path.abspath(os.fspath(store))
+    else:
+        path = default_store_path(journal if os.path.isdir(journal) else os.path.dirname(journal))
+        if os.path.islink(path) and os.environ.get(TRUST_ENV) != "1":
+            raise UnsafePath(f"{path} is a symbolic link: refused (name a store elsewhere with --store or "
+                             f"{STORE_ENV})")
+    if os.path.isdir(path):
+        check_owner(path)
+    return path
+
+
+def check_owner(path: str) -> None:
+    """As root, refuse a journal or store directory that another user owns, as git's
+    safe.directory and logrotate do: whoever can write it could plant links there to turn a
+    privileged kvj against its machine. Run kvj as that user, or set KVJ_TRUST_OWNER=1."""
+    if os.geteuid() != 0 or os.environ.get(TRUST_ENV) == "1":
+        return
+    owner = os.stat(path).st_uid
+    if owner != 0:
+        try:
+            import pwd
+
+            who = f"uid {owner} ({pwd.getpwuid(owner).pw_name})"
+        except KeyError:
+            who = f"uid {owner}"
+        raise UnsafePath(f"{path} belongs to {who} and kvj runs as root: refused (run kvj as that user, e.g. "
+                         f"User= in the unit, or set {TRUST_ENV}=1 to trust it)")
 
 
 # -- parsers -------------------------------------------------------------------------------

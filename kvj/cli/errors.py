@@ -24,6 +24,7 @@ from kvj.errors import (
     LayoutMismatch,
     NotFound,
     SegmentMissing,
+    UnsafePath,
 )
 
 OK = 0
@@ -47,7 +48,8 @@ EXIT_CODES: Dict[int, str] = {
     SOFTWARE: "internal error (a bug: set KVJ_DEBUG=1 for the traceback and report it)",
     IOERR: "I/O error while writing: failed write or fsync, disk full (nothing after it is durable)",
     TEMPFAIL: "the journal is locked by a live writer or compactor (its pid is named); try again later",
-    NOPERM: "permission denied",
+    NOPERM: "permission denied, or refused: a symlink, FIFO, device or hard link where kvj keeps a file, or "
+            "(as root) a journal another user owns",
     INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
@@ -82,6 +84,8 @@ def classify(exc: BaseException) -> Tuple[int, str]:
         return USAGE, str(exc)
     if isinstance(exc, NotFound):
         return NOINPUT, str(exc)
+    if isinstance(exc, UnsafePath):
+        return NOPERM, str(exc)
     if isinstance(exc, FormatError):
         return DATAERR, str(exc)
     if isinstance(exc, KvjError):

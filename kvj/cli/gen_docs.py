@@ -30,6 +30,9 @@ ENVIRONMENT = [
     ("NO_COLOR", "When set, output has no colour. Colour and progress bars appear only when standard output "
                  "and standard error are terminals."),
     ("KVJ_DEBUG", "When set to 1, an internal error prints its Python traceback before the one-line message."),
+    ("KVJ_TRUST_OWNER", "When set to 1, kvj run as root works on a journal or store directory another user owns "
+                        "(refused otherwise, with status 77: that user could plant links there to turn a privileged "
+                        "kvj against the machine; as git's safe.directory). Better: run kvj as that user."),
 ]
 
 FILES = [
@@ -199,7 +202,8 @@ def man_page(name: str, path: str, cmd, section_title: str, see_also: List[str])
         for f, text in FILES:
             lines += [".TP", f"\\fI{esc(f)}\\fR", esc(text)]
     else:
-        lines += [".SH ENVIRONMENT", ".PP", "See kvj(1) for KVJ_JOURNAL, KVJ_STORE, NO_COLOR and KVJ_DEBUG."]
+        lines += [".SH ENVIRONMENT", ".PP", "See kvj(1) for KVJ_JOURNAL, KVJ_STORE, KVJ_TRUST_OWNER, NO_COLOR and "
+                  "KVJ_DEBUG."]
     lines += _exit_status(name == "kvj-fsck")
     lines += _examples(name.split("-", 1)[1] if name.startswith("kvj-") else name)
     refs = [ref.partition("(") for ref in see_also]

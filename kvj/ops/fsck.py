@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, JournalLocked, NotFound
-from kvj.fileio import FS, REAL_FS, makedirs_durable, rename_durable
+from kvj.fileio import FS, REAL_FS, makedirs_durable, open_read, rename_durable
 from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.locks import LOCK_NAME, DirLock
@@ -142,7 +142,7 @@ class _Checker:
         self.result.snapshots = len(snaps)
         for lsn, spath in snaps:
             try:
-                with open(spath, "rb") as f:
+                with open_read(spath) as f:
                     valid.append((lsn, spath, decode_snapshot(f.read(), spath)))
             except (CorruptionError, FormatError) as exc:
                 damaged.append((lsn, spath, exc))
