@@ -11,7 +11,17 @@ from typing import Annotated, Deque, List, Optional
 import typer
 from rich.console import RenderableType
 
-from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out, parse_time, usage_error
+from kvj.cli.common import (
+    JournalArg,
+    JsonArg,
+    StoreArg,
+    emit_json,
+    journal_path,
+    out,
+    parse_time,
+    store_path,
+    usage_error,
+)
 from kvj.cli.render import (
     EXPORT_SUFFIXES,
     export,
@@ -19,10 +29,12 @@ from kvj.cli.render import (
     record_line,
     record_row,
     record_table,
+    segment_view,
     stats_view,
     timeline_picture,
 )
 from kvj.cli.launch import on_interrupt
+from kvj.errors import NotFound
 from kvj.journal.follow import Follower
 from kvj.journal.reader import list_logs
 from kvj.journal.records import BY_NAME
@@ -66,6 +78,11 @@ def inspect(
     timeline: Annotated[bool, typer.Option("--timeline", help="Draw request lifetimes (as of --at).")] = False,
     at: Annotated[Optional[int], typer.Option("--at", metavar="LSN", min=0,
                                               help="Point in time for --layout and --timeline.")] = None,
+    segment: Annotated[Optional[str], typer.Option("--segment", metavar="KEY", help="Show one segment's header "
+                                                   "(dtype, shape, codec, sizes, digest, layout) and the records that "
+                                                   "refer to it, without decoding it; KEY may be a prefix of 8+ hex "
+                                                   "digits.")] = None,
+    store: StoreArg = None,
     export_to: Annotated[Optional[str], typer.Option("--export", metavar="FILE", callback=_check_export,
                                                       help="Also write the table or picture to FILE "
                                                       "(.svg or .html) for an incident report.")] = None,
@@ -81,7 +98,7 @@ def inspect(
     """
     path = journal_path(journal)
     modes = [name for name, on in (("--follow", follow), ("--stats", stats), ("--layout", layout),
-                                   ("--timeline", timeline)) if on]
+                                   ("--timeline", timeline), ("--segment", segment is not None)) if on]
     if len(modes) > 1:
         raise usage_error(f"{' and '.join(modes)} cannot be combined")
     if at is not None and not (layout or timeline):
@@ -90,6 +107,9 @@ def inspect(
         raise usage_error("--follow needs a kvj journal directory and cannot --export")
     if follow:
         on_interrupt(0, None)  # Ctrl-C is how one stops following, as with tail -f
+    if segment is not None:
+        _segment(path, store, segment, as_json)
+        return
     if layout or timeline:
         state = replay(path, at_lsn=at)
         if as_json:
@@ -135,6 +155,24 @@ def inspect(
         export(table, str(export_to), "kvj journal records")
     if follow:
         _follow(path, seen, flt, as_json)
+
+
+def _segment(path: str, store: Optional[str], text: str, as_json: bool) -> None:
+    """A segment's header and its users, without reading its chunks."""
+    from kvj.ops.dump import resolve_key, segment_users
+    from kvj.segments.check import opened_store
+
+    root = store_path(path, store)
+    with opened_store(root, root) as seg_store:
+        if seg_store is None:
+            raise NotFound(f"no segment store at {root}")
+        key = resolve_key(seg_store, text)
+        info = seg_store.info(key).to_dict()
+    info["users"] = segment_users(replay(path), key) if not is_legacy(path) else []
+    if as_json:
+        emit_json(info)
+        return
+    out.print(segment_view(info))
 
 
 def _lifetime(req) -> dict:  # type: ignore[no-untyped-def]

@@ -109,6 +109,26 @@ def record_line(rec: Record) -> Text:
                          f" {os.path.basename(rec.path)}:{rec.offset:<10} ", describe(rec))
 
 
+def segment_view(info: Dict[str, Any]) -> RenderableType:
+    """A segment's header fields and the records that refer to it."""
+    table = Table(box=None, pad_edge=False, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    ratio = info["raw_size"] / info["stored_size"] if info["stored_size"] else 0.0
+    for name, value in (("key", info["key"]), ("dtype", info["dtype"]), ("shape", str(info["shape"])),
+                        ("codec", info["codec"]), ("size", f"{size(info['raw_size'])} raw, {size(info['stored_size'])} "
+                                                           f"stored ({ratio:.2f}x)"),
+                        ("digest", f"blake3 {info['digest']}"), ("layout", str(info["layout"] or {}))):
+        table.add_row(name, value)
+    users = info["users"]
+    lines = [f"request {u['request']} segment {u['segment']}"
+             + (f" tokens {u['tokens'][0]}..{u['tokens'][1]}" if u["tokens"] else "")
+             + (" (ended)" if u["ended"] else "") + f", LSN {u['lsn']}" if "request" in u
+             else f"training step {u['training_step']} tensor {u['tensor']}, LSN {u['lsn']}" for u in users]
+    table.add_row("used by", "\n".join(lines) if lines else "no live record (an orphan: kvj compact collects it)")
+    return table
+
+
 def stats_view(stats: Dict[str, Any], path: str) -> RenderableType:
     parts: List[RenderableType] = [Text.assemble(("journal ", "bold"), path,
                                                  f"  LSN {stats['first_lsn']}..{stats['last_lsn']}")]
