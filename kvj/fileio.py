@@ -125,6 +125,51 @@ class FS:
 REAL_FS = FS()
 
 
+class ReadOnlyFS(FS):
+    """Refuses every change (``EROFS``): what a read-only command works through, so that a
+    write it must never make fails loudly instead of happening."""
+
+    _WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def _refuse(self, what: str, path: object = None) -> OSError:
+        return OSError(errno.EROFS, f"a read-only command must not {what}", path)
+
+    def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
+        if flags & self._WRITING:
+            raise self._refuse("open a file for writing", path)
+        return super().open(path, flags, mode)
+
+    def write(self, fd: int, data: Buffer) -> None:
+        raise self._refuse("write")
+
+    def writev(self, fd: int, parts: "list[Buffer]") -> None:
+        raise self._refuse("write")
+
+    def fsync(self, fd: int) -> None:
+        raise self._refuse("fsync")
+
+    def fdatasync(self, fd: int) -> None:
+        raise self._refuse("fsync")
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        raise self._refuse("truncate")
+
+    def rename(self, src: PathLike, dst: PathLike) -> None:
+        raise self._refuse("rename", src)
+
+    def unlink(self, path: PathLike) -> None:
+        raise self._refuse("remove", path)
+
+    def mkdir(self, path: PathLike, mode: int = DEFAULT_DIR_MODE) -> None:
+        raise self._refuse("make a directory", path)
+
+    def fsync_dir(self, path: PathLike) -> None:
+        raise self._refuse("fsync", path)
+
+
+READ_ONLY_FS = ReadOnlyFS()
+
+
 def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_MODE) -> None:
     """Create ``path`` and any missing parents, fsyncing each new entry's parent.
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import re
+from typing import Annotated, Optional
 
 import typer
 from rich.text import Text
@@ -18,6 +19,7 @@ from kvj.cli.common import (
     out,
     progress,
     store_path,
+    usage_error,
 )
 from kvj.cli.errors import FSCK_CANCELED, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
@@ -31,6 +33,16 @@ def fsck(journal: JournalArg = None,
          store: StoreArg = None,
          repair: Annotated[bool, typer.Option("--repair", "-y", help="Cut torn tails (bytes kept in torn/), set "
                                               "disagreeing snapshots aside, quarantine damaged segments.")] = False,
+         preen: Annotated[bool, typer.Option("--preen", "-p", help="Repair only what needs no decision (what "
+                                             "recovery would cut anyway, damaged segments nothing refers to); "
+                                             "status 4 when a person must run --repair.")] = False,
+         read_only: Annotated[bool, typer.Option("--read-only", "-n", help="Open nothing for writing (the "
+                                                 "default without --repair or --preen; says so explicitly).")]
+         = False,
+         subset: Annotated[Optional[str], typer.Option("--read-data-subset", metavar="PERCENT",
+                                                       help="Read only this share of the segments in full (e.g. "
+                                                       "10%), chosen at random; check the others' headers.")]
+         = None,
          as_json: JsonArg = False) -> None:
     """Check framing and CRCs, LSN order, snapshots and every segment; list orphans.
 
@@ -51,12 +63,22 @@ def fsck(journal: JournalArg = None,
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
     error); 16 usage error; 32 interrupted (Ctrl-C).
+
+    --preen (e2fsck's -p, for boot scripts) cuts what recovery would cut anyway and
+    quarantines damaged segments nothing refers to; anything else stays an error (status
+    4) for --repair and a person. Segments are verified in parallel, with progress on a
+    terminal; --read-data-subset 10% reads a random tenth of them in full (restic) and
+    checks the rest by their headers, for large stores.
     """
     on_interrupt(FSCK_CANCELED)
+    if sum((repair, preen, read_only)) > 1:
+        raise usage_error("--repair, --preen and --read-only exclude each other")
+    sample = parse_percent(subset) if subset is not None else None
     try:
         path = journal_path(journal)
         with progress() as update:
-            result = check_journal(path, store_path(path, store), repair=repair, progress=update)
+            result = check_journal(path, store_path(path, store), repair=repair, preen=preen, sample=sample,
+                                   progress=update)
     except (typer.Exit, click.exceptions.ClickException):
         raise
     except KeyboardInterrupt:
@@ -69,6 +91,15 @@ def fsck(journal: JournalArg = None,
     except OutputClosed:  # kvj fsck | head: the check is done, its status still counts
         pass
     raise typer.Exit(result.exit_code)
+
+
+def parse_percent(text: str) -> float:
+    """``10%`` (or ``10``) as the fraction 0.1; 0 < PERCENT <= 100."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*%?\s*", text)
+    if not m or not 0 < float(m.group(1)) <= 100:
+        raise typer.BadParameter(f"{text!r} is not a percentage above 0 and up to 100 (e.g. 10%)",
+                                 param_hint="--read-data-subset")
+    return float(m.group(1)) / 100
 
 
 def _show(result: FsckResult, path: str, as_json: bool) -> None:
@@ -84,9 +115,11 @@ def _show(result: FsckResult, path: str, as_json: bool) -> None:
         errors = result.errors
         warned = [f for f in result.findings if f.severity == "warning"]
         fixed = sum(1 for f in result.findings if f.fixed)
+        checked = (f"{result.segments_checked} segments checked" if not result.headers_checked else
+                   f"{result.data_verified} segments read in full, {result.headers_checked} by their headers "
+                   f"(sample seed {result.sample_seed})")
         summary = (f"{path}: {result.logs} log files, {result.records} records (LSN {result.first_lsn}.."
-                   f"{result.last_lsn}), {result.snapshots} snapshots, {result.segments_checked} segments checked, "
-                   f"{len(result.orphans)} orphans; ")
+                   f"{result.last_lsn}), {result.snapshots} snapshots, {checked}, {len(result.orphans)} orphans; ")
         if errors:
             summary += f"{len(errors)} errors, {len(warned)} warnings, {fixed} corrected"
         elif warned:
@@ -95,3 +128,6 @@ def _show(result: FsckResult, path: str, as_json: bool) -> None:
         else:
             summary += "clean"
         out.print(summary, markup=False)
+        if result.preen and any(not f.fixed for f in errors):
+            out.print("UNEXPECTED INCONSISTENCY: run kvj fsck --repair by hand (preen repairs only what needs no "
+                      "decision)", style="bold red")

@@ -8,9 +8,18 @@ exists with a matching digest, and lists orphan segments.
 ``repair=True`` cuts a damaged or torn tail (its bytes kept in ``torn/``), sets a damaged
 or disagreeing snapshot aside when the log can replace it, and quarantines damaged
 segments. Nothing is deleted: whatever a repair removes from the live journal is kept.
+``preen=True`` (e2fsck's -p) repairs only what needs no decision: what recovery would
+cut anyway (a damaged or torn tail, an incomplete newest log header) and damaged segments
+no record refers to; anything else is left as an error for ``--repair`` and a person.
 
-Without ``repair`` nothing is written, not even a lock file: the locks are held shared,
-through lock files opened read-only, so fsck works on a read-only mount.
+Without either nothing is written, not even a lock file: the locks are held shared,
+through lock files opened read-only, and every write goes to ``READ_ONLY_FS``, which
+refuses it, so fsck works on a read-only mount.
+
+Segments are verified in parallel (hashing and decompression release the GIL). With
+``sample`` (restic's --read-data-subset) only that fraction of them, chosen at random,
+are read in full; the others have their header checked (it exists, its CRC, the digest
+the record claims).
 
 The result's ``exit_code`` follows e2fsck: 0 clean, 1 errors corrected, 4 errors left
 uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned). What
@@ -23,12 +32,15 @@ repair quarantined (recovery falls back to the segments before it).
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from kvj.errors import CorruptionError, FormatError, JournalLocked, NotFound
-from kvj.fileio import FS, REAL_FS, makedirs_durable, open_read, rename_durable
+from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, NotFound, SegmentMissing
+from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
 from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.locks import LOCK_NAME, DirLock
@@ -40,6 +52,8 @@ from kvj.journal.state import JournalState
 CLEAN, CORRECTED, UNCORRECTED = 0, 1, 4
 
 Progress = Callable[[str, int, int], None]
+#: (kind, reason) of a segment that cannot be used, as ``kvj.segments.check`` reports it.
+Problem = Tuple[str, str]
 
 
 @dataclass
@@ -62,6 +76,7 @@ class Finding:
 class FsckResult:
     path: str
     repair: bool
+    preen: bool = False
     findings: List[Finding] = field(default_factory=list)
     logs: int = 0
     records: int = 0
@@ -71,6 +86,9 @@ class FsckResult:
     segments_checked: int = 0
     orphans: List[str] = field(default_factory=list)
     writer_live: bool = False
+    data_verified: int = 0  # segments read in full (every chunk CRC and the digest)
+    headers_checked: int = 0  # segments outside a --read-data-subset sample: header only
+    sample_seed: Optional[int] = None  # how the sample was drawn, to draw it again
 
     @property
     def errors(self) -> List[Finding]:
@@ -86,10 +104,11 @@ class FsckResult:
         return code
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"path": self.path, "repair": self.repair, "exit_code": self.exit_code,
+        return {"path": self.path, "repair": self.repair, "preen": self.preen, "exit_code": self.exit_code,
                 "logs": self.logs, "records": self.records, "snapshots": self.snapshots,
                 "first_lsn": self.first_lsn, "last_lsn": self.last_lsn,
-                "segments_checked": self.segments_checked, "orphans": self.orphans,
+                "segments_checked": self.segments_checked, "data_verified": self.data_verified,
+                "headers_checked": self.headers_checked, "sample_seed": self.sample_seed, "orphans": self.orphans,
                 "writer_live": self.writer_live, "findings": [f.to_dict() for f in self.findings]}
 
 
@@ -116,9 +135,11 @@ def set_aside(path: str, fs: FS = REAL_FS) -> str:
 
 
 class _Checker:
-    def __init__(self, path: str, store: Any, repair: bool, fs: FS, progress: Optional[Progress]):
-        self.path, self.store_arg, self.repair, self.fs, self.progress = path, store, repair, fs, progress
-        self.result = FsckResult(path, repair)
+    def __init__(self, path: str, store: Any, repair: bool, preen: bool, sample: Optional[float], fs: FS,
+                 progress: Optional[Progress]):
+        self.path, self.store_arg, self.fs, self.progress = path, store, fs, progress
+        self.repair, self.preen, self.sample = repair, preen, sample
+        self.result = FsckResult(path, repair, preen)
 
     def add(self, severity: str, kind: str, message: str, path: Optional[str] = None,
             offset: Optional[int] = None) -> Finding:
@@ -126,11 +147,14 @@ class _Checker:
         self.result.findings.append(finding)
         return finding
 
-    def fix(self, finding: Finding, action: Callable[[], str], corrects: bool = True) -> None:
-        """Under --repair, run ``action`` (which returns what it did); ``corrects``: the error is gone."""
-        if self.repair:
+    def fix(self, finding: Finding, action: Callable[[], str], preen: bool = False) -> None:
+        """Under --repair, or under --preen for a fix that needs no decision (``preen``), run
+        ``action`` (which returns what it did): the finding is corrected."""
+        if self.repair or (self.preen and preen):
             finding.action = action()
-            finding.fixed = corrects
+            finding.fixed = True
+        elif self.preen:
+            finding.action = "left for kvj fsck --repair: it needs a person's decision"
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -177,8 +201,11 @@ class _Checker:
         check_next = older[0] + 1
         scan = Scan(self.path, covered_lsn=snap_lsn, reporter=self._report)
         r.logs = len(scan.logs)
+        total = sum(_size(log) for log in scan.logs)
         for raw in scan:
             r.records += 1
+            if self.progress and r.records % 4096 == 0:
+                self.progress("reading the log", scan.bytes_read, total)
             try:
                 rec = decode(raw)
             except CorruptionError as exc:
@@ -215,7 +242,7 @@ class _Checker:
             finding = self.add("warning", "torn-header", f"the newest log file has an incomplete header "
                                f"({damage.length} bytes: a crash while creating it, or damage); no record is in it. "
                                f"Recovery (or fsck --repair) moves its bytes to {TORN_DIR}/", damage.path, 0)
-            self.fix(finding, lambda: self._drop_file(damage.path, damage.length))
+            self.fix(finding, lambda: self._drop_file(damage.path, damage.length), preen=True)
         elif self.result.writer_live:
             self.add("note", "tail-in-progress", f"{damage.length} bytes after the last complete group: "
                      "the live writer may be writing them", damage.path, damage.offset)
@@ -225,7 +252,7 @@ class _Checker:
                                "the log (a crash while writing it, or damage to its last group, whose records may "
                                "have been acknowledged). Recovery (or fsck --repair) cuts it and keeps the bytes in "
                                f"{TORN_DIR}/", damage.path, damage.offset)
-            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}")
+            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}", preen=True)
 
     def _drop_file(self, path: str, size: int) -> str:
         aside = cut_torn_tail(TornTail(path, 0, size), self.fs) if size else None
@@ -269,7 +296,7 @@ class _Checker:
             finding = self.add("warning", "torn-tail", f"damaged or torn last line of {tail.length} bytes: the end "
                                "of the log. Recovery (or fsck --repair) cuts it and keeps the bytes in "
                                f"{TORN_DIR}/", tail.path, tail.offset)
-            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}")
+            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}", preen=True)
         self.add("note", "legacy", "legacy JSON-lines journal: its records carry no digests, segments not checked")
         return state
 
@@ -282,23 +309,16 @@ class _Checker:
             self._segments(state, store)
 
     def _segments(self, state: JournalState, store: Any) -> None:
-        from kvj.segments.check import verify_segment
-
         referenced = state.referenced_keys()
         digests = _record_digests(state)
         if store is None:
             if referenced:
                 self.add("error", "segment-missing", f"no segment store, but {len(referenced)} segments are needed")
             return
-        keys = sorted(store.keys())
-        total = len(keys) + len([k for k in referenced if k not in set(keys)])
-        done = 0
+        orphans = sorted(set(store.keys()) - referenced.keys())
+        problems = self._verify(store, sorted(referenced) + orphans, digests)
         for key, who in sorted(referenced.items()):
-            problem = verify_segment(store, key, digests.get(key))
-            done += 1
-            self.result.segments_checked += 1
-            if self.progress:
-                self.progress("verifying segments", done, total)
+            problem = problems[key]
             if problem is None:
                 continue
             kind, reason = problem
@@ -314,21 +334,65 @@ class _Checker:
                 # the tokens the segment held are lost (recovery says which)
                 self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}; recovery falls back to "
                          "the segments before it")
-        for key in keys:
-            if key in referenced:
-                continue
-            done += 1
-            self.result.segments_checked += 1
-            if self.progress:
-                self.progress("verifying segments", done, total)
-            self.result.orphans.append(key)
-            problem = verify_segment(store, key, None)
+        self.result.orphans = orphans
+        for key in orphans:
+            problem = problems[key]
             if problem is not None:
                 finding = self.add("error", problem[0], f"unreferenced segment {key}: {problem[1]}")
-                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}")
-        if self.result.orphans:
-            self.add("note", "orphans", f"{len(self.result.orphans)} segments no live record references "
+                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}", preen=True)
+        if orphans:
+            self.add("note", "orphans", f"{len(orphans)} segments no live record references "
                      "(kvj compact collects them after the grace period)")
+
+    def _verify(self, store: Any, keys: List[str], digests: Dict[str, str]) -> Dict[str, Optional[Problem]]:
+        """Each key's problem, in parallel: read in full, or its header only when a
+        --read-data-subset sample leaves it out."""
+        from kvj.segments.check import verify_segment
+
+        full = self._sampled(keys)
+        results: Dict[str, Optional[Problem]] = {}
+        if not keys:
+            return results
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            futures = [(key, pool.submit(verify_segment if key in full else _header_problem, store, key,
+                                         digests.get(key))) for key in keys]
+            for done, (key, future) in enumerate(futures, 1):
+                results[key] = future.result()
+                if self.progress:
+                    self.progress("verifying segments", done, len(keys))
+        self.result.segments_checked = len(keys)
+        self.result.data_verified = len(full)
+        self.result.headers_checked = len(keys) - len(full)
+        return results
+
+    def _sampled(self, keys: List[str]) -> Set[str]:
+        """The keys to read in full: all of them, or a random ``sample`` fraction (at least one)."""
+        if self.sample is None or not keys:
+            return set(keys)
+        seed = int.from_bytes(os.urandom(4), "little")
+        self.result.sample_seed = seed
+        count = min(len(keys), max(1, math.ceil(len(keys) * self.sample)))
+        return set(random.Random(seed).sample(keys, count))
+
+
+def _header_problem(store: Any, key: str, digest: Optional[str]) -> Optional[Problem]:
+    """A segment outside the sample: present, a header that checks out, the digest its record claims."""
+    try:
+        info = store.info(key)
+    except SegmentMissing as exc:
+        return "segment-missing", str(exc)
+    except (CorruptionError, FormatError, OSError) as exc:
+        return "segment-damaged", str(exc)
+    if digest is not None and info.digest != digest:
+        return "segment-damaged", f"digest {info.digest} differs from the {digest} its record claims"
+    return None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _record_digests(state: JournalState) -> Dict[str, str]:
@@ -352,28 +416,34 @@ def _writer_live(path: str) -> bool:
     return False
 
 
-def fsck(path: str, store: Any = None, *, repair: bool = False, fs: FS = REAL_FS,
-         progress: Optional[Progress] = None) -> FsckResult:
-    """Check (and with ``repair``, repair) the journal at ``path``; see the module docstring.
+def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = False,
+         sample: Optional[float] = None, fs: FS = REAL_FS, progress: Optional[Progress] = None) -> FsckResult:
+    """Check (with ``repair`` or ``preen``, repair) the journal at ``path``; see the module docstring.
 
-    Raises ``JournalLocked`` when repairing while a writer runs, or while a compactor runs;
-    ``FormatError`` when there is no journal at ``path``.
+    ``sample`` in (0, 1]: read only that fraction of the segments in full. Raises
+    ``JournalLocked`` when repairing while a writer runs, or while a compactor runs;
+    ``NotFound`` when there is no journal at ``path``.
     """
     from kvj.journal.locks import COMPACT_LOCK
 
+    if repair and preen:
+        raise InvalidArgument("repair and preen exclude each other")
+    if sample is not None and not 0 < sample <= 1:
+        raise InvalidArgument(f"the sample {sample} is not a fraction in (0, 1]")
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise NotFound(f"no journal at {path}")
-    checker = _Checker(path, store, repair, fs, progress)
+    writes = repair or preen
+    checker = _Checker(path, store, repair, preen, sample, fs if writes else READ_ONLY_FS, progress)
     if is_legacy(path):
         checker.legacy()
         return checker.result
     if not os.path.isdir(path):
         raise NotFound(f"no journal at {path}")
     compactor = DirLock(path, COMPACT_LOCK, "compactor")
-    locks = [compactor.acquire()] if repair else [lock for lock in [compactor.acquire_shared()] if lock]
+    locks = [compactor.acquire()] if writes else [lock for lock in [compactor.acquire_shared()] if lock]
     try:
-        if repair:
+        if writes:
             locks.append(DirLock(path, LOCK_NAME, "writer").acquire())
         else:
             checker.result.writer_live = _writer_live(path)

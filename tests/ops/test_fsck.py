@@ -229,3 +229,61 @@ def test_fsck_and_recover_as_the_man_page_says(tmp_path, journal, state):
     assert "manifest: " in proc.stdout
     if state == "quarantined segment":
         assert "fallback: request req-0: resumes at token 16 instead of 32" in proc.stdout
+
+
+def test_preen_repairs_only_what_needs_no_decision(journal, capsys):
+    ended = kvj.replay(journal).requests["req-2"].segments[0].key  # nothing live refers to it
+    needed = kvj.replay(journal).requests["req-0"].segments[1].key
+    flip_byte(segment_file(journal, ended))
+    last, size, _torn = append_torn_tail(journal)
+    result = fsck(journal, preen=True)
+    assert result.exit_code == 1 and os.path.getsize(last) == size  # tail cut, bytes kept
+    assert ("segment-damaged", True) in errors(result) and not os.path.exists(segment_file(journal, ended))
+    flip_byte(segment_file(journal, needed))  # recovery's plan depends on it: a person decides
+    status, out, _ = run_cli(capsys, "fsck", "-p", "-j", journal)
+    assert status == 4 and "left for kvj fsck --repair" in out and "UNEXPECTED INCONSISTENCY" in out
+    assert os.path.exists(segment_file(journal, needed))
+    assert run_cli(capsys, "fsck", "-p", "--repair", "-j", journal)[0] == 16
+
+
+def test_read_only_mode_refuses_every_write_it_could_make(journal, capsys):
+    """Without --repair fsck works through READ_ONLY_FS: a write would fail loudly (status 8),
+    so a clean run proves that none was attempted, even with everything --repair would fix."""
+    import errno
+
+    from kvj.fileio import READ_ONLY_FS
+
+    with pytest.raises(OSError) as refused:
+        READ_ONLY_FS.open(os.path.join(journal, "x"), os.O_WRONLY | os.O_CREAT)
+    assert refused.value.errno == errno.EROFS and not os.path.exists(os.path.join(journal, "x"))
+    flip_byte(segment_file(journal, kvj.replay(journal).requests["req-2"].segments[0].key))
+    append_torn_tail(journal)
+    status, out, err = run_cli(capsys, "fsck", "-n", "-j", journal)
+    assert status == 4 and err == "" and "torn tail" in out and "quarantined" not in out
+
+
+def test_read_data_subset_reads_a_sample_and_checks_every_header(journal, capsys):
+    import json
+
+    status, out, _ = run_cli(capsys, "fsck", "-j", journal, "--read-data-subset", "30%", "--json")
+    result = json.loads(out)
+    total = result["segments_checked"]
+    assert status == 0 and total == 9  # 7 needed (4 KV blocks, 3 training) and 2 orphans (the ended request's)
+    assert result["data_verified"] == 3 and result["headers_checked"] == 6 and result["sample_seed"] is not None
+    missing = kvj.replay(journal).requests["req-1"].segments[0].key
+    os.unlink(segment_file(journal, missing))  # found whether or not the sample holds it
+    result = fsck(journal, sample=0.01)
+    assert result.data_verified == 1 and errors(result) == [("segment-missing", False)]
+    assert run_cli(capsys, "fsck", "-j", journal, "--read-data-subset", "0%")[0] == 16
+
+
+def test_progress_is_reported_for_the_log_and_the_segments(tmp_path):
+    path = str(tmp_path / "j")
+    build(path, requests=1, blocks=2, ended=0, training=False)
+    with Journal.open(path) as j:
+        for i in range(5000):
+            j.alloc("cuda:0", i, 64, "x")
+    calls = []
+    fsck(path, progress=lambda what, done, total: calls.append((what, done, total)))
+    assert any(what == "reading the log" and 0 < done <= total for what, done, total in calls)
+    assert ("verifying segments", 2, 2) in calls
