@@ -238,10 +238,14 @@ class Journal:
         return self._append(RecordType.DELTA, {"step": step, "base_step": base_step, "keys": _mapped(keys, "keys"),
                                                "meta": _mapped(meta, "meta")}, durable)
 
-    def epoch(self, epoch: int, recovered_lsn: int, manifest: Optional[str] = None, durable: bool = True) -> int:
-        """Record a recovery epoch (written by recovery before the server resumes)."""
-        return self._append(RecordType.EPOCH, {"epoch": epoch, "recovered_lsn": recovered_lsn,
-                                               "time": time.time(), "manifest": manifest}, durable)
+    def epoch(self, epoch: int, recovered_lsn: int, manifest: Optional[str] = None, durable: bool = True,
+              salvage: Optional[Mapping[str, Any]] = None) -> int:
+        """Record a recovery epoch (written by recovery before the server resumes); ``salvage``
+        records a salvaging recovery's decision (what it set aside and lost)."""
+        payload = {"epoch": epoch, "recovered_lsn": recovered_lsn, "time": time.time(), "manifest": manifest}
+        if salvage is not None:
+            payload["salvage"] = dict(salvage)
+        return self._append(RecordType.EPOCH, payload, durable)
 
     def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
         """Append a record given as a plain payload, validated against its type's schema

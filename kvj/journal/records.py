@@ -135,6 +135,7 @@ class Epoch(Schema):
     recovered_lsn: int
     time: float  # Unix seconds
     manifest: Optional[str]
+    salvage: Optional[Dict[str, Any]] = None  # a salvaging recovery's decision: what it set aside and lost
 
 
 #: The schema: each record type's payload struct.

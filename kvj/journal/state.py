@@ -156,7 +156,8 @@ class JournalState:
                                 "meta": p["meta"], "lsn": lsn})
         elif rtype == RecordType.EPOCH:
             self.epochs.append({"epoch": p["epoch"], "recovered_lsn": p["recovered_lsn"],
-                                "time": p["time"], "manifest": p["manifest"], "lsn": lsn})
+                                "time": p["time"], "manifest": p["manifest"], "lsn": lsn,
+                                **({"salvage": p["salvage"]} if p.get("salvage") is not None else {})})
         else:
             self._warn(lsn, f"skipped record of unknown type {rtype} (written by a newer kvj?)")
 
