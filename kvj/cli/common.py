@@ -278,6 +278,30 @@ def check_owner(path: str) -> None:
                          f"User= in the unit, or set {TRUST_ENV}=1 to trust it)")
 
 
+# -- units -------------------------------------------------------------------------------
+
+
+def rate(nbytes: float, seconds: float) -> str:
+    """A transfer rate in the unit that suits it (a small one is not "0.00 GB/s")."""
+    from kvj.ops.inspection import human_size
+
+    if seconds <= 0:
+        return "-"
+    per_s = nbytes / seconds
+    return f"{per_s / 1e9:.2f} GB/s" if per_s >= 1e9 else f"{human_size(per_s)}/s"
+
+
+def ago(when: Optional[float], now: Optional[float] = None) -> str:
+    """How long ago Unix time ``when`` was, as a person says it."""
+    if when is None:
+        return "time unknown"
+    secs = max(0.0, (time.time() if now is None else now) - when)
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if secs >= size:
+            return f"{secs / size:.0f} {unit} ago" if unit != "days" or secs >= 2 * size else "1 day ago"
+    return f"{secs:.0f} s ago"
+
+
 # -- parsers -------------------------------------------------------------------------------
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")

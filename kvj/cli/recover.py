@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import os
+from typing import Annotated, Any, Dict, List, Optional
 
 import typer
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, progress, store_path
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, ago, emit_json, journal_path, out, progress, rate, store_path
 from kvj.cli.errors import FAILURE
+from kvj.errors import CorruptionError
 from kvj.ops.inspection import human_size
 from kvj.ops.recover import RecoveryResult, check_device, load_manifest
 from kvj.ops.recover import recover as recover_journal
@@ -19,12 +21,16 @@ DeviceOpt = typer.Option("--device", metavar="DEVICE",
                          help="Also load every planned segment onto DEVICE (cpu, cuda:0, ...) and report "
                               "time and GB/s.")
 DryRunOpt = typer.Option("--dry-run", "-n", help="Change nothing: no tail cut, no manifest, no epoch record.")
+UntilDamageOpt = typer.Option("--until-damage", help="Salvage a journal damaged in the middle of its log: recover "
+                              "it as of the last record before the damage, set the damage and everything after it "
+                              "aside in torn/, and say exactly what is lost (recorded in the epoch record).")
 
 
 def recover(journal: JournalArg = None,
             store: StoreArg = None,
             device: Annotated[Optional[str], DeviceOpt] = None,
             dry_run: Annotated[bool, DryRunOpt] = False,
+            until_damage: Annotated[bool, UntilDamageOpt] = False,
             as_json: JsonArg = False) -> None:
     """Recover after a crash: verify, plan, and write the recovery manifest.
 
@@ -42,9 +48,16 @@ def recover(journal: JournalArg = None,
     cannot be used here is status 64, a missing or empty store while the journal needs
     segments (a mistyped --store or KVJ_STORE) is status 66. Exit status 1 when --device
     could not load everything.
+
+    It tells the story: per request the tokens restorable and lost, the totals, what the
+    journal recorded since the previous recovery, and the next step. A journal damaged in
+    the middle of its log is refused (status 65); --until-damage is the explicit way
+    forward (as pg_resetwal): recovery as of the last record before the damage, the
+    damage and everything after it kept in torn/, and the LSNs, requests, tokens and
+    training steps lost stated and recorded in the recovery-epoch record.
     """
     path = journal_path(journal)
-    _run(path, store_path(path, store), device, dry_run, as_json)
+    _run(path, store_path(path, store), device, dry_run, as_json, until_damage)
 
 
 def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
@@ -65,11 +78,18 @@ def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="
     _run(path, store_path(path, kv_store), device, not do_recover, as_json)
 
 
-def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: bool) -> None:
+def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: bool,
+         until_damage: bool = False) -> None:
     if device is not None:
         check_device(device)  # before anything is written: a device that cannot work is a usage error
     with progress() as update:
-        result = recover_journal(path, store, dry_run=dry_run, progress=update)
+        try:
+            result = recover_journal(path, store, dry_run=dry_run, until_damage=until_damage, progress=update)
+        except CorruptionError as exc:
+            if until_damage:
+                raise
+            raise CorruptionError(exc.path, exc.offset, f"{exc.reason}; nothing was changed (kvj recover "
+                                  "--until-damage recovers what precedes the damage, see kvj-recover(1))") from None
         if device is not None:
             result.load = load_manifest(result.manifest, store, device, progress=update)
     if as_json:
@@ -82,30 +102,48 @@ def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: b
 
 
 def summary(result: RecoveryResult) -> Group:
+    """The story of a recovery: what it found and did, what is restorable and lost, what
+    changed since the previous recovery, and what to do next."""
     m = result.manifest
-    parts = []
+    parts: List[RenderableType] = []
     verb = "would recover" if result.dry_run else "recovered"
     parts.append(Text.assemble((f"{verb} ", "bold"), m["journal"],
                                f" up to LSN {m['recovered_lsn']} (epoch {m['epoch']})"))
+    parts += _since(m.get("since_previous"))
     tail = m.get("torn_tail")
     if tail:
         kept = f", kept at {tail['kept_at']}" if tail.get("kept_at") else "; recovery cuts it and keeps the bytes in torn/"
         parts.append(Text(f"damaged or torn tail: {tail['length']} bytes{kept}", style="yellow"))
+    salvage = m.get("salvage")
+    if salvage:
+        parts += _salvage(salvage, result.dry_run)
+    lost_by_id = {r["id"]: r["tokens_lost"] for r in (salvage or {}).get("requests", [])}
     parts.append(Text(f"requests to resume: {len(m['requests'])}  (ended: {m['ended_requests']})", style="bold"))
+    notes: List[Text] = []
     if m["requests"]:
         table = Table(box=None, pad_edge=False, header_style="bold")
-        for col in ("request", "resume at", "segments", "note"):
-            table.add_column(col, justify="right" if col in ("resume at", "segments") else "left")
+        for col in ("request", "resume at", "segments", "lost tokens"):
+            table.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
         for r in m["requests"]:
-            note = ""
+            lost = 0
             if r.get("fallback"):
-                lost = r["fallback"]["lost_tokens"]
-                note = f"fallback: tokens {lost[0]}..{lost[1]} lost ({len(r['fallback']['dropped'])} segments unusable)"
+                span = r["fallback"]["lost_tokens"]
+                lost = span[1] - span[0]
+                notes.append(Text(f"  {r['id']}: tokens {span[0]}..{span[1]} lost "
+                                  f"({len(r['fallback']['dropped'])} segments unusable)", style="yellow"))
             elif r.get("verified") is False:
-                note = "legacy: not verified (no digests)"
+                notes.append(Text(f"  {r['id']}: legacy, not verified (no digests)", style="yellow"))
+            lost += lost_by_id.get(r["id"], 0)
             resume = "-" if r["resume_position"] is None else str(r["resume_position"])
-            table.add_row(r["id"], resume, str(len(r["segments"])), Text(note, style="yellow" if note else ""))
+            table.add_row(r["id"], resume, str(len(r["segments"])), Text(str(lost), style="yellow" if lost else ""))
         parts.append(table)
+    parts += notes
+    tokens = m.get("tokens") or {"restorable": 0, "lost": 0}
+    salvaged = (salvage or {}).get("tokens_lost", 0)
+    lost_total = tokens["lost"] + salvaged
+    parts.append(Text(f"tokens: {tokens['restorable']} restorable from segments, {lost_total} lost"
+                      + (f" ({salvaged} in records after the damage)" if salvaged else ""),
+                      style="yellow" if lost_total else "green"))
     t = m["training"]
     if t["checkpoint"] is not None:
         parts.append(Text(f"training: checkpoint step {t['checkpoint']['step']} + {len(t['deltas'])} deltas "
@@ -122,7 +160,52 @@ def summary(result: RecoveryResult) -> Group:
     if result.load is not None:
         load = result.load
         parts.append(Text(f"loaded {load['segments']} segments ({human_size(load['bytes'])}) onto {load['device']} "
-                          f"in {load['seconds']:.3f} s: {load['gb_per_s']:.2f} GB/s"
+                          f"in {load['seconds']:.3f} s: {rate(load['bytes'], load['seconds'])}"
                           + (f"; {len(load['failed'])} FAILED" if load["failed"] else ""),
                           style="red" if load["failed"] else ""))
+    parts.append(Text(f"next: {next_step(result)}", style="bold"))
     return Group(*parts)
+
+
+def _since(since: Optional[Dict[str, Any]]) -> List[RenderableType]:
+    if not since:
+        return []
+    when = (f"since epoch {since['epoch']} (LSN {since['lsn']}, {ago(since['time'])})" if since["epoch"] is not None
+            else "since the journal began")
+    return [Text(f"{when}: {since['records']} records, {since['started']} requests started, {since['ended']} ended, "
+                 f"{since['segments']} segments flushed")]
+
+
+def _salvage(s: Dict[str, Any], dry_run: bool) -> List[RenderableType]:
+    first = s["damage"][0]
+    where = f"{os.path.basename(first['path'])} at offset {first['offset']}"
+    lost = (f"LSNs {s['kept_lsn'] + 1}..{s['lost_to']}" if s["lost_to"] is not None
+            else f"LSN {s['kept_lsn'] + 1} on")
+    parts: List[RenderableType] = [
+        Text(f"SALVAGE: the log is damaged at {where} ({first['reason']}); recovering as of LSN {s['kept_lsn']}, "
+             f"the last record before it", style="bold red"),
+        Text(f"lost: {lost}, and whatever the damaged groups held ({len(s['damage'])} damaged "
+             f"{'place' if len(s['damage']) == 1 else 'places'})", style="red")]
+    moved = s["set_aside_to"] or ([f"{os.path.basename(s['cut_file'])} from offset {s['cut_offset']}"]
+                                  + [os.path.basename(p) for p in s["later_files"]])
+    parts.append(Text(("would set aside: " if dry_run else "set aside (kept): ") + ", ".join(moved), style="red"))
+    for r in s["requests"]:
+        parts.append(Text(f"  {r['id']}: {r['what']}", style="red"))
+    if s.get("training"):
+        parts.append(Text(f"  training: step {s['training']['step_after_damage']} lost; restores step "
+                          f"{s['training']['kept_step']}", style="red"))
+    return parts
+
+
+def next_step(result: RecoveryResult) -> str:
+    """What the operator does now."""
+    m = result.manifest
+    journal = m["journal"]
+    if result.dry_run:
+        return f"kvj recover -j {journal} (this was a dry run: nothing was changed)"
+    damaged = m["segments_unusable"] or m["fallbacks"] or m.get("salvage")
+    server = f"start the server: it resumes from {result.manifest_path}"
+    if damaged:
+        return (f"{server}; then look at the damage with kvj fsck -j {journal} (kvj fsck --repair moves "
+                "damaged segments to quarantine)")
+    return server

@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal.journal import Journal, default_store_path
-from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.replay import _legacy_file, is_legacy, replay
 from kvj.journal.state import JournalState, RequestState, SegmentRef
+from kvj.ops.salvage import Salvage, find_damage
+from kvj.ops.salvage import set_aside as set_aside_damage
 from kvj.segments.check import Problem, opened_store, verify_many
 
 if TYPE_CHECKING:
@@ -158,6 +160,8 @@ def build_manifest(state: JournalState, problems: Dict[str, Optional[Problem]], 
     training = plan_training(state, problems)
     if training["fallback"]:
         fallbacks.append(f"training: {training['fallback']['reason']}")
+    restorable = sum(r["resume_position"] or 0 for r in requests)
+    lost = sum(r["fallback"]["lost_tokens"][1] - r["fallback"]["lost_tokens"][0] for r in requests if r["fallback"])
     return {
         "kvj_recovery_manifest": MANIFEST_VERSION,
         "journal": journal, "store": store, "legacy": legacy, "epoch": epoch, "created": time.time(),
@@ -168,7 +172,21 @@ def build_manifest(state: JournalState, problems: Dict[str, Optional[Problem]], 
         "segments_verified": sum(1 for p in problems.values() if p is None),
         "segments_unusable": sum(1 for p in problems.values() if p is not None),
         "fallbacks": fallbacks, "warnings": state.warnings,
+        "tokens": {"restorable": restorable, "lost": lost}, "since_previous": since_previous(state),
     }
+
+
+def since_previous(state: JournalState) -> Dict[str, Any]:
+    """What the journal recorded after the previous recovery epoch (or from the start): records,
+    requests started and ended, segments flushed (ended requests compacted away are not counted)."""
+    prev = state.epochs[-1] if state.epochs else None
+    after = prev["lsn"] if prev else 0
+    reqs = list(state.requests.values())
+    return {"epoch": prev["epoch"] if prev else None, "lsn": after, "time": prev.get("time") if prev else None,
+            "records": max(0, state.last_lsn - after),
+            "started": sum(1 for r in reqs if r.start_lsn > after),
+            "ended": sum(1 for r in reqs if r.ended and (r.end_lsn or 0) > after),
+            "segments": sum(1 for r in reqs for ref in r.segments.values() if ref.lsn > after)}
 
 
 def _needed(state: JournalState) -> List[Tuple[str, Optional[str]]]:
@@ -191,12 +209,15 @@ def _next_epoch(state: JournalState, recovery_dir: str) -> int:
     return max(known, default=0) + 1
 
 
-def recover(path: str, store: Any = None, *, dry_run: bool = False, fs: FS = REAL_FS,
-            progress: Optional[Progress] = None) -> RecoveryResult:
+def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage: bool = False,
+            fs: FS = REAL_FS, progress: Optional[Progress] = None) -> RecoveryResult:
     """Recover the journal at ``path`` (a kvj journal directory or a legacy JSON-lines journal).
 
     ``store`` is a ``SegmentStore`` or its root (default ``<journal>/segments``). Raises
-    ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` on mid-log damage.
+    ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` on mid-log damage
+    unless ``until_damage``: then the journal is recovered as of the last record before the
+    first damage, which and everything after it is set aside into ``torn/`` (``kvj.ops.salvage``);
+    the manifest and the recovery-epoch record say what was lost.
     """
     path = os.path.abspath(path)
     if not os.path.exists(path):
@@ -210,26 +231,38 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, fs: FS = REA
         store_root = os.path.abspath(os.fspath(store))
     else:
         store_root = getattr(getattr(store, "backend", None), "root", None)
+    if until_damage and legacy:
+        raise InvalidArgument("--until-damage applies to kvj journals (a seed-era journal's damage is its torn "
+                              "last line, which recovery cuts)")
+    found = find_damage(path) if until_damage else None
     if not legacy:
-        _require_store(path, store, store_root)
+        _require_store(path, store, store_root, found.kept_state if found else None)
     if dry_run or legacy:
-        return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress)
+        return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress, found)
     compactor = DirLock(path, COMPACT_LOCK, "compactor").acquire()
     try:
+        if found is not None:
+            writer = DirLock(path, LOCK_NAME, "writer").acquire()
+            try:
+                found = find_damage(path)  # again, under the locks: what is set aside is what was found
+                if found is not None:
+                    set_aside_damage(found, fs)
+            finally:
+                writer.release()
         with Journal.open(path, create=False, fs=fs) as journal:
-            return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress)
+            return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress, found)
     finally:
         compactor.release()
 
 
-def _require_store(path: str, store: Any, store_root: Optional[str]) -> None:
+def _require_store(path: str, store: Any, store_root: Optional[str], state: Optional[JournalState]) -> None:
     """Refuse (``NotFound``, before anything is written) a missing or empty store when the
     journal needs segments: a mistyped ``--store`` or ``KVJ_STORE`` must not turn into a
     manifest in which every request resumes at token 0."""
     with opened_store(store, store_root or "") as seg_store:
         if seg_store is not None and next(iter(seg_store.keys()), None) is not None:
             return
-    needed = {key for key, _digest in _needed(replay(path))}
+    needed = {key for key, _digest in _needed(state if state is not None else replay(path))}
     if needed:
         state = "holds no segments" if seg_store is not None else "does not exist"
         raise NotFound(f"segment store {store_root} {state}, but the journal needs {len(needed)} segments: "
@@ -237,8 +270,10 @@ def _require_store(path: str, store: Any, store_root: Optional[str]) -> None:
 
 
 def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str, legacy: bool, dry_run: bool,
-             fs: FS, journal: Optional[Journal], progress: Optional[Progress]) -> RecoveryResult:
-    state = replay(path)
+             fs: FS, journal: Optional[Journal], progress: Optional[Progress],
+             salvage: Optional[Salvage] = None) -> RecoveryResult:
+    state = salvage.kept_state if salvage is not None and dry_run else replay(path)
+    assert state is not None
     cut = journal.cut_tail if journal is not None else None
     if legacy and state.last_lsn == 0:
         raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record "
@@ -259,6 +294,8 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
     if cut is not None:
         manifest["torn_tail"] = {**(manifest["torn_tail"] or {}), "kept_at": cut,
                                  "length": os.path.getsize(cut)}
+    if salvage is not None:
+        manifest["salvage"] = salvage.to_dict()
     result = RecoveryResult(manifest, dry_run=dry_run)
     if dry_run:
         return result
@@ -267,7 +304,8 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
     atomic_write(target, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(), fs)
     result.manifest_path = target
     if journal is not None:  # the manifest is durable before the record that points at it
-        result.epoch_lsn = journal.epoch(epoch, manifest["recovered_lsn"], os.path.relpath(target, path))
+        result.epoch_lsn = journal.epoch(epoch, manifest["recovered_lsn"], os.path.relpath(target, path),
+                                         salvage=salvage.epoch_record() if salvage is not None else None)
     return result
 
 

@@ -138,3 +138,34 @@ def test_tail_damage_is_called_damaged_or_torn_and_its_bytes_are_kept_where_name
     kept = proc.stdout.split("damaged or torn tail: 30 bytes, kept at ")[1].split()[0]
     with open(kept, "rb") as f:
         assert f.read() == tail
+
+
+def test_recover_tells_the_story(tmp_path):
+    """Restorable and lost tokens per request and in total, what changed since the previous
+    recovery, and the next step; notes are whole lines, never wrapped inside a table cell."""
+    import os
+
+    from support.cli_helpers import block, segment_file
+
+    from kvj.journal.journal import Journal
+
+    path = tmp_path / "j"
+    written = build(str(path))
+    first = kvj("recover", "-j", path, "--dry-run")
+    assert "since the journal began: 20 records, 3 requests started, 1 ended, 9 segments flushed" in first.stdout
+    assert "tokens: 96 restorable from segments, 0 lost" in first.stdout
+    assert "next: kvj recover -j " in first.stdout and "(this was a dry run" in first.stdout
+    first = kvj("recover", "-j", path)
+    assert first.stdout.rstrip().splitlines()[-1].startswith("next: start the server: it resumes from ")
+    with Journal.open(path) as j:
+        j.start("new", tokens=[1])
+        j.flush("new", 0, block(7, 0), token_range=(0, 16)).result()
+        j.end("req-1")
+    os.unlink(segment_file(str(path), written["keys"]["req-0"][2]))
+    second = kvj("recover", "-j", path, extra_env={"COLUMNS": "80"})
+    lines = second.stdout.splitlines()
+    assert any(line.startswith("since epoch 1 (LSN 21, ") and line.endswith(
+        "): 3 records, 1 requests started, 1 ended, 1 segments flushed") for line in lines), second.stdout
+    assert "  req-0: tokens 32..48 lost (1 segments unusable)" in lines
+    assert "tokens: 48 restorable from segments, 16 lost" in second.stdout  # req-0 32 of 48, new 16
+    assert lines[-1].startswith("next: start the server") and "kvj fsck -j" in lines[-1]

@@ -1,0 +1,194 @@
+"""Salvage: recover a journal damaged in the middle of its log as of the last record before
+the damage, in the spirit of ``pg_resetwal``: explicitly, loudly, and saying what is lost.
+
+Replay refuses damage anywhere but the tail, because records after it cannot be trusted
+to follow from what came before. ``find_damage`` walks the whole log past the damage (the
+one walker, with a reporter that notes each damage and goes on) and folds two states: what
+precedes the first damage (what salvage keeps) and every intact record (what the journal
+held as far as can be read). The difference says exactly which LSNs, requests, tokens and
+training steps are lost, beside the bytes of the damaged groups themselves, whose content
+is unknown. ``set_aside`` then moves the damage and everything after it into ``torn/``
+(the rest of the damaged file, cut as a torn tail is; every later log file whole), so that
+the journal ends cleanly at the last record kept and the next record continues from it.
+Nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from kvj.errors import CorruptionError
+from kvj.fileio import FS, REAL_FS
+from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
+from kvj.journal.journal import cut_torn_tail
+from kvj.journal.reader import (
+    CORRUPTION,
+    COVERED_GAP,
+    LSN_ORDER,
+    TORN,
+    Damage,
+    Record,
+    Scan,
+    TornTail,
+    decode,
+    list_logs,
+    read_header,
+)
+from kvj.journal.snapshot import load_latest
+from kvj.journal.state import JournalState
+
+
+@dataclass
+class Salvage:
+    """What salvaging a damaged journal keeps, loses and sets aside."""
+
+    damage: List[Dict[str, Any]]  #: every damage found: kind, path, offset, reason
+    kept_lsn: int  #: the last LSN kept (recovery is as of it)
+    lost_to: Optional[int]  #: the last LSN read after the damage (None: nothing intact after it)
+    cut_file: str  #: the log file the journal is cut in
+    cut_offset: int  #: where (0: the whole file goes)
+    later_files: List[str]  #: log files after it, set aside whole
+    requests: List[Dict[str, Any]]  #: per request the damage changed: what is lost
+    training: Optional[Dict[str, Any]]  #: the training step kept and the one lost, if they differ
+    tokens_lost: int = 0  #: tokens of intact records after the damage that recovery loses
+    set_aside_to: List[str] = field(default_factory=list)  #: where the bytes went, once set aside
+    kept_state: Optional[JournalState] = None  #: the state as of ``kept_lsn``
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.pop("kept_state")
+        return d
+
+    def epoch_record(self) -> Dict[str, Any]:
+        """The decision, small enough for the recovery-epoch record (the manifest has it all)."""
+        return {"kept_lsn": self.kept_lsn, "lost_from": self.kept_lsn + 1, "lost_to": self.lost_to,
+                "damage": self.damage[:8], "set_aside": self.set_aside_to[:64],
+                "requests_affected": len(self.requests), "tokens_lost": self.tokens_lost}
+
+
+def _copy(state: JournalState) -> JournalState:
+    copy = JournalState.from_dict(state.to_dict())
+    copy.snapshot_lsn = state.snapshot_lsn
+    return copy
+
+
+def find_damage(path: str) -> Optional[Salvage]:
+    """Walk the log past any damage; None when there is none but a torn tail (recovery's own
+    business), else what salvaging it would keep and lose.
+
+    Records are kept a whole commit group at a time, so the journal is cut at a group's
+    start, never inside one.
+    """
+    base = load_latest(path) or JournalState()
+    damages: List[Damage] = []
+    kept, full = _copy(base), _copy(base)
+    pending: List[Record] = []  # the current group's records, kept once the group is known whole
+
+    def keep_pending() -> None:
+        if not damages:
+            for rec in pending:
+                kept.apply(rec.rtype, rec.payload, rec.lsn)
+        pending.clear()
+
+    def note(damage: Damage) -> None:
+        if damage.kind in (TORN, COVERED_GAP):
+            return
+        keep_pending()  # the group before the damage ended whole
+        if damage.kind == LSN_ORDER:  # reported at its first record: cut at the group's header
+            damage = Damage(damage.kind, damage.path, (damage.offset or 0) - _group_header_size(damage.path),
+                            damage.reason)
+        damages.append(damage)
+
+    lost_to: Optional[int] = None
+    group_end: Optional[Tuple[str, int]] = None
+    group_start = 0
+    for raw in Scan(path, after_lsn=base.snapshot_lsn, reporter=note):
+        if (raw.path, raw.offset) != group_end:  # the first record of a new group
+            keep_pending()
+            group_start = raw.offset - _group_header_size(raw.path)
+        group_end = (raw.path, raw.offset + RECORD_HEADER_SIZE + len(raw.payload))
+        try:
+            rec = decode(raw)
+        except CorruptionError as exc:  # framed well, but its payload is no record: the group goes
+            if not damages:
+                pending.clear()
+                damages.append(Damage(CORRUPTION, raw.path, group_start, exc.reason))
+            continue
+        if damages:
+            lost_to = rec.lsn
+        else:
+            pending.append(rec)
+        full.apply(rec.rtype, rec.payload, rec.lsn)
+    keep_pending()
+    if not damages:
+        return None
+    first = damages[0]
+    logs = list_logs(path)
+    later = logs[logs.index(first.path) + 1:] if first.path in logs else []
+    requests, tokens = _lost_requests(kept, full)
+    return Salvage(damage=[{"kind": d.kind, "path": d.path, "offset": d.offset, "reason": d.reason} for d in damages],
+                   kept_lsn=kept.last_lsn, lost_to=lost_to, cut_file=first.path, cut_offset=first.offset or 0,
+                   later_files=later, requests=requests, training=_lost_training(kept, full), tokens_lost=tokens,
+                   kept_state=kept)
+
+
+def _group_header_size(path: str) -> int:
+    header = read_header(path)
+    return GROUP_HEADERS[header.version].size if header is not None else GROUP_HEADERS[FORMAT_VERSION].size
+
+
+def _lost_requests(kept: JournalState, full: JournalState) -> Tuple[List[Dict[str, Any]], int]:
+    """Each request whose state the records after the damage would have changed."""
+    out: List[Dict[str, Any]] = []
+    total = 0
+    for rid in sorted(set(kept.requests) | set(full.requests)):
+        before, after = kept.requests.get(rid), full.requests.get(rid)
+        if after is None:  # pragma: no cover - full folds every record kept folds
+            continue
+        resume_after = 0 if after.ended else after.resume_position
+        if before is None:
+            what = "started after the damage: not recovered" + ("" if after.ended else
+                                                                 f" ({resume_after} tokens lost)")
+            lost = resume_after
+        elif before.start_lsn != after.start_lsn:
+            what, lost = "started again after the damage: its later incarnation is not recovered", resume_after
+        elif before.ended == after.ended and before.resume_position == after.resume_position:
+            continue
+        elif not before.ended and after.ended:
+            what, lost = "ended after the damage: recovery resumes it", 0
+        else:
+            lost = max(0, resume_after - before.resume_position)
+            what = (f"resumes at token {before.resume_position} instead of {resume_after}" if lost
+                    else "records after the damage changed it")
+        total += lost
+        out.append({"id": rid, "kept_tokens": 0 if before is None or before.ended else before.resume_position,
+                    "tokens_after_damage": resume_after, "tokens_lost": lost, "what": what})
+    return out, total
+
+
+def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str, Any]]:
+    def step(state: JournalState) -> Optional[int]:
+        steps = ([state.checkpoint["step"]] if state.checkpoint else []) + [d["step"] for d in state.deltas]
+        return max(steps) if steps else None
+
+    if step(kept) == step(full):
+        return None
+    return {"kept_step": step(kept), "step_after_damage": step(full)}
+
+
+def set_aside(salvage: Salvage, fs: FS = REAL_FS) -> None:
+    """Move the damage and everything after it into ``torn/``, durably, newest file first: a
+    crash midway leaves a journal that still ends in damage (salvage again) or ends cleanly."""
+    from kvj.ops.fsck import set_aside as move_aside
+
+    for path in reversed(salvage.later_files):
+        salvage.set_aside_to.append(move_aside(path, fs))
+    size = os.path.getsize(salvage.cut_file)
+    if salvage.cut_offset == 0:
+        salvage.set_aside_to.append(move_aside(salvage.cut_file, fs))
+    elif salvage.cut_offset < size:
+        salvage.set_aside_to.append(cut_torn_tail(TornTail(salvage.cut_file, salvage.cut_offset,
+                                                           size - salvage.cut_offset), fs))
+    salvage.set_aside_to.reverse()
