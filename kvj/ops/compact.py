@@ -10,6 +10,9 @@ Safe to run from cron while the writer runs:
   journal that replays to the same state;
 - a segment is collected only when no live record references it and its file is older
   than the grace period, so a segment written just before its record is never collected.
+
+``dry_run=True`` says what a compaction would write, remove and reclaim, and changes
+nothing (the compactor lock is held shared, read-only).
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, SegmentMissing
-from kvj.fileio import FS, REAL_FS, fsync_path
+from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, fsync_path
 from kvj.journal.journal import default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
 from kvj.journal.reader import Scan, list_logs, read_header
 from kvj.journal.replay import is_legacy, replay
-from kvj.journal.snapshot import list_snapshots, load_latest, write_snapshot
+from kvj.journal.snapshot import encode_snapshot, list_snapshots, load_latest, snapshot_name, write_snapshot
 from kvj.journal.state import JournalState
 from kvj.segments.check import opened_store
 
@@ -46,6 +49,7 @@ class CompactResult:
     segments_removed: List[str] = field(default_factory=list)
     segments_kept_young: int = 0  # unreferenced but inside the grace period
     bytes_reclaimed: int = 0  # log files, old snapshots and segments deleted
+    dry_run: bool = False  # nothing was done: the rest says what would be
 
     def to_dict(self) -> Dict[str, object]:
         return asdict(self)
@@ -74,20 +78,22 @@ def _size(path: str) -> int:
         return 0
 
 
-def _unlink_all(paths: List[str], directory: str, fs: FS) -> int:
-    """Unlink ``paths`` in order, then fsync the directory; returns the bytes freed."""
+def _unlink_all(paths: List[str], directory: str, fs: FS, dry_run: bool = False) -> int:
+    """Unlink ``paths`` in order, then fsync the directory; returns the bytes freed (would free)."""
     freed = 0
     for path in paths:
         size = _size(path)
-        fs.unlink(path)
+        if not dry_run:
+            fs.unlink(path)
         freed += size
-    if paths:
+    if paths and not dry_run:
         fs.fsync_dir(directory)
     return freed
 
 
 def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> JournalState:
-    """Fold the sealed logs into a durable snapshot, then delete the logs and snapshots it covers."""
+    """Fold the sealed logs into a durable snapshot, then delete the logs and snapshots it covers
+    (with ``result.dry_run``, only count them)."""
     logs = list_logs(directory)
     sealed, newest = logs[:-1], logs[-1:]
     state = fold_sealed(directory, sealed)
@@ -99,16 +105,20 @@ def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> Jou
             raise CorruptionError(sealed[-1], None, f"sealed logs end at LSN {state.last_lsn} but the "
                                   f"newest log starts at LSN {base}")
         if state.last_lsn > state.snapshot_lsn:
-            result.snapshot = write_snapshot(directory, state, fs)
+            if result.dry_run:
+                result.snapshot = os.path.join(directory, snapshot_name(state.last_lsn))
+                result.snapshot_bytes = len(encode_snapshot(state))
+            else:
+                result.snapshot = write_snapshot(directory, state, fs)
+                result.snapshot_bytes = _size(result.snapshot)
             result.snapshot_lsn = state.last_lsn
-            result.snapshot_bytes = _size(result.snapshot)
             state.snapshot_lsn = state.last_lsn
         removed = sealed  # oldest first: a crash midway leaves a suffix that still replays
-        result.bytes_reclaimed += _unlink_all(removed, directory, fs)
+        result.bytes_reclaimed += _unlink_all(removed, directory, fs, result.dry_run)
         result.logs_removed = removed
     keep = state.snapshot_lsn
     old = [path for lsn, path in snaps if lsn < keep]
-    result.bytes_reclaimed += _unlink_all(sorted(old), directory, fs)
+    result.bytes_reclaimed += _unlink_all(sorted(old), directory, fs, result.dry_run)
     result.snapshots_removed = sorted(old)
     return state
 
@@ -137,12 +147,16 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
         else:
             young.append(key)
     referenced = replay(directory).referenced_keys()
+    doomed = [(key, size) for key, size in aged if key not in referenced]
+    result.segments_kept_young = sum(1 for key in young if key not in referenced)
+    if result.dry_run:
+        result.segments_removed = [key for key, _size in doomed]
+        result.bytes_reclaimed += sum(size for _key, size in doomed)
+        return
     # An END (or a new checkpoint) seen above may still sit unsynced in the page cache of a
     # live or killed writer; make it durable before deleting what it released.
     for log in list_logs(directory):
         fsync_path(log, fs)
-    doomed = [(key, size) for key, size in aged if key not in referenced]
-    result.segments_kept_young = sum(1 for key in young if key not in referenced)
     for i, (key, size) in enumerate(doomed, 1):
         if store.delete(key, older_than=cutoff):
             result.segments_removed.append(key)
@@ -155,8 +169,9 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
 
 def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
             collect: bool = True, fs: FS = REAL_FS, now: Optional[float] = None,
-            progress: Optional[Progress] = None) -> CompactResult:
-    """Compact the journal at ``directory`` (see the module docstring); returns what was done.
+            progress: Optional[Progress] = None, dry_run: bool = False) -> CompactResult:
+    """Compact the journal at ``directory`` (see the module docstring); returns what was done
+    (with ``dry_run``, what would be, changing nothing).
 
     ``store`` is a ``SegmentStore`` or its root; None means ``<journal>/segments``.
     ``collect=False`` leaves segments alone.
@@ -166,9 +181,11 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
         raise FormatError(f"no kvj journal directory at {directory}")
     if grace < 0:
         raise InvalidArgument("the grace period cannot be negative")
-    lock = DirLock(directory, COMPACT_LOCK, "compactor").acquire()
+    compactor = DirLock(directory, COMPACT_LOCK, "compactor")
+    lock = compactor.acquire_shared() if dry_run else compactor.acquire()
+    fs = READ_ONLY_FS if dry_run else fs  # a dry run that tried to write would fail, not write
     try:
-        result = CompactResult()
+        result = CompactResult(dry_run=dry_run)
         compact_logs(directory, result, fs)
         if collect:
             with opened_store(store, default_store_path(directory), fs) as seg_store:
@@ -177,5 +194,6 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
                                      now=time.time() if now is None else now, progress=progress, fs=fs)
         return result
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 

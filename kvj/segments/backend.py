@@ -117,9 +117,9 @@ class StorageBackend(ABC):
     def quarantine(self, key: str) -> str:
         """Move ``key`` aside so that it no longer resolves; returns where it went."""
 
-    def quarantined_copies(self, key: str) -> List[str]:
-        """Where copies of ``key`` were quarantined, oldest first (a backend that keeps no
-        quarantine has none)."""
+    def quarantined_copies(self, key: Optional[str] = None) -> List[str]:
+        """Where copies of ``key`` (of every key, for None) were quarantined, oldest first (a
+        backend that keeps no quarantine has none)."""
         return []
 
     def describe(self, key: str) -> str:
@@ -406,10 +406,10 @@ class LocalDirBackend(StorageBackend):
             raise SegmentMissing(f"segment {key} not in store ({src})") from None
         return dst
 
-    def quarantined_copies(self, key: str) -> List[str]:
+    def quarantined_copies(self, key: Optional[str] = None) -> List[str]:
         try:
             names = os.listdir(self.quarantine_dir)
         except FileNotFoundError:
             return []
         return [os.path.join(self.quarantine_dir, n) for n in sorted(names)
-                if n.startswith(key + ".") and n.endswith(SEGMENT_SUFFIX)]
+                if n.startswith(key + "." if key else "") and n.endswith(SEGMENT_SUFFIX)]

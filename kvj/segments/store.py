@@ -333,6 +333,7 @@ class SegmentStore:
         """Move a (damaged) segment aside; later gets see it as missing."""
         return self.backend.quarantine(check_key(key))
 
-    def quarantined_copies(self, key: str) -> List[str]:
-        """Where damaged copies of ``key`` were quarantined (by a repair or a healing put)."""
-        return self.backend.quarantined_copies(check_key(key))
+    def quarantined_copies(self, key: Optional[str] = None) -> List[str]:
+        """Where damaged copies of ``key`` (of every key, for None) were quarantined (by a
+        repair or a healing put)."""
+        return self.backend.quarantined_copies(check_key(key) if key is not None else None)
