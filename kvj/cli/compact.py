@@ -28,6 +28,8 @@ def compact(journal: JournalArg = None,
                                                "(90s, 15m, 1h, 2d).")] = f"{int(DEFAULT_GRACE)}s",
             segments: Annotated[bool, typer.Option("--segments/--no-segments",
                                                    help="Collect unreferenced segments.")] = True,
+            dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would be written, removed and "
+                                                  "reclaimed; change nothing.")] = False,
             as_json: JsonArg = False) -> None:
     """Compact the journal; safe from cron while the writer runs.
 
@@ -35,20 +37,26 @@ def compact(journal: JournalArg = None,
     makes it durable, then deletes the log files and older snapshots it replaces. Collects
     segments that no live record references and that are older than the grace period, so
     a segment written just before its record is never collected. A second compactor exits
-    with status 75 naming the first one's pid. Reports the bytes reclaimed.
+    with status 75 naming the first one's pid. Reports the bytes reclaimed. --dry-run
+    says what it would do and changes nothing. Files kvj sets aside (torn/, recovery/,
+    the store's quarantine) are kept until kvj prune removes them.
     """
     path = journal_path(journal, legacy_ok=False)
     with progress() as update:
         result = compact_journal(path, store_path(path, store), grace=parse_duration(grace), collect=segments,
-                                 progress=update)
+                                 progress=update, dry_run=dry_run)
     if as_json:
         emit_json(result.to_dict())
         return
+    would = "would be " if dry_run else ""
     if result.snapshot:
-        out.print(f"snapshot at LSN {result.snapshot_lsn} written ({human_size(result.snapshot_bytes)})", markup=False)
+        out.print(f"snapshot at LSN {result.snapshot_lsn} {would or ''}written ({human_size(result.snapshot_bytes)})",
+                  markup=False)
     else:
         out.print("no sealed records to fold: no new snapshot", markup=False)
-    out.print(f"removed {len(result.logs_removed)} log files, {len(result.snapshots_removed)} old snapshots, "
+    verb = "would remove" if dry_run else "removed"
+    out.print(f"{verb} {len(result.logs_removed)} log files, {len(result.snapshots_removed)} old snapshots, "
               f"{len(result.segments_removed)} unreferenced segments "
               f"({result.segments_kept_young} kept: younger than the grace period)", markup=False)
-    out.print(f"reclaimed {human_size(result.bytes_reclaimed)}", markup=False)
+    out.print(f"{'would reclaim' if dry_run else 'reclaimed'} {human_size(result.bytes_reclaimed)}", markup=False)
+

@@ -39,7 +39,8 @@ FILES = [
     ("JOURNAL/NNNNNNNNNNNNNNNN.log", "Log files, numbered; all but the newest are sealed (kvj-journal(5))."),
     ("JOURNAL/snapshot-LSN.snap", "Snapshots written by kvj compact."),
     ("JOURNAL/LOCK, JOURNAL/COMPACT", "Writer and compactor locks; each holds its owner's pid."),
-    ("JOURNAL/torn/", "Bytes cut from torn tails and log files set aside by recovery or fsck --repair."),
+    ("JOURNAL/torn/", "Bytes cut from torn tails and log files set aside by recovery or fsck --repair (kept "
+                      "until kvj prune removes them)."),
     ("JOURNAL/recovery/manifest-EPOCH.json", "Recovery manifests written by kvj recover."),
     ("JOURNAL/segments/", "The default segment store (kvj-segment(5))."),
 ]
@@ -63,7 +64,10 @@ EXAMPLES: Dict[str, List[Tuple[str, str]]] = {
                  "kvj inspect -j J --layout --at 1200 --export layout.svg")],
     "dump": [("Block 3 of a request, for a look in numpy or torch", "kvj dump -j J -r req-42 --segment 3 -o b3.pt"),
              ("A segment by the key prefix kvj inspect prints", "kvj dump -j J e8c7997e62d8 -o seg.safetensors")],
-    "compact": [("Hourly from cron", "0 * * * * kvj compact -j /var/lib/kvj --grace 1h")],
+    "compact": [("Hourly from cron", "0 * * * * kvj compact -j /var/lib/kvj --grace 1h"),
+                ("What it would remove and reclaim, changing nothing", "kvj compact -j J --dry-run")],
+    "prune": [("Daily from cron: drop what was set aside more than a week ago",
+               "30 3 * * * kvj prune -j /var/lib/kvj --older-than 7d")],
     "fsck": [("Check, then repair what can be repaired", "kvj fsck -j J || kvj fsck -j J --repair")],
     "bench": [("Measure the disk the journal will live on", "kvj bench --dir /var/lib/kvj")],
     "journal_replay": [("Recover a legacy JSON-lines journal",

@@ -14,7 +14,7 @@ from typing import Annotated, List, NoReturn, Optional
 import typer
 
 from kvj import __version__
-from kvj.cli import bench, compact, dump, flush, fsck, inspect, record, recover, replay
+from kvj.cli import bench, compact, dump, flush, fsck, inspect, prune, record, recover, replay
 from kvj.cli import replicate, restore, verify
 from kvj.cli.common import OutputClosed, StdoutGuard, click, usage_and_exit
 from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, OK, USAGE, classify, debug, report
@@ -54,6 +54,7 @@ app.command("replay")(replay.replay)
 app.command("recover")(recover.recover)
 app.command("inspect")(inspect.inspect)
 app.command("compact")(compact.compact)
+app.command("prune")(prune.prune)
 app.command("fsck")(fsck.fsck)
 app.command("dump")(dump.dump)
 app.command("replicate")(replicate.replicate)

@@ -1,0 +1,97 @@
+"""Retention for what kvj keeps aside and never removes by itself: cut tails and set-aside
+files in ``torn/``, recovery manifests in ``recovery/``, damaged segments in the store's
+quarantine. ``prune`` removes those older than a given age, as restic's ``forget --prune``
+or logrotate's ``maxage`` do, and always keeps the newest recovery manifest (the one a
+restarting server reads). It holds the compactor lock, as recovery does when it writes
+manifests; ``dry_run`` lists what would go and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+from kvj.errors import InvalidArgument
+from kvj.fileio import FS, READ_ONLY_FS, REAL_FS
+from kvj.journal.journal import TORN_DIR
+from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.ops.recover import MANIFEST_RE, RECOVERY_DIR
+from kvj.segments.check import opened_store
+
+
+@dataclass
+class PruneResult:
+    """What ``prune`` removed (or, for a dry run, would remove), per folder."""
+
+    older_than: float
+    removed: Dict[str, List[str]] = field(default_factory=lambda: {"torn": [], "recovery": [], "quarantine": []})
+    kept_newest_manifest: Optional[str] = None
+    bytes_reclaimed: int = 0
+    dry_run: bool = False
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _set_aside_at(path: str) -> float:
+    """When a file was put where it is: its inode change time, which a rename sets (a log file
+    moved to torn/ or a segment moved to quarantine keeps its old modification time)."""
+    st = os.stat(path, follow_symlinks=False)
+    return max(st.st_mtime, st.st_ctime)
+
+
+def _old_files(directory: str, cutoff: float) -> List[str]:
+    """Plain files directly in ``directory`` put there before ``cutoff``, oldest first."""
+    found = []
+    for name in _names(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path) and not os.path.islink(path) and _set_aside_at(path) < cutoff:
+            found.append((_set_aside_at(path), path))
+    return [path for _when, path in sorted(found)]
+
+
+def prune(journal: str, store: Any = None, *, older_than: float, now: Optional[float] = None, dry_run: bool = False,
+          fs: FS = REAL_FS) -> PruneResult:
+    """Remove set-aside files, recovery manifests and quarantined segments older than
+    ``older_than`` seconds (see the module docstring)."""
+    if older_than < 0:
+        raise InvalidArgument("the age cannot be negative")
+    journal = os.path.abspath(journal)
+    cutoff = (time.time() if now is None else now) - older_than
+    fs = READ_ONLY_FS if dry_run else fs
+    result = PruneResult(older_than, dry_run=dry_run)
+    compactor = DirLock(journal, COMPACT_LOCK, "compactor")
+    lock = compactor.acquire_shared() if dry_run else compactor.acquire()
+    try:
+        torn_dir, recovery_dir = os.path.join(journal, TORN_DIR), os.path.join(journal, RECOVERY_DIR)
+        manifests = sorted(n for n in _names(recovery_dir) if MANIFEST_RE.match(n))
+        newest = os.path.join(recovery_dir, manifests[-1]) if manifests else None
+        result.kept_newest_manifest = newest
+        plan = {"torn": (torn_dir, _old_files(torn_dir, cutoff)),
+                "recovery": (recovery_dir, [p for p in _old_files(recovery_dir, cutoff) if p != newest])}
+        with opened_store(store, os.path.join(journal, "segments"), fs) as seg_store:
+            if seg_store is not None:
+                aside = seg_store.quarantined_copies()
+                plan["quarantine"] = (os.path.dirname(aside[0]) if aside else "",
+                                      [p for p in aside if _set_aside_at(p) < cutoff])
+        for folder, (directory, paths) in plan.items():
+            for path in paths:
+                result.bytes_reclaimed += os.stat(path, follow_symlinks=False).st_size
+                if not dry_run:
+                    fs.unlink(path)
+                result.removed[folder].append(path)
+            if paths and not dry_run:
+                fs.fsync_dir(directory)
+        return result
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _names(directory: str) -> List[str]:
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
