@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
     from click import get_current_context  # type: ignore[no-redef]
 
-from kvj.errors import CorruptionError, FormatError, UnsafePath
+from kvj.errors import CorruptionError, FormatError, NotFound, UnsafePath
 from kvj.journal.journal import default_store_path
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
@@ -198,18 +198,25 @@ def progress() -> Iterator[Callable[[str, int, int], None]]:
 # -- journal and store paths ---------------------------------------------------------------
 
 
-def journal_path(path: Optional[str], *, legacy_ok: bool = True, must_exist: bool = True) -> str:
+def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool = False) -> str:
     """Check that ``path`` names a journal; returns it absolute.
 
     Missing, not a directory, or holding no journal files are reported as missing input
-    (``FileNotFoundError``); unreadable ones as permission errors, by the OS itself.
+    (``FileNotFoundError``); unreadable ones as permission errors, by the OS itself. A
+    command that writes (``writing``) never creates a journal: a path that is not one is
+    ``NotFound``, pointing at ``kvj init``.
     """
     if path is None:
         raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
     full = os.path.abspath(os.fspath(path))
-    if not must_exist:
-        if os.path.isdir(full):
-            check_owner(full)
+    if writing:
+        if os.path.isfile(full):
+            raise NotFound(f"{full} is a file, not a kvj journal: kvj migrate {path} -j NEWDIR makes a kvj journal "
+                           "of a seed-era one")
+        if not os.path.isdir(full) or not any(LOG_RE.match(n) or SNAP_RE.match(n) for n in os.listdir(full)):
+            raise NotFound(f"{full} is not a kvj journal: kvj writes only to a journal made on purpose "
+                           f"(kvj init -j {path})")
+        check_owner(full)
         return full
     os.stat(full)  # missing or unreachable: FileNotFoundError, PermissionError, NotADirectoryError
     if not os.path.isdir(full):
@@ -246,8 +253,13 @@ def _check_legacy(path: str) -> None:
 
 
 def store_path(journal: str, store: Optional[str]) -> str:
-    """The store directory: ``--store``, or ``segments/`` inside the journal (never a link
-    planted there: a store elsewhere is named with --store)."""
+    """The store directory: ``--store``, the one ``kvj init`` recorded, or ``segments/``
+    inside the journal (never a link planted there: a store elsewhere is named with --store)."""
+    from kvj.ops.init import read_config
+
+    config = read_config(journal) if journal and os.path.isdir(journal) else None
+    if store is None and config and config.get("store"):
+        store = config["store"]
     if store is not None:
         path = os.path.abspath(os.fspath(store))
     else:
@@ -314,6 +326,18 @@ def parse_duration(text: str) -> float:
     if not m:
         raise typer.BadParameter(f"{text!r} is not a duration (use e.g. 90s, 15m, 1h, 2d)")
     return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(|B|K|KB|KiB|M|MB|MiB|G|GB|GiB)$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``65536``, ``64KiB``, ``64MiB``, ``1G`` (K, M, G are binary, as ls -h)."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not a size (use e.g. 64MiB, 512K, 1G)")
+    unit = m.group(2).upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
 
 
 def parse_time(text: str, now: Optional[float] = None) -> float:

@@ -26,6 +26,7 @@ from kvj.errors import FormatError, InvalidArgument
 from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 from kvj.journal.state import RequestState
+from kvj.ops.init import policy_of, read_config
 from kvj.ops.inspection import human_size
 from kvj.segments.codecs import codec_names
 
@@ -263,7 +264,7 @@ def flush(
     if tokens is not None and start is not None:
         raise usage_error("--start applies to --block-tokens (--tokens gives the range itself)")
     token_range = parse_range(tokens, "token range") if tokens else None
-    path = journal_path(journal, legacy_ok=False, must_exist=False)
+    path = journal_path(journal, legacy_ok=False, writing=True)
     tensors = ordered([item for f in files for item in load_tensors(f)], order)
     if token_range is not None and len(tensors) != 1:
         raise usage_error(f"--tokens covers one tensor, but the files hold {len(tensors)}: use --block-tokens")
@@ -272,7 +273,8 @@ def flush(
     from kvj.segments.store import SegmentStore
 
     layout_map = parse_pairs(layout, "--layout")
-    with Journal.open(path) as j, SegmentStore(store_path(path, store)) as seg_store, progress() as update:
+    with Journal.open(path, create=False, policy=policy_of(read_config(path))) as j, \
+            SegmentStore(store_path(path, store)) as seg_store, progress() as update:
         rows: List[Dict[str, Any]] = []
         if request is not None:
             req = replay(path).requests.get(request)

@@ -38,6 +38,8 @@ ENVIRONMENT = [
 FILES = [
     ("JOURNAL/NNNNNNNNNNNNNNNN.log", "Log files, numbered; all but the newest are sealed (kvj-journal(5))."),
     ("JOURNAL/snapshot-LSN.snap", "Snapshots written by kvj compact."),
+    ("JOURNAL/kvj.conf", "Written by kvj init (JSON): the commit policy kvj record and kvj flush write with, and "
+                         "the segment store."),
     ("JOURNAL/LOCK, JOURNAL/COMPACT", "Writer and compactor locks; each holds its owner's pid."),
     ("JOURNAL/torn/", "Bytes cut from torn tails and log files set aside by recovery or fsck --repair (kept "
                       "until kvj prune removes them)."),
@@ -47,6 +49,9 @@ FILES = [
 
 EXAMPLES: Dict[str, List[Tuple[str, str]]] = {
     "kvj": [("After a reboot: check, then recover", "kvj fsck -j /var/lib/kvj && kvj recover -j /var/lib/kvj")],
+    "init": [("A journal whose store lives on another disk", "kvj init -j /var/lib/kvj --store /data/kvj-segments")],
+    "migrate": [("From the seed's JSON lines to a kvj journal",
+                 "kvj migrate /var/lib/kvjournal/journal.jsonl -j /var/lib/kvj --drop-segments")],
     "record": [("Record a request's start and end", "kvj record start req-42 -j J --tokens 1,2,3\n"
                                                     "kvj record end req-42 -j J"),
                ("Copy the records of one request into another journal",

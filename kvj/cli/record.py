@@ -24,6 +24,7 @@ from kvj.cli.common import (
 from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import _convert as convert_legacy
+from kvj.ops.init import policy_of, read_config
 from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
 from kvj.names import check_request_id
 
@@ -55,11 +56,11 @@ def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[in
     """Validate, append and sync ``records``; print their LSNs."""
     from kvj.segments.check import require_segments
 
-    path = journal_path(journal, legacy_ok=False, must_exist=False)
+    path = journal_path(journal, legacy_ok=False, writing=True)
     keys = [key for rtype, payload in records for key in _segment_keys(rtype, payload)]
     if keys:
         require_segments(store_path(path, store), keys)
-    with Journal.open(path) as j:
+    with Journal.open(path, create=False, policy=policy_of(read_config(path))) as j:
         lsns = [j.append(rtype, payload) for rtype, payload in records]
         j.sync()
     if as_json:

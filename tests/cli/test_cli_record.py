@@ -28,6 +28,7 @@ def test_record_each_op_is_durable_and_replays(tmp_path, capsys):
             ["alloc", "cuda:0", "0x1000", "4096", "--tag", "kv:req-1"],
             ["alloc", "cuda:0", "0x3000", "0x2000", "--tag", "kv:req-2"],
             ["free", "cuda:0", "4096"], ["end", "req-1", "--status", "aborted"]]
+    assert run_cli(capsys, "init", "-j", j)[0] == 0
     for lsn, cmd in enumerate(cmds, 1):
         status, out, err = run_cli(capsys, "record", *cmd, "-j", j, "--json")
         assert status == 0, err
@@ -48,6 +49,7 @@ def test_ndjson_round_trip_through_inspect(tmp_path, capsys, monkeypatch):
     assert [r["lsn"] for r in records] == list(range(1, len(records) + 1))
     # The segments must exist in the target store before records may point at them: share the store.
     monkeypatch.setattr(sys, "stdin", io.StringIO(out))
+    assert run_cli(capsys, "init", "-j", dst)[0] == 0
     status, _, err = run_cli(capsys, "record", "ndjson", "-j", dst, "--store", src / "segments")
     assert status == 0, err
     a, b = kvj.replay(str(src)).to_dict(), kvj.replay(str(dst)).to_dict()
@@ -139,6 +141,7 @@ def test_flush_files_as_request_segments(tmp_path, capsys, fmt):
 
         save_file({f"b{i}": b for i, b in enumerate(blocks)}, str(tmp_path / "b.safetensors"))
         files.append(tmp_path / "b.safetensors")
+    assert run_cli(capsys, "init", "-j", j)[0] == 0
     assert run_cli(capsys, "record", "start", "r", "-j", j)[0] == 0
     status, out, err = run_cli(capsys, "flush", *files, "-j", j, "-r", "r", "--block-tokens", "16",
                                "--layout", "model=tiny", "--json")
@@ -165,6 +168,7 @@ def test_flush_files_as_request_segments(tmp_path, capsys, fmt):
 def test_flush_checkpoint_and_delta(tmp_path, capsys):
     j = tmp_path / "j"
     torch.save({"w": torch.ones(4, 4), "b": torch.zeros(4)}, tmp_path / "ck.pt")
+    assert run_cli(capsys, "init", "-j", j)[0] == 0
     assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "--checkpoint", "100")[0] == 0
     assert run_cli(capsys, "flush", tmp_path / "ck.pt", "-j", j, "--delta", "101", "--base-step", "100")[0] == 0
     state = kvj.replay(str(j))
@@ -218,6 +222,7 @@ def test_follow_never_shows_an_incomplete_record(tmp_path):
 def test_record_through_the_console_script(tmp_path):
     """The installed entry point appends and reports the LSN only once the record is durable."""
     j = tmp_path / "j"
+    assert kvj_proc("init", "-j", j).returncode == 0
     proc = kvj_proc("record", "start", "req-9", "-j", j)
     assert proc.returncode == 0 and proc.stdout.strip() == "LSN 1 durable"
     from kvj.journal.replay import RecordStream

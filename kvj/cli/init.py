@@ -1,0 +1,76 @@
+"""``kvj init`` and ``kvj migrate``: journals are made on purpose, never by a typo."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, out, parse_duration, parse_size, usage_error
+from kvj.ops.inspection import human_size
+
+
+def init(journal: JournalArg = None,
+         store: StoreArg = None,
+         max_delay: Annotated[str, typer.Option(metavar="DURATION", help="Longest a record waits for its commit "
+                                                "group (commit policy).")] = "100ms",
+         max_records: Annotated[int, typer.Option(metavar="N", min=1, help="Commit as soon as this many records "
+                                                  "wait (commit policy).")] = 100,
+         file_size: Annotated[str, typer.Option(metavar="SIZE", help="Start a new log file past this size.")]
+         = "64MiB",
+         as_json: JsonArg = False) -> None:
+    """Create a journal: the directory, its first log file, and kvj.conf with the settings.
+
+    kvj.conf (JSON) records the commit policy that kvj record and kvj flush write with and
+    the segment store (--store; by default JOURNAL/segments), so that every later command
+    finds them without being told again. The directory must be missing or empty. kvj
+    record and kvj flush write only to a journal made this way (or by a program through
+    kvj.Journal.open): a mistyped path is refused, never turned into a new journal.
+    """
+    from kvj.journal.writer import CommitPolicy
+    from kvj.ops.init import init as init_journal
+
+    if journal is None:
+        raise usage_error("give the journal directory to create: kvj init -j DIR")
+    policy = CommitPolicy(max_delay=parse_duration(max_delay), max_records=max_records,
+                          file_size_limit=parse_size(file_size))
+    config = init_journal(journal, store=store, policy=policy)
+    if as_json:
+        emit_json({"journal": journal, **config})
+        return
+    out.print(f"created journal {journal}: commit within {policy.max_delay * 1000:g} ms or {policy.max_records} "
+              f"records, log files of {human_size(policy.file_size_limit)}, segment store "
+              f"{config['store'] or 'JOURNAL/segments'}", markup=False)
+
+
+def migrate(seed: Annotated[str, typer.Argument(metavar="SEED", help="The seed-era JSON-lines journal file.")],
+            journal: JournalArg = None,
+            store: StoreArg = None,
+            drop_segments: Annotated[bool, typer.Option("--drop-segments", help="Migrate even though seg_flush "
+                                                        "records cannot be carried over (those requests resume "
+                                                        "at token 0).")] = False,
+            as_json: JsonArg = False) -> None:
+    """Turn a seed-era JSON-lines journal into a new kvj journal.
+
+    Its start and end records are written, in order, into a new journal at --journal (made
+    as kvj init makes one). A seed seg_flush points at bytes in the seed's KV file, which a
+    kvj journal cannot refer to (kvj segments are content-addressed and verified): such a
+    journal is refused (status 64) unless --drop-segments, and then the output counts the
+    pointers left behind per request. The seed file is only read.
+    """
+    from kvj.ops.init import migrate as migrate_journal
+
+    if journal is None:
+        raise usage_error("give the new journal directory: kvj migrate SEED -j DIR")
+    result = migrate_journal(seed, journal, store=store, drop_segments=drop_segments)
+    if as_json:
+        emit_json(result)
+        return
+    dropped = result["segments_dropped"]
+    out.print(f"migrated {result['records']} records from {result['seed']} into {result['journal']} "
+              f"(LSN {result['first_lsn']}..{result['last_lsn']})", markup=False)
+    if dropped:
+        out.print(f"left behind {sum(dropped.values())} seg_flush pointers of {len(dropped)} requests (they resume "
+                  f"at token 0): " + ", ".join(f"{rid} {n}" for rid, n in sorted(dropped.items())), markup=False)
+    if result["torn_last_line"]:
+        out.print(f"left out the torn last line ({result['torn_last_line']['length']} bytes)", markup=False)

@@ -1,0 +1,101 @@
+"""Creating a journal on purpose (``kvj init``), and migrating a seed-era JSON-lines journal
+into a new one (``kvj migrate``).
+
+``init`` makes the directory, writes ``kvj.conf`` (JSON: the commit policy writers use and
+the segment store, so that every later command finds them) durably, and opens the journal
+once, which writes its first log file. Commands that write (``kvj record``, ``kvj flush``)
+refuse a directory that is not a journal instead of creating one at a mistyped path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, fields
+from typing import Any, Dict, List, Optional
+
+from kvj.errors import FormatError, InvalidArgument, NotFound
+from kvj.fileio import atomic_write, makedirs_durable, open_read
+from kvj.journal.journal import Journal
+from kvj.journal.legacy import LegacyScan
+from kvj.journal.records import RecordType
+from kvj.journal.writer import CommitPolicy
+
+CONFIG = "kvj.conf"
+CONFIG_VERSION = 1
+
+
+def read_config(journal: str) -> Optional[Dict[str, Any]]:
+    """The journal's ``kvj.conf``, or None for a journal made without ``kvj init``."""
+    path = os.path.join(journal, CONFIG)
+    try:
+        with open_read(path) as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: not a kvj configuration ({exc})") from None
+    if not isinstance(config, dict) or config.get("kvj_config") != CONFIG_VERSION:
+        raise FormatError(f"{path}: not a kvj configuration of version {CONFIG_VERSION}")
+    return config
+
+
+def policy_of(config: Optional[Dict[str, Any]]) -> Optional[CommitPolicy]:
+    """The commit policy a journal was created with (None: the default)."""
+    if not config or not config.get("policy"):
+        return None
+    known = {f.name for f in fields(CommitPolicy)}
+    return CommitPolicy(**{k: v for k, v in config["policy"].items() if k in known})
+
+
+def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPolicy] = None,
+         migrated_from: Optional[str] = None) -> Dict[str, Any]:
+    """Create a journal at ``journal`` (a missing or empty directory); returns its config."""
+    journal = os.path.abspath(journal)
+    if os.path.lexists(journal) and (not os.path.isdir(journal) or os.listdir(journal)):
+        raise InvalidArgument(f"{journal} exists and is not an empty directory: kvj init makes a new journal")
+    config = {"kvj_config": CONFIG_VERSION, "created": time.time(),
+              "store": os.path.abspath(store) if store is not None else None,
+              "policy": asdict(policy or CommitPolicy()), "migrated_from": migrated_from}
+    makedirs_durable(journal)
+    atomic_write(os.path.join(journal, CONFIG), (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
+    Journal.open(journal, policy=policy).close()  # the first log file: a journal from now on
+    return config
+
+
+def migrate(seed: str, journal: str, *, store: Optional[str] = None, drop_segments: bool = False) -> Dict[str, Any]:
+    """Write the records of seed-era JSON-lines journal ``seed`` into a new kvj journal.
+
+    Starts and ends carry over. A seed ``seg_flush`` points at bytes in the seed's KV file,
+    which a kvj journal cannot refer to (its segments are content-addressed and verified):
+    with such records the migration is refused unless ``drop_segments``, and then each
+    request they belonged to resumes at token 0 (the result counts them per request). A
+    torn last line is left out and reported.
+    """
+    seed = os.path.abspath(seed)
+    if not os.path.isfile(seed):
+        raise NotFound(f"no seed-era journal file at {seed}")
+    scan = LegacyScan(seed)
+    records = list(scan)
+    if not records:
+        raise FormatError(f"{seed} holds no seed-era journal record")
+    pointers: Dict[str, int] = {}
+    for _lsn, rtype, payload in records:
+        if rtype == RecordType.SEGMENT:
+            pointers[payload["id"]] = pointers.get(payload["id"], 0) + 1
+    if pointers and not drop_segments:
+        raise InvalidArgument(f"{seed} has {sum(pointers.values())} seg_flush records pointing into the seed's KV "
+                              "file, which a kvj journal cannot refer to: pass --drop-segments to migrate without "
+                              "them (those requests resume at token 0), or go on recovering the seed journal as it "
+                              "is (kvj recover and journal_replay read it)")
+    init(journal, store=store, migrated_from=seed)
+    written: List[int] = []
+    with Journal.open(journal) as j:
+        for _lsn, rtype, payload in records:
+            if rtype != RecordType.SEGMENT:
+                written.append(j.append(rtype, payload))
+        j.sync()
+    return {"seed": seed, "journal": os.path.abspath(journal), "records": len(written),
+            "first_lsn": written[0] if written else None, "last_lsn": written[-1] if written else None,
+            "segments_dropped": pointers, "torn_last_line": scan.tail.to_dict() if scan.tail else None}
