@@ -205,7 +205,7 @@ def check_layout(req: RequestState, layout: Dict[str, Any], store: Any, tensor: 
 
 
 def flush(
-    files: Annotated[List[str], typer.Argument(metavar="FILE...", help=".safetensors, .npy or .pt files.")],
+    files: Annotated[List[str], typer.Argument(metavar="FILE", help=".safetensors, .npy or .pt files.")],
     journal: JournalArg = None,
     store: StoreArg = None,
     request: Annotated[Optional[str], typer.Option("--request", "-r", metavar="ID",

@@ -117,7 +117,7 @@ def inspect(
                       {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,
                        "last_lsn": state.last_lsn})
         else:
-            _show(layout_picture(state, at) if layout else timeline_picture(state), export_to,
+            _show(layout_picture(state, at) if layout else timeline_picture(state, columns=out.size.width), export_to,
                   "kvj memory layout" if layout else "kvj request timeline")
         return
     flt = Filter(requests=set(request or []), types={BY_NAME[t.value] for t in rtype or []},

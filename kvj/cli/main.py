@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Annotated, List, NoReturn, Optional
+from typing import Annotated, Callable, List, NoReturn, Optional
 
 import typer
 
@@ -71,8 +71,53 @@ legacy_app.command()(recover.journal_replay)
 
 
 def command(typer_app: typer.Typer) -> "click.Command":
-    """The click command behind a typer app (what docs and completions are generated from)."""
-    return typer.main.get_command(typer_app)
+    """The click command behind a typer app (what docs and completions are generated from).
+
+    Help shows what a user types, never typer's internal type names: a flag has no type
+    column (not ``<bool>``), an argument only the metavar it was given (not ``<list[str]>``),
+    and the usage line names arguments as man pages do (``FILE...``, ``[KEY]``, not
+    ``{FILE}...``).
+    """
+    root = typer.main.get_command(typer_app)
+    todo = [root]
+    while todo:
+        cmd = todo.pop()
+        todo += list(getattr(cmd, "commands", {}).values())
+        for param in cmd.params:
+            if getattr(param, "is_flag", False) or param.param_type_name == "argument":
+                param.display_type_rich = _no_type  # type: ignore[method-assign]
+            elif param.metavar is None:  # --status STATUS, --codec auto|raw|..., not --status <str>
+                choices = _choices(param)
+                param.metavar = "|".join(choices) if choices else (param.name or "").upper()
+            if param.param_type_name == "argument":
+                param._usage_display_name = _usage_name(param)  # type: ignore[attr-defined]
+        cmd.get_help_option = _typeless(cmd.get_help_option)  # type: ignore[method-assign]
+    return root
+
+
+def _typeless(make: Callable[..., Optional["click.Option"]]) -> Callable[..., Optional["click.Option"]]:
+    """``get_help_option`` whose -h/--help shows no type either."""
+    def get_help_option(ctx: object) -> Optional["click.Option"]:
+        option = make(ctx)
+        if option is not None:
+            option.display_type_rich = _no_type  # type: ignore[method-assign]
+        return option
+    return get_help_option
+
+
+def _choices(param: "click.Parameter") -> List[str]:
+    """A choice parameter's values (typer >= 0.20 keeps them on type_descriptor, click on type)."""
+    holder = getattr(param, "type_descriptor", None) or getattr(param, "type", None)
+    return [str(getattr(c, "value", c)) for c in getattr(holder, "choices", None) or ()]
+
+
+def _no_type(ctx: object = None) -> None:
+    return None
+
+
+def _usage_name(param: "click.Parameter") -> Callable[[], str]:
+    name = (param.metavar or param.name or "").upper() + ("..." if param.nargs != 1 else "")
+    return lambda: name if param.required else f"[{name}]"
 
 
 def run(typer_app: typer.Typer, argv: Optional[List[str]], prog: str) -> int:

@@ -7,6 +7,7 @@ for incident reports. Colour follows the console (off with NO_COLOR or when pipe
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from typing import Any, Dict, List, Optional
 
@@ -18,6 +19,9 @@ from kvj.journal.replay import Record
 from kvj.journal.state import JournalState
 from kvj.ops.inspection import describe, type_name
 from kvj.ops.inspection import human_size as size
+
+#: One glyph per tag in the memory map (the 16 largest; "#" for the rest), beside its colour.
+GLYPHS = "ABCDEFGHJKLMNPQR"
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
            "bright_green", "bright_yellow", "bright_blue", "bright_red"]
@@ -181,6 +185,12 @@ def layout_picture(state: JournalState, at: Optional[int], width: int = 64, rows
         parts.append(Text(f"\n{device}  {lo:#x}..{hi:#x}  {size(used)} in {len(spans)} allocations, "
                           f"{100 * used / max(1, hi - lo):.1f}% of the span; one cell = {size(per_cell)}",
                           style="bold"))
+        by_tag: Dict[str, List[int]] = {}
+        for a in spans:
+            by_tag.setdefault(a.tag or "(untagged)", []).append(a.size)
+        ranked = [tag for tag, _sizes in sorted(by_tag.items(), key=lambda kv: -sum(kv[1]))]
+        # a glyph per tag as well as a colour, so that the map reads without colour too
+        glyph = {tag: GLYPHS[i] if i < len(GLYPHS) else "#" for i, tag in enumerate(ranked)}
         owner: List[Optional[str]] = [None] * cells
         fill = [0] * cells
         for a in spans:
@@ -195,27 +205,51 @@ def layout_picture(state: JournalState, at: Optional[int], width: int = 64, rows
             grid.append(f"{lo + r * width * per_cell:#14x} ", style="dim")
             for c in range(r * width, min(cells, (r + 1) * width)):
                 tag = owner[c]
-                grid.append("█" if tag else "·", style=_color(tag) if tag else "dim")
+                grid.append(glyph[tag] if tag else "·", style=_color(tag) if tag else "dim")
             grid.append("\n")
         parts.append(grid)
         legend = Table(box=None, pad_edge=False, header_style="bold")
         for col in ("", "tag", "allocations", "bytes"):
             legend.add_column(col, justify="right" if col in ("allocations", "bytes") else "left")
-        by_tag: Dict[str, List[int]] = {}
-        for a in spans:
-            by_tag.setdefault(a.tag or "(untagged)", []).append(a.size)
-        for tag, sizes in sorted(by_tag.items(), key=lambda kv: -sum(kv[1]))[:16]:
-            legend.add_row(Text("█", style=_color(tag)), tag, str(len(sizes)), size(sum(sizes)))
+        for tag in ranked[:len(GLYPHS)]:
+            legend.add_row(Text(glyph[tag], style=_color(tag)), tag, str(len(by_tag[tag])), size(sum(by_tag[tag])))
+        if len(ranked) > len(GLYPHS):
+            rest = [s for tag in ranked[len(GLYPHS):] for s in by_tag[tag]]
+            legend.add_row("#", f"({len(ranked) - len(GLYPHS)} more tags)", str(len(rest)), size(sum(rest)))
         parts.append(legend)
     return Group(*parts)
 
 
-def timeline_picture(state: JournalState, width: int = 60, limit: int = 50) -> RenderableType:
-    """One bar per request from its start to its end (or now), with its segment flushes marked."""
+def short_ids(ids: List[str], limit: int) -> Dict[str, str]:
+    """Each id in at most ``limit`` characters, keeping what tells them apart: a long prefix
+    they all share is elided ("chat…42-b"), then the end is cut."""
+    if all(len(i) <= limit for i in ids):
+        return {i: i for i in ids}
+    common = os.path.commonprefix(ids) if len(ids) > 1 else ""
+    out = {}
+    for i in ids:
+        s = i[:4] + "…" + i[len(common):] if len(common) > 6 else i
+        out[i] = s if len(s) <= limit else s[:limit - 1] + "…"
+    return out
+
+
+#: Longest request id the timeline shows whole; longer ones keep both ends.
+ID_WIDTH = 32
+
+
+def timeline_picture(state: JournalState, columns: int = 80, limit: int = 50) -> RenderableType:
+    """One bar per request from its start to its end (or now), with its segment flushes marked;
+    the bars take the width ``columns`` leaves after the ids and states, so ids stay readable."""
     reqs = sorted(state.requests.values(), key=lambda r: r.start_lsn)
     if not reqs:
         return Text("no requests in the journal (ended requests compacted away are not shown)")
     shown = reqs[-limit:]
+    statuses = {req.id: f"ended {req.status}" if req.ended else f"in flight @{req.resume_position}" for req in shown}
+    names = short_ids([req.id for req in shown], ID_WIDTH)
+    # the id and state columns are as wide as their widest cell or header; two spaces between columns
+    id_width = max(len("request"), *map(len, names.values()))
+    state_width = max(len("state"), *map(len, statuses.values()))
+    width = max(20, min(100, columns - id_width - state_width - 4))
     lo = shown[0].start_lsn
     hi = max(state.last_lsn, lo + 1)
     scale = (hi - lo) / (width - 1)
@@ -239,8 +273,7 @@ def timeline_picture(state: JournalState, width: int = 60, limit: int = 50) -> R
         if req.ended:
             bar[col(end)] = "|"
         line = Text("".join(bar), style=_color(req.id))
-        status = f"ended {req.status}" if req.ended else f"in flight @{req.resume_position}"
-        table.add_row(req.id, line, status)
+        table.add_row(names[req.id], line, statuses[req.id])
     parts: List[RenderableType] = [table]
     if len(reqs) > limit:
         parts.append(Text(f"(oldest {len(reqs) - limit} requests not shown)", style="dim"))
@@ -262,4 +295,7 @@ def export(renderable: RenderableType, target: str, title: str) -> None:
     console.print(renderable)
     text = console.export_svg(title=title) if suffix == ".svg" else console.export_html(inline_styles=True)
     console.file.close()
+    # rich's SVG asks a CDN for its font: an incident report must render offline (a local
+    # Fira Code if installed, else the viewer's monospace)
+    text = re.sub(r',\s*url\("https?://[^"]*"\)\s*format\("[^"]*"\)', "", text)
     atomic_write(target, text.encode("utf-8"), mode=0o644)

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -50,6 +51,8 @@ from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
 
 CLEAN, CORRECTED, UNCORRECTED = 0, 1, 4
+#: Replay warnings begin with the LSN of the record they are about.
+_WARNING_LSN = re.compile(r"^LSN (\d+):")
 
 Progress = Callable[[str, int, int], None]
 #: (kind, reason) of a segment that cannot be used, as ``kvj.segments.check`` reports it.
@@ -274,6 +277,21 @@ class _Checker:
                                "compacted from", spath)
             self.fix(finding, lambda: f"set aside as {set_aside(spath, self.fs)}; the log replaces it")
 
+    def replay_warnings(self, state: JournalState) -> None:
+        """Replay's warnings about records after the last recovery; older ones were there when
+        that recovery ran, so they are counted, not repeated on every run."""
+        since = state.epochs[-1]["lsn"] if state.epochs else 0
+        old = 0
+        for warning in state.warnings:
+            m = _WARNING_LSN.match(warning)
+            if m and int(m.group(1)) <= since:
+                old += 1
+            else:
+                self.add("warning", "replay", warning)
+        if old:
+            self.add("note", "old-warnings", f"{old} replay warnings about records before the last recovery (LSN "
+                     f"{since}) are not repeated (kvj replay --json lists them)")
+
     # -- legacy --------------------------------------------------------------------------
 
     def legacy(self) -> JournalState:
@@ -448,8 +466,7 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
         else:
             checker.result.writer_live = _writer_live(path)
         state = checker.logs(checker.snapshots())
-        for warning in state.warnings:
-            checker.add("warning", "replay", warning)
+        checker.replay_warnings(state)
         checker.segments(state)
         return checker.result
     finally:

@@ -142,7 +142,10 @@ def describe(rec: Record) -> str:
     if t == RecordType.START:
         tokens = f" tokens={len(p['tokens'])}" if p.get("tokens") is not None else ""
         meta = f" meta={p['meta']}" if p.get("meta") else ""
-        return f"id={p['id']} prompt_hash={p.get('prompt_hash')}{tokens}{meta}"
+        prompt = p.get("prompt_hash")
+        if isinstance(prompt, str) and len(prompt) > 16:
+            prompt = prompt[:12] + "…"  # a full digest is noise on a line; --json has it whole
+        return f"id={p['id']} prompt_hash={prompt}{tokens}{meta}"
     if t == RecordType.SEGMENT:
         if p.get("key") is None:
             return f"id={p['id']} seg={p['seg']} ptr={p.get('ptr')} size={p['raw_size']}"
