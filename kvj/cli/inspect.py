@@ -6,7 +6,7 @@ import os
 import sys
 from collections import deque
 from enum import Enum
-from typing import Annotated, Deque, List, Optional
+from typing import Annotated, Callable, Deque, List, Optional
 
 import typer
 from rich.console import RenderableType
@@ -90,11 +90,12 @@ def inspect(
 ) -> None:
     """Show journal records: a table (one per line, pg_waldump style) or NDJSON with --json.
 
-    Filter by request, type, LSN range and time. Records carry no timestamps: a record
-    matches --since/--until when the log file holding it was written in that window
-    (exactly, for recovery epochs). --follow tails a live journal and never shows a
-    record that is not completely written. --stats, --layout and --timeline summarise
-    instead of listing; --export saves what is shown as SVG or HTML.
+    Filter by request, type, LSN range and time. Each record carries the wall-clock time
+    of its commit group, which --since/--until select on and the listing shows; records
+    of kvj 0.1.0 (no times) match when the log file holding them was written in that
+    window. --follow tails a live journal and never shows a record that is not completely
+    written. --stats, --layout and --timeline summarise instead of listing (the timeline
+    with a time axis); --export saves what is shown as SVG or HTML.
     """
     path = journal_path(journal)
     modes = [name for name, on in (("--follow", follow), ("--stats", stats), ("--layout", layout),
@@ -117,7 +118,7 @@ def inspect(
                       {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,
                        "last_lsn": state.last_lsn})
         else:
-            _show(layout_picture(state, at) if layout else timeline_picture(state, columns=out.size.width), export_to,
+            _show(layout_picture(state, at) if layout else timeline_picture(state, columns=out.size.width, time_of=lsn_times(path)), export_to,
                   "kvj memory layout" if layout else "kvj request timeline")
         return
     flt = Filter(requests=set(request or []), types={BY_NAME[t.value] for t in rtype or []},
@@ -173,6 +174,27 @@ def _segment(path: str, store: Optional[str], text: str, as_json: bool) -> None:
         emit_json(info)
         return
     out.print(segment_view(info))
+
+
+def lsn_times(path: str) -> Callable[[int], Optional[float]]:
+    """When each LSN was written, from the commit groups' times (None for kvj 0.1.0 records):
+    one pass that keeps only the LSNs where the time changes."""
+    import bisect
+
+    if is_legacy(path):
+        return lambda _lsn: None
+    firsts: List[int] = []
+    stamps: List[Optional[float]] = []
+    for entry in Entries(path):  # from the snapshot on: what it folded has no times left
+        rec = entry.record
+        if not stamps or rec.time != stamps[-1]:
+            firsts.append(rec.lsn)
+            stamps.append(rec.time)
+
+    def time_of(lsn: int) -> Optional[float]:
+        i = bisect.bisect_right(firsts, lsn) - 1
+        return stamps[i] if i >= 0 else None
+    return time_of
 
 
 def _lifetime(req) -> dict:  # type: ignore[no-untyped-def]

@@ -48,7 +48,7 @@ KeysOpt = Annotated[List[str], typer.Option("--key", metavar="NAME=KEY",
                                             help="Tensor name and its segment key (repeatable).")]
 
 #: Fields ``kvj inspect --json`` adds to a record; ignored on input so its output can be fed back.
-LOCATION_FIELDS = ("lsn", "file", "offset")
+LOCATION_FIELDS = ("lsn", "time", "file", "offset")
 
 
 def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[int, Dict[str, Any]]],
@@ -207,8 +207,8 @@ def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON fi
 
     One object per line: {"type": "start", "id": "req-1", "prompt_hash": null,
     "tokens": null, "meta": {}}, with the fields of that record type (man kvj-journal(5)).
-    Types: start, end, alloc, free, checkpoint, delta, segment. The fields lsn, file and
-    offset that kvj inspect --json prints are ignored, so its output can be fed back.
+    Types: start, end, alloc, free, checkpoint, delta, segment. The fields lsn, time, file
+    and offset that kvj inspect --json prints are ignored, so its output can be fed back.
     """
     stream = sys.stdin if source == "-" else open(source, encoding="utf-8")
     try:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import zlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
@@ -91,9 +92,17 @@ def training_line(state: JournalState) -> str:
 # -- records -------------------------------------------------------------------------------
 
 
+def clock(when: Optional[float]) -> str:
+    """A record's time as local wall-clock time to the millisecond; "-" when it has none."""
+    if when is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) + f".{int(when * 1000) % 1000:03d}"
+
+
 def record_table() -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
     table.add_column("LSN", justify="right")
+    table.add_column("time")
     table.add_column("type")
     table.add_column("file:offset")
     table.add_column("description", overflow="fold")
@@ -102,14 +111,14 @@ def record_table() -> Table:
 
 def record_row(table: Table, rec: Record) -> None:
     name = type_name(rec.rtype)
-    table.add_row(str(rec.lsn), Text(name, style=TYPE_STYLE.get(name, "")),
+    table.add_row(str(rec.lsn), clock(rec.time), Text(name, style=TYPE_STYLE.get(name, "")),
                   f"{os.path.basename(rec.path)}:{rec.offset}", describe(rec))
 
 
 def record_line(rec: Record) -> Text:
     """One record as one line (for --follow and piped output)."""
     name = type_name(rec.rtype)
-    return Text.assemble(f"{rec.lsn:>10} ", (f"{name:<10}", TYPE_STYLE.get(name, "")),
+    return Text.assemble(f"{rec.lsn:>10} {clock(rec.time):<23} ", (f"{name:<10}", TYPE_STYLE.get(name, "")),
                          f" {os.path.basename(rec.path)}:{rec.offset:<10} ", describe(rec))
 
 
@@ -237,9 +246,11 @@ def short_ids(ids: List[str], limit: int) -> Dict[str, str]:
 ID_WIDTH = 32
 
 
-def timeline_picture(state: JournalState, columns: int = 80, limit: int = 50) -> RenderableType:
+def timeline_picture(state: JournalState, columns: int = 80, limit: int = 50,
+                     time_of: Optional[Callable[[int], Optional[float]]] = None) -> RenderableType:
     """One bar per request from its start to its end (or now), with its segment flushes marked;
-    the bars take the width ``columns`` leaves after the ids and states, so ids stay readable."""
+    the bars take the width ``columns`` leaves after the ids and states, so ids stay readable.
+    ``time_of(lsn)`` (when records carry times) puts a time axis under the bars."""
     reqs = sorted(state.requests.values(), key=lambda r: r.start_lsn)
     if not reqs:
         return Text("no requests in the journal (ended requests compacted away are not shown)")
@@ -274,6 +285,8 @@ def timeline_picture(state: JournalState, columns: int = 80, limit: int = 50) ->
             bar[col(end)] = "|"
         line = Text("".join(bar), style=_color(req.id))
         table.add_row(names[req.id], line, statuses[req.id])
+    if time_of is not None and time_of(lo) is not None and time_of(hi) is not None:
+        table.add_row("", Text(_axis(time_of, lo, hi, width), style="dim"), "")
     parts: List[RenderableType] = [table]
     if len(reqs) > limit:
         parts.append(Text(f"(oldest {len(reqs) - limit} requests not shown)", style="dim"))
@@ -281,6 +294,19 @@ def timeline_picture(state: JournalState, columns: int = 80, limit: int = 50) ->
         if lo <= epoch["lsn"] <= hi:
             parts.append(Text(f"recovery epoch {epoch['epoch']} at LSN {epoch['lsn']}", style="bold red"))
     return Group(*parts)
+
+
+def _axis(time_of: Callable[[int], Optional[float]], lo: int, hi: int, width: int) -> str:
+    """A time axis for bars from LSN ``lo`` to ``hi``: the times at both ends and the middle."""
+    def label(lsn: int) -> str:
+        when = time_of(lsn)
+        return time.strftime("%H:%M:%S", time.localtime(when)) if when is not None else "?"
+
+    left, mid, right = label(lo), label((lo + hi) // 2), label(hi)
+    line = [" "] * width
+    for pos, text in ((0, left), (max(0, (width - len(mid)) // 2), mid), (max(0, width - len(right)), right)):
+        line[pos:pos + len(text)] = text
+    return "".join(line[:width])
 
 
 EXPORT_SUFFIXES = (".svg", ".html", ".htm")

@@ -1,8 +1,9 @@
 """Looking at a journal record by record: sizes, commit groups, filters, descriptions, statistics.
 
-What ``kvj inspect`` shows, as plain data (the CLI only renders it). Records carry no
-timestamps, so a record's time is known exactly only when its payload has one (recovery
-epochs); otherwise it lies within the window in which its log file was written.
+What ``kvj inspect`` shows, as plain data (the CLI only renders it). A record's time is
+its commit group's (journal format version 2); for a record of kvj 0.1.0, whose groups
+carry no time, it is known exactly only when its payload has one (recovery epochs), and
+otherwise lies within the window in which its log file was written.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def file_windows(logs: Iterable[str]) -> Dict[str, TimeWindow]:
 
 def record_time(rec: Record, windows: Dict[str, TimeWindow]) -> TimeWindow:
     """(earliest, latest) time ``rec`` can have been written; None where unknown."""
+    if rec.time is not None:
+        return rec.time, rec.time
     t = rec.payload.get("time")
     if isinstance(t, (int, float)) and not isinstance(t, bool):
         return float(t), float(t)
@@ -122,7 +125,7 @@ class Filter:
 
 def record_json(rec: Record) -> Dict[str, Any]:
     """A record as one flat JSON object: lsn, type, file, offset, then its payload fields."""
-    return {"lsn": rec.lsn, "type": type_name(rec.rtype), "file": os.path.basename(rec.path),
+    return {"lsn": rec.lsn, "type": type_name(rec.rtype), "time": rec.time, "file": os.path.basename(rec.path),
             "offset": rec.offset, **rec.payload}
 
 

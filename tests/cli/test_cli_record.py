@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,14 +70,14 @@ def test_inspect_filters(tmp_path, capsys):
     assert lsns("-t", "segment", "-t", "END") == [r for r in everything if r[1] in ("segment", "end")]
     assert lsns("--from-lsn", "5", "--to-lsn", "9") == [r for r in everything if 5 <= r[0] <= 9]
     assert lsns("--last", "3") == everything[-3:]
-    # Records carry no time: a log file's window runs from the previous file's last write to its own.
-    with Journal.open(j, policy=CommitPolicy(file_size_limit=1)) as jj:  # full: the writer starts a second file
+    # Records carry their commit group's time: --since/--until select records, not log files.
+    with Journal.open(j) as jj:
         jj.start("late")
-    first, *_ = sorted(p for p in os.listdir(j) if p.endswith(".log"))
-    now = time.time()
-    os.utime(j / first, (now - 7200, now - 7200))
-    assert lsns("--since", "1h") == [(21, "start", "late")]
-    assert lsns("--until", "3h") == everything
+    times = {r["lsn"]: r["time"] for r in ndjson(run_cli(capsys, "inspect", "-j", j, "--json")[1])}
+    assert all(times[lsn] <= times[lsn + 1] for lsn in range(1, 21)) and times[20] < times[21] <= time.time()
+    assert lsns("--since", repr(times[21])) == [(21, "start", "late")]  # same file as the rest
+    assert lsns("--until", repr(times[20])) == everything
+    assert lsns("--until", "2020-01-01") == [] and lsns("--since", "1h") == everything + [(21, "start", "late")]
     status, out, _ = run_cli(capsys, "inspect", "-j", j, "-r", "req-0", "-t", "segment")
     lines = out.splitlines()
     assert len(lines) == 3 and all("segment" in line and "id=req-0" in line for line in lines)
@@ -239,3 +240,21 @@ def test_bench_reports_and_recommends(tmp_path, capsys):
     assert [r["policy"] for r in result["journal"]][-1] == "durable=True each record"
     assert all(r["records_per_s"] > 0 for r in result["journal"]) and result["advice"]
     assert os.listdir(tmp_path) == []  # it cleans up after itself
+
+
+def test_timeline_time_axis_and_0_1_0_records_without_times(tmp_path, capsys):
+    """The timeline has a time axis from the records' times; a journal of kvj 0.1.0 (no times)
+    is listed with "-" for time and selected by its log files' windows."""
+    import shutil
+
+    j = tmp_path / "j"
+    build(str(j), requests=1, blocks=1, ended=0, training=False)
+    status, out, _ = run_cli(capsys, "inspect", "-j", j, "--timeline")
+    assert status == 0 and re.search(r"\d\d:\d\d:\d\d\s+\d\d:\d\d:\d\d\s+\d\d:\d\d:\d\d", out)
+    old = tmp_path / "old"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "journal", "data", "journal-0.1.0"), old,
+                    copy_function=shutil.copy)  # written now, as far as the files' times tell
+    rows = ndjson(run_cli(capsys, "inspect", "-j", old, "--json")[1])
+    assert rows and all(r["time"] is None for r in rows if r["type"] != "epoch")
+    recent = ndjson(run_cli(capsys, "inspect", "-j", old, "--json", "--since", "1h")[1])
+    assert recent == [r for r in rows if r["type"] != "epoch"]  # an epoch says when it was written
