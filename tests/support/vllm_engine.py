@@ -1,0 +1,79 @@
+"""A vLLM engine in a child process, for the connector's end-to-end tests and its benchmark.
+
+Run as ``python -m support.vllm_engine SPEC.json`` (``tests`` on ``PYTHONPATH``). The spec
+names the model, the connector (``kvj`` through ``support.vllm_record``, ``example`` for
+vLLM's in-tree ExampleConnector, or none), the engine settings, and a list of jobs:
+
+* ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy;
+* ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``.
+
+Each job's result (tokens, the sampled tokens' logprobs, cached-token counts) is appended
+to ``SPEC["out"]`` as one JSON line as soon as the job is done, so a parent that SIGKILLs
+the engine mid-job still has the jobs before it. Line ``{"ready": true}`` comes first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List
+
+
+def _write(path: str, obj: Dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(obj) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _request(out: Any) -> Dict[str, Any]:
+    comp = out.outputs[0]
+    logprobs = [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)]
+    return {"prompt_len": len(out.prompt_token_ids), "token_ids": list(comp.token_ids), "logprobs": logprobs,
+            "cached": out.num_cached_tokens or 0}
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvj.integrations.vllm import resume
+
+    transfer = None
+    if spec.get("connector") == "kvj":
+        transfer = KVTransferConfig(kv_connector="RecordingKvjConnector", kv_connector_module_path="support.vllm_record",
+                                    kv_role="kv_both", kv_load_failure_policy="recompute",
+                                    kv_connector_extra_config={"journal": spec["journal"],
+                                                               "record": spec.get("record")})
+    elif spec.get("connector") == "example":
+        transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                    kv_connector_extra_config={"shared_storage_path": spec["journal"]})
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
+              max_model_len=spec.get("max_model_len", 512), enforce_eager=True, seed=0,
+              block_size=spec.get("block_size", 32), max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+              enable_prefix_caching=spec.get("prefix_caching", True), kv_transfer_config=transfer)
+    _write(spec["out"], {"ready": True})
+    for job in spec["jobs"]:
+        t0 = time.perf_counter()
+        if "generate" in job:
+            params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, logprobs=1)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["generate"]], params, use_tqdm=False)
+            result = {"requests": [_request(o) for o in outs]}
+        else:
+            resumed = resume(llm, job["resume"])
+            result = {"requests": [{**(_request(r.output) if r.output else {}), "id": r.request_id,
+                                    "prompt": r.plan.prompt, "resumed_at": len(r.plan.generated),
+                                    "durable_tokens": r.plan.durable_tokens, "all_token_ids": r.token_ids,
+                                    "restored": r.restored_tokens, "recomputed": r.recomputed_tokens}
+                                   for r in resumed]}
+        _write(spec["out"], {**result, "seconds": time.perf_counter() - t0})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
