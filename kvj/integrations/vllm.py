@@ -387,20 +387,17 @@ class KvjConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvjConnectorMetadata)
-        if self._failed is not None:
-            return
         try:
-            for start in meta.starts:
+            for start in meta.starts if self._failed is None else ():
                 self._journal.start(start.jid, None, start.tokens, start.meta)
                 self._pending[start.jid] = []
-            for save in meta.saves:
+            for save in meta.saves if self._failed is None else ():
                 if save.block_id not in self._failed_now:  # recomputed by vLLM, saved again after
                     self._save(save)
-            for fin in meta.finishes:
-                futures = self._pending.pop(fin.jid, [])
-                self._ender.submit(self._end, fin, futures)
-        except KvjError as exc:
+        except (KvjError, OSError) as exc:
             self._fail(exc)
+        for fin in meta.finishes:  # released even when journaling has stopped
+            self._ender.submit(self._end, fin, self._pending.pop(fin.jid, []))
 
     def _save(self, save: _Save) -> None:
         caches = self._caches.values()
@@ -415,6 +412,8 @@ class KvjConnector(KVConnectorBase_V1):
     def _end(self, fin: _Finish, futures: List["Future[int]"]) -> None:
         """On the ender thread: the request's segments and their records durable, then END."""
         try:
+            if self._failed is not None:
+                return
             for future in futures:
                 future.result()
             self._journal.sync()
@@ -427,6 +426,7 @@ class KvjConnector(KVConnectorBase_V1):
             self._ended.add(fin.vllm_id)
 
     def _fail(self, exc: BaseException) -> None:
+        """A failed write or fsync is final: log it once, stop journaling, keep serving."""
         if self._failed is None:
             self._failed = exc
             logger.error("kvj: journaling stopped, nothing after this is durable: %s", exc)
