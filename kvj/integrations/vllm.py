@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -48,12 +49,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.logger import init_logger
 
 import kvj
-from kvj.errors import InvalidName, KvjError, LayoutMismatch
+from kvj.errors import InvalidArgument, InvalidName, KvjError, LayoutMismatch, SegmentCorrupt
+from kvj.journal.journal import default_store_path
 from kvj.names import check_request_id
+from kvj.segments import format as seg
+from kvj.segments.flusher import Flusher
+from kvj.segments.store import SegmentInfo, SegmentStore
 
 if TYPE_CHECKING:
     from vllm import LLM, RequestOutput
@@ -148,6 +154,14 @@ def _durable_blocks(state: "kvj.JournalState", fp: str) -> Dict[str, Dict[str, A
     return found
 
 
+def _count(extra: Mapping[str, Any], name: str, default: int) -> int:
+    """A positive thread count from the extra config."""
+    value = extra.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgument(f"kv_connector_extra_config[{name!r}] must be a positive integer, not {value!r}")
+    return value
+
+
 def _replay(path: str) -> "kvj.JournalState":
     return kvj.replay(path) if os.path.isdir(path) else kvj.JournalState()
 
@@ -190,6 +204,18 @@ class KvjConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class KvjWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker to scheduler, each step: blocks that became durable, and blocks that failed to load."""
+
+    durable: List[str] = field(default_factory=list)  #: chain keys
+    lost: List[str] = field(default_factory=list)  #: chain keys
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvjWorkerMetadata":
+        assert isinstance(other, KvjWorkerMetadata)
+        return KvjWorkerMetadata(self.durable + other.durable, self.lost + other.lost)
+
+
+@dataclass
 class _Tracked:
     """Scheduler-side state of one request."""
 
@@ -226,22 +252,33 @@ class KvjConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._identity = kv_identity(vllm_config, extra)
         self._fp = fingerprint(self._identity)
-        self._durable = _durable_blocks(_replay(self._path), self._fp)
+        durable = _durable_blocks(_replay(self._path), self._fp)
         if role == KVConnectorRole.SCHEDULER:
+            self._durable_chains: Set[str] = set(durable)
             self._requests: Dict[str, _Tracked] = {}
             self._finishing: List[_Finish] = []
             self._leftover_saves: List[_Save] = []
         else:
-            self._journal = kvj.Journal.open(self._path)
-            self._caches: Dict[str, torch.Tensor] = {}
-            self._pending: Dict[str, List["Future[int]"]] = {}
-            self._load_errors: Set[int] = set()
+            threads = _count(extra, "threads", 1)
+            store = SegmentStore(default_store_path(self._path), threads=threads)
+            self._journal = kvj.Journal.open(self._path, store=store)
+            self._flusher = Flusher(store, workers=threads, codec=extra.get("codec", "auto"))
+            self._loader = ThreadPoolExecutor(max_workers=_count(extra, "load_threads", min(8, os.cpu_count() or 1)),
+                                              thread_name_prefix="kvj-load")
             self._ender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvj-end")
+            self._durable = durable
+            #: (chain, next token) -> a durable segment holding that block: journaled again by reference
+            self._known: Dict[Tuple[str, int], SegmentInfo] = {}
+            self._news = KvjWorkerMetadata()  #: for the scheduler at the end of this step
+            self._news_lock = threading.Lock()
+            self._caches: Dict[str, torch.Tensor] = {}
+            self._pending: Dict[str, List["Future[Any]"]] = {}
+            self._load_errors: Set[int] = set()
             self._ended: Set[str] = set()
             self._finished_seen: Set[str] = set()
             self._failed: Optional[BaseException] = None
             self._failed_now: Set[int] = set()  #: blocks whose load failed in this step
-            self.stats = {"blocks_saved": 0, "blocks_loaded": 0, "blocks_failed": 0}
+            self.stats = {"blocks_saved": 0, "blocks_referenced": 0, "blocks_loaded": 0, "blocks_failed": 0}
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -260,7 +297,7 @@ class KvjConnector(KVConnectorBase_V1):
         tracked.local_hit = num_computed_tokens
         matched = 0
         for chain in self._chains(tracked)[:usable]:
-            if chain not in self._durable:
+            if chain not in self._durable_chains:
                 break
             matched += 1
         return max(0, matched * self._block_size - num_computed_tokens), False
@@ -318,7 +355,12 @@ class KvjConnector(KVConnectorBase_V1):
         return saves
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Blocks that failed to load are recomputed by vLLM: save them again once they are."""
+        """Learn the blocks that became durable (or failed to load); blocks that failed to load
+        are recomputed by vLLM: save them again once they are."""
+        news = connector_output.kv_connector_worker_meta
+        if isinstance(news, KvjWorkerMetadata):
+            self._durable_chains.update(news.durable)
+            self._durable_chains.difference_update(news.lost)
         invalid = connector_output.invalid_block_ids or set()
         for tracked in self._requests.values() if invalid else ():
             failed = [b for block_id, b in tracked.loaded.items() if block_id in invalid]
@@ -351,32 +393,67 @@ class KvjConnector(KVConnectorBase_V1):
         self._caches = dict(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Read and verify this step's blocks in parallel, then copy them in: one pass per layer."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvjConnectorMetadata)
         self._failed_now = set()
+        jobs = [block for _, blocks in meta.loads for block in blocks]
+        if not jobs:
+            return
+        caches = list(self._caches.values())
+        rows = torch.empty((len(jobs), len(caches) * caches[0][0].nbytes), dtype=torch.uint8)
+        futures = [self._loader.submit(self._read_block, chain, rows[i]) for i, (_, chain) in enumerate(jobs)]
+        good: List[int] = []
+        i = 0
         for _, blocks in meta.loads:
-            for i, (block_id, chain) in enumerate(blocks):
+            failed = False
+            for block_id, chain in blocks:
                 try:
-                    self._load_block(block_id, chain)
+                    info = futures[i].result()
                 except (KvjError, OSError, KeyError) as exc:
-                    logger.warning("kvj: block %s not loaded (%s); vLLM recomputes it", chain[:16], exc)
-                    self._durable.pop(chain, None)
-                    failed = [b for b, _ in blocks[i:]]
-                    self._load_errors.update(failed)
-                    self._failed_now.update(failed)
-                    self.stats["blocks_failed"] += len(failed)
-                    break
-                self.stats["blocks_loaded"] += 1
+                    if not failed:  # this and every later block of the request are recomputed
+                        logger.warning("kvj: block %s not loaded (%s); vLLM recomputes it", chain[:16], exc)
+                    failed = True
+                    self._lose(chain)
+                else:
+                    self._known[(chain, int(info.layout["token_ids"][-1]))] = info
+                if failed:
+                    self._load_errors.add(block_id)
+                    self._failed_now.add(block_id)
+                    self.stats["blocks_failed"] += 1
+                else:
+                    good.append(i)
+                i += 1
+        if good:
+            data = rows[good].view(caches[0].dtype).view(len(good), len(caches), *caches[0].shape[1:])
+            ids = torch.tensor([jobs[g][0] for g in good], dtype=torch.long)
+            for layer, cache in enumerate(caches):
+                cache.index_copy_(0, ids, data[:, layer])
+            self.stats["blocks_loaded"] += len(good)
 
-    def _load_block(self, block_id: int, chain: str) -> None:
+    def _read_block(self, chain: str, out: torch.Tensor) -> SegmentInfo:
+        """On a loader thread: read, verify (chunk CRCs, digest, layout) and decode one block into ``out``."""
         entry = self._durable[chain]
-        layout = entry["layout"]
+        key, layout = entry["key"], entry["layout"]
         mine = {k: layout.get(k) for k in self._identity}
         if mine != self._identity:
-            raise LayoutMismatch(f"segment {entry['key']} was journaled for {mine}, not {self._identity}")
-        block = self._journal.store.get(entry["key"], expect_layout=layout)
-        for layer, cache in enumerate(self._caches.values()):
-            cache[block_id].copy_(block[layer])
+            raise LayoutMismatch(f"segment {key} was journaled for {mine}, not {self._identity}")
+        store = self._journal.store
+        name = store.backend.describe(key)
+        header, _ = seg.decode_into(store.read_stored(key), out, name=name, max_raw=store.max_segment_bytes)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        shape = [self._identity["layers"], *self._identity["block_shape"]]
+        if header.layout != layout or list(header.shape) != shape or header.dtype != self._identity["kv_dtype"]:
+            raise LayoutMismatch(f"segment {name} holds {header.dtype} {header.shape} {header.layout}, "
+                                 f"the journal says {shape} {layout}")
+        store.backend.touch(key)  # claimed: collection keeps it while requests name it again
+        return SegmentInfo.from_header(header)
+
+    def _lose(self, chain: str) -> None:
+        self._durable.pop(chain, None)
+        with self._news_lock:
+            self._news.lost.append(chain)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -385,6 +462,7 @@ class KvjConnector(KVConnectorBase_V1):
         return  # whole blocks are copied once the step's forward is done (wait_for_save)
 
     def wait_for_save(self) -> None:
+        """Journal this step's starts and queue its blocks: a copy each, the rest on kvj's threads."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvjConnectorMetadata)
         try:
@@ -400,16 +478,34 @@ class KvjConnector(KVConnectorBase_V1):
             self._ender.submit(self._end, fin, self._pending.pop(fin.jid, []))
 
     def _save(self, save: _Save) -> None:
-        caches = self._caches.values()
-        block = torch.stack([cache[save.block_id] for cache in caches])
         start = save.block * self._block_size
-        layout = {**self._identity, "fingerprint": self._fp, "chain": save.chain, "token_ids": save.token_ids}
-        future = self._journal.flush(save.jid, save.block, block, token_range=(start, start + self._block_size),
-                                     layout=layout)
+        token_range = (start, start + self._block_size)
+        known = self._known.get((save.chain, save.token_ids[-1]))
+        if known is not None:  # a block already durable (loaded, or saved for another request)
+            future: "Future[Any]" = self._journal.flush(save.jid, save.block, token_range=token_range,
+                                                        layout=known.layout, info=known)
+            self.stats["blocks_referenced"] += 1
+        else:
+            block = torch.stack([cache[save.block_id] for cache in self._caches.values()])
+            layout = {**self._identity, "fingerprint": self._fp, "chain": save.chain, "token_ids": save.token_ids}
+            future = self._flusher.submit(block, layout, lambda info: self._saved(save, token_range, info))
+            self.stats["blocks_saved"] += 1
         self._pending.setdefault(save.jid, []).append(future)
-        self.stats["blocks_saved"] += 1
 
-    def _end(self, fin: _Finish, futures: List["Future[int]"]) -> None:
+    def _saved(self, save: _Save, token_range: Tuple[int, int], info: SegmentInfo) -> None:
+        """On a flusher thread, once the block's segment is durable: its record, and tell the scheduler."""
+        self._journal.flush(save.jid, save.block, token_range=token_range, layout=info.layout, info=info)
+        self._known[(save.chain, save.token_ids[-1])] = info
+        self._durable[save.chain] = {"key": info.key, "layout": info.layout}
+        with self._news_lock:
+            self._news.durable.append(save.chain)
+
+    def build_connector_worker_meta(self) -> Optional[KvjWorkerMetadata]:
+        with self._news_lock:
+            news, self._news = self._news, KvjWorkerMetadata()
+        return news if news.durable or news.lost else None
+
+    def _end(self, fin: _Finish, futures: List["Future[Any]"]) -> None:
         """On the ender thread: the request's segments and their records durable, then END."""
         try:
             if self._failed is not None:
@@ -445,7 +541,12 @@ class KvjConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
             self._ender.shutdown(wait=True)
-            self._journal.close()
+            self._loader.shutdown(wait=True)
+            self._flusher.close()
+            try:
+                self._journal.close()
+            finally:
+                self._journal.store.close()
 
 
 # ---------------------------------------------------------------------------- resume

@@ -29,16 +29,16 @@ class RecordingKvjConnector(KvjConnector):
             raw = torch.stack([cache[block_id] for cache in self._caches.values()]).view(torch.uint8).numpy()
             np.save(os.path.join(self._record, f"{kind}-{chain}.npy"), raw, allow_pickle=False)
 
-    def _load_block(self, block_id: int, chain: str) -> None:
-        super()._load_block(block_id, chain)
-        self._dump("loaded", block_id, chain)
-
     def _save(self, save: _Save) -> None:
         self._dump("saved", save.block_id, save.chain)
         super()._save(save)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
+        for _, blocks in self._get_connector_metadata().loads:
+            for block_id, chain in blocks:
+                if block_id not in self._failed_now:
+                    self._dump("loaded", block_id, chain)
         if self._record and self._get_connector_metadata().loads:
             with open(os.path.join(self._record, f"stats-{os.getpid()}.json"), "w", encoding="utf-8") as f:
                 json.dump(self.stats, f)

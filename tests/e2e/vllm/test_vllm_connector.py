@@ -15,8 +15,8 @@ import random
 import signal
 import subprocess
 import sys
-import time
-from typing import Any, Dict, List
+import types
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -51,11 +51,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
 
 
 def prompts(seed: int) -> Dict[str, List[int]]:
-    """Four requests (two share a 96-token prefix) and a later one sharing 64 tokens with P1."""
+    """A batch (P0..P3) whose short requests decode while the long one is still in prefill, and R/Q
+    for prefix reuse: Q shares R's first 64 tokens and nothing with the batch."""
     rng = random.Random(seed)
     ids = lambda n: [rng.randrange(1024) for _ in range(n)]  # noqa: E731
-    p0, p1, p3 = ids(150), ids(90), ids(200)
-    return {"P0": p0, "P1": p1, "P2": p0[:96] + ids(20), "P3": p3, "Q": p1[:64] + ids(30)}
+    # Prompt ends just below a block boundary: a block holding generated tokens fills after a few steps.
+    p0, p1, p3, r = ids(60), ids(90), ids(200), ids(90)
+    return {"P0": p0, "P1": p1, "P2": p0[:32] + ids(92), "P3": p3, "R": r, "Q": r[:64] + ids(30)}
 
 
 def start_engine(tmp: str, name: str, model: str, jobs: List[Dict[str, Any]], journal: str,
@@ -63,7 +65,7 @@ def start_engine(tmp: str, name: str, model: str, jobs: List[Dict[str, Any]], jo
     record = os.path.join(tmp, f"{name}-rec")
     os.makedirs(record, exist_ok=True)
     spec = {"model": model, "connector": "kvj", "journal": journal, "record": record,
-            "out": os.path.join(tmp, f"{name}.jsonl"), "max_num_batched_tokens": 64, "jobs": jobs, **settings}
+            "out": os.path.join(tmp, f"{name}.jsonl"), "jobs": jobs, **ENGINE, **settings}
     path = os.path.join(tmp, f"{name}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
@@ -109,53 +111,128 @@ def same(got: Dict[str, Any], want: Dict[str, Any], what: str, offset: int = 0) 
                                err_msg=f"{what}: logprobs differ")
 
 
-def segment_records(journal: str) -> int:
+def journal_state(journal: str) -> Optional["kvj.JournalState"]:
     try:
-        state = kvj.replay(journal)
+        return kvj.replay(journal)
     except kvj.KvjError:
-        return 0  # caught mid-creation; ask again
-    return sum(len(r.segments) for r in state.requests.values())
+        return None  # caught mid-creation; ask again
+
+
+def durable_tokens(journal: str, prompts: List[List[int]]) -> Dict[int, int]:
+    """Prompt index -> most tokens journaled blocks cover for it (a resumed request carries its
+    original prompt's tokens too)."""
+    state = journal_state(journal)
+    covered: Dict[int, int] = {}
+    for r in state.requests.values() if state is not None else ():
+        prompt = (r.tokens or [])[:r.meta.get("prompt_len", 0)]
+        if prompt in prompts:
+            i = prompts.index(prompt)
+            covered[i] = max(covered.get(i, 0), len(r.segments) * BLOCK)
+    return covered
 
 
 def kvj_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvj.cli.main", *args], capture_output=True, text=True)
 
 
-def test_sigkill_mid_generation_then_fsck_recover_resume(models: Dict[str, str], tmp_path: Any) -> None:
-    seed = int(os.environ.get("KVJ_VLLM_SEED") or random.SystemRandom().randrange(1 << 20))
-    print(f"KVJ_VLLM_SEED={seed}")
-    rng = random.Random(seed)
-    tmp = str(tmp_path)
-    ps = prompts(seed)
-    batch = [ps["P0"], ps["P1"], ps["P2"], ps["P3"]]
-    ref = run_engine(tmp, "ref", models["main"], [{"generate": batch, "max_tokens": 64}],
-                     os.path.join(tmp, "ref-journal"))[0]["requests"]
-    total = segment_records(os.path.join(tmp, "ref-journal"))
-
-    # The same requests, killed once a random number of blocks is journaled.
-    journal = os.path.join(tmp, "journal")
-    kill_at = rng.randint(1, int(total * 0.7))
-    proc = start_engine(tmp, "killed", models["main"], [{"generate": batch, "max_tokens": 64}], journal)
-    try:
-        wait_for(lambda: segment_records(journal) >= kill_at or proc.poll() is not None,
-                 f"{kill_at} of {total} segment records", timeout=900, interval=0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert len(lines(tmp, "killed")) == 1, "the engine finished before the kill: nothing was in flight"
-
+def recover(journal: str) -> str:
+    """``kvj fsck`` then ``kvj recover``; the manifest's path."""
     fsck = kvj_cli("fsck", "-j", journal)
     assert fsck.returncode in (0, 1), fsck.stdout + fsck.stderr
     rec = kvj_cli("recover", "-j", journal, "--json")
     assert rec.returncode == 0, rec.stdout + rec.stderr
-    manifest_path = sorted(glob.glob(os.path.join(journal, "recovery", "manifest-*.json")))[-1]
+    return sorted(glob.glob(os.path.join(journal, "recovery", "manifest-*.json")))[-1]
+
+
+def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> None:
+    try:
+        wait_for(lambda: proc.poll() is not None or ready(), what, timeout=900, interval=0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def check_resumed(resumed: List[Dict[str, Any]], batch: List[List[int]], ref: List[Dict[str, Any]]) -> None:
+    """Every resumed request's whole output is the uninterrupted run's; logprobs of the tokens generated now."""
+    for r in resumed:
+        want = ref[batch.index(r["prompt"])]
+        assert r["all_token_ids"] == want["token_ids"], f"request {r['id']}: resumed output differs"
+        if "token_ids" in r:
+            same(r, want, f"request {r['id']}", offset=r["resumed_at"])
+
+
+def check_loaded_kv(tmp: str, name: str, ref_tmp: str) -> List[str]:
+    """Every block the engine loaded equals, bit for bit, the block the reference engine computed."""
+    loaded = glob.glob(os.path.join(tmp, f"{name}-rec", "loaded-*.npy"))
+    for path in loaded:
+        computed = os.path.join(ref_tmp, "ref-rec", os.path.basename(path).replace("loaded-", "saved-"))
+        assert np.array_equal(np.load(path), np.load(computed)), f"loaded KV differs from computed: {path}"
+    return loaded
+
+
+MAX_NEW = 64
+#: A 64-token step budget: the short requests, first in line, decode (and journal blocks holding
+#: generated tokens) while the long one, last, is still in prefill.
+ENGINE = {"max_num_batched_tokens": 64}
+
+
+def batch_of(ps: Dict[str, List[int]]) -> List[List[int]]:
+    return [ps["P0"], ps["P1"], ps["P2"], ps["P3"]]
+
+
+def jobs_of(ps: Dict[str, List[int]]) -> List[Dict[str, Any]]:
+    """What the reference and the killed engine run: R, then Q (sharing R's prefix), then the batch."""
+    return [{"generate": [ps["R"]], "max_tokens": 8}, {"generate": [ps["Q"]], "max_tokens": 16},
+            {"generate": batch_of(ps), "max_tokens": MAX_NEW}]
+
+
+@pytest.fixture(scope="module")
+def seed() -> int:
+    seed = int(os.environ.get("KVJ_VLLM_SEED") or random.SystemRandom().randrange(1 << 20))
+    print(f"KVJ_VLLM_SEED={seed}")
+    return seed
+
+
+@pytest.fixture(scope="module")
+def reference(models: Dict[str, str], seed: int, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """An uninterrupted engine: its outputs, and (recorded) every block's KV it computed."""
+    tmp = str(tmp_path_factory.mktemp("reference"))
+    ps = prompts(seed)
+    out = run_engine(tmp, "ref", models["main"], jobs_of(ps), os.path.join(tmp, "journal"))
+    return {"tmp": tmp, "prompts": ps, "Q": out[1]["requests"][0], "batch": out[2]["requests"],
+            "journal": os.path.join(tmp, "journal")}
+
+
+@pytest.fixture(scope="module")
+def crashed(models: Dict[str, str], seed: int, reference: Dict[str, Any],
+            tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """The same jobs, SIGKILLed mid-batch (short requests mid-decode, the long one mid-prefill);
+    fsck, recover, a damaged block; then a fresh engine serves Q (prefix reuse) and resumes."""
+    tmp = str(tmp_path_factory.mktemp("crashed"))
+    ps = reference["prompts"]
+    batch = batch_of(ps)
+    rng = random.Random(seed)
+    journal = os.path.join(tmp, "journal")
+    extra = rng.randint(0, 1)  # more segment records after the first block holding generated tokens
+    seen: Dict[str, int] = {}
+
+    def mixed() -> bool:
+        covered = durable_tokens(journal, batch)
+        if not any(n > len(batch[i]) for i, n in covered.items()):
+            return False
+        total = sum(covered.values())
+        seen.setdefault("first", total)
+        return total >= seen["first"] + extra * BLOCK or covered.get(3, 0) + 2 * BLOCK > len(batch[3])
+
+    proc = start_engine(tmp, "killed", models["main"], jobs_of(ps), journal)
+    kill_when(proc, mixed, "a journaled block holding generated tokens")
+    assert len(lines(tmp, "killed")) == 3, "the kill did not land in the batch"
+    manifest_path = recover(journal)
     with open(manifest_path) as f:
         manifest = json.load(f)
-    in_flight = manifest["requests"]
-    assert in_flight, "nothing was in flight at the kill"
 
     # Bit rot after recovery: one block the resume will load is damaged on disk.
-    longest = max(in_flight, key=lambda r: len(r["segments"]))
+    longest = max(manifest["requests"], key=lambda r: len(r["segments"]))
     victim = longest["segments"][-1] if longest["segments"] else None
     if victim is not None:
         path = os.path.join(journal, "segments", "objects", victim["key"][:2], victim["key"] + ".kvjseg")
@@ -164,57 +241,124 @@ def test_sigkill_mid_generation_then_fsck_recover_resume(models: Dict[str, str],
         with open(path, "wb") as f:
             f.write(data)
 
-    resumed = run_engine(tmp, "resumed", models["main"], [{"resume": manifest_path}], journal)[0]["requests"]
-    assert len(resumed) == len(in_flight)
-    by_prompt = {tuple(p): r for p, r in zip(batch, ref)}
+    out = run_engine(tmp, "resumed", models["main"],
+                     [{"generate": [ps["Q"]], "max_tokens": 16}, {"resume": manifest_path}], journal)
+    return {"tmp": tmp, "journal": journal, "manifest": manifest, "victim": victim, "Q": out[0]["requests"][0],
+            "resumed": out[1]["requests"]}
+
+
+def test_sigkill_mid_decode_and_mid_prefill_then_fsck_recover_resume(reference: Dict[str, Any],
+                                                                     crashed: Dict[str, Any]) -> None:
+    batch = batch_of(reference["prompts"])
+    in_flight = [r for r in crashed["manifest"]["requests"] if r["tokens"] in batch]
+    assert len(in_flight) >= 3, "several requests were in flight at the kill"
+    phase = {batch.index(r["tokens"]): r["resume_position"] for r in in_flight}
+    assert any(n > len(batch[i]) for i, n in phase.items()), f"no request was mid-decode: {phase}"
+    assert any(n + BLOCK <= len(batch[i]) for i, n in phase.items()), f"no request was mid-prefill: {phase}"
+
+    resumed = crashed["resumed"]
+    assert len(resumed) == len(crashed["manifest"]["requests"])
+    check_resumed(resumed, batch, reference["batch"])
+    victim = crashed["victim"]
     for r in resumed:
-        want = by_prompt[tuple(r["prompt"])]
-        assert r["all_token_ids"] == want["token_ids"], f"request {r['id']}: resumed output differs"
-        if "token_ids" in r:  # the part generated after the restart, with its logprobs
-            same(r, want, f"request {r['id']}", offset=r["resumed_at"])
-        mid_prefill = r["durable_tokens"] < len(r["prompt"])
-        print(f"request {r['id']}: prompt {len(r['prompt'])}, durable {r['durable_tokens']} tokens"
-              f"{' (killed mid-prefill)' if mid_prefill else ''}, {r['resumed_at']} generated tokens from the "
-              f"journal, KV restored {r.get('restored', 0)} / recomputed {r.get('recomputed', 0)} tokens")
         prompt_len = len(r["prompt"]) + r["resumed_at"]
+        state = "mid-prefill" if r["durable_tokens"] < len(r["prompt"]) else "mid-decode"
+        print(f"request {r['id']}: prompt {len(r['prompt'])}, durable {r['durable_tokens']} tokens ({state}), "
+              f"{r['resumed_at']} generated tokens from the journal, KV restored {r.get('restored', 0)} / "
+              f"recomputed {r.get('recomputed', 0)} tokens")
         if "token_ids" in r:
             # Only what follows the last usable durable block is computed again.
             assert r["recomputed"] <= prompt_len - (r["durable_tokens"] // BLOCK) * BLOCK + BLOCK * (victim is not None)
 
-    loaded = glob.glob(os.path.join(tmp, "resumed-rec", "loaded-*.npy"))
-    for path in loaded:
-        computed = path.replace("resumed-rec", "ref-rec").replace("loaded-", "saved-")
-        assert np.array_equal(np.load(path), np.load(computed)), f"loaded KV differs from computed: {path}"
-    counts = stats(tmp, "resumed")
+    loaded = check_loaded_kv(crashed["tmp"], "resumed", reference["tmp"])
+    counts = stats(crashed["tmp"], "resumed")
     print(f"blocks loaded {counts['blocks_loaded']}, failed verification {counts['blocks_failed']}")
     assert counts["blocks_loaded"] == len(loaded)
     if victim is not None:
         assert counts["blocks_failed"] >= 1, "the damaged block was not detected"
-        assert not os.path.exists(os.path.join(tmp, "resumed-rec", f"loaded-{victim['layout']['chain']}.npy"))
+        assert not os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{victim['layout']['chain']}.npy"))
 
     # Resumed requests are done: nothing is left in flight.
-    state = kvj.replay(journal)
+    state = kvj.replay(crashed["journal"])
     assert not state.in_flight(), [r.id for r in state.in_flight()]
 
 
-def test_restart_prefix_reuse_and_wrong_model(models: Dict[str, str], tmp_path: Any) -> None:
-    tmp = str(tmp_path)
-    ps = prompts(7)
+def test_restart_prefix_reuse(reference: Dict[str, Any], crashed: Dict[str, Any]) -> None:
+    """A fresh engine process computes only Q's 30 tokens after the 64 it shares with R."""
+    q = crashed["Q"]
+    assert q["cached"] == 64
+    same(q, reference["Q"], "Q after a restart")
+    state = kvj.replay(crashed["journal"])
+    first_q = min((r for r in state.requests.values() if r.tokens == reference["prompts"]["Q"]),
+                  key=lambda r: r.start_lsn)  # the killed engine's
+    chains = [first_q.segments[b].layout["chain"] for b in (0, 1)]
+    for chain in chains:  # loaded from kvj, and equal to what the reference computed
+        assert os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{chain}.npy"))
+    check_loaded_kv(crashed["tmp"], "resumed", reference["tmp"])
+
+
+def scheduler_connector(model: str, journal: str, dtype: str = "bfloat16") -> Any:
+    """The scheduler-side KvjConnector an engine for ``model`` would build (no engine started)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvj.integrations.vllm import KvjConnector
+
+    transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
+                                kv_role="kv_both", kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"journal": journal})
+    config = EngineArgs(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=512, enforce_eager=True,
+                        block_size=BLOCK, kv_transfer_config=transfer).create_engine_config()
+    return KvjConnector(config, KVConnectorRole.SCHEDULER, None)
+
+
+def matched_tokens(connector: Any, tokens: List[int]) -> int:
+    request = types.SimpleNamespace(request_id="q", all_token_ids=tokens, prompt_token_ids=tokens,
+                                    num_tokens=len(tokens))
+    connector.on_new_request(request)
+    return connector.get_num_new_matched_tokens(request, 0)[0]
+
+
+def test_other_weights_or_dtype_never_match(models: Dict[str, str], reference: Dict[str, Any]) -> None:
+    """The blocks the reference engine journaled match its own model only (the engine loads only
+    what its scheduler-side connector matches; the worker checks the layout again on load)."""
+    q, journal = reference["prompts"]["Q"], reference["journal"]
+    assert matched_tokens(scheduler_connector(models["main"], journal), q) == 64
+    assert matched_tokens(scheduler_connector(models["other"], journal), q) == 0
+    assert matched_tokens(scheduler_connector(models["main"], journal, "float32"), q) == 0
+
+
+@pytest.mark.slow
+def test_many_kills_each_resume_killed_again(models: Dict[str, str], seed: int, reference: Dict[str, Any],
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The batch is killed, recovered and resumed again and again (each resumed engine killed at a
+    seeded point) until it completes. At every kill the journaled tokens are the uninterrupted
+    run's; the last resume's outputs equal it, token for token and logprob for logprob."""
+    from kvj.integrations.vllm import resume_plans
+
+    tmp = str(tmp_path_factory.mktemp("many-kills"))
+    batch = batch_of(reference["prompts"])
+    rng = random.Random(seed + 1)
     journal = os.path.join(tmp, "journal")
-    first = run_engine(tmp, "first", models["main"],
-                       [{"generate": [ps["P1"]], "max_tokens": 8}, {"generate": [ps["Q"]], "max_tokens": 16}],
-                       journal)
-    cold_q = first[1]["requests"][0]
-
-    # A second engine process: only Q's 30 tokens after the shared 64 are computed.
-    second = run_engine(tmp, "second", models["main"], [{"generate": [ps["Q"]], "max_tokens": 16}], journal)
-    q = second[0]["requests"][0]
-    assert q["cached"] == 64 and stats(tmp, "second")["blocks_loaded"] == 2
-    same(q, cold_q, "Q after a restart")
-
-    # Other weights, or another dtype: the blocks are never loaded.
-    other = run_engine(tmp, "other", models["other"], [{"generate": [ps["Q"]], "max_tokens": 16}], journal)
-    assert other[0]["requests"][0]["cached"] == 0 and stats(tmp, "other")["blocks_loaded"] == 0
-    fp32 = run_engine(tmp, "fp32", models["main"], [{"generate": [ps["Q"]], "max_tokens": 16}], journal,
-                      dtype="float32")
-    assert fp32[0]["requests"][0]["cached"] == 0 and stats(tmp, "fp32")["blocks_loaded"] == 0
+    jobs: List[Dict[str, Any]] = [{"generate": batch, "max_tokens": MAX_NEW}]
+    kills = 0
+    for attempt in range(12):
+        name = f"run{attempt}"
+        at = sum(durable_tokens(journal, batch).values()) + rng.randint(1, 3) * BLOCK
+        kill_when(start_engine(tmp, name, models["main"], jobs, journal),
+                  lambda: sum(durable_tokens(journal, batch).values()) >= at, f"{at} durable tokens")
+        if len(lines(tmp, name)) == 2:  # it finished before the kill
+            break
+        kills += 1
+        manifest = recover(journal)
+        for plan in resume_plans(manifest):
+            want = reference["batch"][batch.index(plan.prompt)]["token_ids"]
+            assert plan.generated == want[:len(plan.generated)], f"kill {kills}: journaled tokens differ"
+        print(f"kill {kills} at {at} durable tokens: {len(resume_plans(manifest))} requests in flight")
+        jobs = [{"resume": manifest}]
+    assert kills >= 3, f"only {kills} kills landed before the batch completed"
+    final = lines(tmp, name)[1]["requests"]
+    if kills:
+        check_resumed(final, batch, reference["batch"])
+    assert not kvj.replay(journal).in_flight()
