@@ -53,7 +53,9 @@ def _model(path: str) -> str:
 
 def _serve(spec: Dict[str, Any]) -> None:
     """Child process: one engine; a JSON job per stdin line, a RESULT line per job on stdout."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's CPU backend reserves one more core when a KV connector is configured (for NIXL);
+    # on a 2-core machine that leaves the engine's scheduler process none (see the README).
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -67,7 +69,8 @@ def _serve(spec: Dict[str, Any]) -> None:
         transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                     kv_connector_extra_config={"shared_storage_path": spec["dir"]})
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-              enforce_eager=True, block_size=BLOCK, kv_transfer_config=transfer, seed=0)
+              enforce_eager=True, block_size=BLOCK, kv_transfer_config=transfer, seed=0,
+              kv_cache_memory_bytes=1 << 30)  # no start-up check against the memory others use
     warm_up = SamplingParams(temperature=0, max_tokens=4, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=[7] * 40)], warm_up, use_tqdm=False)
     print("RESULT {}", flush=True)

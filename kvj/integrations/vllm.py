@@ -22,10 +22,12 @@ came from. Each segment's layout records the chain, the block's token ids and th
 it (the token sampled from the block's last position: tokens the engine generated are
 durable with the blocks that hold them) and the layout identity, checked again on load.
 
-**Load.** ``get_num_new_matched_tokens`` answers the longest prefix of whole blocks that the
-journal lists as durable (from ``kvj.replay`` at start-up); ``start_load_kv`` reads and
-verifies each (CRC of every chunk and the BLAKE3 digest) and copies it into the blocks vLLM
-allocated. A block that fails is reported by ``get_block_ids_with_load_errors`` and, with
+**Load.** ``get_num_new_matched_tokens`` answers the longest prefix of whole blocks that are
+durable (the journal's, from ``kvj.replay`` at start-up, and those the worker reports durable
+since, through vLLM's worker metadata); ``start_load_kv`` reads and verifies the step's blocks
+in parallel (CRC of every chunk, the BLAKE3 digest, the layout) and copies them into the
+blocks vLLM allocated, one pass per layer. A block already durable is journaled for another
+request by reference, without a second copy. A block that fails is reported by ``get_block_ids_with_load_errors`` and, with
 ``kv_load_failure_policy="recompute"``, vLLM recomputes it; it is never used.
 
 **Resume.** After ``kvj recover``, :func:`resume` resubmits every request that was in flight
@@ -52,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 
 import kvj
 from kvj.errors import InvalidArgument, InvalidName, KvjError, LayoutMismatch, SegmentCorrupt
@@ -254,6 +257,9 @@ class KvjConnector(KVConnectorBase_V1):
         self._fp = fingerprint(self._identity)
         durable = _durable_blocks(_replay(self._path), self._fp)
         if role == KVConnectorRole.SCHEDULER:
+            if current_platform.is_cpu() and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+                logger.warning("kvj: vLLM's CPU backend reserves one more core for a KV connector; with few "
+                               "cores that leaves its scheduler none: set VLLM_CPU_NUM_OF_RESERVED_CPU=1")
             self._durable_chains: Set[str] = set(durable)
             self._requests: Dict[str, _Tracked] = {}
             self._finishing: List[_Finish] = []

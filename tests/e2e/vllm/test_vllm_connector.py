@@ -119,11 +119,11 @@ def journal_state(journal: str) -> Optional["kvj.JournalState"]:
 
 
 def durable_tokens(journal: str, prompts: List[List[int]]) -> Dict[int, int]:
-    """Prompt index -> most tokens journaled blocks cover for it (a resumed request carries its
-    original prompt's tokens too)."""
+    """Prompt index -> most tokens the journaled blocks of a request in flight cover for it (a
+    resumed request carries its original prompt's tokens too)."""
     state = journal_state(journal)
     covered: Dict[int, int] = {}
-    for r in state.requests.values() if state is not None else ():
+    for r in state.in_flight() if state is not None else ():
         prompt = (r.tokens or [])[:r.meta.get("prompt_len", 0)]
         if prompt in prompts:
             i = prompts.index(prompt)
@@ -346,9 +346,16 @@ def test_many_kills_each_resume_killed_again(models: Dict[str, str], seed: int, 
     kills = 0
     for attempt in range(12):
         name = f"run{attempt}"
-        at = sum(durable_tokens(journal, batch).values()) + rng.randint(1, 3) * BLOCK
-        kill_when(start_engine(tmp, name, models["main"], jobs, journal),
-                  lambda: sum(durable_tokens(journal, batch).values()) >= at, f"{at} durable tokens")
+        # Kill once the requests in flight have journaled a few more blocks (the first time, once
+        # all of them have started).
+        at = sum(durable_tokens(journal, batch).values()) + rng.randint(2, 4) * BLOCK
+        started = 1 if attempt else len(batch)
+
+        def progressed() -> bool:
+            covered = durable_tokens(journal, batch)
+            return len(covered) >= started and sum(covered.values()) >= at
+
+        kill_when(start_engine(tmp, name, models["main"], jobs, journal), progressed, f"{at} durable tokens")
         if len(lines(tmp, name)) == 2:  # it finished before the kill
             break
         kills += 1
