@@ -50,8 +50,9 @@ BY_NAME: Dict[str, RecordType] = {v: k for k, v in NAMES.items()}
 Token = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class Schema(msgspec.Struct, gc=False):
+class Schema(msgspec.Struct, gc=False, omit_defaults=True):
     """A record type's payload. msgspec checks the field types; ``check`` adds what types cannot say.
+    A field left at its default is not written (the spec: an epoch has a salvage map only when one was made).
     (Not tracked by the cycle collector: one is built per record and dropped at once, and it
     never holds itself.)"""
 
@@ -180,9 +181,10 @@ def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
         rec = _convert(payload, struct)
     except msgspec.ValidationError as exc:
         raise FormatError(f"{NAMES[RecordType(rtype)]} record: {exc}") from None
-    if len(payload) != len(struct.__struct_fields__):
+    if len(payload) != len(struct.__struct_fields__) or struct.__struct_defaults__:  # defaults may be left out
         unknown = ", ".join(repr(k) for k in payload if k not in struct.__struct_fields__)
-        raise FormatError(f"{NAMES[RecordType(rtype)]} record: unknown field {unknown}")
+        if unknown:
+            raise FormatError(f"{NAMES[RecordType(rtype)]} record: unknown field {unknown}")
     try:
         rec.check(True)
         return _encode(rec)

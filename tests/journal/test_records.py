@@ -61,6 +61,8 @@ BAD_CALLS = [
     ("append, unknown type", lambda j: j.append(99, {"x": 1})),
     ("append, missing field", lambda j: j.append(RecordType.END, {"id": "r1"})),
     ("append, unknown field", lambda j: j.append(RecordType.END, {"id": "r1", "status": "ok", "stauts": "x"})),
+    ("append, unknown field in place of a default", lambda j: j.append(RecordType.EPOCH, {
+        "epoch": 1, "recovered_lsn": 0, "time": 1.0, "manifest": None, "salvge": {}})),
     ("append, not a map", lambda j: j.append(RecordType.END, [("id", "r1"), ("status", "ok")])),
     ("start, meta holds itself", lambda j: j.start("r1", meta=holding_itself())),
     ("start, deeply nested meta", lambda j: j.start("r1", meta={"x": nested(10_000)})),
@@ -182,3 +184,11 @@ def test_a_stored_payload_nested_too_deeply_is_damage_not_a_crash(rtype):
     data = b"\x84" + head[1:] + msgpack.packb("meta") + b"\x81" + msgpack.packb("x") + b"\x91" * 5000 + b"\x90"
     with pytest.raises(FormatError, match="nested too deeply"):
         records.decode_payload(rtype, data)
+
+
+def test_fields_with_defaults_may_be_left_out(tmp_path):
+    """An epoch without a salvage map (every recovery that salvages nothing) is a valid record."""
+    with Journal.open(tmp_path) as j:
+        j.epoch(1, 0)
+        j.append(RecordType.EPOCH, {"epoch": 2, "recovered_lsn": 1, "time": 1.0, "manifest": None})
+    assert [e["epoch"] for e in kvj.replay(str(tmp_path)).epochs] == [1, 2]
