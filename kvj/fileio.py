@@ -19,7 +19,7 @@ import errno
 import fcntl
 import os
 import stat
-from typing import BinaryIO, Union
+from typing import BinaryIO, List, Union
 
 from kvj.errors import UnsafePath
 
@@ -182,6 +182,19 @@ def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_M
     if os.path.islink(path):
         raise UnsafePath(f"{path} is a symbolic link: refused (kvj writes only into directories it made)")
     _makedirs(path, fs, mode)
+
+
+def list_dir(path: PathLike) -> List[str]:
+    """The names in directory ``path`` ([] when it does not exist). A symlink where kvj keeps
+    its own folder (``torn/``, ``recovery/``, ``quarantine/``) is ``UnsafePath``: what kvj
+    lists there it may remove, and it removes nothing through a link to another place."""
+    path = os.fspath(path)
+    if os.path.islink(path):
+        raise UnsafePath(f"{path} is a symbolic link: refused (kvj lists only directories it made)")
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
 
 
 def _makedirs(path: str, fs: FS, mode: int) -> None:

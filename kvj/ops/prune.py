@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 from kvj.errors import InvalidArgument
-from kvj.fileio import FS, READ_ONLY_FS, REAL_FS
+from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, list_dir
 from kvj.journal.journal import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, DirLock
 from kvj.ops.recover import MANIFEST_RE, RECOVERY_DIR
@@ -45,7 +45,7 @@ def _set_aside_at(path: str) -> float:
 def _old_files(directory: str, cutoff: float) -> List[str]:
     """Plain files directly in ``directory`` put there before ``cutoff``, oldest first."""
     found = []
-    for name in _names(directory):
+    for name in list_dir(directory):
         path = os.path.join(directory, name)
         if os.path.isfile(path) and not os.path.islink(path) and _set_aside_at(path) < cutoff:
             found.append((_set_aside_at(path), path))
@@ -66,7 +66,7 @@ def prune(journal: str, store: Any = None, *, older_than: float, now: Optional[f
     lock = compactor.acquire_shared() if dry_run else compactor.acquire()
     try:
         torn_dir, recovery_dir = os.path.join(journal, TORN_DIR), os.path.join(journal, RECOVERY_DIR)
-        manifests = sorted(n for n in _names(recovery_dir) if MANIFEST_RE.match(n))
+        manifests = sorted(n for n in list_dir(recovery_dir) if MANIFEST_RE.match(n))
         newest = os.path.join(recovery_dir, manifests[-1]) if manifests else None
         result.kept_newest_manifest = newest
         plan = {"torn": (torn_dir, _old_files(torn_dir, cutoff)),
@@ -89,9 +89,3 @@ def prune(journal: str, store: Any = None, *, older_than: float, now: Optional[f
         if lock is not None:
             lock.release()
 
-
-def _names(directory: str) -> List[str]:
-    try:
-        return os.listdir(directory)
-    except FileNotFoundError:
-        return []

@@ -22,7 +22,8 @@ from typing import Iterator, List, Optional, Union
 import numpy as np
 
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
-from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError, makedirs_durable, open_regular, rename_durable
+from kvj.fileio import (FS, REAL_FS, Buffer, DurabilityError, list_dir, makedirs_durable, open_regular,
+                        rename_durable)
 from kvj.names import KEY_RE
 from kvj.segments.format import BytesSource, Source
 
@@ -407,9 +408,5 @@ class LocalDirBackend(StorageBackend):
         return dst
 
     def quarantined_copies(self, key: Optional[str] = None) -> List[str]:
-        try:
-            names = os.listdir(self.quarantine_dir)
-        except FileNotFoundError:
-            return []
-        return [os.path.join(self.quarantine_dir, n) for n in sorted(names)
+        return [os.path.join(self.quarantine_dir, n) for n in sorted(list_dir(self.quarantine_dir))
                 if n.startswith(key + "." if key else "") and n.endswith(SEGMENT_SUFFIX)]

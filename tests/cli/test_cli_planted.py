@@ -25,7 +25,8 @@ VICTIM = b"victim bytes!"  # shorter than a log file header, as in the report
 
 COMMANDS = [["record", "start", "new"], ["flush", "{block}", "-r", "req-0", "--tokens", "48:64"], ["replay"],
             ["inspect"], ["inspect", "--stats"], ["recover", "--dry-run"], ["recover"], ["compact", "--grace", "0"],
-            ["fsck"], ["fsck", "--repair"], ["journal_replay"]]
+            ["fsck"], ["fsck", "--repair"], ["prune", "--older-than", "0s", "--dry-run"],
+            ["prune", "--older-than", "0s"], ["journal_replay"]]
 
 #: Plantings in the files every command reads: each command must refuse them.
 READ_BY_ALL = {"log symlink", "log hard link", "log fifo", "snapshot symlink"}
@@ -79,6 +80,8 @@ def plant(journal, victims, what: str) -> None:
         if os.path.isdir(name) and not os.path.islink(name):
             shutil.rmtree(name)
         os.symlink(target["dir"], name)
+    elif what == "quarantine/ symlink":
+        os.symlink(target["dir"], os.path.join(str(journal), "segments", "quarantine"))
     elif what in ("segment fifo", "segment symlink"):
         seg = segment_file(str(journal), kvj_lib.replay(str(journal)).requests["req-0"].segments[1].key)
         os.unlink(seg)
@@ -95,7 +98,8 @@ def _hung(_signum, _frame):  # type: ignore[no-untyped-def]
 
 
 PLANTINGS = ["log symlink", "log hard link", "log fifo", "snapshot symlink", "LOCK symlink", "COMPACT symlink",
-             "recovery/ symlink", "torn/ symlink", "segments/ symlink", "segment fifo", "segment symlink"]
+             "recovery/ symlink", "torn/ symlink", "segments/ symlink", "quarantine/ symlink", "segment fifo",
+             "segment symlink"]
 
 
 @pytest.mark.parametrize("what", PLANTINGS)
@@ -127,7 +131,8 @@ def test_no_command_can_be_turned_against_what_a_planting_points_at(tmp_path, go
         if proc.returncode not in (0, 1, 4):  # fsck's 1 and 4 report findings on stdout
             lines = proc.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"{prog_name}: error: "), context
-        reads_it = not (what == "snapshot symlink" and argv[0] == "record")  # a writer reads no snapshot
+        # a writer reads no snapshot; prune reads no log or snapshot (it only removes what was set aside)
+        reads_it = argv[0] != "prune" and not (what == "snapshot symlink" and argv[0] == "record")
         if what in READ_BY_ALL and reads_it:  # refused, or stopped at the damage the planting makes before it
             assert proc.returncode not in (0, 1), context
         shutil.rmtree(journal)
