@@ -3,9 +3,11 @@
 ``KvjCallback(journal=..., full_every=...)`` journals, after every optimizer step (or every
 ``every``), what the run needs to continue (``kvj.integrations.training``): the trainable
 parameters (for PEFT, the adapter only), the optimizer's and scheduler's state, the gradient
-scaler, the RNG streams and the ``TrainerState`` (step, epoch, log history), which is the
-data position: Trainer's own resume skips exactly ``global_step`` batches of the epoch. The
-copy off the device happens in the callback; storing it runs on a background thread.
+scaler, the RNG streams and the ``TrainerState`` (step, epoch...), which is the data
+position: Trainer's own resume skips exactly ``global_step`` batches of the epoch. The
+``TrainerState``'s ``log_history`` is left out: resuming does not need it, and it grows
+with every logged step (so would every save). The copy off the device happens in the
+callback; storing it runs on a background thread.
 
 Resuming (the kvj equivalent of ``resume_from_checkpoint``)::
 
@@ -18,7 +20,8 @@ model and writes a small directory (``trainer_state.json`` and the trainable wei
 safetensors, no pickle) for Trainer's resume path, which restores the step, the epoch and
 the dataloader position; the callback then installs the optimizer, scheduler and scaler
 state at train begin and the RNG streams where Trainer's own resume would (after the
-dataloader is fast-forwarded).
+dataloader is fast-forwarded). After a resume, ``trainer.state.log_history`` holds what was
+logged since.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from transformers import TrainerCallback
 
@@ -63,6 +66,7 @@ class KvjCallback(TrainerCallback):
         self._trainer: Any = None
         self._journal: Optional[Journal] = None
         self._saver: Optional[StateJournal] = None
+        self._trainable: Optional[Dict[str, Any]] = None  # the model's trainable parameters, found once
         self._rng_pending = False
         self._deferred = False
 
@@ -130,6 +134,7 @@ class KvjCallback(TrainerCallback):
             if scaler is not None and rec.state["scaler"] is not None:
                 scaler.load_state_dict(rec.state["scaler"])
             self._rng_pending = True
+        self._trainable = trainable_state_dict(model)
         self._saver = StateJournal(self._journal, self.full_every, model=self.model_id, resume=rec,
                                    max_pending=self.max_pending)
 
@@ -146,7 +151,7 @@ class KvjCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step % self.every:
             return
-        if control.should_log:  # the step's loss is logged next: save with it in the log history
+        if control.should_log:  # the step is logged next: save the state as the log leaves it
             self._deferred = True
         else:
             self._save(state, **kwargs)
@@ -186,7 +191,14 @@ class KvjCallback(TrainerCallback):
         assert self._saver is not None, "on_train_begin did not run"
         scaler = self._scaler()
         self._saver.save(state.global_step, {
-            "step": state.global_step, "model": trainable_state_dict(model), "optimizer": optimizer.state_dict(),
+            "step": state.global_step, "model": self._trainable, "optimizer": optimizer.state_dict(),
             "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None, "rng": rng_state(),
-            "data": {"trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}})
+            "data": {"trainer_state": _resume_fields(state)}})
+
+
+def _resume_fields(state: Any) -> str:
+    """``trainer_state.json`` as Trainer's resume reads it (step, epoch, batch size, best
+    metric, callbacks' states...) without ``log_history``: a bounded size at every save."""
+    return json.dumps({f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "log_history"},
+                      sort_keys=True)
