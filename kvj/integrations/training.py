@@ -41,7 +41,6 @@ import torch
 from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState
 from kvj.segments import device as cuda
-from kvj.segments.codecs import auto_codec
 from kvj.segments.format import DTYPES, dtype_name
 
 if TYPE_CHECKING:
@@ -150,7 +149,7 @@ def load_trainable(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) 
 
 class Snapshot:
     """Host copies of a training state: ``streams`` (one flat tensor per role and dtype),
-    ``doc`` (the structure and plain values, msgpack) and the CUDA events after which the
+    ``document`` (the structure and plain values) and the CUDA events after which the
     copies hold their values (none when every tensor was on the CPU).
 
     The copies are ``kvj.segments.device`` downloads: they run after the work queued so far
@@ -158,10 +157,15 @@ class Snapshot:
     in-place updates) waits for them on the GPU. The saver thread waits for ``ready``.
     """
 
-    def __init__(self, streams: Dict[str, torch.Tensor], doc: bytes, ready: Tuple[Any, ...] = ()):
+    def __init__(self, streams: Dict[str, torch.Tensor], document: Dict[str, Any], ready: Tuple[Any, ...] = ()):
         self.streams = streams
-        self.doc = doc
+        self.document = document  #: the parsed document: format, tree, leaves (and "inline" when stored)
         self.ready = ready
+
+    @property
+    def doc(self) -> bytes:
+        """The document, msgpack-encoded (packed by the saver thread, not by ``capture``)."""
+        return msgpack.packb(self.document, use_bin_type=True)
 
     def wait(self) -> None:
         """Block until the copies have landed (blocking events: no core spins meanwhile)."""
@@ -187,19 +191,22 @@ _PLAIN = (int, float, bool, str, bytes, type(None))
 
 def _encode(value: Any, path: Tuple[Any, ...], leaves: List[Tuple[Tuple[Any, ...], Any]]) -> Any:
     """``value`` as a msgpack-safe tagged tree; tensors and arrays become leaf indices."""
-    if value is None or isinstance(value, (bool, str, bytes)):
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if isinstance(value, torch.Tensor):
+        leaves.append((path, value))
+        return {"t": len(leaves) - 1}
+    if isinstance(value, (bool, str, bytes)):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, np.generic):
         return value
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, torch.Tensor):
-        leaves.append((path, value))
-        return {"t": len(leaves) - 1}
     if isinstance(value, np.ndarray):
         leaves.append((path, value))
         return {"n": len(leaves) - 1}
-    if isinstance(value, Mapping):
+    if kind is dict or isinstance(value, Mapping):
         return {"d": [[_encode(k, path, leaves), _encode(v, path + (k,), leaves)] for k, v in value.items()]}
     if isinstance(value, (tuple, list)):
         tag = "u" if isinstance(value, tuple) else "l"
@@ -226,32 +233,42 @@ def _decode(node: Any, leaves: List[Any]) -> Any:
 
 def capture(state: Mapping[str, Any]) -> Snapshot:
     """Host copies of ``state`` (any nested mapping of tensors, arrays and plain values),
-    queued on the caller's thread; see ``Snapshot``. No device memory is allocated."""
+    queued on the caller's thread; see ``Snapshot``. No device memory is allocated.
+
+    A stream whose tensors are all on the CPU is filled by one concatenation into its
+    buffer; device tensors are downloaded one by one into their slices."""
     leaves: List[Tuple[Tuple[Any, ...], Any]] = []
     tree = _encode(state, (), leaves)
-    sources = [torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach()
-               for _, v in leaves]
-    on_device = [cuda.CUDA.is_device_tensor(t) for t in sources]
-    pin = any(on_device)
-    sizes: Dict[str, int] = {}
+    groups: Dict[str, List[torch.Tensor]] = {}
     places = []
-    dtypes: Dict[str, torch.dtype] = {}
-    for (path, value), t in zip(leaves, sources):
+    sizes: Dict[str, int] = {}
+    on_device = set()  # the streams with a device tensor
+    for path, value in leaves:
+        t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value.detach()
         name = _stream_name(path, t.dtype)
-        places.append([name, sizes.get(name, 0), list(t.shape), "n" if isinstance(value, np.ndarray) else "t"])
-        sizes[name] = sizes.get(name, 0) + t.numel()
-        dtypes[name] = t.dtype
-    streams = {name: _host_buffer(n, dtypes[name], pin) for name, n in sizes.items()}
+        if cuda.CUDA.is_device_tensor(t):
+            on_device.add(name)
+        offset = sizes.get(name, 0)
+        places.append([name, offset, list(t.shape), "n" if isinstance(value, np.ndarray) else "t"])
+        sizes[name] = offset + t.numel()
+        groups.setdefault(name, []).append(t)
+    streams: Dict[str, torch.Tensor] = {}
     events: Dict[torch.device, Any] = {}
-    for (name, offset, shape, _), t, is_device in zip(places, sources, on_device):
-        dest = streams[name][offset:offset + t.numel()].view(t.shape)
-        if not is_device:
-            dest.copy_(t)  # strided sources copy in one pass
-        elif t.numel():
-            # One d2h stream per device runs its copies in order: the last event covers them all.
-            events[cuda.CUDA.device_of(t)] = cuda.CUDA.download(t, dest)
-    doc = msgpack.packb({"format": FORMAT, "tree": tree, "leaves": places}, use_bin_type=True)
-    return Snapshot(streams, doc, tuple(events.values()))
+    for name, members in groups.items():
+        buf = streams[name] = _host_buffer(sizes[name], members[0].dtype, bool(on_device))
+        if name not in on_device:
+            torch.cat([t.reshape(-1) for t in members], out=buf)
+            continue
+        offset = 0
+        for t in members:
+            dest = buf[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+            if not cuda.CUDA.is_device_tensor(t):
+                dest.copy_(t)
+            elif t.numel():
+                # One d2h stream per device runs its copies in order: the last event covers them all.
+                events[cuda.CUDA.device_of(t)] = cuda.CUDA.download(t, dest)
+    return Snapshot(streams, {"format": FORMAT, "tree": tree, "leaves": places}, tuple(events.values()))
 
 
 def _host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -261,11 +278,11 @@ def _host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     return cuda.CUDA.pinned(numel * dtype.itemsize).view(dtype)
 
 
-def materialize(doc: bytes, streams: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
-    """The nested state a ``Snapshot``'s document and streams describe (CPU tensors that are
-    views of ``streams``; NumPy arrays copied)."""
+def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+    """The nested state a ``Snapshot``'s document (encoded or parsed) and streams describe
+    (CPU tensors that are views of ``streams``; NumPy arrays copied)."""
     try:
-        parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
+        parsed = _parse(doc) if isinstance(doc, (bytes, bytearray)) else doc
         if parsed.get("format") != FORMAT:
             raise FormatError(f"training state document of format {parsed.get('format')!r}, expected {FORMAT}")
         leaves: List[Any] = []
@@ -274,21 +291,18 @@ def materialize(doc: bytes, streams: Mapping[str, torch.Tensor]) -> Dict[str, An
             t = streams[name][offset:offset + numel].view(shape)
             leaves.append(t.numpy().copy() if kind == "n" else t)
         return _decode(parsed["tree"], leaves)
-    except (KeyError, ValueError, TypeError, msgpack.ExtraData) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad training state document: {exc}") from None
 
 
-_SAMPLE_SLICES, _SAMPLE_BYTES = 4, 64 << 10
-
-
-def estimate_stored(t: torch.Tensor, is_float: bool) -> int:
-    """Bytes the automatic codec turns a sample of ``t`` (at most 256 KiB, from four places)
-    into: a cheap way to compare two encodings of the same state."""
-    buf = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
-    if len(buf) > _SAMPLE_SLICES * _SAMPLE_BYTES:
-        step = (len(buf) - _SAMPLE_BYTES) // (_SAMPLE_SLICES - 1) // t.element_size() * t.element_size()
-        buf = memoryview(b"".join(buf[i * step:i * step + _SAMPLE_BYTES] for i in range(_SAMPLE_SLICES)))
-    return len(auto_codec(buf, t.element_size(), is_float).encode(buf, t.element_size()))
+def _parse(doc: bytes) -> Dict[str, Any]:
+    try:
+        parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.ExtraData) as exc:
+        raise FormatError(f"bad training state document: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise FormatError("bad training state document: not a map")
+    return parsed
 
 
 @dataclass
@@ -328,12 +342,15 @@ class StateJournal:
     ``save`` captures the state (host copies, on the caller's thread) and hands it to one
     background thread (at most ``max_pending`` saves queue; more block the caller), which
     stores the segments durably and then appends the checkpoint or delta record, durably: the
-    record is the commit point (``durable_step`` tells how far that has come). A delta stores each stream as its XOR against the last full save
-    when that compresses better than the stream itself, else whole (``meta.whole`` lists
-    those; which pays is estimated again at the 1st, 2nd, 4th... delta on a base, not every
-    time); a save whose streams differ from the base's (the optimizer's state appears at
-    its first step) is a full one. ``close`` (or leaving a ``with`` block) waits for every
-    save. Resuming, pass the ``RecoveredState`` so the next deltas are taken against its base.
+    record is the commit point (``durable_step`` tells how far that has come). A delta stores
+    each stream as its XOR against the last full save when that is stored smaller than the
+    stream itself, else whole (``meta.whole`` lists those). Which pays is learnt from what was
+    stored, without trial compressions: the 1st, 2nd, 4th, 8th... delta on a base stores the
+    XOR and compares its stored size with the stream's last whole one (the full save's, until a
+    delta stores it whole); deltas between repeat that choice. A save whose streams differ
+    from the base's (the optimizer's state appears at its first step) is a full one. ``close``
+    (or leaving a ``with`` block) waits for every save. Resuming, pass the ``RecoveredState``
+    so the next deltas are taken against its base.
     """
 
     def __init__(self, journal: "Journal", full_every: int, *, model: str,
@@ -347,8 +364,10 @@ class StateJournal:
         self._base: Optional[Tuple[int, Snapshot]] = (resume.base_step, resume.base) if resume is not None else None
         self._base_signature = self._base[1].signature() if self._base is not None else None
         # Whether a stream's XOR paid, and the deltas taken against the current base: the
-        # choice is estimated again at the 1st, 2nd, 4th, 8th... delta (as values drift).
+        # choice is tried again at the 1st, 2nd, 4th, 8th... delta (as values drift), against
+        # the stream's stored size when last stored whole (unknown after a resume: XOR).
         self._xor_pays: Dict[str, bool] = {}
+        self._whole_size: Dict[str, int] = {}
         self._deltas_on_base = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvj-train-save")
         self._io = ThreadPoolExecutor(4, thread_name_prefix="kvj-train-put")
@@ -383,23 +402,28 @@ class StateJournal:
     def _put(self, name: str, t: torch.Tensor, full: bool) -> Tuple[Any, bool]:
         """Store one stream of a save; (its SegmentInfo, whether a delta stored it whole)."""
         store = self.journal.store
-        if full:
-            return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), False
-        base_step, base = self._base  # type: ignore[misc]
-        bits = xor(t, base.streams[name])
         n = self._deltas_on_base
-        if name not in self._xor_pays or n & (n - 1) == 0:
-            self._xor_pays[name] = estimate_stored(bits, False) < estimate_stored(t, t.is_floating_point())
-        if self._xor_pays[name]:
-            return store.put(bits, layout=self._layout(DELTA_FORMAT, name, t, base_step=base_step)), False
-        return store.put(t, layout=self._layout(FULL_FORMAT, name, t)), True
+        trial = not full and (n & (n - 1) == 0 or name not in self._xor_pays)
+        if not full and (trial or self._xor_pays[name]):
+            base_step, base = self._base  # type: ignore[misc]
+            layout = self._layout(DELTA_FORMAT, name, t, base_step=base_step)
+            info = store.put(xor(t, base.streams[name]), layout=layout)
+            if trial:
+                whole = self._whole_size.get(name)
+                self._xor_pays[name] = whole is None or info.stored_size < whole
+            return info, False
+        info = store.put(t, layout=self._layout(FULL_FORMAT, name, t))
+        self._whole_size[name] = info.stored_size
+        return info, not full
 
     def _write(self, step: int, snap: Snapshot, full: bool) -> None:
         snap.wait()  # the device-to-host copies may still be running
         self._deltas_on_base = 0 if full else self._deltas_on_base + 1
         names = [n for n, t in snap.streams.items() if t.numel() * t.element_size() > INLINE_BYTES]
-        inline = {n: t for n, t in snap.streams.items() if n not in names}
-        doc = torch.frombuffer(bytearray(_with_inline(snap.doc, inline)), dtype=torch.uint8)
+        inline = {n: [dtype_name(t.dtype), t.view(torch.uint8).numpy().tobytes()]
+                  for n, t in snap.streams.items() if n not in names}
+        document = {**snap.document, "inline": inline} if inline else snap.document
+        doc = torch.frombuffer(bytearray(msgpack.packb(document, use_bin_type=True)), dtype=torch.uint8)
         # Segments are stored concurrently, so their fsyncs overlap; the record follows them all.
         doc_put = self._io.submit(self.journal.store.put, doc, layout=self._layout(FORMAT, TREE, doc))
         results = list(self._io.map(lambda name: self._put(name, snap.streams[name], full), names))
@@ -461,32 +485,22 @@ class RecoveredState:
     fallback: Optional[str] = None  #: why a newer delta listed in the journal was not used
 
 
-def _with_inline(doc: bytes, inline: Mapping[str, torch.Tensor]) -> bytes:
-    """The stored document: ``doc`` with the ``inline`` streams' bytes added."""
-    if not inline:
-        return doc
-    parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
-    parsed["inline"] = {n: [dtype_name(t.dtype), t.view(torch.uint8).numpy().tobytes()] for n, t in inline.items()}
-    return msgpack.packb(parsed, use_bin_type=True)
-
-
-def _inline_streams(doc: bytes) -> Dict[str, torch.Tensor]:
+def _inline_streams(parsed: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     """The streams a stored document carries itself (CPU tensors)."""
     try:
-        parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
         return {n: (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
                 .view(DTYPES[dtype]) for n, (dtype, data) in (parsed.get("inline") or {}).items()}
-    except (KeyError, ValueError, TypeError, AttributeError, msgpack.ExtraData) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad training state document: {exc}") from None
 
 
 def _load(store: "SegmentStore", keys: Mapping[str, str],
-          device: Union[str, torch.device]) -> Tuple[bytes, Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """A save's document, its streams stored as segments, and those inside the document."""
+          device: Union[str, torch.device]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """A save's document (parsed), its streams stored as segments, and those inside the document."""
     if TREE not in keys:
         raise FormatError("training record has no state document: written by kvj 0.1.0's flat format, "
                           "which this kvj does not resume (finish that run with kvj 0.1.0)")
-    doc = store.get(keys[TREE]).numpy().tobytes()
+    doc = _parse(store.get(keys[TREE]).numpy().tobytes())
     streams = {k[len(STREAM_PREFIX):]: store.get(v, device=device) for k, v in keys.items() if k.startswith(STREAM_PREFIX)}
     inline = {n: t.to(device) for n, t in _inline_streams(doc).items()}
     return doc, streams, inline

@@ -33,7 +33,9 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
 
 
 class _OpLog(TorchDispatchMode):
-    """Every aten op run, with whether it read one of ``watched``'s storages and what it wrote."""
+    """Every aten op run: its name, how many of ``watched``'s storages its inputs read (lists
+    of tensors, as ``cat`` takes, included) and its destination (``out=``, else its first
+    tensor argument)."""
 
     def __init__(self, watched):
         super().__init__()
@@ -41,11 +43,12 @@ class _OpLog(TorchDispatchMode):
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        flat = list(args) + list((kwargs or {}).values())
-        reads = any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.watched for a in flat)
-        out = func(*args, **(kwargs or {}))
-        self.ops.append((func.overloadpacket.__name__, reads, args[0] if args and isinstance(args[0], torch.Tensor)
-                         else None))
+        kwargs = kwargs or {}
+        flat = [x for a in list(args) + list(kwargs.values()) for x in (a if isinstance(a, (list, tuple)) else [a])]
+        reads = sum(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.watched for a in flat)
+        out = func(*args, **kwargs)
+        dest = kwargs.get("out", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        self.ops.append((func.overloadpacket.__name__, reads, dest))
         return out
 
 
@@ -58,12 +61,13 @@ def test_capture_copies_each_tensor_once_into_host_memory_without_a_device_conca
     live = params + [opt.state[p][n] for p in params for n in ("exp_avg", "exp_avg_sq")]
     with _OpLog(live) as log:
         snap = capture(training_state(model, opt, step=2, rng=False))
-    reading = [(name, dest) for name, reads, dest in log.ops if reads]
-    allocating = {name for name, _ in reading} - {"copy_", "detach", "view", "_reshape_alias", "alias"}
+    reading = [(name, reads, dest) for name, reads, dest in log.ops if reads]
+    allocating = {name for name, _, _ in reading} - {"copy_", "cat", "detach", "view", "_reshape_alias", "alias"}
     assert not allocating, f"ops that made device copies of the state: {allocating}"
-    copies = [dest for name, dest in reading if name == "copy_"]
-    assert len(copies) == len(live)
-    assert all(d.untyped_storage().data_ptr() not in log.watched for d in copies)
+    copies = [(reads, dest) for name, reads, dest in reading if name in ("copy_", "cat")]
+    assert sum(reads for reads, _ in copies) == len(live)  # each tensor read by one copy
+    streams = {t.untyped_storage().data_ptr() for t in snap.streams.values()}
+    assert all(d.untyped_storage().data_ptr() in streams for _, d in copies)  # straight into a host stream
     back = materialize(snap.doc, snap.streams)
     for (name, p), i in zip(model.named_parameters(), range(len(params))):
         assert torch.equal(back["model"][name], p.detach())
@@ -143,23 +147,26 @@ def test_small_streams_travel_in_the_document_and_round_trip_through_deltas(tmp_
         assert rec.state[name].dtype == want.dtype and torch.equal(rec.state[name], want), name
 
 
-def test_whether_a_streams_xor_pays_is_estimated_at_the_1st_2nd_4th_8th_delta_only(tmp_path, monkeypatch):
-    """Estimating costs two trial compressions per stream: a delta reuses the last choice,
-    re-estimating as the distance from the base doubles; every delta still round-trips."""
-    from kvj.integrations import training
-
-    calls = []
-    real = training.estimate_stored
-    monkeypatch.setattr(training, "estimate_stored", lambda t, f: calls.append(f) or real(t, f))
+def test_whether_a_streams_xor_pays_is_learnt_from_stored_sizes_at_the_1st_2nd_4th_8th_delta(tmp_path):
+    """No trial compressions: the 1st, 2nd, 4th and 8th delta on a base store the XOR and
+    compare its stored size with the stream's whole one; deltas between repeat the choice.
+    A drifting stream's XOR pays (kept at every delta); a stream of fresh coin flips (0.0 or
+    1.0, compressible whole, noise when XORed with its random base) is stored whole between
+    the trials. Every delta round-trips."""
     gen = torch.Generator().manual_seed(1)
-    states = [{"w": torch.randn(40000, generator=gen)} for _ in range(10)]
+    w, c = torch.randn(40000, generator=gen), torch.randn(40001, generator=gen)
+    # The base's "c" is random: XORed with it, a coin flip stream is noise.
+    states = [{"w": w + i * 1e-6, "c": c if i == 0 else torch.randint(0, 2, (40001,), generator=gen).float()}
+              for i in range(10)]
     with kvj.Journal.open(tmp_path / "j") as journal:
         with StateJournal(journal, full_every=100, model="m") as saver:
             for step, state in enumerate(states):
                 saver.save(step, state).result()
-        assert len(calls) == 2 * 4  # deltas 1, 2, 4 and 8 of 9
-        rec = recover_training(kvj.replay(str(tmp_path / "j")), journal.store)
-    assert rec.step == 9 and torch.equal(rec.state["w"], states[9]["w"])
+        replayed = kvj.replay(str(tmp_path / "j"))
+        whole = {d["step"]: d["meta"]["whole"] for d in replayed.deltas}
+        assert whole == {s: ["c.float32"] if s in (3, 5, 6, 7, 9) else [] for s in range(1, 10)}
+        rec = recover_training(replayed, journal.store)
+    assert rec.step == 9 and all(torch.equal(rec.state[k], states[9][k]) for k in "wc")
 
 
 @pytest.fixture
