@@ -13,7 +13,12 @@ record of a realistic size):
   batched variant (fsync every 100 lines);
 - SQLite in WAL mode, synchronous=FULL, committing every 100 records;
 - the floor: pre-encoded bytes, one fdatasync per 100 records;
-- the caller-thread cost of ``append`` and ``start`` (p50, p99).
+- the caller-thread cost of ``append`` and ``start`` (p50, p99);
+- the synchronous mirror (``Journal.open(mirror=...)``): durable records/s with a mirror
+  against the same run without one, bulk (``append`` then ``sync``) and with ``THREADS``
+  threads each appending ``durable=True`` (every acknowledgement waits for both copies'
+  fdatasync). Both copies are on the measured disk; a mirror on its own device syncs in
+  parallel with the journal's, so that is the harder case.
 
 Every other contender writes the same number of records. Every contender but the floor and
 kvj's writer row starts from the same Python dicts, so encoding is inside each timing (kvj:
@@ -31,6 +36,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import threading
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -39,6 +45,11 @@ from kvj.journal.records import RecordType, encode_payload
 from kvj.journal.writer import CommitPolicy
 
 BATCH = 100
+#: Threads appending durable records at once in the mirror rows (a serving loop's request threads).
+THREADS = 8
+#: The mirror rows: (name, the same without a mirror).
+MIRROR_ROWS = (("kvj Journal.append, mirrored", "kvj Journal.append (schema-checked)"),
+               (f"kvj durable=True x{THREADS} threads, mirrored", f"kvj durable=True x{THREADS} threads"))
 
 
 def sample_payload(i: int) -> Dict[str, object]:
@@ -62,10 +73,11 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_kvj(directory: str, n: int, policy: Optional[CommitPolicy] = None) -> float:
-    """Records/s through ``Journal.append``: the schema check, encoding, framing, group commit."""
+def bench_kvj(directory: str, n: int, policy: Optional[CommitPolicy] = None, mirror: Optional[str] = None) -> float:
+    """Records/s through ``Journal.append``: the schema check, encoding, framing, group commit
+    (into ``mirror`` too when given)."""
     payloads = [sample_payload(i) for i in range(n)]
-    with Journal.open(directory, policy=policy) as j:
+    with Journal.open(directory, policy=policy, mirror=mirror) as j:
         append = j.append
 
         def work() -> None:
@@ -112,6 +124,27 @@ def bench_kvj_encoded(directory: str, n: int) -> float:
             for p in payloads:
                 append(RecordType.SEGMENT, p)
             j.sync()
+        return n / _timed(work)
+
+
+def bench_kvj_durable(directory: str, n: int, mirror: Optional[str] = None) -> float:
+    """Records/s of ``THREADS`` threads each appending its share of ``n`` records with
+    ``durable=True`` (each call returns once its group is fdatasynced, in ``mirror`` too)."""
+    payloads = [sample_payload(i) for i in range(n)]
+    share = [payloads[t::THREADS] for t in range(THREADS)]
+    with Journal.open(directory, mirror=mirror) as j:
+        append = j.append
+
+        def one(mine: List[Dict[str, object]]) -> None:
+            for p in mine:
+                append(RecordType.SEGMENT, p, durable=True)
+
+        def work() -> None:
+            threads = [threading.Thread(target=one, args=(mine,)) for mine in share]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         return n / _timed(work)
 
 
@@ -207,6 +240,7 @@ def run(directory: Optional[str] = None, n: int = 100_000,
     """
     base = tempfile.mkdtemp(prefix="kvj-bench-", dir=directory)
     sqlite_name = f"SQLite WAL, synchronous=FULL, commit per {BATCH}"
+    durable_n = max(THREADS, n // 20)  # each durable group waits for an fdatasync: fewer records
     kvj_time = [1.0]
 
     def kvj_checked(d: str) -> float:
@@ -219,6 +253,9 @@ def run(directory: Optional[str] = None, n: int = 100_000,
         f"kvj Journal.append_many, {BATCH} a call": lambda d: bench_kvj_many(d, n),
         "kvj Journal.start (typed, schema-checked)": lambda d: bench_kvj_typed(d, n),
         "kvj writer, payload pre-encoded": lambda d: bench_kvj_encoded(d, n),
+        MIRROR_ROWS[0][0]: lambda d: bench_kvj(os.path.join(d, "j"), n, mirror=os.path.join(d, "m")),
+        MIRROR_ROWS[1][1]: lambda d: bench_kvj_durable(d, durable_n),
+        MIRROR_ROWS[1][0]: lambda d: bench_kvj_durable(os.path.join(d, "j"), durable_n, mirror=os.path.join(d, "m")),
         "seed: JSON line + fsync per record (kvj's time)": lambda d: bench_jsonl(d, n, 1, budget=kvj_time[0]),
         f"seed batched: fsync per {BATCH} lines": lambda d: bench_jsonl(d, n, BATCH),
         sqlite_name: lambda d: bench_sqlite(d, n),
@@ -243,6 +280,10 @@ def run(directory: Optional[str] = None, n: int = 100_000,
     floor = median[f"floor: raw bytes, fdatasync per {BATCH}"]
     rows: List[Dict[str, object]] = [{"system": name, "records_per_s": rate, "vs_sqlite": rate / median[sqlite_name],
                                       "vs_floor": rate / floor} for name, rate in median.items()]
+    for row in rows:
+        plain = dict(MIRROR_ROWS).get(row["system"])  # type: ignore[call-overload]
+        if plain is not None:
+            row["vs_unmirrored"] = row["records_per_s"] / median[plain]  # type: ignore[operator]
     for name, ns in lat.items():
         rows.append({"system": name, "p50_us": ns[len(ns) // 2] / 1000, "p99_us": ns[int(len(ns) * 0.99)] / 1000})
     return rows
@@ -254,6 +295,9 @@ def format_table(rows: List[Dict[str, object]]) -> str:
         if "records_per_s" in row:
             lines.append(f"{row['system']:<48} {row['records_per_s']:>13,.0f} {row['vs_sqlite']:>9.2f} "
                          f"{row['vs_floor']:>8.2f}")
+    for row in rows:
+        if "vs_unmirrored" in row:
+            lines.append(f"{row['system']:<48} {row['vs_unmirrored']:.2f} x the same without a mirror")
     for row in rows:
         if "p50_us" in row:
             lines.append(f"{row['system']:<48} p50 {row['p50_us']:.2f} us, p99 {row['p99_us']:.2f} us")

@@ -8,18 +8,22 @@ segment-flush record is appended only once the segment is durable.
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
 import time
 import threading
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
-from kvj.errors import FormatError, JournalClosed, JournalFailed
-from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable, open_read
+from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFailed
+from kvj.fileio import FS, REAL_FS, DurabilityError, atomic_write, fsync_path, makedirs_durable, open_read
 from kvj.journal.framing import FORMAT_VERSION
 from kvj.journal.locks import LOCK_NAME, DirLock
-from kvj.journal.reader import Scan, TornTail, list_logs, log_seq, read_header
+from kvj.journal.mirror import DEGRADE, FAIL, check_policy, copies, log, mirror_of, resolve
+from kvj.journal.reader import TORN, Damage, Scan, TornTail, log_seq, raise_on_damage
 from kvj.journal.records import RecordType, encode
 from kvj.journal.snapshot import list_snapshots
 from kvj.journal.writer import CommitPolicy, LogWriter
@@ -61,41 +65,144 @@ def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
     return aside
 
 
-def _find_end(directory: str, fs: FS, file_size_limit: int) -> Tuple[int, int, Optional[str], Optional[int]]:
+class _MirrorDown(Exception):
+    """An I/O error on the mirror's side while a writer opens a mirrored journal."""
+
+    def __init__(self, mirror: str, error: OSError):
+        super().__init__(f"mirror {mirror}: {error}")
+        self.error = error
+
+
+@contextmanager
+def _mirror_side(mirror: Optional[str]) -> Iterator[None]:
+    """Mark an I/O error in the block as the mirror's (its policy decides), not the journal's."""
+    try:
+        yield
+    except OSError as exc:
+        if mirror is None:
+            raise
+        raise _MirrorDown(mirror, exc) from exc
+
+
+def _restore_copies(directory: str, mirror: str, fs: FS) -> None:
+    """Give each copy what only the other holds: the newest snapshot, and every log file the
+    log still needs (a copy lost with a replaced disk, or by a crash while creating it)."""
+    newest = max((snaps[0] for d in (directory, mirror) for snaps in [list_snapshots(d)] if snaps), default=None)
+    names = [] if newest is None else [os.path.basename(newest[1])]
+    names += [os.path.basename(p) for p in Scan(directory, after_lsn=newest[0] if newest else 0,
+                                                mirror=mirror).live_logs()]
+    for name in names:
+        have = [p for p in copies(directory, mirror, name) if os.path.exists(p)]
+        for target in copies(directory, mirror, name):
+            if have and target not in have:
+                with open_read(have[0]) as f:
+                    data = f.read()
+                with _mirror_side(mirror if target.startswith(mirror + os.sep) else None):
+                    atomic_write(target, data, fs)
+
+
+def _find_end(directory: str, fs: FS, file_size_limit: int,
+              mirror: Optional[str] = None) -> Tuple[int, int, Optional[str], Optional[int]]:
     """Where a writer resuming this journal goes on: (file seq, next LSN, copy of any cut
     tail, and the salt of that file when the writer appends to it, None for a new file).
 
     The newest log file is continued when its tail is clean, it is in the current format
-    and below the size limit; otherwise (a torn tail was cut, a 0.1.0 file, a full one) a
-    new file follows it.
+    and below the size limit, and, with a ``mirror``, its two copies are the same; otherwise
+    (a torn tail was cut, a 0.1.0 file, a full one, copies that differ) a new file follows
+    it. With a mirror, torn tails are cut in each copy, and a copy that lacks a file the log
+    needs gets it from the other first.
     """
-    snaps = list_snapshots(directory)
-    snap_lsn = snaps[0][0] if snaps else 0
-    logs = list_logs(directory)
-    if not logs:
+    if mirror is not None:
+        _restore_copies(directory, mirror, fs)
+    snaps = [lsn for d in (directory, mirror) if d is not None for lsn, _p in list_snapshots(d)[:1]]
+    snap_lsn = max(snaps, default=0)
+    listing = Scan(directory, mirror=mirror or False)
+    if not listing.logs:
         return 1, snap_lsn + 1, None, None
-    last = logs[-1]
-    header = read_header(last)
-    scan = Scan(directory, after_lsn=header.base_lsn - 1 if header else 0, logs=[last])
+    last = listing.logs[-1]
+    paths = copies(directory, mirror, os.path.basename(last))
+    header = listing.header_of(last)
+    torn: List[Damage] = []
+
+    def report(damage: Damage) -> None:
+        if damage.kind == TORN:
+            torn.append(damage)
+        raise_on_damage(damage)
+
+    scan = Scan(directory, after_lsn=header.base_lsn - 1 if header else 0, logs=[last], reporter=report,
+                mirror=mirror or False)
     for _ in scan:  # raises on corruption, including a bad header on a file longer than a header
         pass
     if header is None:  # crashed while creating the file: nothing in it was ever acknowledged
-        aside = cut_torn_tail(TornTail(last, 0, os.path.getsize(last)), fs)
-        fs.unlink(last)
-        fs.fsync_dir(directory)
-        seq, lsn, _, salt = _find_end(directory, fs, file_size_limit)
-        return seq, lsn, aside, salt
-    aside = cut_torn_tail(scan.tail, fs) if scan.tail else None
-    if aside is None:
-        # What was just read may sit unsynced in the page cache (a writer killed between a
-        # group's write and its fdatasync). The new writer builds on it, so make it durable
-        # before any later record is acknowledged (the cut above already fsynced the file).
-        fsync_path(last, fs)
+        cuts = []
+        for path in [p for p in paths if os.path.exists(p)]:
+            with _mirror_side(mirror if path != last else None):
+                cuts.append(cut_torn_tail(TornTail(path, 0, os.path.getsize(path)), fs))
+                fs.unlink(path)
+                fs.fsync_dir(os.path.dirname(path))
+        seq, lsn, _, salt = _find_end(directory, fs, file_size_limit, mirror)
+        return seq, lsn, cuts[0] if cuts else None, salt
+    cut = {}
+    for damage in torn:
+        if damage.length:
+            with _mirror_side(mirror if damage.path != last else None):
+                cut[damage.path] = cut_torn_tail(TornTail(damage.path, damage.offset or 0, damage.length), fs)
+    aside = cut.get(last, next(iter(cut.values()), None))
+    if mirror is not None and not _same(paths):
+        _even_out(paths, scan.end_offset, header.base_lsn, mirror, fs)
+    for path in paths:
+        if path not in cut and os.path.exists(path):
+            # What was just read may sit unsynced in the page cache (a writer killed between a
+            # group's write and its fdatasync, or between creating the file and syncing its
+            # directory). The new writer builds on it, so make it and its directory entry
+            # durable before any later record is acknowledged (a file cut above was fsynced, and
+            # the new file that follows it syncs the directory).
+            with _mirror_side(mirror if path != last else None):
+                fsync_path(path, fs)
+                fs.fsync_dir(os.path.dirname(path))
     next_lsn = header.base_lsn if scan.next_lsn is None else scan.next_lsn
     if (aside is None and header.version == FORMAT_VERSION and scan.end_offset < file_size_limit
-            and next_lsn > snap_lsn):
+            and next_lsn > snap_lsn and _same(paths)):
         return log_seq(last), next_lsn, None, header.salt
     return log_seq(last) + 1, max(next_lsn, snap_lsn + 1), aside, None
+
+
+def _even_out(paths: List[str], end: int, base_lsn: int, mirror: str, fs: FS) -> None:
+    """Give every copy of the newest log file the bytes of one that holds all of it (up to
+    ``end``) intact on its own. The copies differ after a crash between the two copies'
+    writes or syncs; left so, the shorter copy would hold a damaged group in a sealed file
+    once the log goes on, and could not stand in alone for the other. Copies that are
+    each damaged somewhere are left as they are (the log goes on in a new file)."""
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        alone = Scan(os.path.dirname(path), after_lsn=base_lsn - 1, logs=[path], mirror=False)
+        try:
+            for _ in alone:
+                pass
+        except (CorruptionError, FormatError):
+            continue
+        if alone.end_offset != end or alone.tail is not None:
+            continue
+        with open_read(path) as f:
+            data = f.read(end)
+        for other in paths:
+            if other != path:
+                with _mirror_side(mirror if other != paths[0] else None):
+                    atomic_write(other, data, fs)
+        return
+
+
+def _same(paths: List[str]) -> bool:
+    """Whether every copy of a log file exists and holds the same bytes."""
+    contents = []
+    for path in paths:
+        try:
+            with open_read(path) as f:
+                contents.append(f.read())
+        except FileNotFoundError:
+            return False
+    return all(c == contents[0] for c in contents)
 
 
 def _mapped(value: Optional[Mapping[str, Any]], what: str) -> Dict[str, Any]:
@@ -134,13 +241,13 @@ def _token_range(token_range: Tuple[int, int]) -> Tuple[int, int]:
 class Journal:
     """A kvj journal opened for writing. Use ``Journal.open(path)`` as a context manager."""
 
-    def __init__(self, path: str, writer: LogWriter, lock: DirLock, store: Any, fs: FS,
+    def __init__(self, path: str, writer: LogWriter, locks: List[DirLock], store: Any, fs: FS,
                  cut_tail: Optional[str]):
         self.path = path
         self.writer = writer
         self.fs = fs
         self.cut_tail = cut_tail  #: where a torn tail found at open was set aside, if any
-        self._lock = lock
+        self._locks = locks  # the journal's writer lock, and its mirror's
         self._store_arg = store
         self._store: Optional["SegmentStore"] = None
         self._flusher: Optional["Flusher"] = None
@@ -152,28 +259,64 @@ class Journal:
 
     @classmethod
     def open(cls, path: Union[str, "os.PathLike[str]"], *, store: Union[None, str, "SegmentStore"] = None,
-             policy: Optional[CommitPolicy] = None, fs: FS = REAL_FS, create: bool = True) -> "Journal":
+             policy: Optional[CommitPolicy] = None, fs: FS = REAL_FS, create: bool = True,
+             mirror: Union[None, str, "os.PathLike[str]"] = None, mirror_policy: str = FAIL) -> "Journal":
         """Open (creating if ``create``) the journal directory ``path`` for writing.
 
         Takes the writer lock (a second writer gets ``JournalLocked`` naming the holder's
         pid), cuts a torn tail left by a crash (the bytes are kept in ``torn/``), and
         continues the newest log file when its tail is clean (else starts a new one).
         Mid-log corruption raises ``CorruptionError``: run fsck.
+
+        ``mirror``: a directory (ideally on another device) that keeps a second copy of the
+        log, written and fdatasynced with every group before it is acknowledged; the journal
+        records it, so later opens use it without being told. A journal's recorded mirror
+        that is gone, or that fails while writing, fails the writer under ``mirror_policy``
+        "fail" (the default); under "degrade" it is a logged warning and the journal's own
+        copy is written alone (``mirror_error`` says why).
         """
         path = os.path.abspath(os.fspath(path))
+        check_policy(mirror_policy)
         if not os.path.isdir(path):
             if not create:
                 raise FormatError(f"no journal at {path}")
             makedirs_durable(path, fs)
-        lock = DirLock(path, LOCK_NAME, "writer").acquire()
+        locks = [DirLock(path, LOCK_NAME, "writer").acquire()]
         try:
             policy = policy or CommitPolicy()
-            seq, lsn, aside, salt = _find_end(path, fs, policy.file_size_limit)
-            writer = LogWriter(path, next_seq=seq, next_lsn=lsn, policy=policy, fs=fs, resume_salt=salt)
+            chosen: Optional[str] = None
+            try:
+                with _mirror_side(os.fspath(mirror) if mirror is not None else mirror_of(path)):
+                    chosen = resolve(path, None if mirror is None else os.fspath(mirror), mirror_policy, fs)
+                    if chosen is not None:
+                        locks.append(DirLock(chosen, LOCK_NAME, "writer").acquire())
+                seq, lsn, aside, salt = _find_end(path, fs, policy.file_size_limit, chosen)
+            except _MirrorDown as down:
+                if mirror_policy != DEGRADE:
+                    raise DurabilityError(down.error.errno or errno.EIO, str(down)) from down.error
+                log.warning("journal %s: %s; writing the primary copy only (mirror policy degrade)", path, down)
+                for lock in locks[1:]:
+                    lock.release()
+                del locks[1:]
+                chosen = None
+                seq, lsn, aside, salt = _find_end(path, fs, policy.file_size_limit)
+            writer = LogWriter(path, next_seq=seq, next_lsn=lsn, policy=policy, fs=fs, resume_salt=salt,
+                               mirror=chosen, mirror_policy=mirror_policy)
         except BaseException:
-            lock.release()
+            for lock in locks:
+                lock.release()
             raise
-        return cls(path, writer, lock, store, fs, aside)
+        return cls(path, writer, locks, store, fs, aside)
+
+    @property
+    def mirror(self) -> Optional[str]:
+        """The mirror the writer keeps a copy of the log in, or None (none, or dropped: ``mirror_error``)."""
+        return self.writer.mirror
+
+    @property
+    def mirror_error(self) -> Optional[OSError]:
+        """Why the mirror was dropped under policy degrade; None while it is written."""
+        return self.writer.mirror_error
 
     def __enter__(self) -> "Journal":
         return self
@@ -414,4 +557,5 @@ class Journal:
                     if self._store is not None and self._store is not self._store_arg:
                         self._store.close()  # the store (and its thread pool) this journal opened
                 finally:
-                    self._lock.release()
+                    for lock in self._locks:
+                        lock.release()

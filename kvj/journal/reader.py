@@ -8,14 +8,21 @@ incomplete group at the end of the newest log file is a torn tail: the end of th
 (``Scan.tail``). Damage anywhere else, or damage followed by a valid later group, is
 corruption. ``decode`` turns a framed record into a ``Record`` or raises
 ``CorruptionError``; every reader uses it.
+
+A mirrored journal (``kvj.journal.mirror``) has a second copy of each log file, byte for
+byte the same. The walk takes each group from the journal's copy and, where that copy lacks
+it or holds it damaged, from the mirror's, reporting which copy was bad (kind ``copy``, not
+an error: the data is intact); only damage in every copy is damage. The mirror's copy is
+read only when needed, unless ``verify_copies`` (fsck) reads and checks both.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tuple, Union
 
 from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import open_read
@@ -30,14 +37,16 @@ from kvj.journal.framing import (
     later_group_exists,
     parse_group,
 )
+from kvj.journal.mirror import mirror_of
 from kvj.journal.records import decode_payload
 
 LOG_RE = re.compile(r"^(\d{16})\.log$")
 
 #: Kinds of ``Damage``. Only ``corruption``, ``lsn-gap``, ``lsn-order`` and ``format`` are errors
-#: in themselves; a torn tail ends the log, and a gap a snapshot covers is expected after compaction.
-CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, TORN, COVERED_GAP = (
-    "corruption", "lsn-gap", "lsn-order", "format", "torn", "covered-gap")
+#: in themselves; a torn tail ends the log, a gap a snapshot covers is expected after compaction,
+#: and ``copy`` is one copy of a mirrored journal lacking or damaging what the other holds intact.
+CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, TORN, COVERED_GAP, COPY = (
+    "corruption", "lsn-gap", "lsn-order", "format", "torn", "covered-gap", "copy")
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ def raise_on_damage(damage: Damage) -> None:
     """The default reporter: errors raise; a torn tail and a gap a snapshot covers do not."""
     if damage.kind == FORMAT:
         raise FormatError(f"{damage.path}: {damage.reason}")
-    if damage.kind not in (TORN, COVERED_GAP):
+    if damage.kind not in (TORN, COVERED_GAP, COPY):
         raise CorruptionError(damage.path, damage.offset, damage.reason)
 
 
@@ -118,6 +127,46 @@ def read_header(path: str) -> Optional[FileHeader]:
         return decode_file_header(f.read(FILE_HEADER_SIZE))
 
 
+class _Copies:
+    """The copies of one log file, the journal's first; each read only when the walk needs it."""
+
+    def __init__(self, scan: "Scan", path: str, origin: int):
+        self.scan, self.origin = scan, origin
+        self.paths = [path] + ([os.path.join(scan.mirror, os.path.basename(path))] if scan.mirror else [])
+        self._read: Dict[int, Optional[Tuple[bytes, bytes]]] = {}
+        self.dropped: Dict[int, str] = {}  # copies the walk no longer uses, and why
+
+    def head(self, i: int) -> Optional[bytes]:
+        """The first bytes of copy ``i`` (enough for its header), or None when it does not exist."""
+        loaded = self.load(i)
+        return None if loaded is None else loaded[0]
+
+    def load(self, i: int) -> Optional[Tuple[bytes, bytes]]:
+        """(head, bytes from ``origin`` on) of copy ``i``, or None when it does not exist."""
+        if i not in self._read:
+            try:
+                head, data, _size = self.scan._read(self.paths[i], self.origin)
+                self._read[i] = (head, data)
+            except FileNotFoundError:
+                self._read[i] = None
+            except OSError as exc:  # a copy that cannot be read (EIO): the other one can stand in
+                if len(self.paths) == 1:
+                    raise
+                self._read[i] = None
+                self.scan._copy(self.paths[i], None, f"this copy cannot be read ({exc}); the other is read")
+        return self._read[i]
+
+    def size(self, i: int) -> int:
+        """Bytes of copy ``i`` past ``origin`` (-1: it does not exist), without reading it."""
+        if i in self._read:
+            loaded = self._read[i]
+            return -1 if loaded is None else len(loaded[1])
+        try:
+            return os.stat(self.paths[i]).st_size - self.origin
+        except FileNotFoundError:
+            return -1
+
+
 class Scan:
     """One pass over a journal's log files.
 
@@ -127,17 +176,24 @@ class Scan:
     ``after_lsn``) are in a snapshot, so log files holding only those may be gone.
     ``start`` = (path, offset) resumes inside a file at a group boundary an earlier scan
     ended on, with ``after_lsn`` the last LSN before it (how a follower polls).
+    ``mirror``: True reads the mirror the journal records (if any), False the journal's
+    copy alone, a path that directory as the mirror. ``copies`` lists what one copy lacked
+    or held damaged (also passed to the reporter).
     """
 
     def __init__(self, directory: str, *, after_lsn: int = 0, strict: bool = False,
                  logs: Optional[List[str]] = None, reporter: Reporter = raise_on_damage,
-                 covered_lsn: Optional[int] = None, start: Optional[Tuple[str, int]] = None):
+                 covered_lsn: Optional[int] = None, start: Optional[Tuple[str, int]] = None,
+                 mirror: Union[bool, str] = True, verify_copies: bool = False):
         self.directory = directory
         self.after_lsn = after_lsn
         self.covered_lsn = after_lsn if covered_lsn is None else covered_lsn
         self.strict = strict
         self.report = reporter
-        self.logs = list_logs(directory) if logs is None else logs
+        self.mirror: Optional[str] = (mirror_of(directory) if mirror is True else mirror or None)
+        self.verify_copies = verify_copies
+        self.copies: List[Damage] = []
+        self.logs = self._list() if logs is None else logs
         self.start = start
         self.last_lsn = after_lsn
         self.first_lsn: Optional[int] = None
@@ -145,6 +201,33 @@ class Scan:
         self.tail: Optional[TornTail] = None
         self.end_offset = 0
         self.bytes_read = 0
+
+    def _list(self) -> List[str]:
+        """The journal's log files, and those only its mirror still has (under the journal's name)."""
+        names = {os.path.basename(p) for p in list_logs(self.directory)}
+        if self.mirror is not None:
+            try:
+                names.update(os.path.basename(p) for p in list_logs(self.mirror))
+            except FormatError:
+                self._copy(self.mirror, None, "the mirror directory is missing; the journal's copy is read alone")
+        return [os.path.join(self.directory, n) for n in sorted(names)]
+
+    def header_of(self, path: str) -> Optional[FileHeader]:
+        """The header of log file ``path`` from the first copy that has a valid one."""
+        copies = _Copies(self, path, 0)
+        for i in range(len(copies.paths)):
+            try:
+                header = read_header(copies.paths[i])
+            except FileNotFoundError:
+                continue
+            if header is not None:
+                return header
+        return None
+
+    def live_logs(self) -> List[str]:
+        """The log files the walk reads: those after ``after_lsn``'s snapshot (or from ``start``)."""
+        self._skip_covered()
+        return list(self.logs)
 
     def _skip_covered(self) -> None:
         """Begin at ``start``, or drop log files whose records all precede ``after_lsn`` + 1.
@@ -161,10 +244,7 @@ class Scan:
             return
         first = 0
         for index, path in enumerate(self.logs):
-            try:
-                header = read_header(path)
-            except FileNotFoundError:
-                continue
+            header = self.header_of(path)
             if header is not None and header.base_lsn <= self.after_lsn + 1:
                 first = index
         self.logs = self.logs[first:]
@@ -176,77 +256,153 @@ class Scan:
 
     def __iter__(self) -> Iterator[RawRecord]:
         self._skip_covered()
-        expected: Optional[int] = None  # next LSN; None until a file tells
+        self._expected: Optional[int] = None  # next LSN; None until a file tells
         started = False  # whether a file was read (before that, a vanished file was compacted away)
         for index, path in enumerate(self.logs):
-            first = not started
-            is_last = index == len(self.logs) - 1
             origin = self.start[1] if index == 0 and self.start is not None else 0
-            try:
-                head, data, size = self._read(path, origin)
-            except FileNotFoundError:
+            copies = _Copies(self, path, origin)
+            if all(copies.size(i) < 0 for i in range(len(copies.paths))):
                 # a concurrent compaction removed a sealed file it had folded into a snapshot
                 if not started:
                     continue
-                raise
-            started = True
-            header = decode_file_header(head)
-            if header is None:
-                if is_last and header_torn(head):
-                    # crashed while creating the newest file: no record in it was acknowledged
-                    self._torn(path, 0, size)
-                    return
-                where = "in a sealed log file" if not is_last else "on a file longer than a header"
-                self.report(Damage(CORRUPTION, path, 0, f"bad log file header {where}"))
-                expected = None  # the walk goes on with the next file, whatever LSN it starts at
+                raise FileNotFoundError(errno.ENOENT, "log file vanished during the scan", path)
+            first, started = not started, True
+            if (yield from self._file(copies, index == len(self.logs) - 1, first)):
+                return
+
+    def _file(self, copies: _Copies, is_last: bool, first: bool) -> Generator[RawRecord, None, bool]:
+        """Walk one log file, group by group across its copies; True when the log ends in it."""
+        path, origin = copies.paths[0], copies.origin
+        header: Optional[FileHeader] = None
+        main = 0
+        for i in range(len(copies.paths)):
+            head = copies.head(i)
+            header = decode_file_header(head) if head is not None else None
+            if header is not None:
+                main = i
+                break
+        if header is None:
+            heads = [(i, copies.head(i)) for i in range(len(copies.paths)) if copies.head(i) is not None]
+            if is_last and all(header_torn(h) for _i, h in heads):
+                # crashed while creating the newest file: no record in it was acknowledged
+                for i, _h in heads:
+                    self._torn(copies.paths[i], 0, copies.size(i))
+                return True
+            where = "in a sealed log file" if not is_last else "on a file longer than a header"
+            self.report(Damage(CORRUPTION, path, 0, f"bad log file header {where}"
+                               + (" (in every copy)" if len(copies.paths) > 1 else "")))
+            self._expected = None  # the walk goes on with the next file, whatever LSN it starts at
+            return False
+        for i in range(main):
+            what = "is missing" if copies.head(i) is None else "has a bad header"
+            self._copy(copies.paths[i], 0, f"this copy of the log file {what}; {copies.paths[main]} is read")
+            copies.dropped[i] = what
+        if header.version not in READABLE_VERSIONS:
+            self.report(Damage(FORMAT, path, 0, f"log format version {header.version} is not supported "
+                               f"(this kvj reads versions up to {FORMAT_VERSION})"))
+            self._expected = None
+            return False
+        if header.seq != log_seq(path):
+            self.report(Damage(CORRUPTION, path, 0, f"header says file number {header.seq}, "
+                               f"name says {log_seq(path)}"))
+        if origin:
+            self._expected = self.after_lsn + 1
+        else:
+            self._check_base(path, header.base_lsn, self._expected, first)
+            self._expected = header.base_lsn
+        main_head = copies.head(main)[:FILE_HEADER_SIZE]  # type: ignore[index]
+        order = [main] + [i for i in range(len(copies.paths)) if i != main and i not in copies.dropped]
+        pos = FILE_HEADER_SIZE if origin == 0 else 0
+        resynced = False
+        while True:
+            parsed, src, missing = self._group(copies, order, main_head, header, pos)
+            if parsed is None:
+                beyond = [i for i in order if copies.size(i) > pos]
+                if not beyond:
+                    break  # every copy ends here: the end of this file
+                datas = [(i, copies.load(i)[1]) for i in beyond]  # type: ignore[index]
+                later = next((off for off in (later_group_exists(d, pos, self._expected - 1, header.salt,
+                                                                 header.version) for _i, d in datas)
+                              if off is not None), None)
+                if later is None and is_last:
+                    self.end_offset = origin + pos
+                    for i, d in datas:
+                        self._torn(copies.paths[i], origin + pos, len(d) - pos)
+                    self.next_lsn = self._expected
+                    return True
+                where = (f"followed by a valid one at offset {origin + later}" if later is not None
+                         else "in a sealed log file")
+                every = " (in every copy)" if len(order) > 1 else ""
+                self.report(Damage(CORRUPTION, path, origin + pos, f"damaged commit group {where}{every}"))
+                if later is None:
+                    self._expected = None  # the lost end of this file: the next one starts where it starts
+                    break
+                pos, resynced = later, True  # go on at the group that proves itself valid
                 continue
-            if header.version not in READABLE_VERSIONS:
-                self.report(Damage(FORMAT, path, 0, f"log format version {header.version} is not supported "
-                                   f"(this kvj reads versions up to {FORMAT_VERSION})"))
-                expected = None
-                continue
-            if header.seq != log_seq(path):
-                self.report(Damage(CORRUPTION, path, 0, f"header says file number {header.seq}, "
-                                   f"name says {log_seq(path)}"))
-            if origin:
-                expected = self.after_lsn + 1
-            else:
-                self._check_base(path, header.base_lsn, expected, first)
-                expected = header.base_lsn
-            pos = FILE_HEADER_SIZE if origin == 0 else 0
+            for i, why in missing:
+                self._copy(copies.paths[i], origin + pos, f"{why}; the group is read from {copies.paths[src]}")
+                if why.startswith("this copy ends"):
+                    order.remove(i)
+                    copies.dropped[i] = why
+            records, pos = parsed
+            if records[0].lsn != self._expected and not resynced:
+                self.report(Damage(LSN_ORDER, path, records[0].offset,
+                                   f"LSN {records[0].lsn} out of order, expected {self._expected}"))
             resynced = False
-            while pos < len(data):
-                parsed = parse_group(data, pos, path, header.salt, origin, header.version)
-                if parsed is None:
-                    later = later_group_exists(data, pos, expected - 1, header.salt, header.version)
-                    if later is None and is_last:
-                        self.end_offset = origin + pos
-                        self._torn(path, origin + pos, len(data) - pos)
-                        self.next_lsn = expected
-                        return
-                    where = (f"followed by a valid one at offset {origin + later}" if later is not None
-                             else "in a sealed log file")
-                    self.report(Damage(CORRUPTION, path, origin + pos, f"damaged commit group {where}"))
-                    if later is None:
-                        expected = None  # the lost end of this file: the next one starts where it starts
-                        break
-                    pos, resynced = later, True  # go on at the group that proves itself valid
-                    continue
-                records, pos = parsed
-                if records[0].lsn != expected and not resynced:
-                    self.report(Damage(LSN_ORDER, path, records[0].offset,
-                                       f"LSN {records[0].lsn} out of order, expected {expected}"))
-                resynced = False
-                expected = records[-1].lsn + 1
-                for rec in records:
-                    if rec.lsn > self.after_lsn:
-                        if self.first_lsn is None:
-                            self.first_lsn = rec.lsn
-                        self.last_lsn = rec.lsn
-                        yield rec
-            if is_last:
-                self.end_offset = origin + pos
-            self.next_lsn = expected
+            self._expected = records[-1].lsn + 1
+            for rec in records:
+                if rec.lsn > self.after_lsn:
+                    if self.first_lsn is None:
+                        self.first_lsn = rec.lsn
+                    self.last_lsn = rec.lsn
+                    yield rec
+        if is_last:
+            self.end_offset = origin + pos
+        self.next_lsn = self._expected
+        return False
+
+    def _group(self, copies: _Copies, order: List[int], main_head: bytes, header: FileHeader, pos: int
+               ) -> Tuple[Optional[Tuple[List[RawRecord], int]], int, List[Tuple[int, str]]]:
+        """The group at ``pos`` from the first copy in ``order`` that holds it intact:
+        (records and end, that copy, [(copy, why) for the copies before it that did not]).
+        With ``verify_copies`` the copies after it are checked too and count among the latter."""
+        parsed: Optional[Tuple[List[RawRecord], int]] = None
+        src = order[0]
+        missing: List[Tuple[int, str]] = []
+        for i in list(order):
+            if parsed is not None and not self.verify_copies:
+                break
+            size = copies.size(i)
+            if size <= pos:
+                if size >= 0 and size < pos:
+                    why = f"this copy ends at offset {copies.origin + size}, inside or before this group"
+                else:
+                    why = "this copy ends here"
+                if parsed is not None or any(copies.size(j) > pos for j in order if j != i):
+                    missing.append((i, f"{why}, where another copy goes on"))
+                continue
+            loaded = copies.load(i)
+            if loaded is None:
+                continue
+            if i != order[0] and loaded[0][:FILE_HEADER_SIZE] != main_head:
+                self._copy(copies.paths[i], 0, "this copy's header differs from the journal's: not a copy "
+                           "of the same file, not read")
+                order.remove(i)
+                copies.dropped[i] = "different header"
+                continue
+            group = parse_group(loaded[1], pos, copies.paths[0], header.salt, copies.origin, header.version)
+            if group is None:
+                missing.append((i, "this copy's commit group here is damaged or incomplete"))
+            elif parsed is None:
+                parsed, src = group, i
+            elif loaded[1][pos:group[1]] != copies.load(src)[1][pos:parsed[1]]:  # type: ignore[index]
+                missing.append((i, "this copy's commit group here differs from the other copy's"))
+        return parsed, src, missing
+
+    def _copy(self, path: str, offset: Optional[int], reason: str) -> None:
+        damage = Damage(COPY, path, offset, reason)
+        self.copies.append(damage)
+        self.report(damage)
 
     def _read(self, path: str, origin: int) -> Tuple[bytes, bytes, int]:
         """(the file's first bytes, enough for its header; its bytes from ``origin`` on; its size)."""
@@ -277,7 +433,8 @@ class Scan:
         self.report(Damage(TORN, path, offset, f"torn tail of {length} bytes", length))
         if length == 0:
             return
-        self.tail = TornTail(path, offset, length)
+        if self.tail is None:
+            self.tail = TornTail(path, offset, length)
         if self.strict:
             raise CorruptionError(path, offset, f"torn tail of {length} bytes (strict mode)")
 

@@ -2,13 +2,15 @@
 
 By default replay recovers to the last consistent point: a torn tail ends the log and is
 reported in ``state.tail``. ``strict=True`` fails on any damage. Damage in the middle of
-the log is always an error (``CorruptionError`` with file and offset), never skipped.
+the log is always an error (``CorruptionError`` with file and offset), never skipped. In
+a mirrored journal, what one copy lacks or holds damaged is read from the other, and
+``state.warnings`` says which copy was bad.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from kvj.errors import CorruptionError, FormatError, KvjError
 from kvj.journal.legacy import LegacyScan
@@ -50,6 +52,14 @@ class RecordStream:
     @property
     def tail(self) -> Optional[Dict[str, Any]]:
         return self._scan.tail.to_dict() if self._scan.tail else None
+
+    @property
+    def copy_warnings(self) -> List[str]:
+        """What one copy of a mirrored journal lacked or held damaged (read from the other)."""
+        if self.legacy:
+            return []
+        return [f"{d.path}" + (f" at offset {d.offset}" if d.offset is not None else "") + f": {d.reason}"
+                for d in self._scan.copies]
 
     def __iter__(self) -> Iterator[Record]:
         if self.legacy:
@@ -104,4 +114,5 @@ def _replay_once(path: str, at_lsn: Optional[int], strict: bool) -> JournalState
             break
         state.apply(rec.rtype, rec.payload, rec.lsn)
     state.tail = stream.tail
+    state.warnings += stream.copy_warnings
     return state

@@ -5,7 +5,9 @@
 
 The CRC32C covers the header's first 28 bytes and the body. A snapshot is written with
 ``atomic_write`` (temp file, fsync, rename, fsync directory) before any log file it
-covers is deleted.
+covers is deleted. A mirrored journal's snapshot is written to its mirror too, which then
+drops the log files and older snapshots it covers; reading takes the mirror's copy of the
+newest snapshot when the journal's is missing or damaged.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from crc32c import crc32c
 
 from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import FS, REAL_FS, atomic_write, open_read
+from kvj.journal.mirror import log, mirror_of
+from kvj.journal.reader import list_logs, read_header
 from kvj.journal.state import JournalState
 
 SNAP_MAGIC = b"\x89KVJSNP\n"
@@ -78,17 +82,62 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
 
 
 def load_latest(directory: str) -> Optional[JournalState]:
-    """The newest snapshot's state, or None. A damaged newest snapshot is an error, not skipped."""
-    snaps = list_snapshots(directory)
-    if not snaps:
+    """The newest snapshot's state, or None. A damaged newest snapshot is an error, not
+    skipped, unless the journal's mirror holds an intact copy of it (then a warning says so)."""
+    mirror = mirror_of(directory)
+    found: dict = {}
+    for d in [directory] + ([mirror] if mirror else []):
+        try:
+            for lsn, path in list_snapshots(d):
+                found.setdefault(lsn, []).append(path)
+        except FileNotFoundError:
+            continue
+    if not found:
         return None
-    _lsn, path = snaps[0]
-    with open_read(path) as f:
-        return decode_snapshot(f.read(), path)
+    paths = found[max(found)]
+    for index, path in enumerate(paths):
+        try:
+            with open_read(path) as f:
+                state = decode_snapshot(f.read(), path)
+        except (CorruptionError, FormatError, OSError) as exc:
+            if index == len(paths) - 1:
+                raise
+            damage = exc
+            continue
+        if index:
+            state.warnings.append(f"snapshot {paths[0]} is damaged or unreadable ({damage}); its copy {path} was used")
+        elif len(paths) == 1 and mirror:
+            state.warnings.append(f"snapshot {path} has no copy in the mirror {mirror}")
+        return state
+    return None  # pragma: no cover - the loop returns or raises
 
 
 def write_snapshot(directory: str, state: JournalState, fs: FS = REAL_FS) -> str:
-    """Durably write a snapshot of ``state``; returns its path."""
-    path = os.path.join(directory, snapshot_name(state.last_lsn))
-    atomic_write(path, encode_snapshot(state), fs)
+    """Durably write a snapshot of ``state`` (into the journal's mirror too); returns its path."""
+    name = snapshot_name(state.last_lsn)
+    path = os.path.join(directory, name)
+    data = encode_snapshot(state)
+    atomic_write(path, data, fs)
+    mirror = mirror_of(directory)
+    if mirror is not None:
+        try:
+            atomic_write(os.path.join(mirror, name), data, fs)
+            _drop_covered(mirror, state.last_lsn, fs)
+        except OSError as exc:  # the journal's copy is whole; the next writer restores the mirror's
+            log.warning("journal %s: snapshot %s not copied to the mirror %s (%s); the mirror keeps its log files",
+                        directory, name, mirror, exc)
     return path
+
+
+def _drop_covered(mirror: str, lsn: int, fs: FS) -> None:
+    """Unlink the mirror's older snapshots and the log files whose records the snapshot at
+    ``lsn`` holds (every file before one that starts at or before ``lsn`` + 1), oldest first."""
+    logs = list_logs(mirror)
+    bases = [read_header(p) for p in logs]
+    covered = [p for i, p in enumerate(logs[:-1])
+               if any(h is not None and h.base_lsn <= lsn + 1 for h in bases[i + 1:])]
+    old = [p for s_lsn, p in sorted(list_snapshots(mirror)) if s_lsn < lsn]
+    for path in covered + old:
+        fs.unlink(path)
+    if covered or old:
+        fs.fsync_dir(mirror)

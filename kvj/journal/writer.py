@@ -8,6 +8,11 @@ fdatasync in flight returns: a record is durable within ``max_delay`` plus two
 fdatasync times. At most ``max_pending_records`` records are ever appended but not
 durable (``append`` blocks beyond that), so that is the most a crash can lose. A failed write or fsync is final: the
 writer enters the failed state, every waiter gets the error, fsync is never retried.
+
+With a mirror (``kvj.journal.mirror``) every log file is created, and every group written
+and fdatasynced, in both copies before anything in it counts as durable. A failure of the
+mirror's copy is final too under policy ``fail``; under ``degrade`` it is logged as a
+warning and the writer goes on with its own copy alone (``mirror_error`` says why).
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
 
 from crc32c import crc32c
 
 from kvj.errors import JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, DurabilityError
 from kvj.journal.framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header, encode_record, new_salt
+from kvj.journal.mirror import DEGRADE, FAIL, log
 from kvj.journal.records import encode_payload
 
 _RECORD_TAIL_PACK = RECORD_TAIL.pack
@@ -52,10 +58,17 @@ class LogWriter:
     """Appends records to the log files of one journal directory. One per journal."""
 
     def __init__(self, directory: str, *, next_seq: int, next_lsn: int,
-                 policy: CommitPolicy = CommitPolicy(), fs: FS = REAL_FS, resume_salt: Optional[int] = None):
+                 policy: CommitPolicy = CommitPolicy(), fs: FS = REAL_FS, resume_salt: Optional[int] = None,
+                 mirror: Optional[str] = None, mirror_policy: str = FAIL):
         """Write LSNs from ``next_lsn`` on: appending to log file ``next_seq`` when
-        ``resume_salt`` (its salt) is given, else in a new file of that number."""
+        ``resume_salt`` (its salt) is given, else in a new file of that number; in the
+        directory ``mirror`` too when given (whose copy of that file is the same)."""
         self.directory = directory
+        self.mirror = mirror
+        self.mirror_policy = mirror_policy
+        #: why the mirror was dropped (policy degrade); None while it is written
+        self.mirror_error: Optional[OSError] = None
+        self._mfd = -1
         self.policy = policy
         self.fs = fs
         self._lock = threading.Lock()
@@ -205,6 +218,12 @@ class LogWriter:
         if self._fd >= 0:
             self.fs.close(self._fd)
             self._fd = -1
+        if self._mfd >= 0:
+            mfd, self._mfd = self._mfd, -1
+            try:
+                self._on_mirror(lambda: self.fs.close(mfd))
+            except OSError as exc:
+                self._error = self._error or exc
         if self._error is not None:
             raise JournalFailed(f"journal writer failed: {self._error}") from self._error
 
@@ -216,25 +235,52 @@ class LogWriter:
     # -- committer side ------------------------------------------------------------------
 
     def _open_file(self, seq: int, base_lsn: int) -> None:
-        """Create log file ``seq``; it and its directory entry are durable before use."""
-        path = os.path.join(self.directory, log_name(seq))
-        fd = self.fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
+        """Create log file ``seq`` (in both copies); it and its directory entry are durable before use."""
+        salt = new_salt()
+        header = encode_file_header(seq, base_lsn, salt)
+        fd = self._create(self.directory, seq, header)
+        if self.mirror is not None:
+            self._mfd = self._on_mirror(lambda: self._create(self.mirror, seq, header))  # type: ignore[arg-type]
+        self._fd, self._seq, self._size, self._salt = fd, seq, len(header), salt
+
+    def _create(self, directory: str, seq: int, header: bytes) -> int:
+        fd = self.fs.open(os.path.join(directory, log_name(seq)), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
         try:
-            salt = new_salt()
-            header = encode_file_header(seq, base_lsn, salt)
             self.fs.write(fd, header)
             self.fs.fsync(fd)
-            self.fs.fsync_dir(self.directory)
+            self.fs.fsync_dir(directory)
         except BaseException:
             self.fs.close(fd)
             raise
-        self._fd, self._seq, self._size, self._salt = fd, seq, len(header), salt
+        return fd
 
     def _resume_file(self, seq: int, salt: int) -> None:
-        """Append to log file ``seq``, whose content up to here is whole groups and durable."""
-        path = os.path.join(self.directory, log_name(seq))
-        fd = self.fs.open(path, os.O_WRONLY | os.O_APPEND)
+        """Append to log file ``seq``, whose content up to here is whole groups and durable
+        (and the same in the mirror's copy)."""
+        fd = self.fs.open(os.path.join(self.directory, log_name(seq)), os.O_WRONLY | os.O_APPEND)
+        if self.mirror is not None:
+            path = os.path.join(self.mirror, log_name(seq))
+            self._mfd = self._on_mirror(lambda: self.fs.open(path, os.O_WRONLY | os.O_APPEND))
         self._fd, self._seq, self._size, self._salt = fd, seq, os.fstat(fd).st_size, salt
+
+    def _on_mirror(self, op: Callable[[], Any]) -> Any:
+        """Run ``op`` on the mirror's copy. A failure is the writer's failure under policy
+        fail; under degrade it is logged, and the mirror is not written again (its copy now
+        lacks what follows; readers take that from the journal's copy)."""
+        try:
+            return op()
+        except OSError as exc:
+            if self.mirror_policy != DEGRADE:
+                raise DurabilityError(exc.errno or errno.EIO, f"mirror {self.mirror}: {exc}") from exc
+            log.warning("journal mirror %s failed (%s): writing the primary copy %s only until the journal is "
+                        "opened again (mirror policy degrade)", self.mirror, exc, self.directory)
+            if self._mfd >= 0:
+                try:
+                    self.fs.close(self._mfd)
+                except OSError:
+                    pass
+            self.mirror_error, self.mirror, self._mfd = exc, None, -1
+            return -1
 
     def _take_group(self) -> Optional[tuple]:
         """Wait until a group is due; return (data, count, first_lsn) or None to stop."""
@@ -268,7 +314,11 @@ class LogWriter:
                 data, count, first = group
                 head = encode_group_header(len(data), count, first, self._salt, time.time_ns())
                 self.fs.writev(self._fd, [head, data])
+                if self._mfd >= 0:
+                    self._on_mirror(lambda: self.fs.writev(self._mfd, [head, data]))
                 self.fs.fdatasync(self._fd)
+                if self._mfd >= 0:
+                    self._on_mirror(lambda: self.fs.fdatasync(self._mfd))
                 self._size += len(head) + len(data)
                 with self._lock:
                     self._durable_lsn = first + count - 1
@@ -278,6 +328,9 @@ class LogWriter:
                 if self._size >= self.policy.file_size_limit:
                     self.fs.close(self._fd)
                     self._fd = -1
+                    if self._mfd >= 0:
+                        self._on_mirror(lambda: self.fs.close(self._mfd))
+                        self._mfd = -1
                     self._open_file(self._seq + 1, first + count)
         except BaseException as exc:  # an I/O error is final: never retry fsync
             err = exc if isinstance(exc, OSError) else DurabilityError(errno.EIO, str(exc))

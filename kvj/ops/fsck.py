@@ -45,7 +45,7 @@ from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, r
 from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.locks import LOCK_NAME, DirLock
-from kvj.journal.reader import COVERED_GAP, TORN, Damage, Scan, TornTail, decode, list_logs, read_header
+from kvj.journal.reader import COPY, COVERED_GAP, TORN, Damage, Scan, TornTail, decode, list_logs, read_header
 from kvj.journal.replay import _legacy_file, is_legacy
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
@@ -202,7 +202,7 @@ class _Checker:
         older = next(((lsn, s) for lsn, _p, s in valid if snap is not None and lsn < snap_lsn), (0, None))
         check: Optional[JournalState] = older[1] if older[1] is not None else JournalState()
         check_next = older[0] + 1
-        scan = Scan(self.path, covered_lsn=snap_lsn, reporter=self._report)
+        scan = Scan(self.path, covered_lsn=snap_lsn, reporter=self._report, verify_copies=True)
         r.logs = len(scan.logs)
         total = sum(_size(log) for log in scan.logs)
         for raw in scan:
@@ -234,6 +234,8 @@ class _Checker:
         if damage.kind == COVERED_GAP:
             # compaction deletes covered files and a crash may keep its unlinks in any order
             self.add("note", "covered-gap", f"{damage.reason}: compacted into the snapshot", damage.path, 0)
+        elif damage.kind == COPY:  # one copy of a mirrored journal is bad; the other was read
+            self.add("warning", "mirror-copy", damage.reason, damage.path, damage.offset)
         elif damage.kind != TORN:
             self.add("error", damage.kind, damage.reason, damage.path, damage.offset)
         elif damage.offset == 0 and self.result.writer_live:

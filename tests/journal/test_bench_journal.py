@@ -15,9 +15,14 @@ def test_journal_benchmark_rows_and_table(tmp_path):
     for r in rates.values():
         assert r["records_per_s"] > 0
         assert abs(r["vs_sqlite"] * sqlite["records_per_s"] - r["records_per_s"]) < 1e-6 * r["records_per_s"]
+    mirrored = {name: r["vs_unmirrored"] for name, r in rates.items() if "vs_unmirrored" in r}
+    assert set(mirrored) == {m for m, _plain in bench.MIRROR_ROWS}
+    for name, plain in bench.MIRROR_ROWS:  # the ratio to the same run's row without a mirror
+        rate = rates[name]["records_per_s"]
+        assert abs(mirrored[name] * rates[plain]["records_per_s"] - rate) < 1e-6 * rate
     latency = [r for r in rows if "p50_us" in r]
     assert [r["system"] for r in latency] == ["kvj Journal.append, caller thread", "kvj Journal.start, caller thread"]
     assert all(0 < r["p50_us"] <= r["p99_us"] for r in latency)
     table = bench.format_table(rows)
-    assert all(name in table for name in rates) and "p99" in table
+    assert all(name in table for name in rates) and "p99" in table and "without a mirror" in table
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
