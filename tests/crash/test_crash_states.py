@@ -25,7 +25,8 @@ from typing import Callable, List, Optional, Sequence
 import pytest
 import torch
 from support.crashcheck import Truth, add_figure, check_journal, random_record
-from support.crashfs import FAST_FS, FIXED_PLANS, CrashPlan, RecordingFS, crash_state, iter_crash_states, random_plans
+from support.crashfs import (FAST_FS, FIXED_PLANS, CrashPlan, RecordingFS, SimulatedKill, crash_state, iter_crash_states,
+                             random_plans)
 
 from kvj import CommitPolicy, Journal, RecordType
 from kvj.errors import JournalFailed, KvjError
@@ -348,6 +349,34 @@ def test_kill_then_reopen_then_power_loss(tmp_path):
     j = open_journal(fs, path, truth, policy)
     truth.add(j.writer.append(4, {"device": "d", "addr": 7, "size": 1, "tag": ""}), 4,
               {"device": "d", "addr": 7, "size": 1, "tag": ""})
+    ack(fs, truth, j.sync())
+    j.close()
+    state = str(tmp_path / "state")
+    crash_state(fs, len(fs.ops), CrashPlan("synced-only"), state)
+    check_journal(os.path.join(state, "j"), truth, truth.acked, reopen_fs=FAST_FS)
+
+
+def test_kill_after_creating_a_log_file_then_reopen_then_power_loss(tmp_path):
+    """A writer is killed after creating a log file and writing its header, before the file
+    and its directory are synced; a new writer continues that file (its header is in the
+    page cache), appends and syncs; then power fails. The new writer's acknowledged records
+    must survive, so it must make the file's directory entry durable too, not only its data."""
+    root = str(tmp_path / "root")
+    fs = RecordingFS(root)
+    path = os.path.join(root, "j")
+    truth = Truth()
+    policy = CommitPolicy(**DETERMINISTIC)
+    probe = RecordingFS(str(tmp_path / "probe"))
+    Journal.open(os.path.join(probe.root, "j"), fs=probe, policy=policy).close()
+    header = next(op.index for op in probe.ops if op.kind == "write" and op.path.endswith(".log"))
+    fs.kill_at = header + 1  # the header is written; its sync and the directory's never run
+    with pytest.raises(SimulatedKill):
+        Journal.open(path, fs=fs, policy=policy)
+    assert fs.killed and [op.kind for op in fs.ops[header - 1:]] == ["create", "write"]
+    fs.revive()
+    j = open_journal(fs, path, truth, policy)
+    payload = {"device": "d", "addr": 7, "size": 1, "tag": ""}
+    truth.add(j.writer.append(4, payload), 4, payload)
     ack(fs, truth, j.sync())
     j.close()
     state = str(tmp_path / "state")
