@@ -10,7 +10,8 @@ durable (``append`` blocks beyond that), so that is the most a crash can lose. A
 writer enters the failed state, every waiter gets the error, fsync is never retried.
 
 With a mirror (``kvj.journal.mirror``) every log file is created, and every group written
-and fdatasynced, in both copies before anything in it counts as durable. A failure of the
+and fdatasynced, in both copies before anything in it counts as durable (a group's two
+copies on two threads at once, so a mirror on another device costs little latency). A failure of the
 mirror's copy is final too under policy ``fail``; under ``degrade`` it is logged as a
 warning and the writer goes on with its own copy alone (``mirror_error`` says why).
 """
@@ -21,6 +22,7 @@ import errno
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
 
@@ -69,6 +71,7 @@ class LogWriter:
         #: why the mirror was dropped (policy degrade); None while it is written
         self.mirror_error: Optional[OSError] = None
         self._mfd = -1
+        self._mirror_pool = ThreadPoolExecutor(1, thread_name_prefix="kvj-mirror") if mirror is not None else None
         self.policy = policy
         self.fs = fs
         self._lock = threading.Lock()
@@ -212,6 +215,8 @@ class LogWriter:
             self._room_lsn = -1
             self._wake.notify()
         self._thread.join()
+        if self._mirror_pool is not None:
+            self._mirror_pool.shutdown()
         with self._lock:
             self._closed = True
             self._done.notify_all()
@@ -263,6 +268,10 @@ class LogWriter:
             self._mfd = self._on_mirror(lambda: self.fs.open(path, os.O_WRONLY | os.O_APPEND))
         self._fd, self._seq, self._size, self._salt = fd, seq, os.fstat(fd).st_size, salt
 
+    def _write_synced(self, fd: int, parts: List[Any]) -> None:
+        self.fs.writev(fd, parts)
+        self.fs.fdatasync(fd)
+
     def _on_mirror(self, op: Callable[[], Any]) -> Any:
         """Run ``op`` on the mirror's copy. A failure is the writer's failure under policy
         fail; under degrade it is logged, and the mirror is not written again (its copy now
@@ -313,12 +322,18 @@ class LogWriter:
                     return
                 data, count, first = group
                 head = encode_group_header(len(data), count, first, self._salt, time.time_ns())
-                self.fs.writev(self._fd, [head, data])
-                if self._mfd >= 0:
-                    self._on_mirror(lambda: self.fs.writev(self._mfd, [head, data]))
-                self.fs.fdatasync(self._fd)
-                if self._mfd >= 0:
-                    self._on_mirror(lambda: self.fs.fdatasync(self._mfd))
+                # the mirror's copy is written and synced on its own thread, alongside the journal's
+                pool = self._mirror_pool
+                mirrored = pool.submit(self._write_synced, self._mfd, [head, data]) \
+                    if pool is not None and self._mfd >= 0 else None
+                try:
+                    self.fs.writev(self._fd, [head, data])
+                    self.fs.fdatasync(self._fd)
+                finally:
+                    if mirrored is not None:
+                        wait([mirrored])  # never leave the mirror's copy in flight
+                if mirrored is not None:
+                    self._on_mirror(mirrored.result)
                 self._size += len(head) + len(data)
                 with self._lock:
                     self._durable_lsn = first + count - 1
