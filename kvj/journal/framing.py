@@ -94,8 +94,13 @@ def encode_record(rtype: int, lsn: int, payload: bytes) -> bytes:
     return CRC.pack(crc32c(payload, crc32c(tail))) + tail + payload
 
 
-def encode_group_header(body_len: int, count: int, first_lsn: int, salt: int = 0, time_ns: int = 0) -> bytes:
-    tail = GROUP_HEADER.pack(GROUP_MAGIC, 0, body_len, count, first_lsn, time_ns)[8:]
+def encode_group_header(body_len: int, count: int, first_lsn: int, salt: int = 0, time_ns: int = 0,
+                        version: int = FORMAT_VERSION) -> bytes:
+    """A group header for a file of format ``version`` (version 1 has no ``time_ns``)."""
+    if version == 1:
+        tail = GROUP_HEADERS[1].pack(GROUP_MAGIC, 0, body_len, count, first_lsn)[8:]
+    else:
+        tail = GROUP_HEADER.pack(GROUP_MAGIC, 0, body_len, count, first_lsn, time_ns)[8:]
     return GROUP_MAGIC + CRC.pack(crc32c(tail, salt)) + tail
 
 

@@ -20,9 +20,11 @@ from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import atomic_write, makedirs_durable, rename_durable
 from kvj.journal.framing import (
     FILE_HEADER_SIZE,
+    READABLE_VERSIONS,
     decode_file_header,
     encode_group_header,
     encode_record,
+    group_header_at,
     parse_group,
 )
 from kvj.journal.journal import default_store_path
@@ -59,14 +61,17 @@ def _checked(remote: Remote, obj: str, blake: str) -> bytes:
 
 
 def trim_log(data: bytes, at_lsn: int, path: str) -> bytes:
-    """The log file ``data`` cut after LSN ``at_lsn`` (a group holding it is re-framed up to it)."""
+    """The log file ``data`` cut after LSN ``at_lsn``: a group holding it is re-framed up to
+    it, in the file's own format version and with the group's own time."""
     header = decode_file_header(data)
     if header is None:
         raise CorruptionError(path, 0, "bad log file header")
+    if header.version not in READABLE_VERSIONS:
+        raise FormatError(f"{path}: log format version {header.version} is not supported")
     out = [data[:FILE_HEADER_SIZE]]
     off = FILE_HEADER_SIZE
     while off < len(data):
-        parsed = parse_group(data, off, path, header.salt)
+        parsed = parse_group(data, off, path, header.salt, version=header.version)
         if parsed is None:
             raise CorruptionError(path, off, "damaged commit group in a replicated log")
         records, end = parsed
@@ -76,8 +81,10 @@ def trim_log(data: bytes, at_lsn: int, path: str) -> bytes:
             continue
         keep = [r for r in records if r.lsn <= at_lsn]
         if keep:
+            time_ns = group_header_at(data, off, header.salt, header.version)[3]  # type: ignore[index]
             body = b"".join(encode_record(r.rtype, r.lsn, r.payload) for r in keep)
-            out.append(encode_group_header(len(body), len(keep), keep[0].lsn, header.salt) + body)
+            out.append(encode_group_header(len(body), len(keep), keep[0].lsn, header.salt, time_ns or 0,
+                                           header.version) + body)
         break
     return b"".join(out)
 

@@ -16,6 +16,7 @@ what was written since the last completed round.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -25,9 +26,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError, KvjError, SegmentMissing
 from kvj.fileio import fsync_path
-from kvj.journal.framing import FILE_HEADER_SIZE, decode_file_header, header_torn, later_group_exists, parse_group
+from kvj.journal.framing import FILE_HEADER_SIZE
 from kvj.journal.journal import default_store_path
-from kvj.journal.reader import list_logs, log_seq
+from kvj.journal.reader import TORN, Damage, Scan, list_logs, log_seq, raise_on_damage, read_header
 from kvj.journal.records import RecordType, decode_payload
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.replica import manifest as mf
@@ -238,26 +239,22 @@ class Replicator:
     # -- logs ---------------------------------------------------------------------------
 
     def _scan_logs(self, paths: List[str]) -> List[_LocalLog]:
-        """Parse what is new in each log file (whole groups), then fsync the files read."""
+        """Walk what is new in each log file (whole groups, with ``reader.Scan``), then fsync
+        the files read."""
         found: List[_LocalLog] = []
         for index, path in enumerate(paths):
             sealed = index < len(paths) - 1
             seq = log_seq(path)
             info = self._logs.get(seq)
-            with open(path, "rb") as f:
-                if info is None:
-                    head = f.read(FILE_HEADER_SIZE + 1)
-                    header = decode_file_header(head)
-                    if header is None:
-                        if not sealed and header_torn(head):
-                            break  # the writer is creating it: nothing in it was acknowledged
-                        raise CorruptionError(path, 0, "bad log file header")
-                    info = _LocalLog(seq, header.base_lsn, header.salt, FILE_HEADER_SIZE, header.base_lsn - 1)
-                    self._logs[seq] = info
-                f.seek(info.valid_end)
-                data = f.read()
-            consumed = self._parse(path, info, data, sealed)
-            if consumed:
+            if info is None:
+                header = read_header(path)
+                if header is None:
+                    if not sealed and os.path.getsize(path) <= FILE_HEADER_SIZE:
+                        break  # the writer is creating it: nothing in it was acknowledged
+                    raise CorruptionError(path, 0, "bad log file header")
+                info = _LocalLog(seq, header.base_lsn, header.salt, FILE_HEADER_SIZE, header.base_lsn - 1)
+                self._logs[seq] = info
+            if self._walk(path, info, sealed):
                 fsync_path(path)  # what we ship must be durable here too: the node can never lose it
             found.append(info)
         live = {i.seq for i in found}
@@ -265,32 +262,29 @@ class Replicator:
             del self._logs[seq]
         return found
 
-    def _parse(self, path: str, info: _LocalLog, data: bytes, sealed: bool) -> int:
-        off = 0
-        while off < len(data):
-            parsed = parse_group(data, off, path, info.salt)
-            if parsed is None:
-                where = info.valid_end + off
-                if sealed:
-                    raise CorruptionError(path, where, "damaged commit group in a sealed log file")
-                later = later_group_exists(data, off, info.last_lsn, info.salt)
-                if later is not None:
-                    raise CorruptionError(path, where, f"damaged commit group followed by a valid one at offset "
-                                          f"{info.valid_end + later}")
-                break  # a group still being written (or a torn tail the writer will cut)
-            records, end = parsed
-            if records[0].lsn != info.last_lsn + 1:
-                raise CorruptionError(path, info.valid_end + off, f"LSN {records[0].lsn} out of order, "
-                                      f"expected {info.last_lsn + 1}")
-            for rec in records:
-                try:
-                    info.keys.update(record_keys(rec.rtype, rec.payload))
-                except FormatError as exc:
-                    raise CorruptionError(path, info.valid_end + rec.offset, f"LSN {rec.lsn}: {exc}") from None
-            info.last_lsn = records[-1].lsn
-            off = end
-        info.valid_end += off
-        return off
+    def _walk(self, path: str, info: _LocalLog, sealed: bool) -> int:
+        """Read the whole groups after ``info.valid_end`` (the journal's own copy: its bytes are
+        what is uploaded), note their segment keys; returns the bytes consumed. Damage raises
+        ``CorruptionError``; an incomplete group at the end of the newest file is one still
+        being written (or a torn tail the writer will cut) and waits for the next round."""
+        def report(damage: Damage) -> None:
+            if damage.kind == TORN and sealed:
+                raise CorruptionError(path, damage.offset, "damaged commit group in a sealed log file")
+            raise_on_damage(damage)
+
+        scan = Scan(self.journal, logs=[path], after_lsn=info.last_lsn, start=(path, info.valid_end),
+                    reporter=report, mirror=False)
+        for rec in scan:
+            try:
+                info.keys.update(record_keys(rec.rtype, rec.payload))
+            except FormatError as exc:
+                raise CorruptionError(path, rec.offset, f"LSN {rec.lsn}: {exc}") from None
+            info.last_lsn = rec.lsn
+        if scan.end_offset < info.valid_end:  # the walk found no file: a compaction removed it
+            raise FileNotFoundError(errno.ENOENT, "log file vanished during the round", path)
+        consumed = scan.end_offset - info.valid_end
+        info.valid_end = scan.end_offset
+        return consumed
 
     def _ship_logs(self, local: List[_LocalLog], m: mf.Manifest, result: RoundResult, now: float) -> None:
         """Upload new log bytes as parts; the manifest keeps the logs the snapshot does not cover."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -10,8 +11,9 @@ from hypothesis import strategies as st
 
 from kvj import Journal
 from kvj.errors import CorruptionError, FormatError
+from kvj.journal import framing as F
 from kvj.journal.reader import list_logs
-from kvj.journal.replay import replay
+from kvj.journal.replay import RecordStream, replay
 from kvj.journal.writer import CommitPolicy
 from kvj.replica import manifest as mf
 from kvj.replica.restore import trim_log
@@ -84,3 +86,43 @@ def test_trim_log_equals_replay_at_lsn(tmp_path_factory, groups, data):
     with open(os.path.join(out, os.path.basename(log)), "wb") as f:
         f.write(trim_log(raw, at, log))
     assert replay(out, strict=True).to_dict() == replay(path, at_lsn=at).to_dict()
+
+
+def _groups(raw: bytes, path: str):
+    """(version, [(time_ns, [lsn...]) per group]) of a log file's bytes."""
+    header = F.decode_file_header(raw)
+    off, out = F.FILE_HEADER_SIZE, []
+    while off < len(raw):
+        time_ns = F.group_header_at(raw, off, header.salt, header.version)[3]
+        records, off = F.parse_group(raw, off, path, header.salt, version=header.version)
+        out.append((time_ns, [r.lsn for r in records]))
+    return header.version, out
+
+
+def test_trim_log_keeps_the_files_version_and_its_groups_times(tmp_path):
+    """A 0.1.0 (version 1) log cut mid-group stays a version 1 file (no time in its group
+    headers); a version 2 log cut mid-group keeps the group's time, and every group before."""
+    v1 = os.path.join(os.path.dirname(__file__), "..", "journal", "data", "journal-0.1.0", "0000000000000003.log")
+    raw = open(v1, "rb").read()
+    assert _groups(raw, v1) == (1, [(None, [4, 5, 6])])
+    cut = trim_log(raw, 5, v1)
+    assert _groups(cut, v1) == (1, [(None, [4, 5])]) and cut[:F.FILE_HEADER_SIZE] == raw[:F.FILE_HEADER_SIZE]
+
+    path = str(tmp_path / "j")
+    with Journal.open(path, policy=CommitPolicy(max_delay=10, max_records=1000)) as j:
+        for n in range(3):
+            for i in range(3):
+                j.alloc("cpu", n * 10 + i, 1, "t")
+            j.sync()
+            time.sleep(0.002)  # distinct group times
+    log = list_logs(path)[0]
+    raw = open(log, "rb").read()
+    version, groups = _groups(raw, log)
+    assert version == 2 and [lsns for _t, lsns in groups] == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert len({t for t, _l in groups}) == 3 and all(t > 0 for t, _l in groups)
+    cut = trim_log(raw, 5, log)
+    assert _groups(cut, log) == (2, [groups[0], (groups[1][0], [4, 5])])
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / os.path.basename(log)).write_bytes(cut)
+    assert [r.time for r in RecordStream(str(out))] == [r.time for r in RecordStream(path)][:5]
