@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional, Tuple
+from typing import Annotated, Any, Callable, Iterator, List, Optional, Tuple
 
 import typer
 from rich.console import Console
@@ -25,11 +25,13 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 
 from kvj.errors import CorruptionError, FormatError, NotFound, UnsafePath
 from kvj.journal.journal import default_store_path
+from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
 
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"
+MIRROR_ENV = "KVJ_MIRROR"
 #: Set to 1 to let kvj run as root on a journal or store another user owns.
 TRUST_ENV = "KVJ_TRUST_OWNER"
 
@@ -37,6 +39,13 @@ JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=Tru
                           help="Journal directory.")
 StoreOpt = typer.Option("--store", "-s", envvar=STORE_ENV, show_envvar=True, metavar="DIR",
                         help="Segment store directory [default: JOURNAL/segments].")
+MirrorOpt = typer.Option("--mirror", envvar=MIRROR_ENV, show_envvar=True, metavar="DIR",
+                         help="Keep a synchronous mirror of the log in DIR (ideally on another device): every "
+                              "commit group is synced to both before it counts. The journal remembers it: needed "
+                              "once.")
+MirrorPolicyOpt = typer.Option("--mirror-policy", metavar="fail|degrade",
+                               help="When the mirror fails: fail the writer (the default), or go on with the "
+                                    "journal's copy alone after a warning.")
 JsonOpt = typer.Option("--json", help="Print JSON (one object, or NDJSON for record streams) for scripts and jq.")
 
 #: Paths are plain strings, so an unreadable one fails in the command with the OS's error
@@ -44,6 +53,8 @@ JsonOpt = typer.Option("--json", help="Print JSON (one object, or NDJSON for rec
 JournalArg = Annotated[Optional[str], JournalOpt]
 StoreArg = Annotated[Optional[str], StoreOpt]
 JsonArg = Annotated[bool, JsonOpt]
+MirrorArg = Annotated[Optional[str], MirrorOpt]
+MirrorPolicyArg = Annotated[str, MirrorPolicyOpt]
 
 #: NO_COLOR (no-color.org) turns off every escape sequence, bold included, not just colours.
 _STYLES = None if os.environ.get("NO_COLOR") else "auto"
@@ -198,6 +209,12 @@ def progress() -> Iterator[Callable[[str, int, int], None]]:
 # -- journal and store paths ---------------------------------------------------------------
 
 
+def _holds_journal(full: str, names: List[str]) -> bool:
+    """Whether directory ``full`` (listing ``names``) is a kvj journal: it has log files or a
+    snapshot, or a mirror that names it back (which holds them while its own copies are lost)."""
+    return any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names) or mirror_of(full) is not None
+
+
 def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool = False) -> str:
     """Check that ``path`` names a journal; returns it absolute.
 
@@ -213,7 +230,7 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool =
         if os.path.isfile(full):
             raise NotFound(f"{full} is a file, not a kvj journal: kvj migrate {path} -j NEWDIR makes a kvj journal "
                            "of a seed-era one")
-        if not os.path.isdir(full) or not any(LOG_RE.match(n) or SNAP_RE.match(n) for n in os.listdir(full)):
+        if not os.path.isdir(full) or not _holds_journal(full, os.listdir(full)):
             raise NotFound(f"{full} is not a kvj journal: kvj writes only to a journal made on purpose "
                            f"(kvj init -j {path})")
         check_owner(full)
@@ -228,7 +245,7 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool =
         raise FileNotFoundError(2, "not a journal directory", full)
     check_owner(full)
     names = os.listdir(full)
-    if not any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names):
+    if not _holds_journal(full, names):
         legacy = sorted(n for n in names if n.endswith((".jsonl", ".ndjson")))
         if legacy_ok and legacy:
             if len(legacy) == 1:

@@ -12,6 +12,8 @@ import typer
 from kvj.cli.common import (
     JournalArg,
     JsonArg,
+    MirrorArg,
+    MirrorPolicyArg,
     StoreArg,
     emit_json,
     journal_path,
@@ -235,6 +237,8 @@ def flush(
         "refused.")] = None,
     codec: Annotated[Codec, typer.Option(help="Compression codec.")] = Codec.auto,
     as_json: JsonArg = False,
+    mirror: MirrorArg = None,
+    mirror_policy: MirrorPolicyArg = "fail",
 ) -> None:
     """Store tensors from files as durable segments, then journal them.
 
@@ -273,7 +277,8 @@ def flush(
     from kvj.segments.store import SegmentStore
 
     layout_map = parse_pairs(layout, "--layout")
-    with Journal.open(path, create=False, policy=policy_of(read_config(path))) as j, \
+    with Journal.open(path, create=False, policy=policy_of(read_config(path)), mirror=mirror,
+                      mirror_policy=mirror_policy) as j, \
             SegmentStore(store_path(path, store)) as seg_store, progress() as update:
         rows: List[Dict[str, Any]] = []
         if request is not None:

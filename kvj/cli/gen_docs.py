@@ -27,6 +27,8 @@ COMPLETE_VAR = "_{}_COMPLETE"
 ENVIRONMENT = [
     ("KVJ_JOURNAL", "Journal directory, when --journal is not given."),
     ("KVJ_STORE", "Segment store directory, when --store is not given (default: the journal's segments/ folder)."),
+    ("KVJ_MIRROR", "Mirror directory, when --mirror is not given (init, record, flush, recover, journal_replay): a "
+                   "synchronous second copy of the log; the journal records it, so it is needed once."),
     ("NO_COLOR", "When set, output has no colour. Colour and progress bars appear only when standard output "
                  "and standard error are terminals."),
     ("KVJ_DEBUG", "When set to 1, an internal error prints its Python traceback before the one-line message."),
@@ -215,8 +217,8 @@ def man_page(name: str, path: str, cmd, section_title: str, see_also: List[str])
         for f, text in FILES:
             lines += [".TP", f"\\fI{esc(f)}\\fR", esc(text)]
     else:
-        lines += [".SH ENVIRONMENT", ".PP", "See kvj(1) for KVJ_JOURNAL, KVJ_STORE, KVJ_TRUST_OWNER, NO_COLOR and "
-                  "KVJ_DEBUG."]
+        lines += [".SH ENVIRONMENT", ".PP", "See kvj(1) for KVJ_JOURNAL, KVJ_STORE, KVJ_MIRROR, KVJ_TRUST_OWNER, "
+                  "NO_COLOR and KVJ_DEBUG."]
     lines += _exit_status(name == "kvj-fsck")
     lines += _examples(name.split("-", 1)[1] if name.startswith("kvj-") else name)
     refs = [ref.partition("(") for ref in see_also]

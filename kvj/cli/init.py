@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, out, parse_duration, parse_size, usage_error
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, StoreArg, emit_json, out, parse_duration, parse_size,
+                            usage_error)
 from kvj.ops.inspection import human_size
 
 
@@ -18,6 +19,7 @@ def init(journal: JournalArg = None,
                                                   "wait (commit policy).")] = 100,
          file_size: Annotated[str, typer.Option(metavar="SIZE", help="Start a new log file past this size.")]
          = "64MiB",
+         mirror: MirrorArg = None,
          as_json: JsonArg = False) -> None:
     """Create a journal: the directory, its first log file, and kvj.conf with the settings.
 
@@ -26,6 +28,8 @@ def init(journal: JournalArg = None,
     finds them without being told again. The directory must be missing or empty. kvj
     record and kvj flush write only to a journal made this way (or by a program through
     kvj.Journal.open): a mistyped path is refused, never turned into a new journal.
+    With --mirror, the journal keeps a synchronous copy of its log in that directory from
+    its first log file on (the journal records it; kvj-journal(5), MIRROR).
     """
     from kvj.journal.writer import CommitPolicy
     from kvj.ops.init import init as init_journal
@@ -34,7 +38,7 @@ def init(journal: JournalArg = None,
         raise usage_error("give the journal directory to create: kvj init -j DIR")
     policy = CommitPolicy(max_delay=parse_duration(max_delay), max_records=max_records,
                           file_size_limit=parse_size(file_size))
-    config = init_journal(journal, store=store, policy=policy)
+    config = init_journal(journal, store=store, policy=policy, mirror=mirror)
     if as_json:
         emit_json({"journal": journal, **config})
         return

@@ -11,6 +11,8 @@ import typer
 from kvj.cli.common import (
     JournalArg,
     JsonArg,
+    MirrorArg,
+    MirrorPolicyArg,
     StoreArg,
     emit_json,
     journal_path,
@@ -52,7 +54,7 @@ LOCATION_FIELDS = ("lsn", "time", "file", "offset")
 
 
 def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[int, Dict[str, Any]]],
-            as_json: bool) -> None:
+            as_json: bool, mirror: Optional[str], mirror_policy: str) -> None:
     """Validate, append and sync ``records``; print their LSNs."""
     from kvj.segments.check import require_segments
 
@@ -60,7 +62,8 @@ def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[in
     keys = [key for rtype, payload in records for key in _segment_keys(rtype, payload)]
     if keys:
         require_segments(store_path(path, store), keys)
-    with Journal.open(path, create=False, policy=policy_of(read_config(path))) as j:
+    with Journal.open(path, create=False, policy=policy_of(read_config(path)), mirror=mirror,
+                      mirror_policy=mirror_policy) as j:
         lsns = [j.append(rtype, payload) for rtype, payload in records]
         j.sync()
     if as_json:
@@ -142,21 +145,24 @@ def start(request: Annotated[str, typer.Argument(help="Request id.")],
           prompt_hash: Annotated[Optional[str], typer.Option(help="Hash of the prompt.")] = None,
           tokens: Annotated[Optional[str], typer.Option(metavar="ID,ID,...",
                                                         help="Prompt token ids, comma-separated.")] = None,
-          meta: MetaOpt = None, as_json: JsonArg = False) -> None:
+          meta: MetaOpt = None, as_json: JsonArg = False,
+          mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Record that a request started."""
     token_ids = parse_tokens(tokens) if tokens is not None else None
     _append(journal, None, [_argument(RecordType.START, {"id": request, "prompt_hash": prompt_hash,
                                                         "tokens": token_ids, "meta": parse_pairs(meta, "--meta")})],
-            as_json)
+            as_json, mirror, mirror_policy)
 
 
 @app.command()
 def end(request: Annotated[str, typer.Argument(help="Request id.")],
         journal: JournalArg = None,
         status: Annotated[str, typer.Option(help="How it ended (ok, aborted, error, ...).")] = "ok",
-        as_json: JsonArg = False) -> None:
+        as_json: JsonArg = False,
+        mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Record that a request ended (its segments become collectable)."""
-    _append(journal, None, [_argument(RecordType.END, {"id": request, "status": status})], as_json)
+    _append(journal, None, [_argument(RecordType.END, {"id": request, "status": status})],
+            as_json, mirror, mirror_policy)
 
 
 @app.command()
@@ -165,44 +171,53 @@ def alloc(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
           size: Annotated[str, typer.Argument(help="Size in bytes (decimal or 0x hex).")],
           journal: JournalArg = None,
           tag: Annotated[str, typer.Option(help="What the memory holds (e.g. kv:req-42).")] = "",
-          as_json: JsonArg = False) -> None:
+          as_json: JsonArg = False,
+          mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Record a device memory allocation."""
     _append(journal, None, [_argument(RecordType.ALLOC, {"device": device, "addr": parse_int(addr),
-                                                        "size": parse_int(size), "tag": tag})], as_json)
+                                                        "size": parse_int(size), "tag": tag})],
+            as_json, mirror, mirror_policy)
 
 
 @app.command()
 def free(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
          addr: Annotated[str, typer.Argument(help="Address (decimal or 0x hex).")],
-         journal: JournalArg = None, as_json: JsonArg = False) -> None:
+         journal: JournalArg = None, as_json: JsonArg = False,
+         mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Record that a device allocation was freed."""
-    _append(journal, None, [_argument(RecordType.FREE, {"device": device, "addr": parse_int(addr)})], as_json)
+    _append(journal, None, [_argument(RecordType.FREE, {"device": device, "addr": parse_int(addr)})],
+            as_json, mirror, mirror_policy)
 
 
 @app.command()
 def checkpoint(step: Annotated[int, typer.Argument(min=0, help="Training step.")],
                key: KeysOpt, journal: JournalArg = None, store: StoreArg = None,
-               meta: MetaOpt = None, as_json: JsonArg = False) -> None:
+               meta: MetaOpt = None, as_json: JsonArg = False,
+               mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Record a full training checkpoint whose tensors are already in the store."""
     keys = parse_pairs(key, "--key", typed=False)
     _append(journal, store, [_argument(RecordType.CHECKPOINT, {"step": step, "keys": keys,
-                                                              "meta": parse_pairs(meta, "--meta")})], as_json)
+                                                              "meta": parse_pairs(meta, "--meta")})],
+            as_json, mirror, mirror_policy)
 
 
 @app.command()
 def delta(step: Annotated[int, typer.Argument(min=0, help="Training step.")],
           base_step: Annotated[int, typer.Argument(min=0, help="Step the delta applies to.")],
           key: KeysOpt, journal: JournalArg = None, store: StoreArg = None,
-          meta: MetaOpt = None, as_json: JsonArg = False) -> None:
+          meta: MetaOpt = None, as_json: JsonArg = False,
+          mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Record an optimizer/model delta against the state at BASE_STEP."""
     _append(journal, store, [_argument(RecordType.DELTA, {"step": step, "base_step": base_step,
                                                          "keys": parse_pairs(key, "--key", typed=False),
-                                                         "meta": parse_pairs(meta, "--meta")})], as_json)
+                                                         "meta": parse_pairs(meta, "--meta")})],
+            as_json, mirror, mirror_policy)
 
 
 @app.command()
 def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON file, or - for stdin.")] = "-",
-           journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg = False) -> None:
+           journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg = False,
+           mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Append many records from NDJSON, all validated before any is appended.
 
     One object per line: {"type": "start", "id": "req-1", "prompt_hash": null,
@@ -216,7 +231,7 @@ def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON fi
     finally:
         if stream is not sys.stdin:
             stream.close()
-    _append(journal, store, records, as_json)
+    _append(journal, store, records, as_json, mirror, mirror_policy)
 
 
 def parse_ndjson(lines: Any) -> Any:

@@ -10,7 +10,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, ago, emit_json, journal_path, out, progress, rate, store_path
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, ago, emit_json, journal_path,
+                            out, progress, rate, store_path)
 from kvj.cli.errors import FAILURE
 from kvj.errors import CorruptionError
 from kvj.ops.inspection import human_size
@@ -31,7 +32,9 @@ def recover(journal: JournalArg = None,
             device: Annotated[Optional[str], DeviceOpt] = None,
             dry_run: Annotated[bool, DryRunOpt] = False,
             until_damage: Annotated[bool, UntilDamageOpt] = False,
-            as_json: JsonArg = False) -> None:
+            as_json: JsonArg = False,
+            mirror: MirrorArg = None,
+            mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Recover after a crash: verify, plan, and write the recovery manifest.
 
     Takes the writer lock (fails with status 75 while a writer runs), cuts a damaged or
@@ -57,7 +60,7 @@ def recover(journal: JournalArg = None,
     training steps lost stated and recorded in the recovery-epoch record.
     """
     path = journal_path(journal)
-    _run(path, store_path(path, store), device, dry_run, as_json, until_damage)
+    _run(path, store_path(path, store), device, dry_run, as_json, mirror, mirror_policy, until_damage)
 
 
 def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
@@ -67,7 +70,9 @@ def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="
                    do_recover: Annotated[bool, typer.Option("--recover", help="Recover (as kvj recover); without "
                                                             "it, only show what would be recovered.")] = False,
                    device: Annotated[Optional[str], DeviceOpt] = None,
-                   as_json: JsonArg = False) -> None:
+                   as_json: JsonArg = False,
+                   mirror: MirrorArg = None,
+                   mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Replay a journal and, with --recover, recover it: kvj recover under the name of the
     well-known KVJournal write-up (journal_replay --log DIR --kv-store DIR --recover).
 
@@ -75,16 +80,17 @@ def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="
     does and kvj(1) for exit statuses.
     """
     path = journal_path(log)
-    _run(path, store_path(path, kv_store), device, not do_recover, as_json)
+    _run(path, store_path(path, kv_store), device, not do_recover, as_json, mirror, mirror_policy)
 
 
-def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: bool,
-         until_damage: bool = False) -> None:
+def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: bool, mirror: Optional[str],
+         mirror_policy: str, until_damage: bool = False) -> None:
     if device is not None:
         check_device(device)  # before anything is written: a device that cannot work is a usage error
     with progress() as update:
         try:
-            result = recover_journal(path, store, dry_run=dry_run, until_damage=until_damage, progress=update)
+            result = recover_journal(path, store, dry_run=dry_run, until_damage=until_damage, progress=update,
+                                     mirror=mirror, mirror_policy=mirror_policy)
         except CorruptionError as exc:
             if until_damage:
                 raise

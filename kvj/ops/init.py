@@ -50,8 +50,9 @@ def policy_of(config: Optional[Dict[str, Any]]) -> Optional[CommitPolicy]:
 
 
 def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPolicy] = None,
-         migrated_from: Optional[str] = None) -> Dict[str, Any]:
-    """Create a journal at ``journal`` (a missing or empty directory); returns its config."""
+         migrated_from: Optional[str] = None, mirror: Optional[str] = None) -> Dict[str, Any]:
+    """Create a journal at ``journal`` (a missing or empty directory), mirrored into ``mirror``
+    if given (the journal records it); returns its config."""
     journal = os.path.abspath(journal)
     if os.path.lexists(journal) and (not os.path.isdir(journal) or os.listdir(journal)):
         raise InvalidArgument(f"{journal} exists and is not an empty directory: kvj init makes a new journal")
@@ -60,7 +61,7 @@ def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPo
               "policy": asdict(policy or CommitPolicy()), "migrated_from": migrated_from}
     makedirs_durable(journal)
     atomic_write(os.path.join(journal, CONFIG), (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
-    Journal.open(journal, policy=policy).close()  # the first log file: a journal from now on
+    Journal.open(journal, policy=policy, mirror=mirror).close()  # the first log file: a journal from now on
     return config
 
 

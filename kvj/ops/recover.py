@@ -210,14 +210,16 @@ def _next_epoch(state: JournalState, recovery_dir: str) -> int:
 
 
 def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage: bool = False,
-            fs: FS = REAL_FS, progress: Optional[Progress] = None) -> RecoveryResult:
+            fs: FS = REAL_FS, progress: Optional[Progress] = None, mirror: Optional[str] = None,
+            mirror_policy: str = "fail") -> RecoveryResult:
     """Recover the journal at ``path`` (a kvj journal directory or a legacy JSON-lines journal).
 
     ``store`` is a ``SegmentStore`` or its root (default ``<journal>/segments``). Raises
     ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` on mid-log damage
     unless ``until_damage``: then the journal is recovered as of the last record before the
     first damage, which and everything after it is set aside into ``torn/`` (``kvj.ops.salvage``);
-    the manifest and the recovery-epoch record say what was lost.
+    the manifest and the recovery-epoch record say what was lost. ``mirror`` and
+    ``mirror_policy`` are passed to ``Journal.open`` (a journal's recorded mirror is used anyway).
     """
     path = os.path.abspath(path)
     if not os.path.exists(path):
@@ -249,7 +251,7 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage
                     set_aside_damage(found, fs)
             finally:
                 writer.release()
-        with Journal.open(path, create=False, fs=fs) as journal:
+        with Journal.open(path, create=False, fs=fs, mirror=mirror, mirror_policy=mirror_policy) as journal:
             return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress, found)
     finally:
         compactor.release()

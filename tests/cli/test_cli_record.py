@@ -41,6 +41,38 @@ def test_record_each_op_is_durable_and_replays(tmp_path, capsys):
     assert {a: (x.size, x.tag) for a, x in state.allocations["cuda:0"].items()} == {0x3000: (0x2000, "kv:req-2")}
 
 
+def test_mirror_option_and_environment_for_the_writing_commands(tmp_path, capsys, monkeypatch):
+    """--mirror (or KVJ_MIRROR) on init links the mirror; record, flush and recover then write
+    both copies without being told again; a second, different mirror is refused (status 64);
+    recover reads a deleted log file from the mirror and gives it back."""
+    from kvj.journal.mirror import mirror_of
+    from kvj.journal.reader import list_logs
+
+    j, m, m2 = tmp_path / "j", tmp_path / "m", tmp_path / "m2"
+    assert run_cli(capsys, "init", "-j", j, "--mirror", m)[0] == 0
+    assert mirror_of(str(j)) == str(m)
+    assert run_cli(capsys, "record", "start", "req-1", "-j", j)[0] == 0
+    monkeypatch.setenv("KVJ_MIRROR", str(m2))
+    status, _out, err = run_cli(capsys, "record", "end", "req-1", "-j", j)
+    assert status == 64 and "is mirrored to" in err, err
+    monkeypatch.setenv("KVJ_MIRROR", str(m))
+    assert run_cli(capsys, "record", "end", "req-1", "-j", j, "--mirror-policy", "degrade")[0] == 0
+    monkeypatch.delenv("KVJ_MIRROR")
+    numpy.save(tmp_path / "w.npy", numpy.arange(16, dtype=numpy.float32))
+    assert run_cli(capsys, "flush", tmp_path / "w.npy", "-j", j, "--checkpoint", "1")[0] == 0
+    names = [os.path.basename(p) for p in list_logs(str(j))]
+    assert names == [os.path.basename(p) for p in list_logs(str(m))]
+    for name in names:
+        assert (j / name).read_bytes() == (m / name).read_bytes()
+    os.unlink(list_logs(str(j))[0])
+    status, _out, err = run_cli(capsys, "recover", "-j", j, "--json")
+    assert status == 0, err
+    assert [os.path.basename(p) for p in list_logs(str(j))] == names
+    assert kvj.replay(str(j)).checkpoint["step"] == 1 and not os.path.exists(m2)
+    status, _out, err = run_cli(capsys, "record", "start", "req-2", "-j", j, "--mirror-policy", "sometimes")
+    assert status == 64 and "mirror policy" in err, err
+
+
 def test_ndjson_round_trip_through_inspect(tmp_path, capsys, monkeypatch):
     src, dst = tmp_path / "a", tmp_path / "b"
     build(str(src), requests=2, blocks=2, ended=1)
