@@ -107,7 +107,8 @@ def load_latest(directory: str) -> Optional[JournalState]:
         if index:
             state.warnings.append(f"snapshot {paths[0]} is damaged or unreadable ({damage}); its copy {path} was used")
         elif len(paths) == 1 and mirror:
-            state.warnings.append(f"snapshot {path} has no copy in the mirror {mirror}")
+            other = directory if os.path.dirname(path) == mirror else mirror
+            state.warnings.append(f"snapshot {os.path.basename(path)} is missing from {other}; {path} was used")
         return state
     return None  # pragma: no cover - the loop returns or raises
 
