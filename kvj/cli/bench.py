@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from kvj.cli.common import JsonArg, emit_json, out, usage_error
+from kvj.cli.common import JsonArg, emit_json, err, out, usage_error
 
 DirArg = Annotated[Optional[str], typer.Option("--dir", metavar="DIR",
                                                help="A directory on the disk to measure [default: $TMPDIR].")]
@@ -102,3 +102,27 @@ def training_command(directory: DirArg = None,
         emit_json(result)
     else:
         out.print(format_report(result), markup=False, highlight=False)
+
+
+@app.command("scaling")
+def scaling_command(directory: DirArg = None,
+                    records: Annotated[Optional[List[int]], typer.Option(
+                        min=10, metavar="N", help="Journal size in records (repeatable) [default: 10000, 100000, "
+                        "1000000].")] = None,
+                    segments: Annotated[Optional[List[int]], typer.Option(
+                        min=8, metavar="N", help="Store size in segments (repeatable) [default: 1000, 10000, "
+                        "100000].")] = None,
+                    as_json: JsonArg = False) -> None:
+    """Time replay, recover (--dry-run and real), fsck, compact and inspect --stats on growing
+    journals and stores, each in a fresh process: seconds, cost per record or segment, peak
+    RSS, and the growth from one size to the next (linear work grows by the size ratio).
+    The default sizes take a long time (tens of minutes on a small machine).
+    """
+    from kvj.bench.scaling import JOURNAL_SIZES, SEGMENT_SIZES, format_table, run
+
+    result = run(directory, records or JOURNAL_SIZES, segments or SEGMENT_SIZES,
+                 log=lambda line: err.print(line, markup=False, highlight=False))
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(format_table(result), markup=False, highlight=False)
