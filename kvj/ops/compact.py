@@ -33,6 +33,8 @@ from kvj.journal.state import JournalState
 from kvj.segments.check import opened_store
 
 DEFAULT_GRACE = 3600.0
+#: Segments deleted per ``delete_many`` call: their directories are fsynced once per batch.
+COLLECT_BATCH = 4096
 
 Progress = Callable[[str, int, int], None]
 
@@ -131,8 +133,10 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
     stored after the listing is never a candidate, and one stored before it is either
     older than the grace period or skipped. Each candidate is deleted only if it is still
     that old, checked and unlinked atomically with respect to a writer's dedup claim
-    (``SegmentStore.delete(older_than=...)``): a segment that a writer in any process has
+    (``SegmentStore.delete_many(older_than=...)``): a segment that a writer in any process has
     just deduplicated against survives, and one deleted first is written anew by that writer.
+    The deletions are made durable a batch at a time (one fsync per directory per batch); one
+    a crash undoes is an unreferenced segment again, collected by the next compaction.
     """
     cutoff = now - grace
     aged: List[Tuple[str, int]] = []
@@ -157,14 +161,17 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
     # live or killed writer; make it durable before deleting what it released.
     for log in list_logs(directory):
         fsync_path(log, fs)
-    for i, (key, size) in enumerate(doomed, 1):
-        if store.delete(key, older_than=cutoff):
-            result.segments_removed.append(key)
-            result.bytes_reclaimed += size
-        elif store.exists(key):
-            result.segments_kept_young += 1
+    for done in range(0, len(doomed), COLLECT_BATCH):
+        batch = doomed[done:done + COLLECT_BATCH]
+        removed = set(store.delete_many([key for key, _size in batch], older_than=cutoff))
+        for key, size in batch:
+            if key in removed:
+                result.segments_removed.append(key)
+                result.bytes_reclaimed += size
+            elif store.exists(key):
+                result.segments_kept_young += 1
         if progress:
-            progress("collecting segments", i, len(doomed))
+            progress("collecting segments", done + len(batch), len(doomed))
 
 
 def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Union
+from typing import Iterable, Iterator, List, Optional, Set, Union
 
 import numpy as np
 
@@ -105,6 +105,11 @@ class StorageBackend(ABC):
         it, atomically with respect to :meth:`touch` in any process: garbage collection uses
         this, so a segment that a writer's dedup has just claimed is never removed.
         """
+
+    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None) -> List[str]:
+        """``delete`` each of ``keys``; the ones removed, all durably gone when this returns.
+        A backend may make the removals durable together (one directory sync, not one each)."""
+        return [key for key in keys if self.delete(key, older_than)]
 
     @abstractmethod
     def keys(self) -> Iterator[str]: ...
@@ -356,6 +361,22 @@ class LocalDirBackend(StorageBackend):
             os.close(fd)
 
     def delete(self, key: str, older_than: Optional[float] = None) -> bool:
+        return bool(self.delete_many([key], older_than))
+
+    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None) -> List[str]:
+        """Unlink each key (under the collection lock, one key at a time, so a writer's dedup
+        touch never waits long), then fsync each directory that lost a file once."""
+        removed: List[str] = []
+        dirs: Set[str] = set()
+        for key in keys:
+            if self._unlink(key, older_than):
+                removed.append(key)
+                dirs.add(os.path.dirname(self.path(key)))
+        for directory in sorted(dirs):
+            self.fs.fsync_dir(directory)
+        return removed
+
+    def _unlink(self, key: str, older_than: Optional[float]) -> bool:
         path = self.path(key)
         if not os.path.lexists(path):
             return False
@@ -366,7 +387,6 @@ class LocalDirBackend(StorageBackend):
                 self.fs.unlink(path)
             except FileNotFoundError:
                 return False
-        self.fs.fsync_dir(os.path.dirname(path))
         return True
 
     def keys(self) -> Iterator[str]:

@@ -329,6 +329,12 @@ class SegmentStore:
         (see ``StorageBackend.delete``). True when it was removed."""
         return self.backend.delete(check_key(key), older_than)
 
+    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None) -> List[str]:
+        """``delete`` each key (with ``older_than`` as there); the ones removed. The removals are
+        made durable together, once per directory, which is what makes collection linear in cost
+        per segment instead of a directory fsync per segment."""
+        return self.backend.delete_many([check_key(key) for key in keys], older_than)
+
     def quarantine(self, key: str) -> str:
         """Move a (damaged) segment aside; later gets see it as missing."""
         return self.backend.quarantine(check_key(key))

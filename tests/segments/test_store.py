@@ -526,3 +526,27 @@ def test_ingest_after_a_failed_fsync_is_refused(tmp_path):
         store.ingest_stored(key, data)
     assert list(store.keys()) == []
     store.close()
+
+
+def test_delete_many_removes_what_is_old_and_syncs_each_directory_once(tmp_path):
+    class CountingFS(FS):
+        def __init__(self):
+            self.synced = []
+
+        def fsync_dir(self, path):
+            self.synced.append(os.fspath(path))
+            super().fsync_dir(path)
+
+    fs = CountingFS()
+    with SegmentStore(str(tmp_path), fs=fs) as store:
+        keys = [store.put(torch.full((4,), float(i))).key for i in range(40)]
+        cutoff = time.time() + 1
+        young = keys[7]
+        os.utime(store.backend.path(young), (cutoff + 100, cutoff + 100))  # claimed after the listing
+        fs.synced.clear()
+        removed = store.delete_many(keys + ["f" * 64], older_than=cutoff)  # one absent key too
+        assert removed == [k for k in keys if k != young]
+        assert list(store.keys()) == [young]
+        dirs = {os.path.dirname(store.backend.path(k)) for k in removed}
+        assert sorted(fs.synced) == sorted(dirs)  # every directory that lost a file, once
+        assert store.delete_many([young]) == [young] and not store.exists(young)
