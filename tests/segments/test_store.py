@@ -528,7 +528,8 @@ def test_ingest_after_a_failed_fsync_is_refused(tmp_path):
     store.close()
 
 
-def test_delete_many_removes_what_is_old_and_syncs_each_directory_once(tmp_path):
+def test_delete_many_removes_what_is_old_and_syncs_each_directory_once(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvj.segments.backend.UNLINK_BATCH", 7)  # several holds of the lock
     class CountingFS(FS):
         def __init__(self):
             self.synced = []
