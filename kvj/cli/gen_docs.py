@@ -49,7 +49,16 @@ FILES = [
     ("JOURNAL/segments/", "The default segment store (kvj-segment(5))."),
 ]
 
+#: What a command's exit status means beyond the common list.
+EXIT_NOTES: Dict[str, str] = {
+    "kvj-status": "kvj status exits 0 whenever it could read the journal, whatever it found there (no writer, "
+                  "damage, warnings): the report says what, and --json gives it to scripts. It fails only when "
+                  "it cannot look: 66 when DIR is not a journal, 64 for a usage error, 77 for an unsafe path.",
+}
+
 EXAMPLES: Dict[str, List[Tuple[str, str]]] = {
+    "status": [("The first command in an incident", "kvj status -j /var/lib/kvj"),
+               ("Is a writer alive? (for a health check)", "kvj status -j /var/lib/kvj --json | jq .writer")],
     "kvj": [("After a reboot: check, then recover", "kvj fsck -j /var/lib/kvj && kvj recover -j /var/lib/kvj")],
     "init": [("A journal whose store lives on another disk", "kvj init -j /var/lib/kvj --store /data/kvj-segments")],
     "migrate": [("From the seed's JSON lines to a kvj journal",
@@ -148,8 +157,11 @@ def _synopsis(path: str, cmd) -> str:  # type: ignore[no-untyped-def]
     return " ".join(parts)
 
 
-def _exit_status(fsck: bool) -> List[str]:
+def _exit_status(name: str) -> List[str]:
+    fsck = name == "kvj-fsck"
     lines = [".SH EXIT STATUS"]
+    if name in EXIT_NOTES:
+        lines.append(esc(EXIT_NOTES[name]))
     if fsck:
         lines.append("As e2fsck(8); when errors were both corrected and left, the status is their sum (5).")
     for code, meaning in (FSCK_CODES if fsck else EXIT_CODES).items():
@@ -219,7 +231,7 @@ def man_page(name: str, path: str, cmd, section_title: str, see_also: List[str])
     else:
         lines += [".SH ENVIRONMENT", ".PP", "See kvj(1) for KVJ_JOURNAL, KVJ_STORE, KVJ_MIRROR, KVJ_TRUST_OWNER, "
                   "NO_COLOR and KVJ_DEBUG."]
-    lines += _exit_status(name == "kvj-fsck")
+    lines += _exit_status(name)
     lines += _examples(name.split("-", 1)[1] if name.startswith("kvj-") else name)
     refs = [ref.partition("(") for ref in see_also]
     lines += [".SH SEE ALSO", ", ".join(f"\\fB{opt(page)}\\fR({section}" for page, _, section in refs)]

@@ -14,7 +14,7 @@ from typing import Annotated, Callable, List, NoReturn, Optional
 import typer
 
 from kvj import __version__
-from kvj.cli import bench, compact, dump, flush, fsck, init, inspect, prune, record, recover, replay
+from kvj.cli import bench, compact, dump, flush, fsck, init, inspect, prune, record, recover, replay, status
 from kvj.cli import replicate, restore, verify
 from kvj.cli.common import OutputClosed, StdoutGuard, click, usage_and_exit
 from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, OK, USAGE, classify, debug, report
@@ -48,6 +48,7 @@ def root(ctx: typer.Context,
         usage_and_exit(ctx)
 
 
+app.command("status")(status.status)
 app.command("init")(init.init)
 app.command("migrate")(init.migrate)
 app.add_typer(record.app, name="record")

@@ -23,7 +23,7 @@ from kvj.journal.reader import list_logs
 NOPERM = 77
 VICTIM = b"victim bytes!"  # shorter than a log file header, as in the report
 
-COMMANDS = [["record", "start", "new"], ["flush", "{block}", "-r", "req-0", "--tokens", "48:64"], ["replay"],
+COMMANDS = [["record", "start", "new"], ["flush", "{block}", "-r", "req-0", "--tokens", "48:64"], ["status"], ["replay"],
             ["inspect"], ["inspect", "--stats"], ["recover", "--dry-run"], ["recover"], ["compact", "--grace", "0"],
             ["fsck"], ["fsck", "--repair"], ["prune", "--older-than", "0s", "--dry-run"],
             ["prune", "--older-than", "0s"], ["journal_replay"]]
@@ -133,7 +133,9 @@ def test_no_command_can_be_turned_against_what_a_planting_points_at(tmp_path, go
             assert len(lines) == 1 and lines[0].startswith(f"{prog_name}: error: "), context
         # a writer reads no snapshot; prune reads no log or snapshot (it only removes what was set aside)
         reads_it = argv[0] != "prune" and not (what == "snapshot symlink" and argv[0] == "record")
-        if what in READ_BY_ALL and reads_it:  # refused, or stopped at the damage the planting makes before it
+        if what in READ_BY_ALL and reads_it and argv == ["status"]:  # it reports damage and exits 0 (kvj-status(1))
+            assert proc.returncode != 0 or "none found in the log" not in proc.stdout, context
+        elif what in READ_BY_ALL and reads_it:  # refused, or stopped at the damage the planting makes before it
             assert proc.returncode not in (0, 1), context
         shutil.rmtree(journal)
 

@@ -1,4 +1,4 @@
-"""Read-only commands write nothing: replay, inspect, fsck without --repair, recover --dry-run
+"""Read-only commands write nothing: status, replay, inspect, fsck without --repair, recover --dry-run
 and journal_replay without --recover leave every byte, mode and mtime of the journal and its
 store as it was (no pid in a lock file), and they work on a read-only bind mount."""
 
@@ -12,7 +12,7 @@ from support.cli_helpers import JOURNAL_REPLAY, KVJ, append_torn_tail, build, en
 
 from kvj.ops.compact import compact
 
-READERS = [["replay"], ["replay", "--json"], ["inspect"], ["inspect", "--stats"], ["inspect", "--layout"],
+READERS = [["status"], ["status", "--json"], ["replay"], ["replay", "--json"], ["inspect"], ["inspect", "--stats"], ["inspect", "--layout"],
            ["inspect", "--timeline", "--json"], ["fsck"], ["fsck", "--json"], ["recover", "--dry-run"],
            ["recover", "--dry-run", "--device", "cpu", "--json"]]
 

@@ -1,0 +1,86 @@
+"""``kvj status``: a journal at a glance, the first command in an incident."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, ago, emit_json, journal_path, out, store_path
+from kvj.cli.render import clock
+from kvj.ops.inspection import human_size
+
+
+def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg = False) -> None:
+    """Show a journal at a glance: writer, last write, rates, what is in flight, sizes, damage.
+
+    Whether a writer holds the journal (its pid), the last complete commit group's LSN and
+    how long ago it was written, records/s and bytes/s over the last minute and the commit
+    lag (the longest interval between two commit groups in that minute), requests in
+    flight and ended, the training step, journal and store sizes, the last recovery epoch
+    and the last compaction, replay's warnings and any damage, with what to run about it.
+    Like systemctl status or pg_controldata: the first command in an incident. Read-only:
+    it writes nothing and takes no lock.
+    """
+    from kvj.ops.status import status as journal_status
+
+    path = journal_path(journal, legacy_ok=False)
+    info = journal_status(path, store_path(path, store))
+    if as_json:
+        emit_json(info)
+        return
+    out.print(view(info))
+
+
+def view(s: Dict[str, Any]) -> RenderableType:
+    writer = s["writer"]
+    head = Text.assemble(("● " if writer else "○ ", "bold green" if writer else "dim"), (s["journal"], "bold"),
+                         " — " + (f"writer running (pid {writer['pid']})" if writer and writer["pid"] else
+                                  "writer running" if writer else "no writer"))
+    if s["compactor"]:
+        head.append(f"; compaction running (pid {s['compactor']['pid']})")
+    rows: List[List[Any]] = []
+    when = f", {ago(s['last_write'], s['now'])} ({clock(s['last_write'])})" if s["last_write"] else ""
+    rows.append(["last write", f"LSN {s['last_lsn']}{when}"
+                 + (f"; {s['incomplete_tail']} bytes after it" if s["incomplete_tail"] else "")])
+    m = s["last_minute"]
+    rows.append(["last minute", f"{m['records_per_s']:,.1f} records/s, {human_size(m['bytes_per_s'])}/s "
+                                f"({m['records']:,} records)"])
+    if m["groups"]:
+        lag = f", commit lag at most {m['commit_lag']:.3g} s" if m["commit_lag"] is not None else ""
+        rows.append(["commits", f"{m['groups']:,} groups of {m['records_per_group']:,.1f} records{lag}"])
+    if s["in_flight"] is not None:
+        step = f"; training at step {s['training_step']}" if s.get("training_step") is not None else ""
+        rows.append(["in flight", f"{s['in_flight']:,} requests ({s['ended']:,} ended), {s['needed_segments']:,} "
+                                  f"segments needed{step}"])
+    compaction = (f"; snapshot at LSN {s['last_compaction']['snapshot_lsn']} ({human_size(s['snapshot_bytes'])}), "
+                  f"compacted {ago(s['last_compaction']['time'], s['now'])}" if s["last_compaction"]
+                  else "; never compacted")
+    rows.append(["journal", f"{s['logs']} log files, {human_size(s['log_bytes'])}{compaction}"])
+    st = s["store"]
+    rows.append(["store", f"{st['segments']:,} segments, {human_size(st['bytes'])}"
+                          + (f", {st['quarantined']} quarantined" if st["quarantined"] else "")
+                 if st["exists"] else f"none at {st['path']}"])
+    epoch = s.get("last_epoch")
+    if epoch:
+        rows.append(["last recovery", f"epoch {epoch['epoch']} at LSN {epoch['lsn']}, {ago(epoch['time'], s['now'])}, "
+                                      f"manifest {epoch['manifest']}"])
+    if s["damage"]:
+        rows.append(["damage", Text(f"{s['damage']} (kvj fsck -j {s['journal']} says what it is and what to do)",
+                                    style="bold red")])
+    elif s.get("tail"):
+        rows.append(["damage", Text(f"damaged or torn tail of {s['tail']['length']} bytes in "
+                                    f"{os.path.basename(s['tail']['path'])} (kvj recover cuts it)", style="yellow")])
+    else:
+        rows.append(["damage", Text("none found in the log", style="green")])
+    if s.get("warnings"):
+        rows.append(["warnings", Text(f"{s['warnings']} (kvj fsck lists them)", style="yellow")])
+    table = Table(box=None, pad_edge=False, show_header=False)
+    table.add_column(justify="right", style="bold")
+    table.add_column(overflow="fold")
+    for name, value in rows:
+        table.add_row(name, value)
+    return Group(head, table)

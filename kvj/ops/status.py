@@ -1,0 +1,126 @@
+"""A journal at a glance, as ``systemctl status`` or ``pg_controldata`` give one: is a writer
+alive, where the log ends and how long ago it was written, the write rate over the last
+minute, what is in flight, sizes, the last recovery and compaction, and what needs a look.
+
+Read-only: the writer lock is probed through a lock file opened read-only, nothing is cut,
+nothing is created. The records of the last minute are read from the newest log files only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from kvj.errors import CorruptionError, FormatError, JournalLocked, SegmentMissing
+from kvj.journal.framing import RECORD_HEADER_SIZE
+from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
+from kvj.journal.reader import Scan, list_logs, log_end, read_header
+from kvj.journal.replay import replay
+from kvj.journal.snapshot import list_snapshots
+
+#: The window the write rates are measured over.
+WINDOW = 60.0
+
+
+def _holder(directory: str, name: str, what: str) -> Optional[Dict[str, Any]]:
+    """The live holder of a lock ({"pid": ...}), or None when nobody holds it."""
+    lock = DirLock(directory, name, what)
+    try:
+        held = lock.acquire_shared()
+    except JournalLocked as exc:
+        return {"pid": exc.pid}
+    if held is not None:
+        held.release()
+    return None
+
+
+def _size(paths: List[str]) -> int:
+    total = 0
+    for path in paths:
+        try:
+            total += os.stat(path, follow_symlinks=False).st_size
+        except OSError:
+            pass
+    return total
+
+
+def _last_minute(directory: str, logs: List[str], now: float) -> Dict[str, Any]:
+    """Records, bytes and commit groups written in the last ``WINDOW`` seconds, from the newest
+    log files back. The commit lag is the longest interval between consecutive groups in the
+    window: a record appended between two of them waited at most that long to be written."""
+    records = nbytes = 0
+    groups: set = set()
+    for path in reversed(logs):
+        header = read_header(path)
+        if header is None:
+            continue
+        seen_old = False
+        for raw in Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None):
+            if raw.time is None or raw.time < now - WINDOW:
+                seen_old = True
+                continue
+            records += 1
+            nbytes += RECORD_HEADER_SIZE + len(raw.payload)
+            groups.add(raw.time)  # every record of a group carries the group's time
+        if seen_old:  # this file reaches back past the window: older files cannot add to it
+            break
+    times = sorted(groups)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"seconds": WINDOW, "records": records, "bytes": nbytes,
+            "records_per_s": records / WINDOW, "bytes_per_s": nbytes / WINDOW,
+            "groups": len(times), "records_per_group": records / len(times) if times else None,
+            "commit_lag": max(gaps) if gaps else None}
+
+
+def status(journal: str, store_root: Optional[str], now: Optional[float] = None) -> Dict[str, Any]:
+    """What ``kvj status`` shows, as plain data."""
+    now = time.time() if now is None else now
+    journal = os.path.abspath(journal)
+    logs = list_logs(journal)
+    snaps = list_snapshots(journal)
+    snapshot_lsn = snaps[0][0] if snaps else 0
+    end = log_end(journal, snapshot_lsn)
+    out: Dict[str, Any] = {
+        "journal": journal, "now": now,
+        "writer": _holder(journal, LOCK_NAME, "writer"), "compactor": _holder(journal, COMPACT_LOCK, "compactor"),
+        "last_lsn": end.lsn, "last_write": end.time, "last_write_age": (now - end.time) if end.time else None,
+        "incomplete_tail": end.tail.length if end.tail else 0,
+        "last_minute": _last_minute(journal, logs, now),
+        "logs": len(logs), "log_bytes": _size(logs), "snapshots": len(snaps), "snapshot_bytes": _size([p for _l, p in snaps]),
+        "last_compaction": ({"snapshot_lsn": snaps[0][0], "time": os.stat(snaps[0][1]).st_mtime} if snaps else None),
+    }
+    try:
+        state = replay(journal)
+    except (CorruptionError, FormatError) as exc:
+        out.update(damage=str(exc), in_flight=None, ended=None, warnings=None, last_epoch=None, needed_segments=None)
+    else:
+        out.update(damage=None, tail=state.tail, in_flight=len(state.in_flight()),
+                   ended=len(state.ended()) + state.ended_compacted, warnings=len(state.warnings),
+                   last_epoch=state.epochs[-1] if state.epochs else None,
+                   needed_segments=len(state.referenced_keys()),
+                   training_step=_training_step(state))
+    out["store"] = _store(store_root)
+    return out
+
+
+def _training_step(state: Any) -> Optional[int]:
+    steps = ([state.checkpoint["step"]] if state.checkpoint else []) + [d["step"] for d in state.deltas]
+    return max(steps) if steps else None
+
+
+def _store(root: Optional[str]) -> Dict[str, Any]:
+    """Segments and bytes in the store, and how many are quarantined (without opening it)."""
+    from kvj.segments.check import opened_store
+
+    with opened_store(root, root or "") as store:
+        if store is None:
+            return {"path": root, "exists": False, "segments": 0, "bytes": 0, "quarantined": 0}
+        sizes = []
+        for key in store.keys():
+            try:
+                sizes.append(store.stat(key).size)
+            except SegmentMissing:  # collected while we listed: not counted
+                continue
+        return {"path": root, "exists": True, "segments": len(sizes), "bytes": sum(sizes),
+                "quarantined": len(store.quarantined_copies())}

@@ -1,0 +1,85 @@
+"""kvj status: a journal at a glance (writer, last write and its age, last minute's rates,
+what is in flight, sizes, last recovery and compaction, damage), read-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from support.cli_helpers import Holder, append_torn_tail, assert_fails, build, in_process, kvj, tree
+
+from kvj.journal.journal import Journal
+from kvj.journal.snapshot import list_snapshots
+from kvj.journal.writer import CommitPolicy
+from kvj.ops.compact import compact
+from kvj.ops.recover import recover
+
+
+def test_status_of_a_live_busy_journal(tmp_path):
+    path = tmp_path / "j"
+    began = time.time()
+    build(str(path))  # a commit group at least, and the allocs below in another
+    with Journal.open(path) as j:
+        for i in range(300):
+            j.alloc("cuda:1", i, 64, "x")
+    built = time.time()
+    with Holder(str(path), "writer") as holder:
+        before = tree(path)
+        proc = kvj("status", "-j", path, "--json")
+        assert proc.returncode == 0, proc.stderr
+        s = json.loads(proc.stdout)
+        assert tree(path) == before  # read-only, even the lock file
+        assert s["writer"] == {"pid": holder.pid} and s["compactor"] is None
+        assert s["last_lsn"] == 320 and 0 <= s["last_write_age"] < 60
+        m = s["last_minute"]
+        assert m["records"] == 320 and m["bytes"] > 320 * 20
+        assert m["groups"] >= 2 and m["records_per_group"] == 320 / m["groups"]
+        assert 0 < m["commit_lag"] <= built - began  # the longest gap between two of those groups
+        assert (s["in_flight"], s["ended"], s["needed_segments"], s["training_step"]) == (2, 1, 9, 12)
+        assert s["store"]["segments"] == 12 and s["store"]["bytes"] > 0 and s["damage"] is None
+        text = kvj("status", "-j", path).stdout
+    assert f"writer running (pid {holder.pid})" in text and "LSN 320, " in text and " s ago (" in text
+    assert "5.3 records/s" in text and "2 requests (1 ended)" in text and "none found in the log" in text
+    assert f"{m['groups']} groups of " in text and "commit lag at most " in text
+
+
+def test_status_after_recovery_and_compaction_and_with_damage(tmp_path, capsys):
+    path = tmp_path / "j"
+    build(str(path))
+    append_torn_tail(str(path))
+    s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert s["writer"] is None and s["tail"]["length"] == 30 and s["incomplete_tail"] == 30
+    assert "damaged or torn tail of 30 bytes" in in_process(capsys, "status", "-j", path).stdout
+    recover(str(path))
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=1)) as j:
+        j.start("later")  # past the size limit: the log rotates, so compaction has a sealed file to fold
+    compact(str(path), collect=False)
+    text = in_process(capsys, "status", "-j", path).stdout
+    assert "epoch 1 at LSN 21" in text and "snapshot at LSN" in text and "compacted " in text
+    (_lsn, snap), = list_snapshots(str(path))
+    with open(snap, "r+b") as f:  # the snapshot replay starts from
+        f.seek(40)
+        f.write(b"\xff")
+    proc = in_process(capsys, "status", "-j", path)
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and "snapshot checksum mismatch" in text and "kvj fsck -j" in text
+
+
+def test_status_of_an_empty_journal(tmp_path, capsys):
+    path = tmp_path / "j"
+    Journal.open(path).close()
+    s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert s["last_lsn"] == 0 and s["last_write"] is None and s["in_flight"] == 0 and not s["store"]["exists"]
+    assert os.listdir(path)  # nothing was created by looking
+
+
+def test_status_exit_statuses_as_its_man_page_says(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_fails(kvj("status", "-j", tmp_path / "missing"), 66, "No such file or directory")
+    assert_fails(kvj("status", "-j", tmp_path / "empty"), 66, "not a kvj journal")
+    assert_fails(kvj("status"), 64, "no journal given")
+    assert os.listdir(tmp_path / "empty") == [] and not (tmp_path / "missing").exists()
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "man", "kvj-status.1")) as f:
+        assert "kvj status exits 0 whenever it could read the journal" in f.read()
