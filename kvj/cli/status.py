@@ -20,7 +20,8 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
     Whether a writer holds the journal (its pid), the last complete commit group's LSN and
     how long ago it was written, records/s and bytes/s over the last minute and the commit
     lag (the longest interval between two commit groups in that minute), requests in
-    flight and ended, the training step, journal and store sizes, the last recovery epoch
+    flight and ended, the training step, journal and store sizes, what kvj set aside (torn/,
+    recovery/, quarantine) and the free space of their disks, the last recovery epoch
     and the last compaction, replay's warnings and any damage, with what to run about it.
     Like systemctl status or pg_controldata: the first command in an incident. Read-only:
     it writes nothing and takes no lock.
@@ -64,6 +65,17 @@ def view(s: Dict[str, Any]) -> RenderableType:
     rows.append(["store", f"{st['segments']:,} segments, {human_size(st['bytes'])}"
                           + (f", {st['quarantined']} quarantined" if st["quarantined"] else "")
                  if st["exists"] else f"none at {st['path']}"])
+    aside = s["set_aside"]
+    quarantined = st["quarantined_bytes"] if st["exists"] else 0
+    if aside["torn"] or aside["recovery"] or quarantined:
+        rows.append(["set aside", f"torn/ {human_size(aside['torn'])}, recovery/ {human_size(aside['recovery'])}, "
+                                  f"quarantine {human_size(quarantined)} (kvj prune --older-than removes them)"])
+    disk = s["disk"]
+    low = disk["free"] < max(64 << 20, disk["size"] // 20)
+    rows.append(["disk", Text(f"{human_size(disk['free'])} free of {human_size(disk['size'])}"
+                              + (" (nearly full)" if low else ""), style="bold red" if low else "")])
+    if st["exists"] and st["disk"]["device"] != disk["device"]:
+        rows.append(["store disk", f"{human_size(st['disk']['free'])} free of {human_size(st['disk']['size'])}"])
     epoch = s.get("last_epoch")
     if epoch:
         rows.append(["last recovery", f"epoch {epoch['epoch']} at LSN {epoch['lsn']}, {ago(epoch['time'], s['now'])}, "

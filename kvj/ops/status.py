@@ -14,10 +14,12 @@ from typing import Any, Dict, List, Optional
 
 from kvj.errors import CorruptionError, FormatError, JournalLocked, SegmentMissing
 from kvj.journal.framing import RECORD_HEADER_SIZE
+from kvj.journal.journal import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import list_snapshots
+from kvj.ops.recover import RECOVERY_DIR
 
 #: The window the write rates are measured over.
 WINDOW = 60.0
@@ -43,6 +45,21 @@ def _size(paths: List[str]) -> int:
         except OSError:
             pass
     return total
+
+
+def _files(directory: str) -> List[str]:
+    """The plain files directly in ``directory`` (none when it does not exist)."""
+    try:
+        return [os.path.join(directory, n) for n in sorted(os.listdir(directory))]
+    except OSError:
+        return []
+
+
+def _disk(path: str) -> Dict[str, int]:
+    """Free and total bytes of the file system holding ``path``: the first thing to know when
+    a write fails with "No space left on device"."""
+    st = os.statvfs(path)
+    return {"free": st.f_bavail * st.f_frsize, "size": st.f_blocks * st.f_frsize, "device": os.stat(path).st_dev}
 
 
 def _last_minute(directory: str, logs: List[str], now: float) -> Dict[str, Any]:
@@ -89,6 +106,8 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "last_minute": _last_minute(journal, logs, now),
         "logs": len(logs), "log_bytes": _size(logs), "snapshots": len(snaps), "snapshot_bytes": _size([p for _l, p in snaps]),
         "last_compaction": ({"snapshot_lsn": snaps[0][0], "time": os.stat(snaps[0][1]).st_mtime} if snaps else None),
+        "set_aside": {folder: _size(_files(os.path.join(journal, folder))) for folder in (TORN_DIR, RECOVERY_DIR)},
+        "disk": _disk(journal),
     }
     try:
         state = replay(journal)
@@ -115,12 +134,13 @@ def _store(root: Optional[str]) -> Dict[str, Any]:
 
     with opened_store(root, root or "") as store:
         if store is None:
-            return {"path": root, "exists": False, "segments": 0, "bytes": 0, "quarantined": 0}
+            return {"path": root, "exists": False, "segments": 0, "bytes": 0, "quarantined": 0, "quarantined_bytes": 0}
         sizes = []
         for key in store.keys():
             try:
                 sizes.append(store.stat(key).size)
             except SegmentMissing:  # collected while we listed: not counted
                 continue
+        quarantined = store.quarantined_copies()
         return {"path": root, "exists": True, "segments": len(sizes), "bytes": sum(sizes),
-                "quarantined": len(store.quarantined_copies())}
+                "quarantined": len(quarantined), "quarantined_bytes": _size(quarantined), "disk": _disk(root)}

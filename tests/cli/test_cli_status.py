@@ -58,6 +58,11 @@ def test_status_after_recovery_and_compaction_and_with_damage(tmp_path, capsys):
     compact(str(path), collect=False)
     text = in_process(capsys, "status", "-j", path).stdout
     assert "epoch 1 at LSN 21" in text and "snapshot at LSN" in text and "compacted " in text
+    assert "set aside torn/ 30 B, recovery/ " in " ".join(text.split())  # the cut tail, the manifest
+    s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert s["set_aside"]["torn"] == 30 and s["set_aside"]["recovery"] == os.path.getsize(
+        path / "recovery" / "manifest-000001.json")
+    assert 0 < s["disk"]["free"] <= s["disk"]["size"] and s["store"]["disk"]["device"] == s["disk"]["device"]
     (_lsn, snap), = list_snapshots(str(path))
     with open(snap, "r+b") as f:  # the snapshot replay starts from
         f.seek(40)
