@@ -48,6 +48,14 @@ def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
     Returns the path of the copy. The copy is durable before the truncation, so the
     cut never loses bytes, and a crash in between leaves the log as it was.
     """
+    aside = keep_torn_bytes(tail, fs)
+    truncate_log(tail, fs)
+    return aside
+
+
+def keep_torn_bytes(tail: TornTail, fs: FS = REAL_FS) -> str:
+    """Copy a torn tail's bytes into ``torn/``, durably, leaving the log as it is; returns the
+    copy's path. The one step of a cut that needs free space."""
     journal_dir = os.path.dirname(tail.path)
     aside_dir = os.path.join(journal_dir, TORN_DIR)
     makedirs_durable(aside_dir, fs)
@@ -56,13 +64,17 @@ def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
         data = f.read()
     aside = os.path.join(aside_dir, f"{os.path.basename(tail.path)}.{tail.offset}.torn")
     atomic_write(aside, data, fs)
+    return aside
+
+
+def truncate_log(tail: TornTail, fs: FS = REAL_FS) -> None:
+    """Cut the log file at the torn tail, durably (after ``keep_torn_bytes``)."""
     fd = fs.open(tail.path, os.O_WRONLY)
     try:
         fs.ftruncate(fd, tail.offset)
         fs.fsync(fd)
     finally:
         fs.close(fd)
-    return aside
 
 
 class _MirrorDown(Exception):
