@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from kvj.errors import CorruptionError
 from kvj.fileio import FS, REAL_FS
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
-from kvj.journal.journal import cut_torn_tail
+from kvj.journal.journal import keep_torn_bytes, truncate_log
 from kvj.journal.reader import (
     CORRUPTION,
     COVERED_GAP,
@@ -179,16 +179,21 @@ def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str,
 
 
 def set_aside(salvage: Salvage, fs: FS = REAL_FS) -> None:
-    """Move the damage and everything after it into ``torn/``, durably, newest file first: a
-    crash midway leaves a journal that still ends in damage (salvage again) or ends cleanly."""
+    """Move the damage and everything after it into ``torn/``, durably. The one step that needs
+    free space, the copy of the damaged file's rest, comes first, so that on a full disk the
+    journal is left as it was; then the later files move newest first and the damaged file is
+    cut last: a crash midway leaves a journal that still ends in damage (salvage again) or
+    ends cleanly."""
     from kvj.ops.fsck import set_aside as move_aside
 
+    size = os.path.getsize(salvage.cut_file)
+    tail = TornTail(salvage.cut_file, salvage.cut_offset, size - salvage.cut_offset)
+    kept = keep_torn_bytes(tail, fs) if 0 < salvage.cut_offset < size else None
     for path in reversed(salvage.later_files):
         salvage.set_aside_to.append(move_aside(path, fs))
-    size = os.path.getsize(salvage.cut_file)
     if salvage.cut_offset == 0:
         salvage.set_aside_to.append(move_aside(salvage.cut_file, fs))
-    elif salvage.cut_offset < size:
-        salvage.set_aside_to.append(cut_torn_tail(TornTail(salvage.cut_file, salvage.cut_offset,
-                                                           size - salvage.cut_offset), fs))
+    elif kept is not None:
+        truncate_log(tail, fs)
+        salvage.set_aside_to.append(kept)
     salvage.set_aside_to.reverse()
