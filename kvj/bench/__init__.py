@@ -1,1 +1,1 @@
-"""Benchmarks: each module has ``run(...) -> rows`` and ``main(argv)``; ``kvj bench`` exposes them."""
+"""Benchmarks: each module has ``run(...)`` and ``format_*`` functions; ``kvj bench`` runs them."""

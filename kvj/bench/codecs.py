@@ -24,13 +24,12 @@ and the same for a small model's geometry (Qwen2.5-0.5B: 24 layers, 2 KV heads, 
 a 16-token block is 192 KiB), where each block's own cost weighs most. Per-block rows also
 report blocks per second.
 
-Run ``python -m kvj.bench.codecs [--size MiB]`` or ``kvj bench codecs``. Disk speed swings
+Run ``kvj bench codecs [--size MIB]``. Disk speed swings
 between runs here, so compare the ratio columns, which come from one run.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -468,23 +467,7 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvj.bench.codecs", description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=int, default=64, help="MiB per dataset (default 64)")
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    ap.add_argument("--dataset", action="append", help="only this dataset (repeatable)")
-    ap.add_argument("--json", action="store_true", help="print rows as JSON")
-    args = ap.parse_args(argv)
-    load_before = os.getloadavg()[0]
-    rows = run(args.size, args.dir, args.dataset)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(format_table(rows))
-        print(f"{os.cpu_count()} CPUs, load average {load_before:.2f} before the run, "
-              f"{os.getloadavg()[0]:.2f} after (other processes skew the speed columns)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def load_note(load_before: float) -> str:
+    """The line printed under the table: CPUs and the load average before and after the run."""
+    return (f"{os.cpu_count()} CPUs, load average {load_before:.2f} before the run, "
+            f"{os.getloadavg()[0]:.2f} after (other processes skew the speed columns)")

@@ -1,13 +1,11 @@
 """Disk benchmark, like pg_test_fsync for kvj: fsync latency, journal throughput per commit
 policy, codec speeds on this machine, and the settings they suggest.
 
-Run ``kvj bench`` (or ``python -m kvj.bench.disk``) on the disk that will hold the journal.
+Run ``kvj bench`` on the disk that will hold the journal.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -177,19 +175,3 @@ def format_report(result: Dict[str, object]) -> str:
             lines.append(f"{r['codec']:<34} {r['ratio']:>7.3f} {r['save_gbps']:>10.2f} {r['load_gbps']:>10.2f}")
     lines += ["", "recommendations:"] + [f"- {a}" for a in result["advice"]]  # type: ignore[attr-defined]
     return "\n".join(lines)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvj.bench.disk", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: $TMPDIR)")
-    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per test")
-    parser.add_argument("--no-codecs", action="store_true", help="skip the codec measurements")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = parser.parse_args(argv)
-    result = run(args.dir, args.seconds, not args.no_codecs)
-    print(json.dumps(result) if args.json else format_report(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,13 +24,12 @@ Every other contender writes the same number of records. Every contender but the
 kvj's writer row starts from the same Python dicts, so encoding is inside each timing (kvj:
 the schema check, MessagePack and framing; the others: ``json.dumps``).
 
-Run ``python -m kvj.bench.journal`` or ``kvj bench journal``. Disks here are shared and
+Run ``kvj bench journal``. Disks here are shared and
 noisy, so compare the ratio columns, which come from one run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -302,19 +301,3 @@ def format_table(rows: List[Dict[str, object]]) -> str:
         if "p50_us" in row:
             lines.append(f"{row['system']:<48} p50 {row['p50_us']:.2f} us, p99 {row['p99_us']:.2f} us")
     return "\n".join(lines)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvj.bench.journal", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: $TMPDIR)")
-    parser.add_argument("--records", type=int, default=100_000, help="records per contender")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds; the table shows medians")
-    parser.add_argument("--json", action="store_true", help="print rows as JSON")
-    args = parser.parse_args(argv)
-    rows = run(args.dir, args.records, repeat=args.repeat)
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

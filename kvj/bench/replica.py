@@ -1,15 +1,13 @@
 """Replication benchmark: kvj's replicator vs a plain boto3 ``upload_file`` of the same bytes
 to the same local S3 endpoint (moto's server, in its own process), and restore speed.
 
-Run ``python -m kvj.bench.replica [--size MIB] [--segment MIB]`` (needs ``moto[server]`` and
+Run ``kvj bench replica [--size MIB] [--segment MIB]`` (needs ``moto[server]`` and
 ``boto3``: ``pip install kvj[bench]``). Verification stays on for kvj: every segment's CRCs
 are checked before upload and each single-part ETag is compared with the MD5 of what was sent.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import socket
@@ -109,18 +107,3 @@ def format_table(rows: List[Dict[str, object]]) -> str:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
         lines.append(f"{r['what']:40} {r['bytes'] / 2**20:8.1f} {r['seconds']:8.2f} {r['MB/s']:8.1f} {ratio:>9}")
     return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=256, help="MiB of segments (default 256)")
-    parser.add_argument("--segment", type=int, default=4, help="MiB per segment (default 4)")
-    parser.add_argument("--dir", default=None, help="where to build the journal (default $TMPDIR)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    rows = run(args.size, args.segment, args.dir)
-    print(json.dumps(rows) if args.json else format_table(rows))
-
-
-if __name__ == "__main__":
-    main()

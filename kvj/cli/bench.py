@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import os
 from typing import Annotated, List, Optional
 
 import typer
@@ -29,7 +29,8 @@ def bench(ctx: typer.Context,
     durable save and verified load speed of each tensor codec, then prints advice.
 
     kvj bench journal compares kvj with SQLite and the seed design; kvj bench codecs
-    compares the codecs with torch.save, safetensors and zstd.
+    compares the codecs with torch.save, safetensors and zstd; kvj bench replica compares
+    the replicator with boto3.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -45,13 +46,14 @@ def bench(ctx: typer.Context,
 @app.command("journal")
 def journal(directory: DirArg = None,
             records: Annotated[int, typer.Option(min=100, help="Records per contender.")] = 100_000,
+            repeat: Annotated[int, typer.Option(min=1, help="Rounds, interleaved; the table shows medians.")] = 3,
             as_json: JsonArg = False) -> None:
     """Compare kvj's group commit with SQLite (WAL, synchronous=FULL), the seed design
     (a JSON line and fsync per record, and batched) and the fsync floor, side by side.
     """
     from kvj.bench.journal import format_table, run
 
-    rows = run(directory, records)
+    rows = run(directory, records, repeat=repeat)
     if as_json:
         emit_json(rows)
     else:
@@ -68,15 +70,37 @@ def codecs_command(directory: DirArg = None,
     """Compare kvj's tensor codecs with torch.save, safetensors, zstd (and ZipNN, blosc2 when
     installed) on identical tensors: ratio, durable save GB/s, load GB/s.
     """
-    try:
-        module = importlib.import_module("kvj.bench.codecs")
-    except ModuleNotFoundError:
-        raise usage_error("this kvj has no codec benchmark (kvj.bench.codecs)") from None
-    rows = module.run(size, directory, dataset)
+    from kvj.bench.codecs import format_table, load_note, run
+
+    load_before = os.getloadavg()[0]
+    rows = run(size, directory, dataset)
     if as_json:
         emit_json(rows)
     else:
-        out.print(module.format_table(rows), markup=False, highlight=False)
+        out.print(format_table(rows) + "\n" + load_note(load_before), markup=False, highlight=False)
+
+
+@app.command("replica")
+def replica_command(directory: DirArg = None,
+                    size: Annotated[int, typer.Option(min=1, metavar="MIB", help="MiB of segments.")] = 256,
+                    segment: Annotated[int, typer.Option(min=1, metavar="MIB", help="MiB per segment.")] = 4,
+                    as_json: JsonArg = False) -> None:
+    """Compare kvj's replicator with a plain boto3 upload_file of the same bytes to the same
+    local S3 endpoint (moto's server, in its own process), and time a restore. Needs the
+    bench extra (moto[server], boto3).
+    """
+    try:
+        import boto3  # noqa: F401
+        import moto  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise usage_error(f"kvj bench replica needs the bench extra (pip install 'kvj[bench]'): {exc}") from None
+    from kvj.bench.replica import format_table, run
+
+    rows = run(size, segment, directory)
+    if as_json:
+        emit_json(rows)
+    else:
+        out.print(format_table(rows), markup=False, highlight=False)
 
 
 @app.command("training")

@@ -85,7 +85,10 @@ EXAMPLES: Dict[str, List[Tuple[str, str]]] = {
     "prune": [("Daily from cron: drop what was set aside more than a week ago",
                "30 3 * * * kvj prune -j /var/lib/kvj --older-than 7d")],
     "fsck": [("Check, then repair what can be repaired", "kvj fsck -j J || kvj fsck -j J --repair")],
-    "bench": [("Measure the disk the journal will live on", "kvj bench --dir /var/lib/kvj")],
+    "bench": [("Measure the disk the journal will live on", "kvj bench --dir /var/lib/kvj"),
+              ("kvj against SQLite and the fsync floor, three interleaved rounds",
+               "kvj bench journal --dir /var/lib/kvj --repeat 3")],
+    "demo": [("Replay a run's kill points", "kvj demo --seed 766060")],
     "journal_replay": [("Recover a legacy JSON-lines journal",
                         "journal_replay --log /var/lib/kvjournal --kv-store /var/lib/kvstore --recover")],
 }

@@ -14,7 +14,7 @@ from typing import Annotated, Callable, List, NoReturn, Optional
 import typer
 
 from kvj import __version__
-from kvj.cli import bench, compact, dump, flush, fsck, init, inspect, prune, record, recover, replay, status
+from kvj.cli import bench, compact, demo, dump, flush, fsck, init, inspect, prune, record, recover, replay, status
 from kvj.cli import replicate, restore, verify
 from kvj.cli.common import OutputClosed, StdoutGuard, click, usage_and_exit
 from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, OK, USAGE, classify, debug, report
@@ -64,6 +64,7 @@ app.command("replicate")(replicate.replicate)
 app.command("restore")(restore.restore)
 app.command("verify")(verify.verify)
 app.add_typer(bench.app, name="bench")
+app.command("demo")(demo.demo)
 
 #: ``journal_replay``: the recovery command under the name of the well-known write-up.
 legacy_app = typer.Typer(name="journal_replay", add_completion=False, pretty_exceptions_enable=False,

@@ -1,4 +1,4 @@
-"""``python -m kvj.demo``: pull the plug on a model server and a fine-tuning run, then prove
+"""``kvj demo`` (or ``python -m kvj.demo``, the quick start's): pull the plug on a model server and a fine-tuning run, then prove
 that kvj brings both back exactly.
 
 1. Two processes start under kvj: one serves several chat requests with a transformers
@@ -12,13 +12,12 @@ that kvj brings both back exactly.
    weights and optimizer state are bit-identical (SHA-256), and what was lost and
    recomputed, and how long recovery took.
 
-Everything runs on the CPU in about a minute; files go to ``./demo-out`` (``--out``).
+Everything runs on the CPU in about a minute; files go to ``./demo-out`` (``kvj demo --out``).
 Models are built from configs with fixed seeds: nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -34,6 +33,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from kvj.demo import crashrun
+from kvj.errors import InvalidArgument
 from kvj.demo.workload import GenerationWorkload, ModelSpec
 
 MARKER = ".kvj-demo"
@@ -58,7 +58,7 @@ def prepare(out: str) -> str:
     out = os.path.abspath(out)
     if os.path.isdir(out) and os.listdir(out):
         if not os.path.exists(os.path.join(out, MARKER)):
-            raise SystemExit(f"kvj demo: {out} exists and was not made by the demo; choose another --out")
+            raise InvalidArgument(f"{out} exists and was not made by the demo; choose another --out")
         shutil.rmtree(out)
     os.makedirs(out)
     open(os.path.join(out, MARKER), "w").close()
@@ -119,7 +119,8 @@ class Demo:
                  f"full state every {self.spec.full_every} steps, an XOR delta at every other step.")
         train_target = r.randint(self.spec.steps // 4, self.spec.steps * 3 // 4)
         self.say(f"[dim]Each gets SIGKILL at a random point: the server after forward pass {target} of about {total}, "
-                 f"the trainer after step {train_target} (kill seed {self.seed}).")
+                 f"the trainer after step {train_target} (kill seed {self.seed}: kvj demo --seed {self.seed} "
+                 "replays these kill points).")
         seen = [0]
 
         def gen_now(event: Dict[str, Any]) -> bool:
@@ -293,16 +294,9 @@ class Demo:
         return ok
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvj.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="demo-out", help="directory for journals and segments (default ./demo-out)")
-    p.add_argument("--seed", type=int, help="kill-point seed (default: random)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
-    args = p.parse_args(argv)
+def demo(out: str = "demo-out", seed: Optional[int] = None, device: str = "cpu") -> bool:
+    """Run the demo into ``out``; True when every proof held. Without ``seed`` the kill points
+    are drawn at random (the seed is printed, so a run can be replayed)."""
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
-    seed = args.seed if args.seed is not None else random.randrange(1_000_000)
-    return 0 if Demo(console, prepare(args.out), seed, args.device).run() else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    seed = seed if seed is not None else random.randrange(1_000_000)
+    return Demo(console, prepare(out), seed, device).run()
