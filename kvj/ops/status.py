@@ -13,6 +13,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from kvj.errors import CorruptionError, FormatError, JournalLocked, SegmentMissing
+from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
@@ -48,11 +49,9 @@ def _size(paths: List[str]) -> int:
 
 
 def _files(directory: str) -> List[str]:
-    """The plain files directly in ``directory`` (none when it does not exist)."""
-    try:
-        return [os.path.join(directory, n) for n in sorted(os.listdir(directory))]
-    except OSError:
-        return []
+    """The entries of one of kvj's own folders (none when it does not exist; a symlink there
+    is refused, as every command refuses it)."""
+    return [os.path.join(directory, n) for n in sorted(list_dir(directory))]
 
 
 def _disk(path: str) -> Dict[str, int]:
