@@ -4,6 +4,7 @@ and exactly what is lost is said, in the manifest and in the recovery-epoch reco
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -12,6 +13,7 @@ from support.cli_helpers import block, build, in_process, kvj, tree
 
 import kvj as kvj_lib
 from kvj.errors import CorruptionError
+from kvj.fileio import FS
 from kvj.journal.journal import Journal
 from kvj.journal.reader import list_logs
 from kvj.journal.writer import CommitPolicy
@@ -96,3 +98,25 @@ def test_a_healthy_journal_needs_no_salvage(tmp_path):
     build(path)
     result = recover(path, until_damage=True)
     assert "salvage" not in result.manifest and kvj_lib.replay(path).epochs[-1].get("salvage") is None
+
+
+class _FullDisk(FS):
+    """A file system with no space left: every write fails with ENOSPC."""
+
+    def write(self, fd: int, data) -> None:  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_salvage_on_a_full_disk_leaves_the_log_as_it_was_and_a_retry_says_all_that_is_lost(tmp_path):
+    path = str(tmp_path / "j")
+    made = damaged_journal(path)
+    full = recover(path, dry_run=True, until_damage=True).manifest["salvage"]
+    with pytest.raises(OSError) as exc:
+        recover(path, until_damage=True, fs=_FullDisk())
+    assert exc.value.errno == errno.ENOSPC
+    assert {p: open(p, "rb").read() for p in list_logs(path)} == made["bytes"]  # nothing moved or cut
+    assert os.listdir(os.path.join(path, "torn")) == []
+    salvage = recover(path, until_damage=True).manifest["salvage"]
+    for field in ("kept_lsn", "lost_to", "requests", "tokens_lost"):
+        assert salvage[field] == full[field], field
+    assert full["lost_to"] > full["kept_lsn"] and full["requests"]
