@@ -52,7 +52,8 @@ def main(spec_path: str) -> None:
         transfer = KVTransferConfig(kv_connector="RecordingKvjConnector", kv_connector_module_path="support.vllm_record",
                                     kv_role="kv_both", kv_load_failure_policy="recompute",
                                     kv_connector_extra_config={"journal": spec["journal"],
-                                                               "record": spec.get("record")})
+                                                               "record": spec.get("record"),
+                                                               "pace": spec.get("pace")})
     elif spec.get("connector") == "example":
         transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                     kv_connector_extra_config={"shared_storage_path": spec["journal"]})

@@ -171,6 +171,10 @@ def check_loaded_kv(tmp: str, name: str, ref_tmp: str) -> List[str]:
 
 
 MAX_NEW = 64
+#: Seconds added to each step of an engine the test kills once the journal shows progress: on a
+#: loaded machine the test's polling (a replay of the journal each time) is slow, and without it
+#: the batch could finish before the kill (it did, at load 10).
+PACE = 0.05
 #: A 64-token step budget: the short requests, first in line, decode (and journal blocks holding
 #: generated tokens) while the long one, last, is still in prefill.
 ENGINE = {"max_num_batched_tokens": 64}
@@ -224,7 +228,7 @@ def crashed(models: Dict[str, str], seed: int, reference: Dict[str, Any],
         seen.setdefault("first", total)
         return total >= seen["first"] + extra * BLOCK or covered.get(3, 0) + 3 * BLOCK > len(batch[3])
 
-    proc = start_engine(tmp, "killed", models["main"], jobs_of(ps), journal)
+    proc = start_engine(tmp, "killed", models["main"], jobs_of(ps), journal, pace=PACE)
     kill_when(proc, mixed, "a journaled block holding generated tokens")
     assert len(lines(tmp, "killed")) == 3, "the kill did not land in the batch"
     manifest_path = recover(journal)
@@ -355,7 +359,8 @@ def test_many_kills_each_resume_killed_again(models: Dict[str, str], seed: int, 
             covered = durable_tokens(journal, batch)
             return len(covered) >= started and sum(covered.values()) >= at
 
-        kill_when(start_engine(tmp, name, models["main"], jobs, journal), progressed, f"{at} durable tokens")
+        kill_when(start_engine(tmp, name, models["main"], jobs, journal, pace=PACE), progressed,
+                  f"{at} durable tokens")
         if len(lines(tmp, name)) == 2:  # it finished before the kill
             break
         kills += 1
