@@ -340,7 +340,10 @@ class KvjConnector(KVConnectorBase_V1):
         extra = (params.extra_args or {}) if params is not None else {}
         prompt = list(request.prompt_token_ids or [])
         sampling = {k: getattr(params, k, None) for k in _SAMPLING} if params is not None else {}
-        stop_ids = sorted(params.all_stop_token_ids) if params is not None else []
+        # What vLLM stops on (check_stop): its EOS unless ignore_eos, and stop_token_ids.
+        # all_stop_token_ids also holds the EOS of a request that ignores it.
+        stops = set(params.stop_token_ids or ()) | {params.eos_token_id} if params is not None else set()
+        stop_ids = sorted(t for t in stops if t is not None)
         meta = {"stop_ids": stop_ids, "format": START_FORMAT, "vllm_id": request.request_id, "fingerprint": self._fp,
                 "block_size": self._block_size, "sampling": sampling,
                 "max_tokens": int(extra.get("kvj_max_tokens", params.max_tokens if params else 0) or 0),

@@ -334,6 +334,23 @@ def test_other_weights_or_dtype_never_match(models: Dict[str, str], reference: D
     assert matched_tokens(scheduler_connector(models["main"], journal, "float32"), q) == 0
 
 
+def test_journaled_stop_tokens_are_those_vllm_stops_on(models: Dict[str, str], tmp_path: Any) -> None:
+    """A request with ignore_eos does not stop on EOS, so its EOS is not a stop token in the
+    journal (resume would otherwise end it early, at an EOS it generated, unlike an
+    uninterrupted run); explicit stop_token_ids are, and so is EOS for other requests."""
+    from vllm import SamplingParams
+
+    connector = scheduler_connector(models["main"], str(tmp_path / "journal"))
+    for ignore_eos, want in ((False, [2, 5]), (True, [5])):
+        params = SamplingParams(max_tokens=8, ignore_eos=ignore_eos, stop_token_ids=[5])
+        params.update_from_generation_config({}, eos_token_id=2)
+        assert 2 in params.all_stop_token_ids  # what the journal held before
+        request = types.SimpleNamespace(request_id=f"r{ignore_eos}", prompt_token_ids=[1, 2, 3],
+                                        sampling_params=params, all_token_ids=[1, 2, 3], num_tokens=3)
+        connector.on_new_request(request)
+        assert connector._start(connector._requests[request.request_id]).meta["stop_ids"] == want
+
+
 @pytest.mark.slow
 def test_many_kills_each_resume_killed_again(models: Dict[str, str], seed: int, reference: Dict[str, Any],
                                              tmp_path_factory: pytest.TempPathFactory) -> None:
