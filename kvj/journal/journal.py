@@ -435,7 +435,9 @@ class Journal:
 
         Returns at once with a future of the segment-flush record's LSN; the record is
         appended only after the segment is durable. Pass ``info`` instead of ``tensor``
-        to journal a segment already in the store.
+        to journal a segment already in the store. A failed write or fsync of the segment
+        is final: its future, and every later ``flush``, ``sync`` and ``close``, raise
+        ``JournalFailed`` (chained from the ``OSError``).
         """
         if self._closed:
             raise JournalClosed("journal is closed")
@@ -471,10 +473,17 @@ class Journal:
                 stored = self._flusher.submit(tensor, payload["layout"])
             except OSError as exc:  # an earlier flush failed to reach the disk: final
                 raise JournalFailed(f"a segment flush failed earlier: {exc}") from exc
-        later = self._in_order(request_id, [stored], lambda: record(stored.result()))
+        def stored_info() -> "SegmentInfo":
+            """The stored segment's info; a failed write or fsync of it is final: ``JournalFailed``."""
+            try:
+                return stored.result()
+            except OSError as exc:
+                raise JournalFailed(f"a segment flush failed: {exc}") from exc
+
+        later = self._in_order(request_id, [stored], lambda: record(stored_info()))
         if later is None:
             done: "Future[int]" = Future()
-            done.set_result(record(stored.result()))
+            done.set_result(record(stored_info()))
             return done
         return later
 

@@ -205,11 +205,37 @@ def test_a_failed_segment_flush_makes_sync_and_close_fail(tmp_path):
 
     j = Journal.open(tmp_path / "j", fs=NoSegmentFsync())
     future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
-    with pytest.raises(OSError):
+    with pytest.raises(JournalFailed):
         future.result(10)
     for _ in range(2):
         with pytest.raises(JournalFailed, match="segment flush failed"):
             j.sync()
+    with pytest.raises(JournalFailed):
+        j.close()
+    assert not kvj.replay(str(tmp_path / "j")).counts.get("segment")
+
+
+def test_a_failed_segment_write_fails_its_own_flush_future_with_journal_failed(tmp_path):
+    """Issue 9 item 7: a durability failure always surfaces as JournalFailed, the failing
+    flush's own future included (it used to raise the flusher's DurabilityError)."""
+    import torch
+
+    class NoSegmentWrite(FS):
+        def write(self, fd, data):
+            if "segments" in os.readlink(f"/proc/self/fd/{fd}"):
+                raise OSError(errno.ENOSPC, "injected ENOSPC on a segment")
+            super().write(fd, data)
+
+    j = Journal.open(tmp_path / "j", fs=NoSegmentWrite())
+    j.alloc("cuda:0", 0, 1)
+    before = j.writer.last_lsn
+    future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
+    with pytest.raises(JournalFailed, match="segment flush failed") as failed:
+        future.result(10)
+    assert isinstance(failed.value.__cause__, OSError)
+    with pytest.raises(JournalFailed):
+        j.flush("r", 1, torch.arange(64, dtype=torch.float32), token_range=(16, 32))
+    assert j.writer.last_lsn == before  # nothing appended after the failure
     with pytest.raises(JournalFailed):
         j.close()
     assert not kvj.replay(str(tmp_path / "j")).counts.get("segment")
