@@ -25,7 +25,7 @@ from kvj.cli.common import (
 )
 from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
-from kvj.journal.legacy import _convert as convert_legacy
+from kvj.journal.legacy import convert_legacy
 from kvj.ops.init import policy_of, read_config
 from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
 from kvj.names import check_request_id

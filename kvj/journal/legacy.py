@@ -24,8 +24,8 @@ from kvj.names import check_request_id
 MAX_LINE = 1 << 20
 
 
-def _convert(obj: Any) -> Tuple[int, Dict[str, Any]]:
-    """Map one legacy object to (record type, kvj payload)."""
+def convert_legacy(obj: Any) -> Tuple[int, Dict[str, Any]]:
+    """Map one legacy object to (record type, kvj payload); ``FormatError`` if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
         raise FormatError("not an object with an 'op' field")
     op = obj["op"]
@@ -75,7 +75,7 @@ class LegacyScan:
                 if not text:
                     offset = end + 1
                     continue
-                rtype, payload = _convert(json.loads(text))
+                rtype, payload = convert_legacy(json.loads(text))
             except (ValueError, RecursionError, KvjError) as exc:  # deep nesting: RecursionError
                 if is_last and not self.strict:
                     self.tail = TornTail(self.path, offset, len(data) - offset)

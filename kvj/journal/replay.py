@@ -29,7 +29,8 @@ def is_legacy(path: str) -> bool:
     return False
 
 
-def _legacy_file(path: str) -> str:
+def legacy_file(path: str) -> str:
+    """The .jsonl file of a legacy journal: ``path`` itself, or the only one in that directory."""
     if os.path.isfile(path):
         return path
     files = sorted(n for n in os.listdir(path) if n.endswith((".jsonl", ".ndjson")))
@@ -45,7 +46,7 @@ class RecordStream:
         if not os.path.exists(path):
             raise FormatError(f"no journal at {path}")
         self.legacy = is_legacy(path)
-        self._scan: Any = (LegacyScan(_legacy_file(path), strict=strict) if self.legacy
+        self._scan: Any = (LegacyScan(legacy_file(path), strict=strict) if self.legacy
                            else Scan(path, after_lsn=after_lsn, strict=strict))
         self.after_lsn = after_lsn
 

@@ -46,7 +46,7 @@ from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.reader import COPY, COVERED_GAP, TORN, Damage, Scan, TornTail, decode, list_logs, read_header
-from kvj.journal.replay import _legacy_file, is_legacy
+from kvj.journal.replay import is_legacy, legacy_file
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
 
@@ -297,7 +297,7 @@ class _Checker:
     # -- legacy --------------------------------------------------------------------------
 
     def legacy(self) -> JournalState:
-        path = _legacy_file(self.path)
+        path = legacy_file(self.path)
         scan = LegacyScan(path)
         state = JournalState()
         try:

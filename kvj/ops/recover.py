@@ -31,7 +31,7 @@ from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, Segment
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
-from kvj.journal.replay import _legacy_file, is_legacy, replay
+from kvj.journal.replay import is_legacy, legacy_file, replay
 from kvj.journal.state import JournalState, RequestState, SegmentRef
 from kvj.ops.salvage import Salvage, find_damage
 from kvj.ops.salvage import set_aside as set_aside_damage
@@ -225,7 +225,7 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage
     if not os.path.exists(path):
         raise NotFound(f"no journal at {path}")
     legacy = is_legacy(path)
-    home = os.path.dirname(_legacy_file(path)) if legacy else path
+    home = os.path.dirname(legacy_file(path)) if legacy else path
     recovery_dir = os.path.join(home, RECOVERY_DIR)
     if store is None:
         store_root: Optional[str] = default_store_path(home)
