@@ -41,12 +41,16 @@ def opened_store(store: Any, default_root: str, fs: FS = REAL_FS) -> Iterator[Op
         opened.close()
 
 
-def verify_segment(store: Optional[Any], key: str, digest: Optional[str] = None) -> Optional[Problem]:
-    """None when segment ``key`` is present, intact and (if given) has ``digest``; else why not."""
+def verify_segment(store: Optional[Any], key: str, digest: Optional[str] = None,
+                   full: bool = True) -> Optional[Problem]:
+    """None when segment ``key`` is present, intact and (if given) has ``digest``; else why not.
+
+    ``full=False`` checks its header only (fsck's unsampled segments), not its data.
+    """
     if store is None:
         return "segment-missing", "no segment store"
     try:
-        info = store.verify(key)
+        info = store.verify(key) if full else store.info(key)
     except SegmentMissing as exc:
         return "segment-missing", str(exc)
     except (CorruptionError, FormatError, OSError) as exc:
