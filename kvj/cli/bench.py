@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, List, Optional
+from typing import Annotated, Any, Callable, List, Optional
 
 import typer
 
@@ -14,6 +14,14 @@ DirArg = Annotated[Optional[str], typer.Option("--dir", metavar="DIR",
                                                help="A directory on the disk to measure [default: $TMPDIR].")]
 
 app = typer.Typer(no_args_is_help=False)
+
+
+def _report(result: Any, as_json: bool, table: Callable[[], str]) -> None:
+    """Print a benchmark's result: as JSON, or as the table ``table()`` formats."""
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(table(), markup=False, highlight=False)
 
 
 @app.callback(invoke_without_command=True)
@@ -38,10 +46,7 @@ def bench(ctx: typer.Context,
     from kvj.bench.disk import format_report, run
 
     result = run(directory, seconds, codecs)
-    if as_json:
-        emit_json(result)
-    else:
-        out.print(format_report(result), markup=False, highlight=False)
+    _report(result, as_json, lambda: format_report(result))
 
 
 @app.command("journal")
@@ -55,10 +60,7 @@ def journal(directory: DirArg = None,
     from kvj.bench.journal import format_table, run
 
     rows = run(directory, records, repeat=repeat)
-    if as_json:
-        emit_json(rows)
-    else:
-        out.print(format_table(rows), markup=False, highlight=False)
+    _report(rows, as_json, lambda: format_table(rows))
 
 
 @app.command("codecs")
@@ -75,10 +77,7 @@ def codecs_command(directory: DirArg = None,
 
     load_before = os.getloadavg()[0]
     rows = run(size, directory, dataset)
-    if as_json:
-        emit_json(rows)
-    else:
-        out.print(format_table(rows) + "\n" + load_note(load_before), markup=False, highlight=False)
+    _report(rows, as_json, lambda: format_table(rows) + "\n" + load_note(load_before))
 
 
 @app.command("replica")
@@ -98,10 +97,7 @@ def replica_command(directory: DirArg = None,
     from kvj.bench.replica import format_table, run
 
     rows = run(size, segment, directory)
-    if as_json:
-        emit_json(rows)
-    else:
-        out.print(format_table(rows), markup=False, highlight=False)
+    _report(rows, as_json, lambda: format_table(rows))
 
 
 @app.command("training")
@@ -123,10 +119,7 @@ def training_command(directory: DirArg = None,
     from kvj.bench.training import format_report, run
 
     result = run(directory, steps, rounds, size, mib)
-    if as_json:
-        emit_json(result)
-    else:
-        out.print(format_report(result), markup=False, highlight=False)
+    _report(result, as_json, lambda: format_report(result))
 
 
 @app.command("scaling")
@@ -147,10 +140,7 @@ def scaling_command(directory: DirArg = None,
 
     result = run(directory, records or JOURNAL_SIZES, segments or SEGMENT_SIZES,
                  log=lambda line: err.print(line, markup=False, highlight=False))
-    if as_json:
-        emit_json(result)
-    else:
-        out.print(format_table(result), markup=False, highlight=False)
+    _report(result, as_json, lambda: format_table(result))
 
 
 @app.command("vllm")
@@ -181,7 +171,4 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
     from kvj.bench.vllm import format_table, run
 
     result = run(directory, rounds, extra)
-    if as_json:
-        emit_json(result)
-    else:
-        out.print(format_table(result), markup=False, highlight=False)
+    _report(result, as_json, lambda: format_table(result))
