@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -290,12 +291,18 @@ def store_path(journal: str, store: Optional[str]) -> str:
 
 
 def check_owner(path: str) -> None:
-    """As root, refuse a journal or store directory that another user owns, as git's
-    safe.directory and logrotate do: whoever can write it could plant links there to turn a
-    privileged kvj against its machine. Run kvj as that user, or set KVJ_TRUST_OWNER=1."""
+    """As root, refuse a journal or store directory that another user owns, or that a group
+    other than root's or everyone may write, as git's safe.directory and logrotate do: whoever
+    can write it could plant links there to turn a privileged kvj against its machine. Run kvj
+    as that user, or set KVJ_TRUST_OWNER=1."""
     if os.geteuid() != 0 or os.environ.get(TRUST_ENV) == "1":
         return
-    owner = os.stat(path).st_uid
+    st = os.stat(path)
+    owner = st.st_uid
+    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != 0):
+        who = "everyone" if st.st_mode & stat.S_IWOTH else f"group gid {st.st_gid}"
+        raise UnsafePath(f"{path} is writable by {who} and kvj runs as root: refused (chmod go-w {path}, run kvj "
+                         f"as the user who writes it, or set {TRUST_ENV}=1 to trust it)")
     if owner != 0:
         try:
             import pwd

@@ -4,7 +4,8 @@ Whoever can write a journal directory (the serving process's user) can plant sym
 FIFOs and hard links in it. Every command is run against each planting: it must not write
 to, truncate or move what the planting points at, must not hang on a FIFO, and must fail
 (if it fails) with one line and no traceback. Run as root, kvj refuses a journal another
-user owns unless KVJ_TRUST_OWNER=1.
+user owns, or one that everyone or a group other than root's may write, unless
+KVJ_TRUST_OWNER=1.
 """
 
 from __future__ import annotations
@@ -178,6 +179,29 @@ def test_as_root_a_journal_another_user_owns_is_refused_unless_trusted(tmp_path,
         proc = kvj(*args, "-j", journal)
         assert_fails(proc, 8 if args[0] == "fsck" else NOPERM, "belongs to uid 4242", "KVJ_TRUST_OWNER=1")
     assert tree(journal) == before
+    proc = subprocess.run([*__import__("support.cli_helpers", fromlist=["KVJ"]).KVJ, "replay", "-j", str(journal)],
+                          capture_output=True, text=True, env=env(KVJ_TRUST_OWNER="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the permission check applies to a kvj run as root; this run is not root")
+@pytest.mark.parametrize("mode,gid,who", [(0o777, 0, "everyone"), (0o775, 4242, "group gid 4242")],
+                         ids=["world-writable", "group-writable"])
+def test_as_root_a_root_owned_journal_others_may_write_is_refused_unless_trusted(tmp_path, golden, mode, gid, who):
+    journal = tmp_path / "j"
+    shutil.copytree(golden, journal)
+    os.chown(journal, 0, gid)
+    os.chmod(journal, mode)
+    before = tree(journal)
+    for args in (["replay"], ["recover"], ["fsck", "--repair"], ["record", "start", "x"]):
+        proc = kvj(*args, "-j", journal)
+        assert_fails(proc, 8 if args[0] == "fsck" else NOPERM, f"is writable by {who}", "KVJ_TRUST_OWNER=1")
+    assert tree(journal) == before
+    os.chmod(journal, 0o775)
+    os.chown(journal, 0, 0)  # writable by root's group only: as logrotate, that is root's own
+    assert kvj("replay", "-j", journal).returncode == 0
+    os.chmod(journal, mode)
+    os.chown(journal, 0, gid)
     proc = subprocess.run([*__import__("support.cli_helpers", fromlist=["KVJ"]).KVJ, "replay", "-j", str(journal)],
                           capture_output=True, text=True, env=env(KVJ_TRUST_OWNER="1"), timeout=120)
     assert proc.returncode == 0, proc.stderr
