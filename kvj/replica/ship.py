@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError, KvjError, SegmentMissing
-from kvj.fileio import fsync_path
+from kvj.fileio import fsync_path, open_read
 from kvj.journal.framing import FILE_HEADER_SIZE
 from kvj.journal.journal import default_store_path
 from kvj.journal.reader import TORN, Damage, Scan, list_logs, log_seq, raise_on_damage, read_header
@@ -339,14 +339,14 @@ class Replicator:
                            "bytes: the replica is ahead of this journal")
         if not info.checked and entry.parts:
             last = entry.parts[-1]
-            with open(os.path.join(self.journal, entry.name), "rb") as f:
+            with open_read(os.path.join(self.journal, entry.name)) as f:
                 f.seek(last.start)
                 if mf.digest(f.read(last.end - last.start)) != last.blake3:
                     raise Diverged(f"{name}: bytes {last.start}-{last.end} differ from the local file")
             info.checked = True
 
     def _upload_part(self, seq: int, start: int, end: int) -> mf.Part:
-        with open(os.path.join(self.journal, f"{seq:016d}.log"), "rb") as f:
+        with open_read(os.path.join(self.journal, f"{seq:016d}.log")) as f:
             f.seek(start)
             data = f.read(end - start)
         if len(data) != end - start:
@@ -369,7 +369,7 @@ class Replicator:
                            f"the journal's newest ({lsn})")
         if m.snapshot is not None and lsn == m.snapshot.lsn and self._snap_keys is not None:
             return self._snap_keys, None
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             data = f.read()
         keys = set(decode_snapshot(data, path).referenced_keys())  # CRC and body checked
         pending = None
