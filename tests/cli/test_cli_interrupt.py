@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from support.cli_helpers import KVJ, append_torn_tail, env, kvj
+from support.cli_helpers import KVJ, append_torn_tail, env, interruptible, kvj
 from support.wait import wait_for
 
 from kvj.journal.journal import Journal
@@ -42,14 +42,18 @@ def _maps(pid: int) -> str:
 
 
 def _start(*args: object) -> subprocess.Popen:
-    return subprocess.Popen([*KVJ, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env())
+    return interruptible([*KVJ, *map(str, args)])
 
 
 def _interrupt(proc: subprocess.Popen, when, what: str):  # type: ignore[no-untyped-def]
-    wait_for(lambda: proc.poll() is not None or when(proc.pid), what)
-    proc.send_signal(signal.SIGINT)
-    return proc.communicate(timeout=30)  # honoured at once: never runs on to the end of a long job
+    try:
+        wait_for(lambda: proc.poll() is not None or when(proc.pid), what)
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=30)  # honoured at once: never runs on to the end of a long job
+    finally:
+        if proc.poll() is None:  # it ignored Ctrl-C: the test fails, and leaves no stuck child behind
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to see what the child is doing")
@@ -88,8 +92,7 @@ def test_ctrl_c_while_verifying_segments(tmp_path, big_journal, args, status):
     shutil.copytree(big_journal, journal)
     append_torn_tail(str(journal))
     marker = tmp_path / "verifying"
-    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(marker), *args, "-j", str(journal)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    proc = interruptible([sys.executable, "-c", STUCK, str(marker), *args, "-j", str(journal)])
     out, err = _interrupt(proc, lambda _pid: marker.exists(), "the child to verify a segment")
     assert proc.returncode == status and err == INTERRUPTED_LINE, (proc.returncode, err)
     # stopping at any point leaves a journal that recovers as if nothing had happened
@@ -100,9 +103,7 @@ def test_ctrl_c_while_verifying_segments(tmp_path, big_journal, args, status):
 
 def test_ctrl_c_stops_follow_quietly(big_journal):
     proc = _start("inspect", "-j", big_journal, "-f")
-    assert proc.stdout.readline()  # type: ignore[union-attr]  # the backlog is out: it is following now
-    proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=30)
+    _out, err = _interrupt(proc, lambda _pid: proc.stdout.readline(), "the backlog (then it follows)")
     assert proc.returncode == 0 and err == ""
 
 

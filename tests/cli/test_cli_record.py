@@ -7,14 +7,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
 import numpy
 import pytest
 import torch
-from support.cli_helpers import KVJ, build, env, ndjson, run_cli
+from support.cli_helpers import KVJ, build, interruptible, ndjson, run_cli
 from support.cli_helpers import kvj as kvj_proc
 
 import kvj
@@ -228,8 +227,7 @@ def test_follow_never_shows_an_incomplete_record(tmp_path):
     j = tmp_path / "j"
     with Journal.open(j) as jj:
         jj.alloc("cuda:0", 0, 1, "before")
-    follower = subprocess.Popen([*KVJ, "inspect", "-j", str(j), "--follow", "--json"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env())
+    follower = interruptible([*KVJ, "inspect", "-j", str(j), "--follow", "--json"])
     try:
         first = json.loads(follower.stdout.readline())
         assert first["lsn"] == 1 and first["tag"] == "before"

@@ -5,10 +5,9 @@ import json
 import os
 import queue
 import signal
-import subprocess
 import threading
 
-from support.cli_helpers import KVJ, env
+from support.cli_helpers import KVJ, interruptible
 from support.cli_helpers import kvj as kvj_proc
 from support.wait import wait_for
 
@@ -112,8 +111,7 @@ def test_inspect_follow_goes_on_through_kvj_compact(tmp_path):
     path = str(tmp_path / "j")
     with Journal.open(path) as j:
         j.alloc("cuda:0", 0, 1, "first")
-    follower = subprocess.Popen([*KVJ, "inspect", "-j", path, "--follow", "--json"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env())
+    follower = interruptible([*KVJ, "inspect", "-j", path, "--follow", "--json"])
     lines = _lines(follower)
     shown = []
 

@@ -4,6 +4,7 @@ build small journals with segments, and reach into the store for damage."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,14 @@ def kvj(*args: object, input: Optional[str] = None, extra_env: Optional[Dict[str
     """Run the installed ``kvj`` (or ``prog``) as a user would."""
     return subprocess.run([*(prog or KVJ), *map(str, args)], capture_output=True, text=True, input=input,
                           env=env(**(extra_env or {})), timeout=timeout, **kw)  # type: ignore[call-overload]
+
+
+def interruptible(argv: List[str], **kwargs: object) -> subprocess.Popen:
+    """Start a child a test will stop with Ctrl-C (SIGINT): with SIGINT at its default action,
+    whatever this test run inherited. A suite started in the background (``&``, nohup, some CI
+    runners) has SIGINT ignored, which kvj rightly keeps, so a child would never see it."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
 
 
 def assert_fails(proc: subprocess.CompletedProcess, status: int, *needles: str, prog: str = "kvj") -> str:
