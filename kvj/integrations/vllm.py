@@ -41,7 +41,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import blake3
 import numpy as np
@@ -522,8 +522,9 @@ class KvjConnector(KVConnectorBase_V1):
             for future in futures:
                 future.result()
             self._journal.sync()
-            if fin.resumes:
-                self._journal.end(fin.resumes, "resumed")
+            for earlier in (fin.resumes or "").split(","):  # the request it resumes, and any before that
+                if earlier:
+                    self._journal.end(earlier, "resumed")
             self._journal.end(fin.jid, fin.status)
         except BaseException as exc:
             self._fail(exc)
@@ -572,6 +573,9 @@ class ResumePlan:
     durable_tokens: int  #: tokens covered by its verified blocks (the recover manifest's resume position)
     sampling: Dict[str, Any]
     stop_ids: List[int]
+    #: earlier incarnations still in flight that this one carries (killed while being resumed):
+    #: the resumed request's END ends them too, so none is left in flight for a later recover
+    superseded: List[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -618,11 +622,19 @@ def resume_plans(manifest: Union[str, "os.PathLike[str]", Mapping[str, Any]]) ->
     naming the first) is left out: the later one carries all its tokens.
     """
     reqs = [r for r in _load_manifest(manifest)["requests"] if (r.get("meta") or {}).get("format") == START_FORMAT]
-    superseded = {r["meta"].get("resumes") for r in reqs}
+    by_id = {r["id"]: r for r in reqs}
+    superseded = {rid for r in reqs for rid in _resumed_ids(r["meta"])}
     plans = []
     for r in sorted(reqs, key=lambda r: r["start_lsn"]):
         if r["id"] in superseded:
             continue
+        chain, earlier = [], _resumed_ids(r["meta"])
+        while earlier:  # the in-flight incarnations this one took over, newest first
+            rid = earlier[0]
+            if rid not in by_id or rid in chain:
+                break
+            chain.append(rid)
+            earlier = _resumed_ids(by_id[rid]["meta"])
         meta = r["meta"]
         known = [int(t) for t in r.get("tokens") or []]
         for seg in sorted(r["segments"], key=lambda s: s["tokens"][0]):
@@ -634,8 +646,13 @@ def resume_plans(manifest: Union[str, "os.PathLike[str]", Mapping[str, Any]]) ->
         prompt_len = int(meta["prompt_len"])
         plans.append(ResumePlan(r["id"], known[:prompt_len], known[prompt_len:], int(meta["max_tokens"]),
                                 int(r["resume_position"]), dict(meta.get("sampling") or {}),
-                                [int(t) for t in meta.get("stop_ids") or []]))
+                                [int(t) for t in meta.get("stop_ids") or []], chain))
     return plans
+
+
+def _resumed_ids(meta: Mapping[str, Any]) -> List[str]:
+    """The ids a request's START says it resumes (its ``resumes`` meta: ids joined by commas)."""
+    return [rid for rid in str(meta.get("resumes") or "").split(",") if rid]
 
 
 def resume(llm: "LLM", manifest: Union[str, "os.PathLike[str]", Mapping[str, Any]], *,
@@ -659,7 +676,8 @@ def resume(llm: "LLM", manifest: Union[str, "os.PathLike[str]", Mapping[str, Any
         # A request already complete is still submitted, for one token, so that its
         # connector ends it in the journal; that token is not part of its output.
         params.append(SamplingParams(**{**sampling, "max_tokens": max(1, budget) if not plan.complete else 1,
-                                        "extra_args": {"kvj_resumes": plan.request_id,
+                                        "extra_args": {"kvj_resumes": ",".join([plan.request_id,
+                                                                                *plan.superseded]),
                                                        "kvj_prompt_len": len(plan.prompt),
                                                        "kvj_max_tokens": plan.max_tokens}}))
         prompts.append(TokensPrompt(prompt_token_ids=plan.prompt + plan.generated))

@@ -61,6 +61,22 @@ def test_a_request_taken_over_by_a_later_resume_is_not_resumed_twice() -> None:
     again["meta"]["prompt_len"] = 6
     (plan,) = resume_plans({"requests": [first, again]})
     assert plan.request_id == "a2" and plan.prompt == [1, 2, 3, 4, 5, 6] and plan.generated == [70]
+    assert plan.superseded == ["a"]  # the resumed request's END ends "a" too
+
+
+def test_a_resume_killed_again_carries_every_incarnation_still_in_flight() -> None:
+    """a -> a2 (killed while resuming a, so a is still in flight) -> a3 (resumes a2 and a):
+    after another kill, one plan, which ends all three when it finishes; none is left in flight
+    for a later recover to resume a second time."""
+    first = _request("a", [1, 2, 3, 4, 5, 6], [], 0)
+    second = _request("a2", [1, 2, 3, 4, 5, 6, 70], [], 0, resumes="a")
+    third = _request("a03", [1, 2, 3, 4, 5, 6, 70, 71], [], 0, resumes="a2,a")
+    for r in (second, third):
+        r["meta"]["prompt_len"] = 6
+    (plan,) = resume_plans({"requests": [first, second, third]})
+    assert plan.request_id == "a03" and plan.superseded == ["a2", "a"] and plan.generated == [70, 71]
+    (plan,) = resume_plans({"requests": [first, second]})
+    assert plan.request_id == "a2" and plan.superseded == ["a"]
 
 
 def test_a_block_that_contradicts_the_prompt_is_refused() -> None:
