@@ -177,7 +177,10 @@ MAX_NEW = 64
 PACE = 0.05
 #: A 64-token step budget: the short requests, first in line, decode (and journal blocks holding
 #: generated tokens) while the long one, last, is still in prefill.
-ENGINE = {"max_num_batched_tokens": 64}
+#: float32: vLLM's CPU bfloat16 kernels are not batch-invariant (a resumed request, batched
+#: differently from the uninterrupted run, got logprobs up to 0.06 apart with the same tokens),
+#: and its bfloat16 attention kernel dies of SIGILL after some resumes on this machine's CPU.
+ENGINE = {"max_num_batched_tokens": 64, "dtype": "float32"}
 
 
 def batch_of(ps: Dict[str, List[int]]) -> List[List[int]]:
@@ -302,7 +305,7 @@ def test_restart_prefix_reuse(reference: Dict[str, Any], crashed: Dict[str, Any]
     check_loaded_kv(crashed["tmp"], "resumed", reference["tmp"])
 
 
-def scheduler_connector(model: str, journal: str, dtype: str = "bfloat16") -> Any:
+def scheduler_connector(model: str, journal: str, dtype: str = "float32") -> Any:
     """The scheduler-side KvjConnector an engine for ``model`` would build (no engine started)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -331,7 +334,7 @@ def test_other_weights_or_dtype_never_match(models: Dict[str, str], reference: D
     q, journal = reference["prompts"]["Q"], reference["journal"]
     assert matched_tokens(scheduler_connector(models["main"], journal), q) == 64
     assert matched_tokens(scheduler_connector(models["other"], journal), q) == 0
-    assert matched_tokens(scheduler_connector(models["main"], journal, "float32"), q) == 0
+    assert matched_tokens(scheduler_connector(models["main"], journal, "bfloat16"), q) == 0
 
 
 def test_journaled_stop_tokens_are_those_vllm_stops_on(models: Dict[str, str], tmp_path: Any) -> None:
