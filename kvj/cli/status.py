@@ -21,7 +21,8 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
     how long ago it was written, records/s and bytes/s over the last minute and the commit
     lag (the longest interval between two commit groups in that minute), requests in
     flight and ended, the training step, journal and store sizes, what kvj set aside (torn/,
-    recovery/, quarantine) and the free space of their disks, the last recovery epoch
+    recovery/, quarantine) and the free space of their disks, the mirror (whether both
+    copies reach the same LSN), the last recovery epoch
     and the last compaction, replay's warnings and any damage, with what to run about it.
     Like systemctl status or pg_controldata: the first command in an incident. Read-only:
     it writes nothing and takes no lock.
@@ -34,6 +35,25 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
         emit_json(info)
         return
     out.print(view(info))
+
+
+def _mirror_row(m: Dict[str, Any], disk: Dict[str, int]) -> Text:
+    if not m["linked"]:
+        return Text(f"{m['path']} is named as the mirror but is missing or does not name this journal back "
+                    f"(a writer refuses to open it under --mirror-policy fail)", style="bold red")
+    j, mi = m["journal_lsn"], m["mirror_lsn"]
+    if j == mi:
+        text = Text(f"{m['path']}, in step (both copies to LSN {j})")
+    else:
+        behind, lsn = ("the mirror", mi) if mi < j else ("the journal's copy", j)
+        text = Text(f"{m['path']}: {behind} reaches LSN {lsn}, the other LSN {max(j, mi)} "
+                    f"(reads take each group from the copy that has it; the next writer evens them out)",
+                    style="yellow")
+    if m["disk"]["device"] != disk["device"]:
+        text.append(f"; {human_size(m['disk']['free'])} free of {human_size(m['disk']['size'])}")
+    else:
+        text.append("; on the journal's own file system", style="yellow")
+    return text
 
 
 def view(s: Dict[str, Any]) -> RenderableType:
@@ -76,6 +96,8 @@ def view(s: Dict[str, Any]) -> RenderableType:
                               + (" (nearly full)" if low else ""), style="bold red" if low else "")])
     if st["exists"] and st["disk"]["device"] != disk["device"]:
         rows.append(["store disk", f"{human_size(st['disk']['free'])} free of {human_size(st['disk']['size'])}"])
+    if s.get("mirror"):
+        rows.append(["mirror", _mirror_row(s["mirror"], disk)])
     epoch = s.get("last_epoch")
     if epoch:
         rows.append(["last recovery", f"epoch {epoch['epoch']} at LSN {epoch['lsn']}, {ago(epoch['time'], s['now'])}, "

@@ -449,12 +449,13 @@ class LogEnd:
     tail: Optional[TornTail]  #: incomplete bytes after it in the newest file (a live writer's, or a crash's)
 
 
-def log_end(directory: str, snapshot_lsn: int = 0) -> LogEnd:
+def log_end(directory: str, snapshot_lsn: int = 0, mirror: Union[bool, str] = True) -> LogEnd:
     """The last complete group of the log, reading only the newest log files (newest first,
     until one holds a group): what ``kvj status`` shows as the last durable write and its age.
 
     Complete is not durable for a live writer, whose last group may await its fdatasync;
-    for a journal no writer holds, it is what replay will return.
+    for a journal no writer holds, it is what replay will return. ``mirror`` is as for
+    ``Scan``: False reads the one copy at ``directory`` (how far each copy reaches).
     """
     logs = list_logs(directory)
     tail: Optional[TornTail] = None
@@ -466,7 +467,7 @@ def log_end(directory: str, snapshot_lsn: int = 0) -> LogEnd:
             continue
         if header is None:
             continue
-        scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None)
+        scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None, mirror=mirror)
         last: Optional[RawRecord] = None
         for raw in scan:
             last = raw

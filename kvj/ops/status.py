@@ -17,6 +17,7 @@ from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
+from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import list_snapshots
@@ -107,6 +108,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "last_compaction": ({"snapshot_lsn": snaps[0][0], "time": os.stat(snaps[0][1]).st_mtime} if snaps else None),
         "set_aside": {folder: _size(_files(os.path.join(journal, folder))) for folder in (TORN_DIR, RECOVERY_DIR)},
         "disk": _disk(journal),
+        "mirror": _mirror(journal, snapshot_lsn),
     }
     try:
         state = replay(journal)
@@ -120,6 +122,22 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                    training_step=_training_step(state))
     out["store"] = _store(store_root)
     return out
+
+
+def _mirror(journal: str, snapshot_lsn: int) -> Optional[Dict[str, Any]]:
+    """The journal's mirror, if it names one: where it is, whether the two name each other,
+    and how far each copy's own log reaches (a copy behind the other lacks groups that only
+    the other holds: a writer that stopped between the two writes, or ran degraded; the next
+    writer to open the journal evens them out)."""
+    named = recorded(journal)
+    if named is None:
+        return None
+    linked = mirror_of(journal)
+    if linked is None:
+        return {"path": named, "linked": False, "journal_lsn": None, "mirror_lsn": None, "disk": None}
+    return {"path": linked, "linked": True,
+            "journal_lsn": log_end(journal, snapshot_lsn, mirror=False).lsn,
+            "mirror_lsn": log_end(linked, snapshot_lsn, mirror=False).lsn, "disk": _disk(linked)}
 
 
 def _training_step(state: Any) -> Optional[int]:

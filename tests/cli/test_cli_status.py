@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import torch
@@ -88,3 +89,35 @@ def test_status_exit_statuses_as_its_man_page_says(tmp_path):
     assert os.listdir(tmp_path / "empty") == [] and not (tmp_path / "missing").exists()
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "man", "kvj-status.1")) as f:
         assert "kvj status exits 0 whenever it could read the journal" in f.read()
+
+
+def test_status_shows_the_mirror_and_how_far_each_copy_reaches(tmp_path, capsys):
+    path, mirror = tmp_path / "j", tmp_path / "m"
+    with Journal.open(path, mirror=mirror) as j:
+        for i in range(5):
+            j.alloc("cuda:0", i, 64, "x", durable=True)  # one commit group each
+    s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert s["mirror"]["path"] == str(mirror) and s["mirror"]["linked"]
+    assert s["mirror"]["journal_lsn"] == s["mirror"]["mirror_lsn"] == s["last_lsn"] == 5
+    text = kvj("status", "-j", path, extra_env={"COLUMNS": "300"}).stdout
+    assert f"{mirror}, in step (both copies to LSN 5)" in text and "on the journal's own file" in text
+
+    newest = sorted(p for p in os.listdir(mirror) if p.endswith(".log"))[-1]
+    with open(mirror / newest, "r+b") as f:  # the mirror's last group torn off
+        f.truncate(os.path.getsize(mirror / newest) - 3)
+    s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert (s["mirror"]["journal_lsn"], s["mirror"]["mirror_lsn"], s["last_lsn"]) == (5, 4, 5)
+    assert "the mirror reaches LSN 4, the other LSN 5" in kvj("status", "-j", path, extra_env={"COLUMNS": "300"}).stdout
+
+    os.unlink(mirror / "MIRROR")  # the journal still names it; it no longer names the journal back
+    s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert s["mirror"] == {"path": str(mirror), "linked": False, "journal_lsn": None, "mirror_lsn": None, "disk": None}
+    assert "is named as the mirror but is missing or does not name this journal back" in \
+        kvj("status", "-j", path, extra_env={"COLUMNS": "300"}).stdout
+
+
+def test_status_of_an_unmirrored_journal_has_no_mirror(tmp_path, capsys):
+    path = tmp_path / "j"
+    build(str(path))
+    assert json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)["mirror"] is None
+    assert not re.search(r"^ *mirror ", kvj("status", "-j", path, extra_env={"COLUMNS": "300"}).stdout, re.M)
