@@ -17,6 +17,7 @@ from kvj.errors import CorruptionError
 from kvj.ops.inspection import human_size
 from kvj.ops.recover import RecoveryResult, check_device, load_manifest
 from kvj.ops.recover import recover as recover_journal
+from kvj.ops.salvage import PENDING_NAME
 
 DeviceOpt = typer.Option("--device", metavar="DEVICE",
                          help="Also load every planned segment onto DEVICE (cpu, cuda:0, ...) and report "
@@ -192,9 +193,13 @@ def _salvage(s: Dict[str, Any], dry_run: bool) -> List[RenderableType]:
              f"the last record before it", style="bold red"),
         Text(f"lost: {lost}, and whatever the damaged groups held ({len(s['damage'])} damaged "
              f"{'place' if len(s['damage']) == 1 else 'places'})", style="red")]
+    if s.get("resumed"):
+        parts.append(Text("an earlier recovery began this salvage and was interrupted; its report "
+                          f"({PENDING_NAME}) is completed here", style="red"))
     moved = s["set_aside_to"] or ([f"{os.path.basename(s['cut_file'])} from offset {s['cut_offset']}"]
                                   + [os.path.basename(p) for p in s["later_files"]])
-    parts.append(Text(("would set aside: " if dry_run else "set aside (kept): ") + ", ".join(moved), style="red"))
+    label = "would set aside: " if dry_run and not s["set_aside_to"] else "set aside (kept): "
+    parts.append(Text(label + ", ".join(moved), style="red"))
     for r in s["requests"]:
         parts.append(Text(f"  {r['id']}: {r['what']}", style="red"))
     if s.get("training"):

@@ -33,7 +33,7 @@ from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.replay import is_legacy, legacy_file, replay
 from kvj.journal.state import JournalState, RequestState, SegmentRef
-from kvj.ops.salvage import Salvage, find_damage
+from kvj.ops.salvage import Salvage, clear_pending, find_damage, load_pending
 from kvj.ops.salvage import set_aside as set_aside_damage
 from kvj.segments.check import Problem, opened_store, verify_many
 
@@ -240,21 +240,43 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage
     if not legacy:
         _require_store(path, store, store_root, found.kept_state if found else None)
     if dry_run or legacy:
-        return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress, found)
+        salvage = None if legacy else _with_pending(path, found)
+        return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress, salvage)
     compactor = DirLock(path, COMPACT_LOCK, "compactor").acquire()
     try:
+        salvage = _with_pending(path, None)
         if found is not None:
             writer = DirLock(path, LOCK_NAME, "writer").acquire()
             try:
                 found = find_damage(path)  # again, under the locks: what is set aside is what was found
                 if found is not None:
-                    set_aside_damage(found, fs)
+                    salvage = _with_pending(path, found)
+                    set_aside_damage(path, salvage, fs)
             finally:
                 writer.release()
         with Journal.open(path, create=False, fs=fs, mirror=mirror, mirror_policy=mirror_policy) as journal:
-            return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress, found)
+            result = _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress, salvage)
+        clear_pending(path, fs)  # the epoch record that carries the report is durable
+        return result
     finally:
         compactor.release()
+
+
+def _with_pending(path: str, found: Optional[Salvage]) -> Optional[Salvage]:
+    """The salvage this recovery reports: an interrupted salvage's pending report (unless an
+    epoch record already carries it), completed by what ``found`` adds, or ``found`` alone."""
+    pending = load_pending(path)
+    if pending is None:
+        return found
+    if found is None:
+        return pending  # whether an epoch record carries it is checked against the replayed state
+    if _recorded(found.kept_state, pending):
+        return found
+    return pending.merged(found)
+
+
+def _recorded(state: Optional[JournalState], salvage: Salvage) -> bool:
+    return state is not None and any((e.get("salvage") or {}).get("id") == salvage.id for e in state.epochs)
 
 
 def _require_store(path: str, store: Any, store_root: Optional[str], state: Optional[JournalState]) -> None:
@@ -274,8 +296,10 @@ def _require_store(path: str, store: Any, store_root: Optional[str], state: Opti
 def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str, legacy: bool, dry_run: bool,
              fs: FS, journal: Optional[Journal], progress: Optional[Progress],
              salvage: Optional[Salvage] = None) -> RecoveryResult:
-    state = salvage.kept_state if salvage is not None and dry_run else replay(path)
+    state = salvage.kept_state if salvage is not None and dry_run and salvage.kept_state is not None else replay(path)
     assert state is not None
+    if salvage is not None and _recorded(state, salvage):
+        salvage = None  # a pending report whose epoch record is durable: only its file was left
     cut = journal.cut_tail if journal is not None else None
     if legacy and state.last_lsn == 0:
         raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record "

@@ -11,16 +11,25 @@ is unknown. ``set_aside`` then moves the damage and everything after it into ``t
 (the rest of the damaged file, cut as a torn tail is; every later log file whole), so that
 the journal ends cleanly at the last record kept and the next record continues from it.
 Nothing is deleted.
+
+From the moment it sets anything aside until the recovery-epoch record that carries it is
+durable, the salvage's report is kept in the journal's ``SALVAGE.json``: a recovery
+interrupted in between (a crash, a full disk while writing the manifest) would otherwise
+leave a journal that ends cleanly and a retry that says nothing was lost. The next recovery
+reports the pending salvage, with or without ``--until-damage``, and removes the file once
+its own epoch record is durable.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import asdict, dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError
-from kvj.fileio import FS, REAL_FS
+from kvj.fileio import FS, REAL_FS, atomic_write, open_read
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
 from kvj.journal.journal import keep_torn_bytes, truncate_log
 from kvj.journal.reader import (
@@ -39,6 +48,9 @@ from kvj.journal.reader import (
 from kvj.journal.snapshot import load_latest
 from kvj.journal.state import JournalState
 
+#: A salvage's report while it is not yet in a durable recovery-epoch record.
+PENDING_NAME = "SALVAGE.json"
+
 
 @dataclass
 class Salvage:
@@ -54,6 +66,8 @@ class Salvage:
     training: Optional[Dict[str, Any]]  #: the training step kept and the one lost, if they differ
     tokens_lost: int = 0  #: tokens of intact records after the damage that recovery loses
     set_aside_to: List[str] = field(default_factory=list)  #: where the bytes went, once set aside
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  #: names this salvage in its epoch record
+    resumed: bool = False  #: an interrupted salvage's report, completed by a later recovery
     kept_state: Optional[JournalState] = None  #: the state as of ``kept_lsn``
 
     def to_dict(self) -> Dict[str, Any]:
@@ -63,9 +77,59 @@ class Salvage:
 
     def epoch_record(self) -> Dict[str, Any]:
         """The decision, small enough for the recovery-epoch record (the manifest has it all)."""
-        return {"kept_lsn": self.kept_lsn, "lost_from": self.kept_lsn + 1, "lost_to": self.lost_to,
+        return {"id": self.id, "kept_lsn": self.kept_lsn, "lost_from": self.kept_lsn + 1, "lost_to": self.lost_to,
                 "damage": self.damage[:8], "set_aside": self.set_aside_to[:64],
                 "requests_affected": len(self.requests), "tokens_lost": self.tokens_lost}
+
+    def merged(self, later: "Salvage") -> "Salvage":
+        """This pending salvage's report with what ``later`` (a retry's own walk, which no
+        longer sees what this one already set aside) adds: the retry sets aside from its cut."""
+        ids = {r["id"] for r in self.requests}
+        added = [r for r in later.requests if r["id"] not in ids]
+        lost_to = max((x for x in (self.lost_to, later.lost_to) if x is not None), default=None)
+        return Salvage(damage=self.damage + [d for d in later.damage if d not in self.damage],
+                       kept_lsn=min(self.kept_lsn, later.kept_lsn), lost_to=lost_to, cut_file=later.cut_file,
+                       cut_offset=later.cut_offset, later_files=later.later_files, requests=self.requests + added,
+                       training=self.training or later.training,
+                       tokens_lost=self.tokens_lost + sum(r["tokens_lost"] for r in added),
+                       set_aside_to=list(self.set_aside_to), id=self.id, resumed=True, kept_state=later.kept_state)
+
+
+def pending_path(journal: str) -> str:
+    return os.path.join(journal, PENDING_NAME)
+
+
+def load_pending(journal: str) -> Optional[Salvage]:
+    """The report of a salvage that set files aside but whose epoch record was never written."""
+    path = pending_path(journal)
+    try:
+        with open_read(path) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    names = {f.name for f in fields(Salvage)} - {"kept_state"}
+    try:
+        d = json.loads(data)
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"fields {sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        return Salvage(**{**d, "resumed": True})
+    except (ValueError, TypeError) as exc:  # written atomically by kvj: anything else is damage, not a torn write
+        raise CorruptionError(path, None, f"not a pending salvage report ({exc}); it says what an interrupted "
+                                          "kvj recover --until-damage set aside and lost: keep it for the record, "
+                                          "then move it away to recover") from None
+
+
+def save_pending(journal: str, salvage: Salvage, fs: FS = REAL_FS) -> None:
+    atomic_write(pending_path(journal), (json.dumps(salvage.to_dict(), indent=1, sort_keys=True) + "\n").encode(), fs)
+
+
+def clear_pending(journal: str, fs: FS = REAL_FS) -> None:
+    """Remove the pending report, durably, once an epoch record carrying it is durable."""
+    try:
+        fs.unlink(pending_path(journal))
+    except FileNotFoundError:
+        return
+    fs.fsync_dir(journal)
 
 
 def _copy(state: JournalState) -> JournalState:
@@ -178,22 +242,33 @@ def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str,
     return {"kept_step": step(kept), "step_after_damage": step(full)}
 
 
-def set_aside(salvage: Salvage, fs: FS = REAL_FS) -> None:
-    """Move the damage and everything after it into ``torn/``, durably. The one step that needs
-    free space, the copy of the damaged file's rest, comes first, so that on a full disk the
-    journal is left as it was; then the later files move newest first and the damaged file is
-    cut last: a crash midway leaves a journal that still ends in damage (salvage again) or
-    ends cleanly."""
+def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS) -> None:
+    """Move the damage and everything after it into ``torn/``, durably. The steps that need
+    free space, the copy of the damaged file's rest and the pending report, come first, so
+    that on a full disk the journal is left as it was; then the later files move newest
+    first and the damaged file is cut last: a crash midway leaves a journal that still ends
+    in damage (salvage again) or ends cleanly, and the pending report either way."""
     from kvj.ops.fsck import set_aside as move_aside
 
     size = os.path.getsize(salvage.cut_file)
     tail = TornTail(salvage.cut_file, salvage.cut_offset, size - salvage.cut_offset)
     kept = keep_torn_bytes(tail, fs) if 0 < salvage.cut_offset < size else None
+    try:
+        save_pending(journal, salvage, fs)
+    except BaseException:
+        if kept is not None:  # nothing set aside yet: leave the journal as it was
+            try:
+                fs.unlink(kept)
+            except OSError:
+                pass
+        raise
+    moved: List[str] = []
     for path in reversed(salvage.later_files):
-        salvage.set_aside_to.append(move_aside(path, fs))
+        moved.append(move_aside(path, fs))
     if salvage.cut_offset == 0:
-        salvage.set_aside_to.append(move_aside(salvage.cut_file, fs))
+        moved.append(move_aside(salvage.cut_file, fs))
     elif kept is not None:
         truncate_log(tail, fs)
-        salvage.set_aside_to.append(kept)
-    salvage.set_aside_to.reverse()
+        moved.append(kept)
+    salvage.set_aside_to.extend(reversed(moved))
+    save_pending(journal, salvage, fs)

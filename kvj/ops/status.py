@@ -22,6 +22,7 @@ from kvj.journal.reader import Scan, list_logs, log_end, read_header
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import list_snapshots
 from kvj.ops.recover import RECOVERY_DIR
+from kvj.ops.salvage import PENDING_NAME
 
 #: The window the write rates are measured over.
 WINDOW = 60.0
@@ -109,6 +110,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "set_aside": {folder: _size(_files(os.path.join(journal, folder))) for folder in (TORN_DIR, RECOVERY_DIR)},
         "disk": _disk(journal),
         "mirror": _mirror(journal, snapshot_lsn),
+        "salvage_pending": os.path.lexists(os.path.join(journal, PENDING_NAME)),
     }
     try:
         state = replay(journal)

@@ -15,7 +15,7 @@ import kvj as kvj_lib
 from kvj.errors import CorruptionError
 from kvj.fileio import FS
 from kvj.journal.journal import Journal
-from kvj.journal.reader import list_logs
+from kvj.journal.reader import list_logs, read_header
 from kvj.journal.writer import CommitPolicy
 from kvj.ops.recover import recover
 
@@ -120,3 +120,111 @@ def test_salvage_on_a_full_disk_leaves_the_log_as_it_was_and_a_retry_says_all_th
     for field in ("kept_lsn", "lost_to", "requests", "tokens_lost"):
         assert salvage[field] == full[field], field
     assert full["lost_to"] > full["kept_lsn"] and full["requests"]
+
+
+class _CrashAt(FS):
+    """Fails the first matching step (``open`` of a path containing ``name``, or an ``op``) as a
+    crash there would stop the recovery: everything before it done, nothing after it."""
+
+    def __init__(self, op: str, name: str = ""):
+        self.op, self.name, self.fired = op, name, False
+
+    def _maybe(self, op: str, path: object = "") -> None:
+        if not self.fired and op == self.op and self.name in str(path):
+            self.fired = True
+            raise OSError(errno.EIO, f"injected at {op} {path}")
+
+    def open(self, path, flags, mode=0o600):  # type: ignore[no-untyped-def]
+        self._maybe("open", path)
+        return super().open(path, flags, mode)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        self._maybe("ftruncate")
+        super().ftruncate(fd, length)
+
+    def unlink(self, path) -> None:  # type: ignore[no-untyped-def]
+        self._maybe("unlink", path)
+        super().unlink(path)
+
+
+LOSS = ("kept_lsn", "lost_to", "requests", "tokens_lost", "training", "damage")
+
+
+@pytest.mark.parametrize("where", [("open", "manifest-"), ("ftruncate", "")],
+                         ids=["writing the manifest", "cutting the damaged file"])
+def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retry(tmp_path, capsys, where):
+    path = str(tmp_path / "j")
+    damaged_journal(path)
+    full = recover(path, dry_run=True, until_damage=True).manifest["salvage"]
+    crash = _CrashAt(*where)
+    with pytest.raises(OSError):
+        recover(path, until_damage=True, fs=crash)
+    assert crash.fired and os.path.exists(os.path.join(path, "SALVAGE.json"))
+    assert os.listdir(os.path.join(path, "torn"))  # files were set aside before the crash
+    status = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert status["salvage_pending"]
+
+    dry = recover(path, dry_run=True, until_damage=True).manifest["salvage"]
+    for field in LOSS:  # the retry's own walk no longer sees what was set aside; the report does
+        assert dry[field] == full[field], field
+    again = in_process(capsys, "recover", "-j", path, "--until-damage" if where[0] == "ftruncate" else "--json")
+    assert again.returncode == 0, again.stderr
+    state = kvj_lib.replay(path)
+    epoch = state.epochs[-1]["salvage"]
+    assert (epoch["kept_lsn"], epoch["lost_to"], epoch["tokens_lost"]) == (full["kept_lsn"], full["lost_to"], 48)
+    assert epoch["set_aside"] and all(os.path.exists(p) for p in epoch["set_aside"])
+    assert not os.path.exists(os.path.join(path, "SALVAGE.json"))
+    if where[0] == "ftruncate":
+        assert "was interrupted; its report" in " ".join(again.stdout.split())
+    later = recover(path)  # reported once: the next recovery is an ordinary one
+    assert "salvage" not in later.manifest
+
+
+def test_a_pending_report_whose_epoch_record_is_durable_is_not_reported_twice(tmp_path):
+    path = str(tmp_path / "j")
+    damaged_journal(path)
+    with pytest.raises(OSError):  # the epoch record is durable; removing the report is not done
+        recover(path, until_damage=True, fs=_CrashAt("unlink", "SALVAGE.json"))
+    assert os.path.exists(os.path.join(path, "SALVAGE.json"))
+    assert kvj_lib.replay(path).epochs[-1]["salvage"]["tokens_lost"] == 48
+    result = recover(path)
+    assert "salvage" not in result.manifest and not os.path.exists(os.path.join(path, "SALVAGE.json"))
+    assert len([e for e in kvj_lib.replay(path).epochs if e.get("salvage")]) == 1
+
+
+def test_a_damaged_pending_report_is_refused_and_left_alone(tmp_path, capsys):
+    path = str(tmp_path / "j")
+    build(path)
+    report = os.path.join(path, "SALVAGE.json")
+    with open(report, "w") as f:
+        f.write('{"kept_lsn": 3')
+    before = tree(path)
+    proc = in_process(capsys, "recover", "-j", path)
+    assert proc.returncode == 65 and "SALVAGE.json" in proc.stderr and "not a pending salvage report" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    after = tree(path)
+    for lock in ("LOCK", "COMPACT"):
+        before.pop(lock, None), after.pop(lock, None)
+    assert after == before
+
+
+def test_a_new_damage_after_a_completed_salvage_is_reported_despite_a_stale_report(tmp_path):
+    path = str(tmp_path / "j")
+    damaged_journal(path)
+    with pytest.raises(OSError):
+        recover(path, until_damage=True, fs=_CrashAt("unlink", "SALVAGE.json"))
+    epoch = kvj_lib.replay(path).epochs[-1]
+    first = epoch["salvage"]
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=300)) as j:  # more work, more log files
+        for i in range(12):
+            j.start(f"after-{i}", tokens=[1], meta={"pad": "x" * 100})
+            j.sync()
+    victim = [p for p in list_logs(path)[:-1] if read_header(p).base_lsn > epoch["lsn"]][0]
+    data = bytearray(open(victim, "rb").read())
+    data[60] ^= 0xFF
+    open(victim, "wb").write(data)
+    result = recover(path, until_damage=True)
+    s = result.manifest["salvage"]
+    assert s["id"] != first["id"] and s["kept_lsn"] > first["kept_lsn"] and not s["resumed"]
+    assert [e["salvage"]["id"] for e in kvj_lib.replay(path).epochs if e.get("salvage")] == [first["id"], s["id"]]
+    assert not os.path.exists(os.path.join(path, "SALVAGE.json"))
