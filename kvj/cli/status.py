@@ -41,6 +41,9 @@ def _mirror_row(m: Dict[str, Any], disk: Dict[str, int]) -> Text:
     if not m["linked"]:
         return Text(f"{m['path']} is named as the mirror but is missing or does not name this journal back "
                     f"(a writer refuses to open it under --mirror-policy fail)", style="bold red")
+    if m["error"]:
+        return Text(f"{m['path']}: a copy cannot be read ({m['error']}; kvj fsck -n says which groups each "
+                    "copy holds)", style="bold red")
     j, mi = m["journal_lsn"], m["mirror_lsn"]
     if j == mi:
         text = Text(f"{m['path']}, in step (both copies to LSN {j})")
@@ -104,7 +107,7 @@ def view(s: Dict[str, Any]) -> RenderableType:
                                       f"manifest {epoch['manifest']}"])
     if s.get("salvage_pending"):
         rows.append(["salvage", Text("a salvaging recovery was interrupted after setting files aside "
-                                     "(kvj recover completes its report of what was lost)", style="bold red")])
+                                     "(kvj recover, with --until-damage while the log is damaged, completes its report of what was lost)", style="bold red")])
     if s["damage"]:
         rows.append(["damage", Text(f"{s['damage']} (kvj fsck -j {s['journal']} says what it is and what to do)",
                                     style="bold red")])

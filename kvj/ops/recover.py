@@ -251,7 +251,7 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage
                 found = find_damage(path)  # again, under the locks: what is set aside is what was found
                 if found is not None:
                     salvage = _with_pending(path, found)
-                    set_aside_damage(path, salvage, fs)
+                    set_aside_damage(path, found, fs, report=salvage)
             finally:
                 writer.release()
         with Journal.open(path, create=False, fs=fs, mirror=mirror, mirror_policy=mirror_policy) as journal:

@@ -25,13 +25,13 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError
-from kvj.fileio import FS, REAL_FS, atomic_write, open_read
+from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, open_read, rename_durable
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
-from kvj.journal.journal import keep_torn_bytes, truncate_log
+from kvj.journal.journal import TORN_DIR, keep_torn_bytes, truncate_log
 from kvj.journal.reader import (
     CORRUPTION,
     COVERED_GAP,
@@ -65,7 +65,7 @@ class Salvage:
     requests: List[Dict[str, Any]]  #: per request the damage changed: what is lost
     training: Optional[Dict[str, Any]]  #: the training step kept and the one lost, if they differ
     tokens_lost: int = 0  #: tokens of intact records after the damage that recovery loses
-    set_aside_to: List[str] = field(default_factory=list)  #: where the bytes went, once set aside
+    set_aside_to: List[str] = field(default_factory=list)  #: where the bytes go in torn/, chosen before any move
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  #: names this salvage in its epoch record
     resumed: bool = False  #: an interrupted salvage's report, completed by a later recovery
     kept_state: Optional[JournalState] = None  #: the state as of ``kept_lsn``
@@ -82,17 +82,24 @@ class Salvage:
                 "requests_affected": len(self.requests), "tokens_lost": self.tokens_lost}
 
     def merged(self, later: "Salvage") -> "Salvage":
-        """This pending salvage's report with what ``later`` (a retry's own walk, which no
-        longer sees what this one already set aside) adds: the retry sets aside from its cut."""
-        ids = {r["id"] for r in self.requests}
-        added = [r for r in later.requests if r["id"] not in ids]
+        """This pending report completed by ``later``, a retry's own walk.
+
+        A retry that cuts where this salvage cut continues it: this report, made before
+        anything moved, already says everything that is lost and where each file goes.
+        Otherwise the retry found another damage (the log changed since): the two losses
+        add up, each request's entries from both walks and the tokens of both.
+        """
+        if (later.cut_file, later.cut_offset) == (self.cut_file, self.cut_offset):
+            return replace(self, resumed=True, kept_state=later.kept_state,
+                           set_aside_to=_union(self.set_aside_to, later.set_aside_to))
         lost_to = max((x for x in (self.lost_to, later.lost_to) if x is not None), default=None)
-        return Salvage(damage=self.damage + [d for d in later.damage if d not in self.damage],
-                       kept_lsn=min(self.kept_lsn, later.kept_lsn), lost_to=lost_to, cut_file=later.cut_file,
-                       cut_offset=later.cut_offset, later_files=later.later_files, requests=self.requests + added,
-                       training=self.training or later.training,
-                       tokens_lost=self.tokens_lost + sum(r["tokens_lost"] for r in added),
-                       set_aside_to=list(self.set_aside_to), id=self.id, resumed=True, kept_state=later.kept_state)
+        return replace(later, damage=self.damage + later.damage, lost_to=lost_to, requests=self.requests + later.requests,
+                       training=later.training or self.training, tokens_lost=self.tokens_lost + later.tokens_lost,
+                       set_aside_to=_union(self.set_aside_to, later.set_aside_to), id=self.id, resumed=True)
+
+
+def _union(first: List[str], second: List[str]) -> List[str]:
+    return first + [p for p in second if p not in first]
 
 
 def pending_path(journal: str) -> str:
@@ -242,33 +249,47 @@ def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str,
     return {"kept_step": step(kept), "step_after_damage": step(full)}
 
 
-def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS) -> None:
-    """Move the damage and everything after it into ``torn/``, durably. The steps that need
-    free space, the copy of the damaged file's rest and the pending report, come first, so
-    that on a full disk the journal is left as it was; then the later files move newest
-    first and the damaged file is cut last: a crash midway leaves a journal that still ends
-    in damage (salvage again) or ends cleanly, and the pending report either way."""
-    from kvj.ops.fsck import set_aside as move_aside
+def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS, report: Optional[Salvage] = None) -> None:
+    """Move the damage ``salvage`` found and everything after it into ``torn/``, durably.
 
+    The steps that need free space, the copy of the damaged file's rest and the pending
+    ``report`` (default: ``salvage``; it gains where every file goes), come first, so that
+    on a full disk the journal is left as it was; then the later files move newest first
+    and the damaged file is cut last: a crash midway leaves a journal that still ends in
+    damage (salvage again) or ends cleanly, and the pending report either way."""
+    report = salvage if report is None else report
+    makedirs_durable(os.path.join(journal, TORN_DIR), fs)
     size = os.path.getsize(salvage.cut_file)
     tail = TornTail(salvage.cut_file, salvage.cut_offset, size - salvage.cut_offset)
     kept = keep_torn_bytes(tail, fs) if 0 < salvage.cut_offset < size else None
+    moves = _targets(journal, list(reversed(salvage.later_files))
+                     + ([salvage.cut_file] if salvage.cut_offset == 0 else []))
+    planned = ([kept] if kept is not None else []) + [target for _path, target in reversed(moves)]
+    report.set_aside_to = _union(report.set_aside_to, planned)
     try:
-        save_pending(journal, salvage, fs)
+        save_pending(journal, report, fs)
     except BaseException:
-        if kept is not None:  # nothing set aside yet: leave the journal as it was
+        if kept is not None:  # nothing moved or cut yet: leave the journal as it was
             try:
                 fs.unlink(kept)
             except OSError:
                 pass
         raise
-    moved: List[str] = []
-    for path in reversed(salvage.later_files):
-        moved.append(move_aside(path, fs))
-    if salvage.cut_offset == 0:
-        moved.append(move_aside(salvage.cut_file, fs))
-    elif kept is not None:
+    for path, target in moves:
+        rename_durable(path, target, fs)
+    if kept is not None:
         truncate_log(tail, fs)
-        moved.append(kept)
-    salvage.set_aside_to.extend(reversed(moved))
-    save_pending(journal, salvage, fs)
+
+
+def _targets(journal: str, paths: List[str]) -> List[Tuple[str, str]]:
+    """Where each file goes in ``torn/``: its own name, or with ``.N`` added while taken."""
+    aside_dir = os.path.join(journal, TORN_DIR)
+    taken = set(list_dir(aside_dir))
+    out = []
+    for path in paths:
+        name, n = os.path.basename(path), 1
+        while name in taken:
+            name, n = f"{os.path.basename(path)}.{n}", n + 1
+        taken.add(name)
+        out.append((path, os.path.join(aside_dir, name)))
+    return out

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-from kvj.errors import CorruptionError, FormatError, JournalLocked, SegmentMissing
+from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, SegmentMissing
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR
@@ -135,11 +135,17 @@ def _mirror(journal: str, snapshot_lsn: int) -> Optional[Dict[str, Any]]:
     if named is None:
         return None
     linked = mirror_of(journal)
+    out: Dict[str, Any] = {"path": linked or named, "linked": linked is not None, "journal_lsn": None,
+                           "mirror_lsn": None, "disk": None, "error": None}
     if linked is None:
-        return {"path": named, "linked": False, "journal_lsn": None, "mirror_lsn": None, "disk": None}
-    return {"path": linked, "linked": True,
-            "journal_lsn": log_end(journal, snapshot_lsn, mirror=False).lsn,
-            "mirror_lsn": log_end(linked, snapshot_lsn, mirror=False).lsn, "disk": _disk(linked)}
+        return out
+    try:  # an unreadable copy is what status must show, not what stops it
+        out["journal_lsn"] = log_end(journal, snapshot_lsn, mirror=False).lsn
+        out["mirror_lsn"] = log_end(linked, snapshot_lsn, mirror=False).lsn
+        out["disk"] = _disk(linked)
+    except (OSError, KvjError) as exc:
+        out["error"] = str(exc)
+    return out
 
 
 def _training_step(state: Any) -> Optional[int]:

@@ -109,9 +109,19 @@ def test_status_shows_the_mirror_and_how_far_each_copy_reaches(tmp_path, capsys)
     assert (s["mirror"]["journal_lsn"], s["mirror"]["mirror_lsn"], s["last_lsn"]) == (5, 4, 5)
     assert "the mirror reaches LSN 4, the other LSN 5" in kvj("status", "-j", path, extra_env={"COLUMNS": "300"}).stdout
 
+    os.rename(mirror / newest, mirror / "moved")
+    os.mkfifo(mirror / newest)  # a copy that cannot be read: status still answers, and says so
+    s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
+    assert s["mirror"]["error"] and newest in s["mirror"]["error"] and s["last_lsn"] == 5
+    proc = kvj("status", "-j", path, extra_env={"COLUMNS": "300"})
+    assert proc.returncode == 0 and "a copy cannot be read" in proc.stdout
+    os.unlink(mirror / newest)
+    os.rename(mirror / "moved", mirror / newest)
+
     os.unlink(mirror / "MIRROR")  # the journal still names it; it no longer names the journal back
     s = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
-    assert s["mirror"] == {"path": str(mirror), "linked": False, "journal_lsn": None, "mirror_lsn": None, "disk": None}
+    assert s["mirror"] == {"path": str(mirror), "linked": False, "journal_lsn": None, "mirror_lsn": None, "disk": None,
+                           "error": None}
     assert "is named as the mirror but is missing or does not name this journal back" in \
         kvj("status", "-j", path, extra_env={"COLUMNS": "300"}).stdout
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 
 import pytest
 from support.cli_helpers import block, build, in_process, kvj, tree
@@ -15,7 +16,9 @@ import kvj as kvj_lib
 from kvj.errors import CorruptionError
 from kvj.fileio import FS
 from kvj.journal.journal import Journal
-from kvj.journal.reader import list_logs, read_header
+from kvj.journal.framing import RECORD_HEADER_SIZE
+from kvj.journal.reader import Scan, decode, list_logs, read_header
+from kvj.journal.records import RecordType
 from kvj.journal.writer import CommitPolicy
 from kvj.ops.recover import recover
 
@@ -126,13 +129,19 @@ class _CrashAt(FS):
     """Fails the first matching step (``open`` of a path containing ``name``, or an ``op``) as a
     crash there would stop the recovery: everything before it done, nothing after it."""
 
-    def __init__(self, op: str, name: str = ""):
-        self.op, self.name, self.fired = op, name, False
+    def __init__(self, op: str, name: str = "", nth: int = 1):
+        self.op, self.name, self.nth, self.fired = op, name, nth, False
 
     def _maybe(self, op: str, path: object = "") -> None:
         if not self.fired and op == self.op and self.name in str(path):
-            self.fired = True
-            raise OSError(errno.EIO, f"injected at {op} {path}")
+            self.nth -= 1
+            if self.nth == 0:
+                self.fired = True
+                raise OSError(errno.EIO, f"injected at {op} {path}")
+
+    def rename(self, src, dst) -> None:  # type: ignore[no-untyped-def]
+        self._maybe("rename", dst)
+        super().rename(src, dst)
 
     def open(self, path, flags, mode=0o600):  # type: ignore[no-untyped-def]
         self._maybe("open", path)
@@ -150,8 +159,8 @@ class _CrashAt(FS):
 LOSS = ("kept_lsn", "lost_to", "requests", "tokens_lost", "training", "damage")
 
 
-@pytest.mark.parametrize("where", [("open", "manifest-"), ("ftruncate", "")],
-                         ids=["writing the manifest", "cutting the damaged file"])
+@pytest.mark.parametrize("where", [("open", "manifest-"), ("ftruncate", ""), ("rename", "/torn/", 2)],
+                         ids=["writing the manifest", "cutting the damaged file", "moving the later files"])
 def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retry(tmp_path, capsys, where):
     path = str(tmp_path / "j")
     damaged_journal(path)
@@ -167,14 +176,17 @@ def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retr
     dry = recover(path, dry_run=True, until_damage=True).manifest["salvage"]
     for field in LOSS:  # the retry's own walk no longer sees what was set aside; the report does
         assert dry[field] == full[field], field
-    again = in_process(capsys, "recover", "-j", path, "--until-damage" if where[0] == "ftruncate" else "--json")
+    still_damaged = where[0] != "open"
+    again = in_process(capsys, "recover", "-j", path, "--until-damage" if still_damaged else "--json")
     assert again.returncode == 0, again.stderr
     state = kvj_lib.replay(path)
     epoch = state.epochs[-1]["salvage"]
     assert (epoch["kept_lsn"], epoch["lost_to"], epoch["tokens_lost"]) == (full["kept_lsn"], full["lost_to"], 48)
-    assert epoch["set_aside"] and all(os.path.exists(p) for p in epoch["set_aside"])
+    planned = [os.path.basename(full["cut_file"]) + ".36.torn"] + [os.path.basename(p) for p in full["later_files"]]
+    assert [os.path.basename(p) for p in epoch["set_aside"]] == planned  # every file, each once
+    assert sorted(os.listdir(os.path.join(path, "torn"))) == sorted(planned)
     assert not os.path.exists(os.path.join(path, "SALVAGE.json"))
-    if where[0] == "ftruncate":
+    if still_damaged:
         assert "was interrupted; its report" in " ".join(again.stdout.split())
     later = recover(path)  # reported once: the next recovery is an ordinary one
     assert "salvage" not in later.manifest
@@ -228,3 +240,38 @@ def test_a_new_damage_after_a_completed_salvage_is_reported_despite_a_stale_repo
     assert s["id"] != first["id"] and s["kept_lsn"] > first["kept_lsn"] and not s["resumed"]
     assert [e["salvage"]["id"] for e in kvj_lib.replay(path).epochs if e.get("salvage")] == [first["id"], s["id"]]
     assert not os.path.exists(os.path.join(path, "SALVAGE.json"))
+
+
+def _flip_record_of(path: str, rid: str) -> None:
+    """Damage the group that starts request ``rid`` (a byte inside its payload)."""
+    for raw in Scan(path, reporter=lambda _d: None):
+        rec = decode(raw)
+        if rec.rtype == RecordType.START and rec.payload["id"] == rid:
+            data = bytearray(open(raw.path, "rb").read())
+            data[raw.offset + RECORD_HEADER_SIZE + 3] ^= 0xFF
+            open(raw.path, "wb").write(data)
+            return
+    raise AssertionError(f"no start of {rid}")
+
+
+def test_a_second_damage_found_by_the_retry_adds_its_loss_to_the_pending_one(tmp_path):
+    path, twin = str(tmp_path / "j"), str(tmp_path / "twin")
+    build(path, requests=1, blocks=1, ended=0, training=False)
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=250)) as j:
+        j.start("r", tokens=[1, 2])
+        for b in range(12):  # each record its own commit group: a damaged start costs r no segment
+            j.flush("r", b, block(7, b), token_range=(16 * b, 16 * (b + 1))).result()
+            j.sync()
+            j.start(f"f-{b}", tokens=[1], durable=True)
+    shutil.copytree(path, twin)
+    for d in (path, twin):
+        _flip_record_of(d, "f-8")
+    with pytest.raises(OSError):  # the first salvage set everything aside, then stopped
+        recover(path, until_damage=True, fs=_CrashAt("open", "manifest-"))
+    for d in (path, twin):  # a second damage, earlier in what the first salvage kept
+        _flip_record_of(d, "f-3")
+    truth = recover(twin, dry_run=True, until_damage=True).manifest["salvage"]  # both damages, one walk
+    s = recover(path, until_damage=True).manifest["salvage"]
+    assert s["resumed"] and (s["kept_lsn"], s["tokens_lost"]) == (truth["kept_lsn"], truth["tokens_lost"]) == (s["kept_lsn"], 128)
+    assert sum(r["tokens_lost"] for r in s["requests"] if r["id"] == "r") == 128  # 192 -> 144 -> 64
+    assert len(s["damage"]) >= 2 and kvj_lib.replay(path).epochs[-1]["salvage"]["tokens_lost"] == 128
