@@ -196,10 +196,15 @@ def _salvage(s: Dict[str, Any], dry_run: bool) -> List[RenderableType]:
     if s.get("resumed"):
         parts.append(Text("an earlier recovery began this salvage and was interrupted; its report "
                           f"({PENDING_NAME}) is completed here", style="red"))
-    moved = s["set_aside_to"] or ([f"{os.path.basename(s['cut_file'])} from offset {s['cut_offset']}"]
-                                  + [os.path.basename(p) for p in s["later_files"]])
-    label = "would set aside: " if dry_run and not s["set_aside_to"] else "set aside (kept): "
-    parts.append(Text(label + ", ".join(moved), style="red"))
+    if dry_run:
+        plan = ([f"{os.path.basename(s['cut_file'])} from offset {s['cut_offset']}"]
+                + [os.path.basename(p) for p in s["later_files"]])
+        parts.append(Text("would set aside: " + ", ".join(plan), style="red"))
+        if s["set_aside_to"]:
+            parts.append(Text("named by the interrupted salvage (in torn/ or to be moved there): "
+                              + ", ".join(s["set_aside_to"]), style="red"))
+    else:
+        parts.append(Text("set aside (kept): " + ", ".join(s["set_aside_to"]), style="red"))
     for r in s["requests"]:
         parts.append(Text(f"  {r['id']}: {r['what']}", style="red"))
     if s.get("training"):

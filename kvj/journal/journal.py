@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple,
                     Union)
 
-from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFailed
+from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFailed, KvjError
 from kvj.fileio import FS, REAL_FS, DurabilityError, atomic_write, fsync_path, makedirs_durable, open_read
 from kvj.journal.framing import FORMAT_VERSION
 from kvj.journal.locks import LOCK_NAME, DirLock
@@ -62,9 +62,22 @@ def keep_torn_bytes(tail: TornTail, fs: FS = REAL_FS) -> str:
     with open_read(tail.path) as f:
         f.seek(tail.offset)
         data = f.read()
-    aside = os.path.join(aside_dir, f"{os.path.basename(tail.path)}.{tail.offset}.torn")
+    name = f"{os.path.basename(tail.path)}.{tail.offset}.torn"
+    aside, n = os.path.join(aside_dir, name), 1
+    while os.path.lexists(aside):  # a cut at the same place before (a salvaged file continued, then cut again)
+        if _holds(aside, data):  # this cut, kept by an attempt that stopped after it
+            return aside
+        aside, n = os.path.join(aside_dir, f"{name}.{n}"), n + 1
     atomic_write(aside, data, fs)
     return aside
+
+
+def _holds(path: str, data: bytes) -> bool:
+    try:
+        with open_read(path) as f:
+            return f.read(len(data) + 1) == data
+    except (OSError, KvjError):
+        return False
 
 
 def truncate_log(tail: TornTail, fs: FS = REAL_FS) -> None:

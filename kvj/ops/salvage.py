@@ -32,6 +32,7 @@ from kvj.errors import CorruptionError
 from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, open_read, rename_durable
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR, keep_torn_bytes, truncate_log
+from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import (
     CORRUPTION,
     COVERED_GAP,
@@ -42,7 +43,6 @@ from kvj.journal.reader import (
     Scan,
     TornTail,
     decode,
-    list_logs,
     read_header,
 )
 from kvj.journal.snapshot import load_latest
@@ -86,16 +86,48 @@ class Salvage:
 
         A retry that cuts where this salvage cut continues it: this report, made before
         anything moved, already says everything that is lost and where each file goes.
-        Otherwise the retry found another damage (the log changed since): the two losses
-        add up, each request's entries from both walks and the tokens of both.
+        Otherwise the retry found another damage before this one's cut: recovery is as of
+        the retry's cut, and each request loses what this report saw it reach (it read the
+        log before anything moved) down to where the retry keeps it.
         """
         if (later.cut_file, later.cut_offset) == (self.cut_file, self.cut_offset):
             return replace(self, resumed=True, kept_state=later.kept_state,
                            set_aside_to=_union(self.set_aside_to, later.set_aside_to))
+        requests = _combined_requests(self.requests, later)
+        seen = {(d["path"], d["offset"]) for d in later.damage}
         lost_to = max((x for x in (self.lost_to, later.lost_to) if x is not None), default=None)
-        return replace(later, damage=self.damage + later.damage, lost_to=lost_to, requests=self.requests + later.requests,
-                       training=later.training or self.training, tokens_lost=self.tokens_lost + later.tokens_lost,
+        return replace(later, damage=later.damage + [d for d in self.damage if (d["path"], d["offset"]) not in seen],
+                       lost_to=lost_to, requests=requests, training=_combined_training(self.training, later),
+                       tokens_lost=sum(r["tokens_lost"] for r in requests),
                        set_aside_to=_union(self.set_aside_to, later.set_aside_to), id=self.id, resumed=True)
+
+
+def _combined_requests(first: List[Dict[str, Any]], later: Salvage) -> List[Dict[str, Any]]:
+    """Per request, the loss of two damages: from the position ``first`` saw it reach to the
+    one ``later`` keeps."""
+    assert later.kept_state is not None
+    reached = {r["id"]: r for r in first}
+    out: List[Dict[str, Any]] = []
+    for r in later.requests + [r for r in first if r["id"] not in {x["id"] for x in later.requests}]:
+        earlier = reached.get(r["id"])
+        if earlier is None:
+            out.append(r)
+            continue
+        req = later.kept_state.requests.get(r["id"])
+        kept = 0 if req is None or req.ended else req.resume_position
+        after = earlier["tokens_after_damage"]
+        lost = max(0, after - kept)
+        what = (f"resumes at token {kept} instead of {after}" if req is not None and not req.ended and lost
+                else r["what"] if r is not earlier else earlier["what"])
+        out.append({**r, "kept_tokens": kept, "tokens_after_damage": after, "tokens_lost": lost, "what": what})
+    return out
+
+
+def _combined_training(first: Optional[Dict[str, Any]], later: Salvage) -> Optional[Dict[str, Any]]:
+    if first is None:
+        return later.training
+    kept = later.training["kept_step"] if later.training else first["kept_step"]
+    return {"kept_step": kept, "step_after_damage": first["step_after_damage"]}
 
 
 def _union(first: List[str], second: List[str]) -> List[str]:
@@ -196,8 +228,9 @@ def find_damage(path: str) -> Optional[Salvage]:
     if not damages:
         return None
     first = damages[0]
-    logs = list_logs(path)
-    later = logs[logs.index(first.path) + 1:] if first.path in logs else []
+    logs = [os.path.basename(p) for p in Scan(path, reporter=lambda _d: None).logs]  # a mirror's too
+    name = os.path.basename(first.path)
+    later = [os.path.join(path, n) for n in logs[logs.index(name) + 1:]] if name in logs else []
     requests, tokens = _lost_requests(kept, full)
     return Salvage(damage=[{"kind": d.kind, "path": d.path, "offset": d.offset, "reason": d.reason} for d in damages],
                    kept_lsn=kept.last_lsn, lost_to=lost_to, cut_file=first.path, cut_offset=first.offset or 0,
@@ -250,34 +283,47 @@ def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str,
 
 
 def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS, report: Optional[Salvage] = None) -> None:
-    """Move the damage ``salvage`` found and everything after it into ``torn/``, durably.
+    """Move the damage ``salvage`` found and everything after it into ``torn/``, durably, in
+    the journal and in its mirror (the same names and offsets: the damage is in both, or a
+    reader would have taken the other copy's groups).
 
-    The steps that need free space, the copy of the damaged file's rest and the pending
+    The steps that need free space, the copies of the damaged file's rest and the pending
     ``report`` (default: ``salvage``; it gains where every file goes), come first, so that
     on a full disk the journal is left as it was; then the later files move newest first
     and the damaged file is cut last: a crash midway leaves a journal that still ends in
     damage (salvage again) or ends cleanly, and the pending report either way."""
     report = salvage if report is None else report
-    makedirs_durable(os.path.join(journal, TORN_DIR), fs)
-    size = os.path.getsize(salvage.cut_file)
-    tail = TornTail(salvage.cut_file, salvage.cut_offset, size - salvage.cut_offset)
-    kept = keep_torn_bytes(tail, fs) if 0 < salvage.cut_offset < size else None
-    moves = _targets(journal, list(reversed(salvage.later_files))
-                     + ([salvage.cut_file] if salvage.cut_offset == 0 else []))
-    planned = ([kept] if kept is not None else []) + [target for _path, target in reversed(moves)]
-    report.set_aside_to = _union(report.set_aside_to, planned)
+    mirror = mirror_of(journal)
+    copies = [journal] + ([mirror] if mirror else [])
+    names = [os.path.basename(p) for p in reversed(salvage.later_files)]
+    if salvage.cut_offset == 0:
+        names.append(os.path.basename(salvage.cut_file))
+    tails: List[Tuple[TornTail, str]] = []
+    before = {copy: set(list_dir(os.path.join(copy, TORN_DIR))) for copy in copies}
     try:
+        for copy in copies:
+            makedirs_durable(os.path.join(copy, TORN_DIR), fs)
+            cut = os.path.join(copy, os.path.basename(salvage.cut_file))
+            size = os.path.getsize(cut) if os.path.lexists(cut) else 0
+            if 0 < salvage.cut_offset < size:
+                tail = TornTail(cut, salvage.cut_offset, size - salvage.cut_offset)
+                tails.append((tail, keep_torn_bytes(tail, fs)))
+        moves = [m for copy in copies
+                 for m in _targets(copy, [os.path.join(copy, n) for n in names if os.path.lexists(os.path.join(copy, n))])]
+        planned = [kept for _tail, kept in tails] + [target for _path, target in reversed(moves)]
+        report.set_aside_to = _union(report.set_aside_to, planned)
         save_pending(journal, report, fs)
     except BaseException:
-        if kept is not None:  # nothing moved or cut yet: leave the journal as it was
-            try:
-                fs.unlink(kept)
-            except OSError:
-                pass
+        for tail, kept in tails:  # nothing moved or cut yet: leave the journal as it was
+            if os.path.basename(kept) not in before[os.path.dirname(os.path.dirname(tail.path))]:
+                try:
+                    fs.unlink(kept)
+                except OSError:
+                    pass
         raise
     for path, target in moves:
         rename_durable(path, target, fs)
-    if kept is not None:
+    for tail, _kept in tails:
         truncate_log(tail, fs)
 
 

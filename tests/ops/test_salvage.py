@@ -159,7 +159,7 @@ class _CrashAt(FS):
 LOSS = ("kept_lsn", "lost_to", "requests", "tokens_lost", "training", "damage")
 
 
-@pytest.mark.parametrize("where", [("open", "manifest-"), ("ftruncate", ""), ("rename", "/torn/", 2)],
+@pytest.mark.parametrize("where", [("open", "manifest-"), ("ftruncate", ""), ("rename", "/torn/", 3)],
                          ids=["writing the manifest", "cutting the damaged file", "moving the later files"])
 def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retry(tmp_path, capsys, where):
     path = str(tmp_path / "j")
@@ -169,7 +169,9 @@ def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retr
     with pytest.raises(OSError):
         recover(path, until_damage=True, fs=crash)
     assert crash.fired and os.path.exists(os.path.join(path, "SALVAGE.json"))
-    assert os.listdir(os.path.join(path, "torn"))  # files were set aside before the crash
+    assert os.listdir(os.path.join(path, "torn"))  # the cut's copy at least was made before the crash
+    if where[0] == "rename":  # the crash came between two moves
+        assert any(n.endswith(".log") for n in os.listdir(os.path.join(path, "torn")))
     status = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
     assert status["salvage_pending"]
 
@@ -254,7 +256,9 @@ def _flip_record_of(path: str, rid: str) -> None:
     raise AssertionError(f"no start of {rid}")
 
 
-def test_a_second_damage_found_by_the_retry_adds_its_loss_to_the_pending_one(tmp_path):
+@pytest.mark.parametrize("where", [("open", "manifest-"), ("rename", "/torn/", 2)],
+                         ids=["after everything was set aside", "before anything moved"])
+def test_a_second_damage_found_by_the_retry_adds_its_loss_to_the_pending_one(tmp_path, where):
     path, twin = str(tmp_path / "j"), str(tmp_path / "twin")
     build(path, requests=1, blocks=1, ended=0, training=False)
     with Journal.open(path, policy=CommitPolicy(file_size_limit=250)) as j:
@@ -266,12 +270,63 @@ def test_a_second_damage_found_by_the_retry_adds_its_loss_to_the_pending_one(tmp
     shutil.copytree(path, twin)
     for d in (path, twin):
         _flip_record_of(d, "f-8")
-    with pytest.raises(OSError):  # the first salvage set everything aside, then stopped
-        recover(path, until_damage=True, fs=_CrashAt("open", "manifest-"))
+    with pytest.raises(OSError):  # the first salvage stopped after its report was written
+        recover(path, until_damage=True, fs=_CrashAt(*where))
+    assert os.path.exists(os.path.join(path, "SALVAGE.json"))
     for d in (path, twin):  # a second damage, earlier in what the first salvage kept
         _flip_record_of(d, "f-3")
     truth = recover(twin, dry_run=True, until_damage=True).manifest["salvage"]  # both damages, one walk
     s = recover(path, until_damage=True).manifest["salvage"]
     assert s["resumed"] and (s["kept_lsn"], s["tokens_lost"]) == (truth["kept_lsn"], truth["tokens_lost"]) == (s["kept_lsn"], 128)
-    assert sum(r["tokens_lost"] for r in s["requests"] if r["id"] == "r") == 128  # 192 -> 144 -> 64
+    assert [r["tokens_lost"] for r in s["requests"] if r["id"] == "r"] == [128]  # 192 -> 144 -> 64, once
+    assert s["damage"][0]["path"] == s["cut_file"]  # the damage named first is where recovery is cut
     assert len(s["damage"]) >= 2 and kvj_lib.replay(path).epochs[-1]["salvage"]["tokens_lost"] == 128
+
+
+def test_a_mirrored_journal_is_salvaged_in_both_copies(tmp_path):
+    path, mirror = str(tmp_path / "j"), str(tmp_path / "m")
+    with Journal.open(path, mirror=mirror, policy=CommitPolicy(file_size_limit=600)) as j:
+        for i in range(6):
+            j.start(f"late-{i}", tokens=[1, 2], durable=True)
+            j.flush(f"late-{i}", 0, block(5, i), token_range=(0, 16)).result()
+            j.sync()
+    victim = os.path.basename(list_logs(path)[2])
+    for root in (path, mirror):  # damage in one copy only would be read from the other
+        data = bytearray(open(os.path.join(root, victim), "rb").read())
+        data[100] ^= 0xFF
+        open(os.path.join(root, victim), "wb").write(data)
+    s = recover(path, until_damage=True).manifest["salvage"]
+    for root in (path, mirror):
+        assert sorted(n for n in os.listdir(root) if n.endswith(".log")) == [os.path.basename(p) for p in list_logs(path)]
+        assert {os.path.join(root, "torn", n) for n in os.listdir(os.path.join(root, "torn"))} <= set(s["set_aside_to"])
+        assert open(os.path.join(root, victim), "rb").read() == open(os.path.join(path, victim), "rb").read()
+    assert len(s["set_aside_to"]) == 2 * (1 + len(s["later_files"]))
+    with Journal.open(path) as j:  # a writer evening out the copies brings nothing back
+        j.start("after", tokens=[1], durable=True)
+    state = kvj_lib.replay(path)
+    assert state.last_lsn == s["kept_lsn"] + 2 and "salvage" not in recover(path).manifest
+
+
+def test_a_second_cut_at_the_same_place_keeps_the_first_cuts_bytes(tmp_path):
+    path = str(tmp_path / "j")
+    build(path, requests=1, blocks=1, ended=0, training=False)
+    with Journal.open(path) as j:
+        for i in range(4):
+            j.start(f"a-{i}", tokens=[1], durable=True)
+    log = list_logs(path)[-1]
+    offsets = [raw.offset for raw in Scan(path, reporter=lambda _d: None) if raw.path == log]
+    data = bytearray(open(log, "rb").read())
+    data[offsets[1] + 20] ^= 0xFF
+    open(log, "wb").write(data)
+    first = recover(path, until_damage=True).manifest["salvage"]
+    kept = first["set_aside_to"][0]
+    kept_bytes = open(kept, "rb").read()
+    with Journal.open(path) as j:  # the writer continues the cut file where it was cut
+        for i in range(3):
+            j.start(f"b-{i}", tokens=[1], durable=True)
+    data = bytearray(open(log, "rb").read())
+    data[first["cut_offset"] + 30] ^= 0xFF  # the group there rots too
+    open(log, "wb").write(data)
+    second = recover(path, until_damage=True).manifest["salvage"]
+    assert second["cut_offset"] == first["cut_offset"] and second["set_aside_to"][0] != kept
+    assert open(kept, "rb").read() == kept_bytes  # the first salvage's bytes are still where its record says
