@@ -124,10 +124,12 @@ def _combined_requests(first: List[Dict[str, Any]], later: Salvage) -> List[Dict
 
 
 def _combined_training(first: Optional[Dict[str, Any]], later: Salvage) -> Optional[Dict[str, Any]]:
+    """The training step ``first`` saw the log reach, and the one ``later`` keeps."""
     if first is None:
         return later.training
-    kept = later.training["kept_step"] if later.training else first["kept_step"]
-    return {"kept_step": kept, "step_after_damage": first["step_after_damage"]}
+    assert later.kept_state is not None
+    kept = _training_step(later.kept_state)
+    return None if kept == first["step_after_damage"] else {"kept_step": kept, "step_after_damage": first["step_after_damage"]}
 
 
 def _union(first: List[str], second: List[str]) -> List[str]:
@@ -151,11 +153,29 @@ def load_pending(journal: str) -> Optional[Salvage]:
         d = json.loads(data)
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"fields {sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        _check_entries(d)
         return Salvage(**{**d, "resumed": True})
     except (ValueError, TypeError) as exc:  # written atomically by kvj: anything else is damage, not a torn write
         raise CorruptionError(path, None, f"not a pending salvage report ({exc}); it says what an interrupted "
                                           "kvj recover --until-damage set aside and lost: keep it for the record, "
                                           "then move it away to recover") from None
+
+
+#: The keys of each entry of a report's lists (and of its training map), as ``find_damage`` makes them.
+_ENTRY_KEYS = {"damage": {"kind", "path", "offset", "reason"},
+               "requests": {"id", "kept_tokens", "tokens_after_damage", "tokens_lost", "what"}}
+
+
+def _check_entries(d: Dict[str, Any]) -> None:
+    """Raise ValueError unless a loaded report's entries have the shape ``find_damage`` gives them."""
+    for name, keys in _ENTRY_KEYS.items():
+        if not isinstance(d[name], list) or not all(isinstance(e, dict) and keys <= set(e) for e in d[name]):
+            raise ValueError(f"{name} entries lack {sorted(keys)}")
+    if d["training"] is not None and not (isinstance(d["training"], dict)
+                                          and {"kept_step", "step_after_damage"} <= set(d["training"])):
+        raise ValueError("training lacks kept_step, step_after_damage")
+    if not all(isinstance(d[k], list) and all(isinstance(p, str) for p in d[k]) for k in ("later_files", "set_aside_to")):
+        raise ValueError("later_files and set_aside_to must be lists of paths")
 
 
 def save_pending(journal: str, salvage: Salvage, fs: FS = REAL_FS) -> None:
@@ -272,14 +292,15 @@ def _lost_requests(kept: JournalState, full: JournalState) -> Tuple[List[Dict[st
     return out, total
 
 
-def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str, Any]]:
-    def step(state: JournalState) -> Optional[int]:
-        steps = ([state.checkpoint["step"]] if state.checkpoint else []) + [d["step"] for d in state.deltas]
-        return max(steps) if steps else None
+def _training_step(state: JournalState) -> Optional[int]:
+    steps = ([state.checkpoint["step"]] if state.checkpoint else []) + [d["step"] for d in state.deltas]
+    return max(steps) if steps else None
 
-    if step(kept) == step(full):
+
+def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str, Any]]:
+    if _training_step(kept) == _training_step(full):
         return None
-    return {"kept_step": step(kept), "step_after_damage": step(full)}
+    return {"kept_step": _training_step(kept), "step_after_damage": _training_step(full)}
 
 
 def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS, report: Optional[Salvage] = None) -> None:
@@ -299,7 +320,7 @@ def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS, report: Optional
     if salvage.cut_offset == 0:
         names.append(os.path.basename(salvage.cut_file))
     tails: List[Tuple[TornTail, str]] = []
-    before = {copy: set(list_dir(os.path.join(copy, TORN_DIR))) for copy in copies}
+    before = {os.path.join(copy, TORN_DIR): set(list_dir(os.path.join(copy, TORN_DIR))) for copy in copies}
     try:
         for copy in copies:
             makedirs_durable(os.path.join(copy, TORN_DIR), fs)
@@ -315,7 +336,7 @@ def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS, report: Optional
         save_pending(journal, report, fs)
     except BaseException:
         for tail, kept in tails:  # nothing moved or cut yet: leave the journal as it was
-            if os.path.basename(kept) not in before[os.path.dirname(os.path.dirname(tail.path))]:
+            if os.path.basename(kept) not in before[os.path.dirname(kept)]:  # made by this attempt
                 try:
                     fs.unlink(kept)
                 except OSError:

@@ -206,12 +206,38 @@ def test_a_pending_report_whose_epoch_record_is_durable_is_not_reported_twice(tm
     assert len([e for e in kvj_lib.replay(path).epochs if e.get("salvage")]) == 1
 
 
-def test_a_damaged_pending_report_is_refused_and_left_alone(tmp_path, capsys):
+class _NoSpaceForTheReport(FS):
+    def open(self, path, flags, mode=0o600):  # type: ignore[no-untyped-def]
+        if "SALVAGE.json" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().open(path, flags, mode)
+
+
+def test_no_space_for_the_report_leaves_the_journal_as_it_was(tmp_path):
+    path = str(tmp_path / "j")
+    made = damaged_journal(path)
+    with pytest.raises(OSError) as exc:  # the copy of the cut fits; the report does not
+        recover(path, until_damage=True, fs=_NoSpaceForTheReport())
+    assert exc.value.errno == errno.ENOSPC
+    assert os.listdir(os.path.join(path, "torn")) == [] and not os.path.exists(os.path.join(path, "SALVAGE.json"))
+    assert {p: open(p, "rb").read() for p in list_logs(path)} == made["bytes"]
+
+
+_GOOD = {"damage": [], "kept_lsn": 3, "lost_to": None, "cut_file": "x", "cut_offset": 36, "later_files": [],
+         "requests": [], "training": None, "tokens_lost": 0, "set_aside_to": [], "id": "a", "resumed": False}
+
+
+@pytest.mark.parametrize("text", ['{"kept_lsn": 3', "[]", json.dumps({**_GOOD, "requests": [{"id": "r"}]}),
+                                  json.dumps({**_GOOD, "damage": [{"kind": "corruption"}]}),
+                                  json.dumps({**_GOOD, "training": {"kept_step": 1}}),
+                                  json.dumps({**_GOOD, "set_aside_to": [1]})],
+                         ids=["torn", "not a map", "request", "damage", "training", "paths"])
+def test_a_damaged_pending_report_is_refused_and_left_alone(tmp_path, capsys, text):
     path = str(tmp_path / "j")
     build(path)
     report = os.path.join(path, "SALVAGE.json")
     with open(report, "w") as f:
-        f.write('{"kept_lsn": 3')
+        f.write(text)
     before = tree(path)
     proc = in_process(capsys, "recover", "-j", path)
     assert proc.returncode == 65 and "SALVAGE.json" in proc.stderr and "not a pending salvage report" in proc.stderr
@@ -330,3 +356,24 @@ def test_a_second_cut_at_the_same_place_keeps_the_first_cuts_bytes(tmp_path):
     second = recover(path, until_damage=True).manifest["salvage"]
     assert second["cut_offset"] == first["cut_offset"] and second["set_aside_to"][0] != kept
     assert open(kept, "rb").read() == kept_bytes  # the first salvage's bytes are still where its record says
+
+
+def test_a_merged_report_keeps_the_training_step_this_recovery_keeps():
+    from kvj.journal.state import JournalState
+    from kvj.ops.salvage import Salvage
+
+    def report(training, kept_step=None):
+        state = JournalState()
+        if kept_step is not None:
+            state.checkpoint = {"step": kept_step, "keys": [], "meta": {}, "lsn": 1}
+        return Salvage(damage=[], kept_lsn=1, lost_to=None, cut_file="f", cut_offset=36, later_files=[], requests=[],
+                       training=training, kept_state=state)
+
+    pending = report({"kept_step": 5, "step_after_damage": 9})
+    later = report(None, kept_step=3)  # another cut, earlier; the retry's own walk saw no step change
+    later.cut_offset = 100
+    assert pending.merged(later).training == {"kept_step": 3, "step_after_damage": 9}
+    assert pending.merged(report(None, kept_step=9)).training is not None  # same cut: the pending report stands
+    none_lost = report(None, kept_step=9)
+    none_lost.cut_offset = 100
+    assert pending.merged(none_lost).training is None
