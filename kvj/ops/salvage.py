@@ -28,7 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from kvj.errors import CorruptionError
+from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, open_read, rename_durable
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR, keep_torn_bytes, truncate_log
@@ -152,10 +152,10 @@ def load_pending(journal: str) -> Optional[Salvage]:
     try:
         d = json.loads(data)
         if not isinstance(d, dict) or set(d) != names:
-            raise ValueError(f"fields {sorted(d) if isinstance(d, dict) else type(d).__name__}")
+            raise FormatError(f"fields {sorted(d) if isinstance(d, dict) else type(d).__name__}")
         _check_entries(d)
         return Salvage(**{**d, "resumed": True})
-    except (ValueError, TypeError) as exc:  # written atomically by kvj: anything else is damage, not a torn write
+    except (ValueError, TypeError, FormatError) as exc:  # written atomically: anything else is damage, not a torn write
         raise CorruptionError(path, None, f"not a pending salvage report ({exc}); it says what an interrupted "
                                           "kvj recover --until-damage set aside and lost: keep it for the record, "
                                           "then move it away to recover") from None
@@ -167,15 +167,15 @@ _ENTRY_KEYS = {"damage": {"kind", "path", "offset", "reason"},
 
 
 def _check_entries(d: Dict[str, Any]) -> None:
-    """Raise ValueError unless a loaded report's entries have the shape ``find_damage`` gives them."""
+    """Raise FormatError unless a loaded report's entries have the shape ``find_damage`` gives them."""
     for name, keys in _ENTRY_KEYS.items():
         if not isinstance(d[name], list) or not all(isinstance(e, dict) and keys <= set(e) for e in d[name]):
-            raise ValueError(f"{name} entries lack {sorted(keys)}")
+            raise FormatError(f"{name} entries lack {sorted(keys)}")
     if d["training"] is not None and not (isinstance(d["training"], dict)
                                           and {"kept_step", "step_after_damage"} <= set(d["training"])):
-        raise ValueError("training lacks kept_step, step_after_damage")
+        raise FormatError("training lacks kept_step, step_after_damage")
     if not all(isinstance(d[k], list) and all(isinstance(p, str) for p in d[k]) for k in ("later_files", "set_aside_to")):
-        raise ValueError("later_files and set_aside_to must be lists of paths")
+        raise FormatError("later_files and set_aside_to must be lists of paths")
 
 
 def save_pending(journal: str, salvage: Salvage, fs: FS = REAL_FS) -> None:
