@@ -106,8 +106,9 @@ def view(s: Dict[str, Any]) -> RenderableType:
         rows.append(["last recovery", f"epoch {epoch['epoch']} at LSN {epoch['lsn']}, {ago(epoch['time'], s['now'])}, "
                                       f"manifest {epoch['manifest']}"])
     if s.get("salvage_pending"):
-        rows.append(["salvage", Text("a salvaging recovery was interrupted after setting files aside "
-                                     "(kvj recover, with --until-damage while the log is damaged, completes its report of what was lost)", style="bold red")])
+        rows.append(["salvage", Text("a salvaging recovery was interrupted after setting files aside (kvj recover, "
+                                     "with --until-damage while the log is damaged, completes its report of what "
+                                     "was lost)", style="bold red")])
     if s["damage"]:
         rows.append(["damage", Text(f"{s['damage']} (kvj fsck -j {s['journal']} says what it is and what to do)",
                                     style="bold red")])

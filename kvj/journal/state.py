@@ -161,6 +161,11 @@ class JournalState:
         else:
             self._warn(lsn, f"skipped record of unknown type {rtype} (written by a newer kvj?)")
 
+    def training_step(self) -> Optional[int]:
+        """The newest training step the journal holds (checkpoint or delta), if any."""
+        steps = ([self.checkpoint["step"]] if self.checkpoint else []) + [d["step"] for d in self.deltas]
+        return max(steps) if steps else None
+
     def referenced_keys(self) -> Dict[str, str]:
         """Segment keys the live state needs, mapped to a description of who needs them."""
         keys: Dict[str, str] = {}

@@ -128,7 +128,7 @@ def _combined_training(first: Optional[Dict[str, Any]], later: Salvage) -> Optio
     if first is None:
         return later.training
     assert later.kept_state is not None
-    kept = _training_step(later.kept_state)
+    kept = later.kept_state.training_step()
     return None if kept == first["step_after_damage"] else {"kept_step": kept, "step_after_damage": first["step_after_damage"]}
 
 
@@ -292,15 +292,10 @@ def _lost_requests(kept: JournalState, full: JournalState) -> Tuple[List[Dict[st
     return out, total
 
 
-def _training_step(state: JournalState) -> Optional[int]:
-    steps = ([state.checkpoint["step"]] if state.checkpoint else []) + [d["step"] for d in state.deltas]
-    return max(steps) if steps else None
-
-
 def _lost_training(kept: JournalState, full: JournalState) -> Optional[Dict[str, Any]]:
-    if _training_step(kept) == _training_step(full):
+    if kept.training_step() == full.training_step():
         return None
-    return {"kept_step": _training_step(kept), "step_after_damage": _training_step(full)}
+    return {"kept_step": kept.training_step(), "step_after_damage": full.training_step()}
 
 
 def set_aside(journal: str, salvage: Salvage, fs: FS = REAL_FS, report: Optional[Salvage] = None) -> None:

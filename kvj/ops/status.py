@@ -121,7 +121,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                    ended=len(state.ended()) + state.ended_compacted, warnings=len(state.warnings),
                    last_epoch=state.epochs[-1] if state.epochs else None,
                    needed_segments=len(state.referenced_keys()),
-                   training_step=_training_step(state))
+                   training_step=state.training_step())
     out["store"] = _store(store_root)
     return out
 
@@ -146,11 +146,6 @@ def _mirror(journal: str, snapshot_lsn: int) -> Optional[Dict[str, Any]]:
     except (OSError, KvjError) as exc:
         out["error"] = str(exc)
     return out
-
-
-def _training_step(state: Any) -> Optional[int]:
-    steps = ([state.checkpoint["step"]] if state.checkpoint else []) + [d["step"] for d in state.deltas]
-    return max(steps) if steps else None
 
 
 def _store(root: Optional[str]) -> Dict[str, Any]:
