@@ -21,7 +21,12 @@ safetensors, no pickle) for Trainer's resume path, which restores the step, the 
 the dataloader position; the callback then installs the optimizer, scheduler and scaler
 state at train begin and the RNG streams where Trainer's own resume would (after the
 dataloader is fast-forwarded). After a resume, ``trainer.state.log_history`` holds what was
-logged since.
+logged since. A journal that does not fit the model (a changed LoRA rank, target modules or
+dtype) or the optimizer is refused with a ``FormatError`` naming what differs, before anything
+is copied; a run configured differently (learning rate, dataset size...) resumes with the
+journaled values and one ``ResumeMismatch`` warning naming each difference. Each save's copy
+runs beside the next forward and backward: only the optimizer's next step waits for it, on
+the GPU.
 """
 
 from __future__ import annotations

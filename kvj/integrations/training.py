@@ -46,7 +46,7 @@ import torch
 from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState
 from kvj.segments import device as cuda
-from kvj.segments.format import DTYPES, dtype_name
+from kvj.segments.format import DTYPE_NAMES, DTYPES, dtype_name
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal
@@ -266,7 +266,8 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, shapes: 
         for i, (shape, p) in enumerate(zip(was, here["params"])):
             if shape != tuple(p.shape):
                 name = names.get(id(p), f"parameter {i}")
-                problems.append(f"{name} (group {g}): the journaled state is for {shape}, the parameter is {_described(p)}")
+                problems.append(f"{name} (group {g}): the journaled state is for {shape}, "
+                                f"the parameter is {_described(p)}")
     known = {i for group in groups if isinstance(group, Mapping) for i in group.get("params") or []}
     problems += [f"the journal holds state for parameter {k}, which no group lists" for k in saved["state"]
                  if k not in known]
@@ -278,8 +279,8 @@ class ResumeMismatch(UserWarning):
     dataset size...); the journaled values are what continues."""
 
 
-#: Param group entries that are not settings: ``lr`` is where a schedule has taken the
-#: learning rate (``initial_lr`` is the setting, when a scheduler is attached).
+#: Param group entries that are not settings. (With a scheduler attached, ``lr`` is not one
+#: either: it is where the schedule has taken the learning rate, ``initial_lr`` the setting.)
 _NOT_SETTINGS = ("params", "param_names")
 
 
@@ -368,10 +369,11 @@ class Snapshot:
 def _stream_name(path: Tuple[Any, ...], dtype: torch.dtype) -> str:
     """Tensors of one role share a stream: the optimizer's per-parameter state by its key
     (``exp_avg``, ``momentum_buffer``...), anything else by its top-level part."""
-    role = str(path[0]) if path else "state"
     if len(path) >= 4 and path[0] == "optimizer" and path[1] == "state":
         role = f"optimizer.{path[3]}"
-    return f"{role}.{str(dtype).replace('torch.', '')}"
+    else:
+        role = str(path[0]) if path else "state"
+    return f"{role}.{DTYPE_NAMES.get(dtype) or str(dtype).replace('torch.', '')}"
 
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
@@ -525,16 +527,22 @@ class StateBuffers:
         tensors: List[torch.Tensor] = []
         # stream -> where -> shape -> leaf indices. A stream holds its CPU members first, then
         # each device's, so that each device's part is one slice; same shapes run together.
-        plan: Dict[str, Dict[_Where, Dict[torch.Size, List[int]]]] = {}
+        runs: Dict[Tuple[str, _Where, torch.Size], List[int]] = {}
         dtypes: Dict[str, torch.dtype] = {}
         is_device = cuda.CUDA.is_device_tensor
         for i, (path, value) in enumerate(leaves):
             t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
             name = _stream_name(path, t.dtype)
-            where = cuda.CUDA.device_of(t) if is_device(t) else None
-            plan.setdefault(name, {}).setdefault(where, {}).setdefault(t.shape, []).append(i)
-            dtypes[name] = t.dtype
+            key = (name, cuda.CUDA.device_of(t) if is_device(t) else None, t.shape)
+            run = runs.get(key)
+            if run is None:
+                run = runs[key] = []
+                dtypes[name] = t.dtype
+            run.append(i)
             tensors.append(t)
+        plan: Dict[str, Dict[_Where, Dict[torch.Size, List[int]]]] = {}
+        for (name, where, shape), run in runs.items():
+            plan.setdefault(name, {}).setdefault(where, {})[shape] = run
         places: List[Any] = [None] * len(leaves)
         parts: Dict[_Where, List[Tuple[str, int, int, _Groups]]] = {}  # where -> (stream, start, numel, groups)
         numels: Dict[str, int] = {}
@@ -545,7 +553,7 @@ class StateBuffers:
                 for shape, members in by_where[where].items():
                     numel, dims = shape.numel(), list(shape)
                     for i in members:
-                        places[i] = [name, offset, dims, "n" if type(leaves[i][1]) is np.ndarray else "t"]
+                        places[i] = [name, offset, dims, "n" if isinstance(leaves[i][1], np.ndarray) else "t"]
                         offset += numel
                 parts.setdefault(where, []).append((name, start, offset - start, list(by_where[where].items())))
             numels[name] = offset

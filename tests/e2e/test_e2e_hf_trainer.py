@@ -159,12 +159,14 @@ def test_the_benchmark_runs_and_measures_crash_loss_as_it_says(tmp_path):
     from kvj.bench.training import METHODS, run
 
     with workload_threads():
-        result = run(str(tmp_path), steps=4, rounds=1, mib=1)
+        result = run(str(tmp_path), steps=4, rounds=1, mib=1, tensors=16)
     rows = {r["method"]: r for r in result["trainer"]}
     assert list(rows) == list(METHODS)
     assert rows["no checkpoints"]["crash loses (max, mean steps)"] == "3, 1.5"  # before steps 1..4: 0, 1, 2, 3
     assert rows["Trainer save_steps=1"]["crash loses (max, mean steps)"] == "0, 0.0"
     assert rows["kvj every step"]["KiB written/step"] > 0 and rows["no checkpoints"]["KiB written/step"] == 0
+    assert [(r["method"], r["tensors"]) for r in result["snapshot"]] == [("kvj StateBuffers.capture", 64),
+                                                                         ("clone every tensor", 64)]
     assert [(r["method"], r["bit-exact"]) for r in result["dcp"]] == [
         ("kvj JournalWriter", "yes"), ("kvj JournalWriter codec=raw", "yes"), ("DCP FileSystemWriter", "yes")]
 
