@@ -473,6 +473,11 @@ class FakeCuda:
             for stream in list(self.streams):
                 self._run_upto(stream, stream.seq)
 
+    def waited(self, stream: FakeStream, event: FakeEvent) -> bool:
+        """Whether ``stream``'s later work is ordered after ``event`` (it waited for it)."""
+        with self.lock:
+            return all(stream.clock.get(s, 0) >= n for s, n in event.clock.items())
+
     def in_flight(self, host: torch.Tensor) -> bool:
         """Whether a queued op still reads or writes any byte of pinned ``host``."""
         with self.lock:
