@@ -54,6 +54,13 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def check_mode(path: str) -> None:
+    """Files are created with mode 0600 and directories with mode 0700 (both pages)."""
+    mode = os.stat(path).st_mode & 0o777
+    want = 0o700 if os.path.isdir(path) else 0o600
+    _need(mode == want, path, None, f"mode {mode:o}, the spec says {want:o}")
+
+
 # ============================================================================ kvj-journal(5)
 
 LOG_MAGIC = b"\x89KVJLOG\n"
@@ -64,10 +71,11 @@ GROUP_HEADER = {1: 24, 2: 32}
 RECORD_HEADER = 20
 MAX_PAYLOAD = 16 << 20  # LOG FILE, Limits
 MAX_GROUP_BODY = 1 << 30
-LOG_NAME = re.compile(r"^(\d{16})\.log$")
-SNAP_NAME = re.compile(r"^snapshot-(\d{16})\.snap$")
-REQUEST_ID = re.compile(r"^(?![.-])[A-Za-z0-9._:@+=-]{1,256}$")
-KEY = re.compile(r"^[0-9a-f]{64}$")
+#: Names and ids, matched whole (``fullmatch``).
+LOG_NAME = re.compile(r"(\d{16})\.log")
+SNAP_NAME = re.compile(r"snapshot-(\d{16})\.snap")
+REQUEST_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
+KEY = re.compile(r"[0-9a-f]{64}")
 TYPES = {1: "start", 2: "segment", 3: "end", 4: "alloc", 5: "free", 6: "checkpoint", 7: "delta", 8: "epoch"}
 
 
@@ -147,11 +155,13 @@ def _later_group(data: bytes, off: int, after_lsn: int, salt: int, version: int)
     return None
 
 
-def read_log(path: str, newest: bool, expect_lsn: Optional[int] = None) -> LogFile:
+def read_log(path: str, newest: bool, expect_lsn: Optional[int] = None, modes: bool = True) -> LogFile:
     """One log file: header, then commit groups; a torn tail only at the end of the newest file."""
+    if modes:
+        check_mode(path)
     with open(path, "rb") as f:
         data = f.read()
-    name = LOG_NAME.match(os.path.basename(path))
+    name = LOG_NAME.fullmatch(os.path.basename(path))
     _need(name is not None, path, None, "not a log file name")
     _need(len(data) >= FILE_HEADER, path, 0, "shorter than the file header")
     magic, version, flags, seq, base_lsn, salt, crc = struct.unpack_from("<8sHHQQII", data, 0)
@@ -223,11 +233,11 @@ def _fits(kind: str, v: Any) -> bool:
     if kind == _MAP:
         return isinstance(v, dict)
     if kind == _ID:
-        return isinstance(v, str) and REQUEST_ID.match(v) is not None
+        return isinstance(v, str) and REQUEST_ID.fullmatch(v) is not None
     if kind == _KEY:
-        return isinstance(v, str) and KEY.match(v) is not None
+        return isinstance(v, str) and KEY.fullmatch(v) is not None
     if kind == "ints":
-        return isinstance(v, list) and all(_is_int(t) for t in v)
+        return isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)
     if kind == "range":
         return isinstance(v, list) and len(v) == 2 and all(_is_int(t) and t >= 0 for t in v) and v[0] <= v[1]
     if kind == "keys":
@@ -254,8 +264,10 @@ def check_record(rec: Record) -> None:
 
 # -- snapshots (SNAPSHOTS)
 
-def read_snapshot(path: str) -> Tuple[int, Dict[str, Any]]:
+def read_snapshot(path: str, modes: bool = True) -> Tuple[int, Dict[str, Any]]:
     """(lsn, body) of a snapshot file."""
+    if modes:
+        check_mode(path)
     with open(path, "rb") as f:
         data = f.read()
     _need(len(data) >= 32, path, 0, "shorter than the snapshot header")
@@ -283,17 +295,20 @@ class Journal:
         return (last.path, last.torn_at) if last is not None and last.torn_at is not None else None
 
 
-def read_journal(path: str) -> Journal:
+def read_journal(path: str, modes: bool = True) -> Journal:
     """Every log file in order (checking base_lsn continuity), the newest snapshot, and the
-    records after it, each checked against its schema."""
+    records after it, each checked against its schema. ``modes``: check file modes too (not
+    for a copy, such as a fixture from git)."""
+    if modes:
+        check_mode(path)
     names = sorted(os.listdir(path))
-    logs_named = [n for n in names if LOG_NAME.match(n)]
-    snaps = sorted((int(SNAP_NAME.match(n).group(1)), n) for n in names if SNAP_NAME.match(n))
-    snapshot = read_snapshot(os.path.join(path, snaps[-1][1])) if snaps else None
+    logs_named = [n for n in names if LOG_NAME.fullmatch(n)]
+    snaps = sorted((int(SNAP_NAME.fullmatch(n).group(1)), n) for n in names if SNAP_NAME.fullmatch(n))
+    snapshot = read_snapshot(os.path.join(path, snaps[-1][1]), modes) if snaps else None
     logs: List[LogFile] = []
     expect: Optional[int] = None
     for i, name in enumerate(logs_named):
-        log = read_log(os.path.join(path, name), i == len(logs_named) - 1, expect)
+        log = read_log(os.path.join(path, name), i == len(logs_named) - 1, expect, modes)
         expect = log.base_lsn + len(log.records)
         logs.append(log)
     after = snapshot[0] if snapshot else 0
@@ -315,10 +330,10 @@ def read_mirrored(path: str) -> Tuple[Journal, Journal]:
     with open(os.path.join(mirror, "MIRROR")) as f:
         _need(f.read().strip() == os.path.abspath(path), mirror, None, "the mirror does not name the journal")
     for name in sorted(os.listdir(path)):
-        if LOG_NAME.match(name) or SNAP_NAME.match(name):
+        if LOG_NAME.fullmatch(name) or SNAP_NAME.fullmatch(name):
             with open(os.path.join(path, name), "rb") as a, open(os.path.join(mirror, name), "rb") as b:
                 _need(a.read() == b.read(), os.path.join(mirror, name), None, "differs from the journal's copy")
-    _need({n for n in os.listdir(mirror) if LOG_NAME.match(n)} == {n for n in os.listdir(path) if LOG_NAME.match(n)},
+    _need({n for n in os.listdir(mirror) if LOG_NAME.fullmatch(n)} == {n for n in os.listdir(path) if LOG_NAME.fullmatch(n)},
           mirror, None, "holds other log files than the journal")
     return read_journal(path), read_journal(mirror)
 
@@ -455,8 +470,8 @@ def byteplane(body: bytes, raw_len: int, params: Dict[str, Any], wsize: int, pat
         if mode == 0:
             _need(length == n, path, off, f"raw plane {p} holds {length} bytes, not {n}")
             planes.append(np.frombuffer(part, np.uint8))
-        else:
-            _need(mode == 1, path, off, f"plane {p} mode {mode}")
+        else:  # a plane that does not shrink is stored raw, and an r plane always is
+            _need(mode == 1 and length < n and params["planes"][p] != "r", path, off, f"plane {p} mode {mode}")
             planes.append(np.frombuffer(zstd_frame(part, n, path, off), np.uint8))
     _need(pos == len(body), path, off, "bytes after the last plane")
     utype = _UINT[wsize]
@@ -551,6 +566,8 @@ def _header(m: Any, size: int, hlen: int, path: str, at: int) -> Tuple[int, int]
         _need(rb >= 8 and rb % 8 == 0 and rows * rb == raw_size and dd["map_raw"] == 4 * rows
               and payload % rb == 0 and 1 <= map_stored and 4 * rows <= map_stored * MAX_EXPANSION, path, at,
               f"dedup fields {dd}")
+    _need(cs == 1 << 20, path, at, f"chunk_size {cs}: the writer uses 1 MiB")
+    _need(dd is None or raw_size >= 2 << 20, path, at, "row dedup on a segment under 2 MiB")
     table = m.get("chunks")
     n = -(-payload // cs)
     _need(isinstance(table, list) and len(table) == n, path, at, f"{len(table)} chunks, payload needs {n}")
@@ -622,11 +639,15 @@ def read_store(root: str) -> Dict[str, Segment]:
     """Every segment of a store (SEGMENT STORE), each under objects/XX/KEY.kvjseg with KEY its digest."""
     found: Dict[str, Segment] = {}
     objects = os.path.join(root, "objects")
+    for d in (root, objects) if os.path.isdir(objects) else ():
+        check_mode(d)
     for xx in sorted(os.listdir(objects)) if os.path.isdir(objects) else []:
+        check_mode(os.path.join(objects, xx))
         for name in sorted(os.listdir(os.path.join(objects, xx))):
             key = name[:-len(".kvjseg")] if name.endswith(".kvjseg") else ""
             path = os.path.join(objects, xx, name)
-            _need(KEY.match(key) is not None and xx == key[:2], path, None, "not objects/XX/KEY.kvjseg")
+            check_mode(path)
+            _need(KEY.fullmatch(key) is not None and xx == key[:2], path, None, "not objects/XX/KEY.kvjseg")
             seg = read_segment(path)
             _need(seg.key == key, path, None, f"digest {seg.key} is not the key in its name")
             found[key] = seg
@@ -666,7 +687,7 @@ def check_layout(seg: Segment) -> Optional[str]:
               and lay["block_shape"][2] % 2 == 0, path, None, "block_shape")
         _need(seg.shape == [lay["layers"], *lay["block_shape"]] and seg.dtype == lay["kv_dtype"], path, None,
               "vLLM block shape or dtype is not the layout's")
-        _need(len(lay["token_ids"]) == lay["block_size"] + 1 and KEY.match(lay["chain"]) is not None, path, None,
+        _need(len(lay["token_ids"]) == lay["block_size"] + 1 and KEY.fullmatch(lay["chain"]) is not None, path, None,
               "token_ids, chain")
     elif fmt == "kvj-train/2":
         _need(set(lay) == {"format", "model", "name", "dtype", "numel"} and lay["name"] == "tree"

@@ -46,8 +46,7 @@ def test_vllm_blocks_carry_their_identity_chain_and_bytes(tmp_path):
     from kvj.integrations.vllm import KvjConnectorMetadata, _Finish, _Save, _Start, chain_keys
 
     path = str(tmp_path / "j")
-    os.makedirs(path)
-    worker = connector(path)
+    worker = connector(path)  # the worker creates the journal
     gen = torch.Generator().manual_seed(11)
     caches = {f"layer.{i}": torch.randn(8, HEADS, BLOCK, 2 * HEAD, generator=gen).to(torch.bfloat16)
               for i in range(LAYERS)}
