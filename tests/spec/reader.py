@@ -163,9 +163,14 @@ def read_log(path: str, newest: bool, expect_lsn: Optional[int] = None, modes: b
         data = f.read()
     name = LOG_NAME.fullmatch(os.path.basename(path))
     _need(name is not None, path, None, "not a log file name")
-    _need(len(data) >= FILE_HEADER, path, 0, "shorter than the file header")
+    header_ok = len(data) >= FILE_HEADER and data[:8] == LOG_MAGIC and \
+        crc32c(data[:32]) == struct.unpack_from("<I", data, 32)[0]
+    if not header_ok and newest and len(data) <= FILE_HEADER:  # its creation was cut short: nothing in it
+        log = LogFile(path, int(name.group(1)), 0, expect_lsn or 0, 0)
+        log.torn_at = 0
+        return log
+    _need(header_ok, path, 0, "bad file header")
     magic, version, flags, seq, base_lsn, salt, crc = struct.unpack_from("<8sHHQQII", data, 0)
-    _need(magic == LOG_MAGIC and crc32c(data[:32]) == crc, path, 0, "bad file header")
     _need(version in GROUP_HEADER and flags == 0, path, 8, f"version {version} flags {flags}")
     _need(seq == int(name.group(1)), path, 12, f"seq {seq} is not the file's number")
     log = LogFile(path, seq, version, base_lsn, salt)
@@ -333,8 +338,8 @@ def read_mirrored(path: str) -> Tuple[Journal, Journal]:
         if LOG_NAME.fullmatch(name) or SNAP_NAME.fullmatch(name):
             with open(os.path.join(path, name), "rb") as a, open(os.path.join(mirror, name), "rb") as b:
                 _need(a.read() == b.read(), os.path.join(mirror, name), None, "differs from the journal's copy")
-    _need({n for n in os.listdir(mirror) if LOG_NAME.fullmatch(n)} == {n for n in os.listdir(path) if LOG_NAME.fullmatch(n)},
-          mirror, None, "holds other log files than the journal")
+    logs = [{n for n in os.listdir(d) if LOG_NAME.fullmatch(n)} for d in (path, mirror)]
+    _need(logs[0] == logs[1], mirror, None, "holds other log files than the journal")
     return read_journal(path), read_journal(mirror)
 
 
@@ -359,20 +364,18 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
     allocs = {dev: {a["addr"]: dict(a) for a in lst} for dev, lst in snap.get("allocations", {}).items()}
     checkpoint, deltas = snap.get("checkpoint"), list(snap.get("deltas", []))
     epochs, counts = list(snap.get("epochs", [])), dict(snap.get("counts", {}))
-    ended: Dict[str, Dict[str, Any]] = {}
     for rec in records:
         p, name = rec.payload, TYPES.get(rec.rtype, f"type{rec.rtype}")
         counts[name] = counts.get(name, 0) + 1
         if rec.rtype == 1:
-            ended.pop(p["id"], None)
             requests[p["id"]] = {"id": p["id"], "prompt_hash": p["prompt_hash"], "tokens": p["tokens"],
                                  "meta": p["meta"], "start_lsn": rec.lsn, "segments": {}}
         elif rec.rtype == 2 and p["id"] in requests:
             requests[p["id"]]["segments"][p["seg"]] = {
                 **{k: p[k] for k in ("seg", "key", "tokens", "layout", "raw_size", "stored_size", "digest", "codec")},
                 "lsn": rec.lsn, "ptr": None}
-        elif rec.rtype == 3 and p["id"] in requests:
-            ended[p["id"]] = requests.pop(p["id"])
+        elif rec.rtype == 3:
+            requests.pop(p["id"], None)
         elif rec.rtype == 4:
             allocs.setdefault(p["device"], {})[p["addr"]] = {"addr": p["addr"], "size": p["size"], "tag": p["tag"],
                                                             "lsn": rec.lsn}
@@ -388,7 +391,7 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
                            **({"salvage": p["salvage"]} if p.get("salvage") is not None else {})})
     for r in requests.values():
         r["resume_position"] = _resume_position(r["segments"])
-    return {"requests": requests, "ended": ended, "allocations": {d: a for d, a in allocs.items()},
+    return {"requests": requests, "allocations": allocs,
             "checkpoint": checkpoint, "deltas": deltas, "epochs": epochs, "counts": counts}
 
 
@@ -494,7 +497,8 @@ def decode_chunk(codec: str, params: Dict[str, Any], body: bytes, raw_len: int, 
         return zstd_frame(body, raw_len, path, off)
     if codec == "byteplane":
         _need(set(params) == {"planes", "fp", "level"} and set(params["planes"]) <= set("rez")
-              and isinstance(params["fp"], bool) and -7 <= params["level"] <= 22, path, off, f"byteplane params {params}")
+              and isinstance(params["fp"], bool) and -7 <= params["level"] <= 22, path, off,
+              f"byteplane params {params}")
         return byteplane(body, raw_len, params, wsize, path, off)
     raise SpecError(path, off, f"codec {codec!r} is not in the spec")
 
@@ -536,8 +540,8 @@ class Segment:
         return self.header["digest"].hex()
 
 
-def _header(m: Any, size: int, hlen: int, path: str, at: int) -> Tuple[int, int]:
-    """Check the header map (HEADER); returns (map_stored, number of chunks)."""
+def _header(m: Any, size: int, hlen: int, path: str, at: int) -> int:
+    """Check the header map (HEADER); returns map_stored."""
     _need(isinstance(m, dict), path, at, "header is not a map")
     dtype, shape = m.get("dtype"), m.get("shape")
     _need(dtype in ELEMENT, path, at, f"dtype {dtype!r}")
@@ -555,7 +559,8 @@ def _header(m: Any, size: int, hlen: int, path: str, at: int) -> Tuple[int, int]
     payload, stored = m.get("payload_size"), m.get("stored_size")
     _need(_is_int(payload) and 0 <= payload <= raw_size and payload % word_size(dtype) == 0, path, at,
           f"payload_size {payload!r}")
-    _need(_is_int(stored) and size == 16 + stored + hlen + 16, path, at, "16 + stored_size + H + 16 is not the file size")
+    _need(_is_int(stored) and size == 16 + stored + hlen + 16, path, at,
+          "16 + stored_size + H + 16 is not the file size")
     dd, map_stored = m.get("dedup"), 0
     if dd is None:
         _need(payload == raw_size, path, at, "payload_size is not raw_size without dedup")
@@ -577,7 +582,7 @@ def _header(m: Any, size: int, hlen: int, path: str, at: int) -> Tuple[int, int]
               and entry[0] >= 1 and entry[0] * MAX_EXPANSION >= raw_len and 0 <= entry[1] < 1 << 32, path, at,
               f"chunk {i} entry {entry!r}")
     _need(map_stored + sum(e[0] for e in table) == stored, path, at, "chunk table does not add up to stored_size")
-    return map_stored, n
+    return map_stored
 
 
 def read_segment(path: str, data: Optional[bytes] = None) -> Segment:
@@ -597,7 +602,7 @@ def read_segment(path: str, data: Optional[bytes] = None) -> Segment:
     _need(crc32c(data[at:at + hlen], crc32c(data[:16])) == hcrc, path, at, "header CRC mismatch")
     _need(version == 1 and flags == 0 and reserved == 0, path, 8, f"version {version} flags {flags} {reserved}")
     m = unpack(data[at:at + hlen], path, at)
-    map_stored, _ = _header(m, size, hlen, path, at)
+    map_stored = _header(m, size, hlen, path, at)
     dtype, cs, payload = m["dtype"], m["chunk_size"], m["payload_size"]
     wsize = word_size(dtype)
     pos = 16
@@ -680,7 +685,8 @@ def check_layout(seg: Segment) -> Optional[str]:
     elif fmt == "kvj-vllm-block/1":
         identity = {k: lay[k] for k in ("format", "model", "dtype", "kv_dtype", "block_size", "tp_size", "tp_rank",
                                         "layers", "block_shape", "view")}
-        _need(set(lay) == set(identity) | {"fingerprint", "chain", "token_ids"}, path, None, f"vllm layout {sorted(lay)}")
+        _need(set(lay) == set(identity) | {"fingerprint", "chain", "token_ids"}, path, None,
+              f"vllm layout {sorted(lay)}")
         _need(lay["fingerprint"] == blake3.blake3(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
               path, None, "fingerprint is not the identity's")
         _need(lay["view"] == "HNC, K|V in C" and lay["block_shape"][1] == lay["block_size"]
@@ -760,7 +766,8 @@ def training_state(journal: Journal, store: Dict[str, Segment]) -> Tuple[int, An
     (dtype, shape, bytes)."""
     state = fold(journal.records, journal.snapshot[1] if journal.snapshot else None)
     ckpt = state["checkpoint"]
-    _need(ckpt is not None and ckpt["meta"].get("format") == "kvj-train/2", journal.path, None, "no kvj-train/2 checkpoint")
+    _need(ckpt is not None and ckpt["meta"].get("format") == "kvj-train/2", journal.path, None,
+          "no kvj-train/2 checkpoint")
 
     def streams_of(entry: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Tuple[str, bytes]]]:
         doc_seg = store[entry["keys"]["tree"]]

@@ -53,7 +53,8 @@ def same_as_kvj(journal: reader.Journal, path: str) -> None:
                                                       for _, s in sorted(r["segments"].items())])
          for rid, r in mine["requests"].items()}
     assert theirs["checkpoint"] == mine["checkpoint"] and theirs["deltas"] == mine["deltas"]
-    assert theirs["allocations"] == {d: [a for _, a in sorted(v.items())] for d, v in sorted(mine["allocations"].items())}
+    assert theirs["allocations"] == {d: [a for _, a in sorted(v.items())]
+                                     for d, v in sorted(mine["allocations"].items())}
     assert theirs["counts"] == mine["counts"]
 
 
@@ -98,6 +99,14 @@ def test_a_torn_tail_and_mid_log_damage_are_found_where_kvj_finds_them(tmp_path)
     newest_path = os.path.join(path, newest)
     size = os.path.getsize(newest_path)
     assert size > 36 + 40  # a group to tear
+    cut_short = os.path.join(path, f"{int(newest[:16]) + 1:016d}.log")  # a creation cut short
+    with open(cut_short, "wb") as f:
+        f.write(b"\x89KVJLOG\n" + bytes(12))
+    os.chmod(cut_short, 0o600)
+    tail = kvj.replay(path).tail
+    assert reader.read_journal(path).torn == (cut_short, 0) == (tail["path"], tail["offset"])
+    os.unlink(cut_short)
+
     with open(newest_path, "r+b") as f:
         f.truncate(size - 5)
     journal = reader.read_journal(path)
