@@ -50,7 +50,7 @@ def test_the_limits_are_the_ones_enforced():
     assert "at most 16 MiB (2^24 bytes)" in limits and framing.MAX_RECORD_PAYLOAD == 1 << 24
     assert "at most\n1 GiB (2^30 bytes)" in limits and framing.MAX_GROUP_BODY == 1 << 30
     assert "(at most 2^30, see Limits)" in PAGE
-    assert "2^30 \\- 2^24 \\- 20 bytes" in limits and framing.RECORD_HEADER_SIZE == 20
+    assert "2^30 \\- 2^24 \\- 20 bytes already" in limits and framing.RECORD_HEADER_SIZE == 20
 
 
 def test_versions_and_the_version_1_group_header():

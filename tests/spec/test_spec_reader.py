@@ -387,3 +387,13 @@ def test_dcp_shards_and_metadata(tmp_path):
         assert md["entries"][fqn]["dtype"] == dtype_name(t) and md["entries"][fqn]["size"] == list(t.shape)
     assert by_fqn["epoch"].layout["kind"] == "bytes" and md["entries"]["epoch"] == {"bytes": True}
     assert torch.load(__import__("io").BytesIO(by_fqn["epoch"].raw), weights_only=True) == 3
+
+
+def test_the_reader_imports_nothing_from_kvj():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import spec.reader; "
+            "print(sorted(m for m in sys.modules if m == 'kvj' or m.startswith('kvj.')))")
+    out = subprocess.run([sys.executable, "-c", code, TESTS], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
