@@ -397,3 +397,22 @@ def test_the_reader_imports_nothing_from_kvj():
             "print(sorted(m for m in sys.modules if m == 'kvj' or m.startswith('kvj.')))")
     out = subprocess.run([sys.executable, "-c", code, TESTS], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_stream_of_16_byte_elements_is_stored_whole_in_deltas(tmp_path):
+    """complex128 has no integer of its size to XOR as: each delta failed with a KeyError."""
+    from kvj.integrations.training import StateJournal
+
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(8192, generator=gen, dtype=torch.complex128)
+    w = torch.randn(20_000, generator=gen)
+    path = str(tmp_path / "j")
+    with kvj.Journal.open(path) as j, StateJournal(j, full_every=10, model="m") as sj:
+        for step in range(3):
+            state = {"z": z * (1 + step * 1e-6), "w": w + step * 1e-6}
+            sj.save(step, state)
+    journal, store = read_all(path)
+    assert [r.payload["meta"]["whole"] for r in journal.records if r.rtype == 7] == [["z.complex128"]] * 2
+    step, tree = reader.training_state(journal, store)
+    assert step == 2
+    _leaves_match(state, tree)
