@@ -143,16 +143,15 @@ def _journaled_shapes(record: Any) -> List[List[Tuple[int, ...]]]:
 def scaler_state(scaler: Any) -> Optional[Dict[str, Any]]:
     """``scaler.state_dict()`` without its host synchronisation: ``state_dict()`` reads the
     scale and the growth tracker with ``.item()``, which waits for the GPU at every save.
-    Here they are device-side clones, queued in stream order, so they hold the values as of
-    this call even if the next step, skipping the optimizer on an overflow (no step, so no
-    step pre-hook), updates the scale in place. ``load_scaler`` installs the result."""
+    Here they are the scaler's own tensors (as a model's ``state_dict()`` holds its
+    parameters); ``StateBuffers`` reads them before the caller's stream goes on, and
+    ``load_scaler`` installs the result."""
     if scaler is None:
         return None
     if not scaler.is_enabled() or scaler._scale is None:  # disabled, or before its first scale(): no tensors
         return scaler.state_dict()
-    return {"scale": scaler._scale.detach().clone(), "growth_factor": scaler._growth_factor,
-            "backoff_factor": scaler._backoff_factor, "growth_interval": scaler._growth_interval,
-            "_growth_tracker": scaler._growth_tracker.detach().clone()}
+    return {"scale": scaler._scale, "growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
+            "growth_interval": scaler._growth_interval, "_growth_tracker": scaler._growth_tracker}
 
 
 def load_scaler(scaler: Any, state: Mapping[str, Any]) -> None:
@@ -429,6 +428,8 @@ ALIGN = 64
 
 #: Where a stream's members live: None for the CPU, else their device.
 _Where = Optional[torch.device]
+#: The parts of a ``training_state`` that nothing but the optimizer's step changes in place.
+_STEP_GUARDED = ("model", "optimizer")
 #: A stream's members in one place: runs of same-shaped tensors (shape, leaf indices).
 _Groups = List[Tuple[torch.Size, List[int]]]
 
@@ -470,10 +471,11 @@ class StateBuffers:
 
     The live tensors may change again once the gather has read them. With ``optimizer``,
     its next ``step`` waits for that on the GPU (a step pre-hook): the next forward and
-    backward run alongside the copy, only the step that updates the state in place waits.
-    The state must then hold device tensors that nothing but that step changes in place
-    (what ``training_state`` returns: parameters and optimizer state; the scaler's are
-    clones). Without ``optimizer``, the caller's current stream waits for the gather at once.
+    backward run alongside the gather and the copy; only the step, which updates the state in
+    place, waits. That holds for the state's ``model`` and ``optimizer`` parts (as
+    ``training_state`` makes them), which nothing but that step may change in place; the
+    rest (the scaler's scale, the caller's data...) is gathered first and the caller's stream
+    waits for that small gather at once, as it waits for the whole gather without ``optimizer``.
     """
 
     def __init__(self, sets: int = 2, optimizer: Optional[torch.optim.Optimizer] = None):
@@ -482,14 +484,21 @@ class StateBuffers:
         self._free: List[torch.Tensor] = []  # host buffers no snapshot holds
         self._gather: Dict[torch.device, torch.Tensor] = {}
         self._guard: Dict[torch.device, Any] = {}  # the gathers the next optimizer step waits for
+        self._last: Dict[torch.device, Tuple[Any, Any]] = {}  # each device's last copies: (event, side stream)
         self._hook = (_innermost(optimizer).register_step_pre_hook(self._before_step)
                       if optimizer is not None else None)
 
     def close(self) -> None:
-        """Remove the optimizer step pre-hook."""
+        """Remove the optimizer step pre-hook, and wait until the last captures' copies are
+        done: from then on the caller may change or free any tensor they read, without the
+        optimizer's step to order it (another thread having waited does not order this one's
+        later work on the GPU)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        last, self._last = self._last, {}
+        for event, side in last.values():
+            cuda.CUDA.finish(event, side)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         guard, self._guard = self._guard, {}
@@ -529,6 +538,7 @@ class StateBuffers:
         # each device's, so that each device's part is one slice; same shapes run together.
         runs: Dict[Tuple[str, _Where, torch.Size], List[int]] = {}
         dtypes: Dict[str, torch.dtype] = {}
+        guarded = set()  # the streams the optimizer step guards
         is_device = cuda.CUDA.is_device_tensor
         for i, (path, value) in enumerate(leaves):
             t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
@@ -538,6 +548,8 @@ class StateBuffers:
             if run is None:
                 run = runs[key] = []
                 dtypes[name] = t.dtype
+                if path and path[0] in _STEP_GUARDED:
+                    guarded.add(name)
             run.append(i)
             tensors.append(t)
         plan: Dict[str, Dict[_Where, Dict[torch.Size, List[int]]]] = {}
@@ -551,9 +563,10 @@ class StateBuffers:
             for where in sorted(by_where, key=lambda w: -1 if w is None else w.index or 0):
                 start = offset
                 for shape, members in by_where[where].items():
-                    numel, dims = shape.numel(), list(shape)
+                    numel, dims, on_device = shape.numel(), list(shape), int(where is not None)
                     for i in members:
-                        places[i] = [name, offset, dims, "n" if isinstance(leaves[i][1], np.ndarray) else "t"]
+                        kind = "n" if isinstance(leaves[i][1], np.ndarray) else "t"
+                        places[i] = [name, offset, dims, kind, on_device]
                         offset += numel
                 parts.setdefault(where, []).append((name, start, offset - start, list(by_where[where].items())))
             numels[name] = offset
@@ -569,26 +582,34 @@ class StateBuffers:
             for name, start, _, groups in parts.get(None, []):
                 _stack_into(streams[name][start:], groups, tensors)
             # A failure from here on drops ``host`` with the snapshot never made: a copy may run into it.
-            ready = tuple(self._download(where, device_parts, streams, tensors)
+            ready = tuple(self._download(where, device_parts, streams, tensors, guarded)
                           for where, device_parts in parts.items() if where is not None)
         return Snapshot(streams, {"format": FORMAT, "tree": tree, "leaves": places}, ready,
                         sources=tuple(tensors) if ready else (), owner=self, buffer=host)
 
     def _download(self, device: torch.device, parts: List[Tuple[str, int, int, _Groups]],
-                  streams: Dict[str, torch.Tensor], tensors: List[torch.Tensor]) -> Tuple[Any, Any]:
+                  streams: Dict[str, torch.Tensor], tensors: List[torch.Tensor], guarded: set) -> Tuple[Any, Any]:
         """Gather ``device``'s part of each stream into its gather buffer and queue one copy
-        of each part to the host, on kvj's side stream after the caller's queued work.
-        Returns (the copies' event, the side stream)."""
+        of each part to the host, on kvj's side stream after the caller's queued work (the
+        streams the optimizer step does not guard first). Returns (the copies' event, the
+        side stream)."""
+        if self._hook is not None:
+            parts = sorted(parts, key=lambda part: part[0] in guarded)
+        # The parts before ``first`` are read before the caller's stream goes on; the rest
+        # before the optimizer's next step.
+        first = next((k for k, part in enumerate(parts) if self._hook is not None and part[0] in guarded), len(parts))
         side, current = cuda.CUDA.side_stream(device, "d2h"), cuda.CUDA.current_stream(device)
         cuda.CUDA.gpu_wait_stream(side, current)  # the gather reads the state as the queued step leaves it
         with cuda.CUDA.enqueue_on(side):
-            at, slices = 0, []
-            spans = []
+            spans, total = [], 0
             for name, _, numel, _ in parts:
-                spans.append(at)
-                at += _aligned(numel * streams[name].element_size())
-            gather = self._gather_buffer(device, at)
-            for (name, start, numel, groups), span in zip(parts, spans):
+                spans.append(total)
+                total += _aligned(numel * streams[name].element_size())
+            gather = self._gather_buffer(device, total)
+            slices, early = [], None
+            for k, ((name, start, numel, groups), span) in enumerate(zip(parts, spans)):
+                if k == first and k:
+                    early = cuda.CUDA.record(side)
                 dtype = streams[name].dtype
                 region = gather[span:span + numel * dtype.itemsize].view(dtype)
                 _stack_into(region, groups, tensors)
@@ -598,10 +619,13 @@ class StateBuffers:
                 if region.numel():
                     cuda.CUDA.copy(dest, region)
             landed = cuda.CUDA.record(side)
-        if self._hook is not None:
-            self._guard[device] = gathered
-        else:
+        if first == len(parts):
             cuda.CUDA.gpu_wait(current, gathered)
+        else:
+            if early is not None:
+                cuda.CUDA.gpu_wait(current, early)
+            self._guard[device] = gathered
+        self._last[device] = (landed, side)
         return landed, side
 
 
@@ -611,17 +635,25 @@ def capture(state: Mapping[str, Any]) -> Snapshot:
     return StateBuffers(1).capture(state)
 
 
-def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torch.Tensor],
+                on_device: Optional[Mapping[str, Tuple[int, torch.Tensor]]] = None) -> Dict[str, Any]:
     """The nested state a ``Snapshot``'s document (encoded or parsed) and streams describe
-    (CPU tensors that are views of ``streams``; NumPy arrays copied)."""
+    (tensors that are views of ``streams``; NumPy arrays copied). ``on_device`` maps a
+    stream to its part from an offset on, on a device: the leaves captured on a device
+    are views of that part instead."""
     try:
         parsed = _parse(doc) if isinstance(doc, (bytes, bytearray)) else doc
         if parsed.get("format") != FORMAT:
             raise FormatError(f"training state document of format {parsed.get('format')!r}, expected {FORMAT}")
         leaves: List[Any] = []
-        for name, offset, shape, kind in parsed["leaves"]:
+        for entry in parsed["leaves"]:
+            name, offset, shape, kind = entry[:4]
             numel = int(np.prod(shape)) if shape else 1
-            t = streams[name][offset:offset + numel].view(shape)
+            part = on_device.get(name) if on_device and len(entry) > 4 and entry[4] else None
+            if part is not None:
+                t = part[1][offset - part[0]:offset - part[0] + numel].view(shape)
+            else:
+                t = streams[name][offset:offset + numel].view(shape)
             leaves.append(t.numpy().copy() if kind == "n" else t)
         return _decode(parsed["tree"], leaves)
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
@@ -844,9 +876,11 @@ class StateJournal:
             if self._failure is not None:
                 raise self._failure
         finally:
-            self._buffers.close()
-            self._pool.shutdown(wait=True)
-            self._io.shutdown(wait=True)
+            try:
+                self._buffers.close()
+            finally:
+                self._pool.shutdown(wait=True)
+                self._io.shutdown(wait=True)
 
 
 @dataclass
@@ -883,17 +917,26 @@ def _load(store: "SegmentStore", keys: Mapping[str, str]) -> Tuple[Dict[str, Any
     return doc, streams, _inline_streams(doc)
 
 
-def _placed(streams: Mapping[str, torch.Tensor], device: Union[str, torch.device]) -> Dict[str, torch.Tensor]:
-    """Copies of host ``streams`` on ``device`` (CUDA: through kvj's upload, done on return)."""
+def _placed(doc: Mapping[str, Any], streams: Mapping[str, torch.Tensor],
+            device: Union[str, torch.device]) -> Dict[str, Any]:
+    """The state ``doc`` describes, from host ``streams``: the leaves captured on a device on
+    ``device`` (one upload per stream, through kvj's h2d copies), the others (RNG states, a
+    CPU ``step``...) on the CPU, as views of ``streams``."""
     target = cuda.CUDA.resolve(device)
-    if target.type != "cuda":
-        return {n: t.to(target, copy=True) for n, t in streams.items()}
-    out, last = {}, None
-    for n, t in streams.items():
-        out[n], last = cuda.CUDA.upload(t, target)
-    if last is not None:  # one h2d stream runs them in order: the last event covers them all
-        cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))
-    return out
+    starts: Dict[str, int] = {}
+    try:
+        for entry in doc["leaves"] if target.type != "cpu" else ():
+            if len(entry) > 4 and entry[4]:  # a stream's device part runs from its first device leaf to its end
+                starts[entry[0]] = min(starts.get(entry[0], entry[1]), entry[1])
+    except (KeyError, IndexError, TypeError) as exc:
+        raise FormatError(f"bad training state document: {exc}") from None
+    on_device: Dict[str, Tuple[int, torch.Tensor]] = {}
+    for name, start in starts.items():
+        # From pageable memory an upload has read its source when it returns; the caller's
+        # stream waits for it on the GPU.
+        part = streams[name][start:]
+        on_device[name] = (start, cuda.CUDA.upload(part, target)[0] if target.type == "cuda" else part.to(target))
+    return materialize(doc, streams, on_device)
 
 
 def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "SegmentStore",
@@ -924,6 +967,8 @@ def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "Seg
             raise FormatError(f"delta of step {delta['step']} holds streams {sorted({*stored, *inline})}, "
                               f"its base {sorted(base_streams)}")
         streams = {n: t if n in whole else unxor(base_streams[n], t) for n, t in stored.items()}
-        return RecoveredState(delta["step"], materialize(doc, _placed({**streams, **inline}, device)), base_step,
-                              base, fallback)
-    return RecoveredState(base_step, materialize(base_doc, _placed(base_streams, device)), base_step, base, fallback)
+        return RecoveredState(delta["step"], _placed(doc, {**streams, **inline}, device), base_step, base, fallback)
+    # The state gets copies: a restored optimizer may keep the tensors it is given, and its
+    # steps must not change the base the next deltas are XORed against.
+    streams = {n: t.clone() for n, t in base_streams.items()}
+    return RecoveredState(base_step, _placed(base_doc, streams, device), base_step, base, fallback)

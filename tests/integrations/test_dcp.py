@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from support.dcp_rank import digest, full_state
+from support.fakecuda import gpu  # noqa: F401 (the fixture)
 
 import kvj
 
@@ -128,38 +129,33 @@ def test_plain_values_round_trip_and_nothing_else_is_ever_unpickled(tmp_path, mo
         kvj_dcp.plain_value(b"not a torch.save", "x")
 
 
-def test_shards_on_a_gpu_leave_and_come_back_through_kvjs_device_copies(tmp_path, monkeypatch):
-    """State on the device (the CPU stand-in of tests/support/fakecuda.py): each shard leaves
-    through pinned staging and kvj's device-to-host copy, whose destination holds poison until
-    the host waits (so a store before the wait would keep poison), and each comes back
-    through pinned staging and kvj's upload into device memory before it is copied into its
-    target: bit-exact both ways. (Before, loading copied the host tensor straight into the
-    device target, outside kvj's device path.)"""
+def test_shards_on_a_gpu_leave_and_come_back_through_kvjs_device_copies(tmp_path, gpu):
+    """State on a GPU (the strict stand-in of tests/support/fakecuda.py: a download's pinned
+    destination holds poison until the host waits, streams that touch memory without a wait
+    between them raise): each shard leaves through pinned staging and kvj's device-to-host
+    copy and comes back through pinned staging and kvj's upload into device memory before it
+    is copied into its target, bit-exact both ways. (Before, loading copied the host tensor
+    straight into the device target, outside kvj's device path.)"""
     import torch
     import torch.distributed.checkpoint as dcp
-    from support.fakecuda import FakeCuda
 
     from kvj.integrations.dcp import JournalReader, JournalWriter
-    from kvj.segments import device
 
-    fake = FakeCuda(devices=1)
-    monkeypatch.setattr(device, "CUDA", fake)
     gen = torch.Generator().manual_seed(3)
-    state = {"model": {"w": fake.adopt(torch.randn(64, 48, generator=gen), 0)},
-             "optim": {"m": fake.adopt(torch.randn(96, 8, generator=gen).to(torch.bfloat16), 0)}}
-    want = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
+    want = {"model": {"w": torch.randn(64, 48, generator=gen)},
+            "optim": {"m": torch.randn(96, 8, generator=gen).to(torch.bfloat16)}}
+    state = {k: {n: t.to("cuda") for n, t in v.items()} for k, v in want.items()}
+    gpu.copies.clear()
     dcp.save(state, storage_writer=JournalWriter(str(tmp_path / "dcp"), step=5), no_dist=True)
-    downloads = [c for c in fake.copies if c.kind == "d2h"]
-    assert len(downloads) == 2 and all(fake.is_pinned(c.host) for c in downloads)
+    assert [(c.kind, c.asynchronous, c.host.is_pinned()) for c in gpu.copies] == [("d2h", True, True)] * 2
 
-    fake.copies.clear()
-    target = {"model": {"w": fake.adopt(torch.zeros(64, 48), 0)},
-              "optim": {"m": fake.adopt(torch.zeros(96, 8, dtype=torch.bfloat16), 0)}}
+    gpu.copies.clear()
+    target = {"model": {"w": torch.zeros(64, 48, device="cuda")},
+              "optim": {"m": torch.zeros(96, 8, dtype=torch.bfloat16, device="cuda")}}
     reader = JournalReader(str(tmp_path / "dcp"))
     dcp.load(target, storage_reader=reader, no_dist=True)
-    uploads = [c for c in fake.copies if c.kind == "h2d"]
-    assert reader.step == 5 and len(uploads) == 2 and all(fake.is_pinned(c.host) for c in uploads)
-    assert not fake.violations
+    assert reader.step == 5
+    assert [(c.kind, c.asynchronous, c.host.is_pinned()) for c in gpu.copies] == [("h2d", True, True)] * 2
     for part in want:
         for name, t in want[part].items():
-            assert fake.is_device_tensor(target[part][name]) and torch.equal(target[part][name], t), name
+            assert target[part][name].device.type == "cuda" and torch.equal(target[part][name].cpu(), t), name
