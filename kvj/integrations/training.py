@@ -557,18 +557,20 @@ class StateBuffers:
             plan.setdefault(name, {}).setdefault(where, {})[shape] = run
         places: List[Any] = [None] * len(leaves)
         parts: Dict[_Where, List[Tuple[str, int, int, _Groups]]] = {}  # where -> (stream, start, numel, groups)
+        on_device: Dict[str, int] = {}  # stream -> where its device part starts
         numels: Dict[str, int] = {}
         for name, by_where in plan.items():
             offset = 0
             for where in sorted(by_where, key=lambda w: -1 if w is None else w.index or 0):
                 start = offset
                 for shape, members in by_where[where].items():
-                    numel, dims, on_device = shape.numel(), list(shape), int(where is not None)
+                    numel, dims = shape.numel(), list(shape)
                     for i in members:
-                        kind = "n" if isinstance(leaves[i][1], np.ndarray) else "t"
-                        places[i] = [name, offset, dims, kind, on_device]
+                        places[i] = [name, offset, dims, "n" if isinstance(leaves[i][1], np.ndarray) else "t"]
                         offset += numel
                 parts.setdefault(where, []).append((name, start, offset - start, list(by_where[where].items())))
+                if where is not None:
+                    on_device.setdefault(name, start)
             numels[name] = offset
         host = self._host(sum(_aligned(numels[n] * dtypes[n].itemsize) for n in plan),
                           pinned=any(where is not None for where in parts))
@@ -584,8 +586,10 @@ class StateBuffers:
             # A failure from here on drops ``host`` with the snapshot never made: a copy may run into it.
             ready = tuple(self._download(where, device_parts, streams, tensors, guarded)
                           for where, device_parts in parts.items() if where is not None)
-        return Snapshot(streams, {"format": FORMAT, "tree": tree, "leaves": places}, ready,
-                        sources=tuple(tensors) if ready else (), owner=self, buffer=host)
+        document = {"format": FORMAT, "tree": tree, "leaves": places}
+        if on_device:
+            document["device"] = on_device
+        return Snapshot(streams, document, ready, sources=tuple(tensors) if ready else (), owner=self, buffer=host)
 
     def _download(self, device: torch.device, parts: List[Tuple[str, int, int, _Groups]],
                   streams: Dict[str, torch.Tensor], tensors: List[torch.Tensor], guarded: set) -> Tuple[Any, Any]:
@@ -639,18 +643,17 @@ def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torc
                 on_device: Optional[Mapping[str, Tuple[int, torch.Tensor]]] = None) -> Dict[str, Any]:
     """The nested state a ``Snapshot``'s document (encoded or parsed) and streams describe
     (tensors that are views of ``streams``; NumPy arrays copied). ``on_device`` maps a
-    stream to its part from an offset on, on a device: the leaves captured on a device
-    are views of that part instead."""
+    stream to (offset, its part from that offset on, on a device): the leaves in that part
+    are views of it instead."""
     try:
         parsed = _parse(doc) if isinstance(doc, (bytes, bytearray)) else doc
         if parsed.get("format") != FORMAT:
             raise FormatError(f"training state document of format {parsed.get('format')!r}, expected {FORMAT}")
         leaves: List[Any] = []
-        for entry in parsed["leaves"]:
-            name, offset, shape, kind = entry[:4]
+        for name, offset, shape, kind in parsed["leaves"]:
             numel = int(np.prod(shape)) if shape else 1
-            part = on_device.get(name) if on_device and len(entry) > 4 and entry[4] else None
-            if part is not None:
+            part = on_device.get(name) if on_device else None
+            if part is not None and offset >= part[0]:
                 t = part[1][offset - part[0]:offset - part[0] + numel].view(shape)
             else:
                 t = streams[name][offset:offset + numel].view(shape)
@@ -715,7 +718,8 @@ class StateJournal:
     delta stores it whole); deltas between repeat that choice. A save whose streams differ
     from the base's (the optimizer's state appears at its first step) is a full one. ``close``
     (or leaving a ``with`` block) waits for every save. Resuming, pass the ``RecoveredState``
-    so the next deltas are taken against its base.
+    so the next deltas are taken against its base. Pass the ``optimizer`` whose state is
+    saved, and on a GPU only its next step waits for a save's gather (``StateBuffers``).
     """
 
     def __init__(self, journal: "Journal", full_every: int, *, model: str,
@@ -923,13 +927,9 @@ def _placed(doc: Mapping[str, Any], streams: Mapping[str, torch.Tensor],
     ``device`` (one upload per stream, through kvj's h2d copies), the others (RNG states, a
     CPU ``step``...) on the CPU, as views of ``streams``."""
     target = cuda.CUDA.resolve(device)
-    starts: Dict[str, int] = {}
-    try:
-        for entry in doc["leaves"] if target.type != "cpu" else ():
-            if len(entry) > 4 and entry[4]:  # a stream's device part runs from its first device leaf to its end
-                starts[entry[0]] = min(starts.get(entry[0], entry[1]), entry[1])
-    except (KeyError, IndexError, TypeError) as exc:
-        raise FormatError(f"bad training state document: {exc}") from None
+    starts = (doc.get("device") or {}) if target.type != "cpu" else {}
+    if not (isinstance(starts, dict) and all(n in streams and isinstance(s, int) for n, s in starts.items())):
+        raise FormatError(f"bad training state document: device {starts!r:.80}")
     on_device: Dict[str, Tuple[int, torch.Tensor]] = {}
     for name, start in starts.items():
         # From pageable memory an upload has read its source when it returns; the caller's
