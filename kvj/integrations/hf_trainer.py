@@ -22,11 +22,13 @@ the dataloader position; the callback then installs the optimizer, scheduler and
 state at train begin and the RNG streams where Trainer's own resume would (after the
 dataloader is fast-forwarded). After a resume, ``trainer.state.log_history`` holds what was
 logged since. A journal that does not fit the model (a changed LoRA rank, target modules or
-dtype) or the optimizer is refused with a ``FormatError`` naming what differs, before anything
-is copied; a run configured differently (learning rate, dataset size...) resumes with the
-journaled values and one ``ResumeMismatch`` warning naming each difference. Each save's copy
-runs beside the next forward and backward: only the optimizer's next step waits for it, on
-the GPU.
+dtype) is refused by ``resume`` with a ``FormatError`` naming what differs, before anything is
+copied; one whose optimizer state does not fit Trainer's optimizer (made only once training
+begins) is refused at train begin, before that state is loaded (the model has the journaled
+weights by then, in memory only); a run configured differently (learning rate, dataset
+size...) resumes with the journaled values and one ``ResumeMismatch`` warning naming each
+difference. Each save's copy runs beside the next forward and backward: only the optimizer's
+next step waits for it, on the GPU.
 """
 
 from __future__ import annotations
