@@ -443,7 +443,7 @@ class FakeCuda:
         self.pinned_allocs = 0
         self.allocated: Dict[int, int] = collections.defaultdict(int)  #: live device bytes per device
         self.memory_limit: Dict[int, int] = {}  #: device index -> bytes; beyond it allocation fails
-        self.fail_next: Optional[str] = None  #: "record" or "synchronize": that call raises once
+        self.fail_next: Optional[str] = None  #: "record", "synchronize" or "pin": that call raises once
         self._meta_cache: Dict[Tuple[Any, ...], Any] = {}
 
     # -- installing ------------------------------------------------------------------------
@@ -625,6 +625,10 @@ class FakeCuda:
     # -- memory ----------------------------------------------------------------------------
 
     def _register_pinned(self, t: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            if self.fail_next == "pin":  # as cudaHostAlloc fails: torch raises a plain RuntimeError
+                self.fail_next = None
+                raise RuntimeError("CUDA error: out of memory (pinned host memory, injected by the stand-in)")
         storage = t.untyped_storage()
         key = storage.data_ptr()
         with self.lock:

@@ -85,13 +85,12 @@ SITES: List[Site] = [
     # paged KV blocks (the vLLM connector's save and load, restore_paged)
     Site(D, "gather_blocks", "cu.gpu_wait_stream(side, current)", hint=("gather_saves",)),
     Site(D, "gather_blocks", "cu.record(side)", NO_EVENT, hint=("gather_saves",)),
-    Site(D, "gather_blocks", "cu.keep_alive(bufs.blocks, side)", hint=("dropped",)),
+    Site(D, "gather_blocks", "cu.keep_alive(bufs.blocks, side)", hint=("reuse_the_blocks",)),
     Site(D, "scatter_blocks", "cu.gpu_wait_stream(side, current)", hint=("old_slots",)),
     Site(D, "scatter_blocks", "cu.record(side)", NO_EVENT, hint=("two_restores",)),
-    Site(D, "scatter_blocks", "cu.keep_alive(t, side)", hint=("dropped",)),
+    Site(D, "scatter_blocks", "cu.keep_alive(t, side)", hint=("scatter_loads",)),
     Site(D, "Transfer.wait", "CUDA.finish(self.event, self.stream)", hint=("two_restores",)),
-    Site(D, "Transfer.fence", "CUDA.gpu_wait(stream if stream is not None else CUDA.current_stream(self.stream.device), "
-         "self.event)", hint=("scatter_loads",)),
+    Site(D, "Transfer.fence", "CUDA.gpu_wait(waiter, self.event)", hint=("scatter_loads",)),
     Site(D, "BlockBuffers.busy", "not self.transfer.done()", "False", hint=("ring",)),
     Site(D, "BlockRing.take", "bufs.transfer.wait()", hint=("ring",)),
     Site(R, "restore_paged", "moved.wait()", hint=("two_restores",)),
