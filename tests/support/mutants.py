@@ -94,6 +94,7 @@ SITES: List[Site] = [
     Site(D, "BlockBuffers.busy", "not self.transfer.done()", "False", hint=("ring",)),
     Site(D, "BlockRing.take", "bufs.transfer.wait()", hint=("ring",)),
     Site(R, "restore_paged", "moved.wait()", hint=("two_restores",)),
+    Site(R, "load_many", "with cuda.CUDA.use(stream):", "if True:", hint=("worker_threads_are_fenced",)),
 ]
 
 #: The CPU-into-CUDA ``index_copy_`` the vLLM connector once had: the host's ids and blocks
