@@ -260,7 +260,7 @@ class FakeCudaTensor(torch.Tensor):
     def __del__(self) -> None:
         # not a weakref.finalize: nn.Module.to() swaps parameters, which refuses weakrefs
         mem = self.__dict__.get("_mem")
-        if mem is not None:
+        if mem is not None and _join is not None:  # None: the interpreter is shutting down
             mem.sim._dropped_wrapper(mem)
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
