@@ -484,21 +484,15 @@ class StateBuffers:
         self._free: List[torch.Tensor] = []  # host buffers no snapshot holds
         self._gather: Dict[torch.device, torch.Tensor] = {}
         self._guard: Dict[torch.device, Any] = {}  # the gathers the next optimizer step waits for
-        self._last: Dict[torch.device, Tuple[Any, Any]] = {}  # each device's last copies: (event, side stream)
         self._hook = (_innermost(optimizer).register_step_pre_hook(self._before_step)
                       if optimizer is not None else None)
 
     def close(self) -> None:
-        """Remove the optimizer step pre-hook, and wait until the last captures' copies are
-        done: from then on the caller may change or free any tensor they read, without the
-        optimizer's step to order it (another thread having waited does not order this one's
-        later work on the GPU)."""
+        """Remove the optimizer step pre-hook. (The snapshots' ``wait`` is what orders later
+        changes to the tensors they read: ``StateJournal.close`` returns after every save's.)"""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        last, self._last = self._last, {}
-        for event, side in last.values():
-            cuda.CUDA.finish(event, side)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         guard, self._guard = self._guard, {}
@@ -629,7 +623,6 @@ class StateBuffers:
             if early is not None:
                 cuda.CUDA.gpu_wait(current, early)
             self._guard[device] = gathered
-        self._last[device] = (landed, side)
         return landed, side
 
 
@@ -880,11 +873,9 @@ class StateJournal:
             if self._failure is not None:
                 raise self._failure
         finally:
-            try:
-                self._buffers.close()
-            finally:
-                self._pool.shutdown(wait=True)
-                self._io.shutdown(wait=True)
+            self._buffers.close()
+            self._pool.shutdown(wait=True)
+            self._io.shutdown(wait=True)
 
 
 @dataclass
@@ -924,18 +915,23 @@ def _load(store: "SegmentStore", keys: Mapping[str, str]) -> Tuple[Dict[str, Any
 def _placed(doc: Mapping[str, Any], streams: Mapping[str, torch.Tensor],
             device: Union[str, torch.device]) -> Dict[str, Any]:
     """The state ``doc`` describes, from host ``streams``: the leaves captured on a device on
-    ``device`` (one upload per stream, through kvj's h2d copies), the others (RNG states, a
-    CPU ``step``...) on the CPU, as views of ``streams``."""
+    ``device`` (one upload per stream, through kvj's h2d copies, done when this returns), the
+    others (RNG states, a CPU ``step``...) on the CPU, as views of ``streams``."""
     target = cuda.CUDA.resolve(device)
     starts = (doc.get("device") or {}) if target.type != "cpu" else {}
     if not (isinstance(starts, dict) and all(n in streams and isinstance(s, int) for n, s in starts.items())):
         raise FormatError(f"bad training state document: device {starts!r:.80}")
     on_device: Dict[str, Tuple[int, torch.Tensor]] = {}
+    last = None
     for name, start in starts.items():
-        # From pageable memory an upload has read its source when it returns; the caller's
-        # stream waits for it on the GPU.
         part = streams[name][start:]
-        on_device[name] = (start, cuda.CUDA.upload(part, target)[0] if target.type == "cuda" else part.to(target))
+        if target.type != "cuda":
+            on_device[name] = (start, part.to(target))
+            continue
+        uploaded, last = cuda.CUDA.upload(part, target)
+        on_device[name] = (start, uploaded)
+    if last is not None:  # one h2d stream runs the uploads in order: the last event covers them all
+        cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))
     return materialize(doc, streams, on_device)
 
 

@@ -13,23 +13,22 @@ there (the RNG states stay on the CPU); a failed wait drops its buffer.
 
 The stand-in runs no autograd on its tensors, so the steps here take gradients made by hand;
 it runs fused AdamW's kernel at once (it has no meta kernel), which synchronizes the host, so
-the tests that show a wait is needed use capturable AdamW. ``MUTATIONS`` at the end lists
-every wait and event of the training snapshot, and the test that fails without each.
+the tests that show a wait is needed use capturable AdamW. tests/support/mutants.py lists every
+wait and event of the training snapshot; tests/segments/test_mutations.py deletes each in turn
+and shows one of these tests fails. (The snapshot makes no ``record_stream`` call: its gather
+buffer is allocated on the side stream that alone uses it, and a snapshot keeps the tensors its
+gather reads referenced until its copies are done.)
 """
 
 from __future__ import annotations
 
-import linecache
-import sys
-
 import pytest
 import torch
-from support.fakecuda import POISON, FakeCuda, Hazard, gpu  # noqa: F401 (gpu: the fixture)
+from support.fakecuda import POISON, Hazard, gpu  # noqa: F401 (gpu: the fixture)
 
 import kvj
 from kvj.integrations.training import (StateBuffers, StateJournal, capture, materialize, recover_training,
                                        restore_training_state, training_state)
-from kvj.integrations import training
 from kvj.segments import device
 
 CUDA0 = torch.device("cuda", 0)
@@ -282,54 +281,3 @@ def test_a_failed_wait_drops_the_buffer_and_fails_every_later_save(gpu, tmp_path
             saver.close()
         assert recover_training(kvj.replay(str(tmp_path / "j")), journal.store).step == 1
 
-
-#: Every wait and event of the training snapshot (kvj.integrations.training), as the
-#: ``kvj.segments.device.CUDA`` method, the call's source line there (what it starts with), and
-#: the test above that fails when that one call does nothing (an event: is never recorded).
-#: The snapshot makes no ``record_stream`` call: its gather buffer is allocated on the side
-#: stream that alone uses it, and a snapshot keeps the tensors its gather reads referenced until
-#: its copies are done (``test_a_stream_of_cpu...`` and the stand-in's end-of-test check see
-#: the frees).
-MUTATIONS = [
-    ("gpu_wait_stream", "cuda.CUDA.gpu_wait_stream(side, current)", "test_each_stream_leaves_in_one_copy_and_is_read_only_after_it_lands"),
-    ("gpu_wait", "cuda.CUDA.gpu_wait(current, gathered)", "test_each_stream_leaves_in_one_copy_and_is_read_only_after_it_lands"),
-    ("gpu_wait", "cuda.CUDA.gpu_wait(current, early)", "test_a_save_never_waits_for_the_gpu_and_the_scalers_state_is_read_before_it_changes"),
-    ("gpu_wait", "cuda.CUDA.gpu_wait(cuda.CUDA.current_stream(device), gathered)", "test_only_the_next_optimizer_step_waits_for_the_gather_and_never_for_the_copy"),
-    ("finish", "cuda.CUDA.finish(event, stream)", "test_each_stream_leaves_in_one_copy_and_is_read_only_after_it_lands"),
-    ("finish", "cuda.CUDA.finish(event, side)", "test_buffers_are_allocated_once_for_the_run_not_per_save"),
-    ("record", "early = cuda.CUDA.record(side)", "test_a_save_never_waits_for_the_gpu_and_the_scalers_state_is_read_before_it_changes"),
-    ("record", "gathered = cuda.CUDA.record(side)", "test_each_stream_leaves_in_one_copy_and_is_read_only_after_it_lands"),
-    ("record", "landed = cuda.CUDA.record(side)", "test_each_stream_leaves_in_one_copy_and_is_read_only_after_it_lands"),
-]
-
-
-def _without(method: str, call: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the one call of ``device.CUDA.<method>`` in kvj.integrations.training whose line
-    starts with ``call`` do nothing (``record``: hand back an event never recorded, which
-    waits return from at once, as on CUDA)."""
-    real = getattr(device.CUDA, method)
-
-    def mutated(*args, **kwargs):
-        caller = sys._getframe(1)
-        while caller.f_code.co_filename == __file__:  # a test's own spy in between
-            caller = caller.f_back
-        if caller.f_code.co_filename == training.__file__ and \
-                linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip().startswith(call):
-            return torch.cuda.Event() if method == "record" else None
-        return real(*args, **kwargs)
-    monkeypatch.setattr(device.CUDA, method, mutated)
-
-
-@pytest.mark.parametrize("method, call, catcher", MUTATIONS, ids=[m[1] for m in MUTATIONS])
-def test_every_wait_and_event_of_the_snapshot_is_needed(method, call, catcher, tmp_path, monkeypatch):
-    """Each call of MUTATIONS made a no-op (the call site exists, once): its test fails."""
-    source = open(training.__file__).read()
-    assert sum(line.strip().startswith(call) for line in source.splitlines()) == 1, call
-    test = globals()[catcher]
-    with monkeypatch.context() as m:
-        sim = FakeCuda(devices=2).install(m)
-        _without(method, call, m)
-        args = {"gpu": sim, "tmp_path": tmp_path, "monkeypatch": m}
-        with pytest.raises(Exception):
-            test(**{name: args[name] for name in test.__code__.co_varnames[:test.__code__.co_argcount]})
-            sim.check()
