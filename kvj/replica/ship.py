@@ -33,7 +33,7 @@ from kvj.journal.records import RecordType, decode_payload
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.replica import manifest as mf
 from kvj.replica.lease import DEFAULT_TTL, Lease
-from kvj.replica.remote import LostRace, Remote, RemoteUnavailable, md5_etag
+from kvj.replica.remote import LostRace, ObjectTooLarge, Remote, RemoteUnavailable, md5_etag
 
 DEFAULT_INTERVAL = 1.0
 DEFAULT_GRACE = 3600.0
@@ -105,6 +105,7 @@ class Replicator:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvj-replica")
         self.manifest = mf.Manifest()
         self._etag: Optional[str] = None
+        self._unacked: Optional[bytes] = None  # a manifest sent whose answer was lost
         self._logs: Dict[int, _LocalLog] = {}
         self._remote_keys: Set[str] = set()
         self._snap_keys: Optional[Set[str]] = None
@@ -227,13 +228,17 @@ class Replicator:
     def _commit(self, m: mf.Manifest) -> None:
         self.lease.ensure()
         try:
-            self._etag = mf.commit(self.remote, m, self._etag)
+            self._etag = mf.commit(self.remote, m, self._etag, self._unacked)
+        except RemoteUnavailable:
+            self._unacked = m.to_json()  # it may have landed: the next commit recognises it
+            raise
         except LostRace:
             current, _ = mf.load(self.remote)
             if current is not None and current.generation > self.lease.generation:
                 raise self.lease.fenced() from None
             raise KvjError(f"{self.remote.url}: the manifest was changed by something other than this "
                            "replicator; stopping") from None
+        self._unacked = None
         self.manifest = m
 
     # -- logs ---------------------------------------------------------------------------
@@ -419,7 +424,11 @@ class Replicator:
         """Create-only upload; an existing object must hold the same bytes (else corruption)."""
         etag = self.remote.put_create(obj, data)
         if etag is None:
-            if self.remote.read(obj) != bytes(data):
+            try:
+                same = self.remote.read(obj, len(data)) == bytes(data)
+            except ObjectTooLarge:
+                same = False
+            if not same:
                 raise CorruptionError(f"{self.remote.url}/{obj}", None, "the replica holds different bytes under "
                                       "this name")
             return
