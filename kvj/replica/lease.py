@@ -102,6 +102,7 @@ class Lease:
         self.expires_at = 0.0
         self._etag: Optional[str] = None
         self._unacked: Optional[bytes] = None  # a body sent whose answer was lost
+        self.broken: Optional[str] = None  # the holder acquire broke the lease of, as printed
 
     def _read(self) -> Optional[_Holder]:
         """``lock.json`` as it is now, None when there is none."""
@@ -112,7 +113,7 @@ class Lease:
         if found is None:
             return None
         try:
-            doc = load_json(found.data, LEASE_OBJECT, max_bytes=MAX_LEASE_BYTES)
+            doc = load_json(found.data, "the lease", max_bytes=MAX_LEASE_BYTES)
             owner, generation, expires_at = doc["owner"], doc["generation"], doc["expires_at"]
         except (FormatError, KeyError, TypeError) as exc:
             return _Holder(found.etag, problem=printable(exc))
@@ -144,12 +145,15 @@ class Lease:
         """
         now = self.clock()
         held = self._read()
+        broken = None
         if held is not None and held.problem is not None:
             if breaking != UNREADABLE:
                 raise FormatError(f"{self.remote.url}/{LEASE_OBJECT} is not a kvj lease ({held.problem}); if no "
                                   f"replicator is running, replace it: {_break_hint(UNREADABLE)}")
+            broken = UNREADABLE
         elif held is not None and held.owner != self.owner and held.expires_at > now:
-            if breaking != printable(held.owner, 4 * MAX_OWNER):
+            broken = printable(held.owner, 4 * MAX_OWNER)
+            if breaking != broken:
                 raise LeaseHeld(self.remote.url, held.owner, held.expires_at, now, breaking)
         generation = max(held.generation if held else 0, floor) + 1
         try:
@@ -159,6 +163,7 @@ class Lease:
             if again is None or again.problem is not None:
                 raise LeaseHeld(self.remote.url, "unknown", now, now) from None
             raise LeaseHeld(self.remote.url, again.owner, again.expires_at, now) from None
+        self.broken = broken
         return generation
 
     def renew(self) -> None:

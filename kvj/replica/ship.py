@@ -94,7 +94,7 @@ class Replicator:
 
     def __init__(self, journal: str, remote: Remote, *, store: Optional[str] = None, lease_ttl: float = DEFAULT_TTL,
                  grace: float = DEFAULT_GRACE, threads: int = 8, verify: bool = True, owner: Optional[str] = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, break_lease: Optional[str] = None):
         self.journal = os.path.abspath(journal)
         self.remote = remote
         self.store_root = store or default_store_path(self.journal)
@@ -102,6 +102,7 @@ class Replicator:
         self.verify = verify
         self.clock = clock
         self.lease = Lease(remote, owner, lease_ttl, clock)
+        self.break_lease = break_lease  # the holder whose live lease open() may take (see Lease.acquire)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvj-replica")
         self.manifest = mf.Manifest()
         self._etag: Optional[str] = None
@@ -118,7 +119,7 @@ class Replicator:
         if not os.path.isdir(self.journal):
             raise FormatError(f"no journal at {self.journal}")
         current, _ = mf.load(self.remote)
-        self.lease.acquire(floor=current.generation if current else 0)
+        self.lease.acquire(floor=current.generation if current else 0, breaking=self.break_lease)
         try:
             self._fence()
             self._remote_keys = {k for k in (mf.segment_key(o.path) for o in self.remote.list("segments/")) if k}
