@@ -67,9 +67,10 @@ def replicate(journal: JournalArg = None,
 
     Without --follow: one round, for cron. With --follow: a round every --interval (1 s
     by default: a lost node loses at most the last interval plus one round's upload
-    time); an unreachable endpoint is retried with backoff, never fatal. A request may
-    take 30 s plus the time its bytes take at 256 KiB/s: a slower transfer counts as
-    stalled and its round is retried. A write whose answer was lost (a dropped
+    time); an unreachable endpoint is retried with backoff, never fatal. An upload may
+    take 30 s plus the time its bytes take at 256 KiB/s (a slower one counts as stalled,
+    and its round is retried); a download fails after 30 s without a byte. A write whose
+    answer was lost (a dropped
     connection) is recognised on the next try, not taken for another writer's. A
     manifest or lease that is not what kvj writes (names that are not kvj's, numbers
     that do not fit, deep nesting) is refused with status 65, and text from the replica

@@ -38,7 +38,8 @@ def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL
     needs, and verifies each (the BLAKE3 the manifest recorded, every CRC, LSN
     continuity, each segment's chunks and content digest) before it is written durably.
     No read goes past the size the manifest or the journal declares for an object, and
-    an object of another size is refused unread. The result is an ordinary journal: run
+    an object of another size is refused unread; a download fails after 30 s without a
+    byte, however long it takes in all. The result is an ordinary journal: run
     kvj fsck and kvj recover on it as on the original node. --at restores an earlier
     point (not before the replica's snapshot).
 

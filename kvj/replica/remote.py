@@ -24,10 +24,11 @@ from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, Pre
 
 from kvj.errors import CorruptionError, FormatError, KvjError
 
-#: Every request may take this long, plus the time its bytes take at ``MIN_RATE``.
+#: Every request may take this long, plus the time its bytes take at ``MIN_RATE``; a
+#: download also fails once this long passes without a byte arriving.
 DEFAULT_TIMEOUT = 30.0
-#: A transfer slower than this (bytes/s) counts as stalled. S3 clients' time limits are per
-#: request, so a fixed one would fail every upload of an object too large to move in it,
+#: An upload slower than this (bytes/s) counts as stalled. S3 clients' time limits are per
+#: request, so a fixed one would fail every upload of an object too large to send in it,
 #: round after round: a replica that never catches up.
 MIN_RATE = 256 << 10
 #: Requests moving up to this many bytes get the plain ``timeout``; reads are streamed in
@@ -86,25 +87,29 @@ def md5_etag(data: Any) -> str:
 class Remote:
     """A replica's objects, addressed by paths relative to the replica's prefix.
 
-    ``make_store(seconds)`` makes an obstore store whose requests are limited to that long:
-    a request moving ``n`` bytes gets ``timeout`` plus ``n / MIN_RATE`` (``n`` rounded up to a
-    power of two, so a few clients serve every size).
+    ``make_store(total, idle)`` makes an obstore store whose requests fail after ``total``
+    seconds, and (``idle`` not None) once ``idle`` seconds pass without a byte of the answer
+    arriving. A request moving ``n`` bytes gets ``timeout`` plus ``n / MIN_RATE`` in all (``n``
+    rounded up to a power of two, so a few clients serve every size); a download also fails
+    after ``timeout`` without a byte, which tells a stalled connection from a slow one.
     """
 
-    def __init__(self, url: str, make_store: Callable[[float], Any], timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, url: str, make_store: Callable[[float, Optional[float]], Any],
+                 timeout: float = DEFAULT_TIMEOUT):
         self.url = url
         self.timeout = timeout
         self._make_store = make_store
-        self._stores: Dict[int, Any] = {}
+        self._stores: Dict[Tuple[int, bool], Any] = {}
         self._lock = threading.Lock()
 
-    def store(self, nbytes: int = 0) -> Any:
-        """The store to use for a request that moves ``nbytes``."""
-        size_class = 1 << (nbytes - 1).bit_length() if nbytes > CHUNK else 0
+    def store(self, nbytes: int = 0, download: bool = False) -> Any:
+        """The store to use for a request that moves ``nbytes`` (or downloads at most that)."""
+        key = (1 << (nbytes - 1).bit_length() if nbytes > CHUNK else 0, download)
         with self._lock:
-            if size_class not in self._stores:
-                self._stores[size_class] = self._make_store(self.timeout + size_class / MIN_RATE)
-            return self._stores[size_class]
+            if key not in self._stores:
+                self._stores[key] = self._make_store(self.timeout + key[0] / MIN_RATE,
+                                                     self.timeout if download else None)
+            return self._stores[key]
 
     # -- reads ------------------------------------------------------------------------
 
@@ -117,7 +122,7 @@ class Remote:
         """
         where = f"{self.url}/{path}"
         try:
-            result = obstore.get(self.store(limit), path)
+            result = obstore.get(self.store(limit, download=True), path)
             size = int(result.meta["size"])
             if size != limit if exact else size > limit:
                 raise ObjectTooLarge(where, f"the object holds {size} bytes, " +
@@ -238,9 +243,11 @@ def open_remote(url: str, *, retries: int = 3, timeout: float = DEFAULT_TIMEOUT)
         client["allow_http"] = True
     prefix = parsed.path.strip("/") or None
 
-    def make_store(seconds: float) -> Any:
-        limit = timedelta(seconds=seconds)
-        return S3Store(parsed.netloc, prefix=prefix, client_options={**client, "timeout": limit},
-                       retry_config={"max_retries": retries, "retry_timeout": limit}, **kwargs)
+    def make_store(total: float, idle: Optional[float]) -> Any:
+        limits = {"timeout": timedelta(seconds=total)}
+        if idle is not None:
+            limits["read_timeout"] = timedelta(seconds=idle)
+        return S3Store(parsed.netloc, prefix=prefix, client_options={**client, **limits},
+                       retry_config={"max_retries": retries, "retry_timeout": timedelta(seconds=total)}, **kwargs)
 
     return Remote(url.rstrip("/"), make_store, timeout)

@@ -46,8 +46,8 @@ def s3_env(endpoint: str) -> Dict[str, str]:
 
 class Relay:
     """Forwards 127.0.0.1:<port> to ``target_port``; ``down()`` kills it, ``up()`` restarts it.
-    ``rate`` (bytes/s) slows what clients send to that, as a slow link would; ``received``
-    counts the bytes the endpoint sent back to clients."""
+    ``rate`` (bytes/s) slows each direction of each connection to that, as a slow link would;
+    ``received`` counts the bytes the endpoint sent back to clients."""
 
     def __init__(self, target_port: int, rate: Optional[float] = None):
         self.target_port = target_port
@@ -117,7 +117,7 @@ class Relay:
                 if to_client:
                     with self._lock:
                         self.received += len(data)
-                elif self.rate:
+                if self.rate:
                     time.sleep(len(data) / self.rate)
                 dst.sendall(data)
         except OSError:
