@@ -75,16 +75,13 @@ def is_object_name(name: str) -> bool:
     m = _SNAP_RE.fullmatch(name)
     if m is not None:
         return name == snapshot_object(int(m[1]), int(m[2]))
-    m = _SEG_RE.fullmatch(name)
-    return m is not None and m[1] == m[2][:2]
+    return segment_key(name) is not None
 
 
 def segment_key(path: str) -> Optional[str]:
-    """The key of a ``segments/`` object path, or None for anything else."""
-    name = path.rsplit("/", 1)[-1]
-    if path.startswith("segments/") and name.endswith(".kvjseg"):
-        return name[:-len(".kvjseg")]
-    return None
+    """The key of a segment object's path, or None for any other path (one kvj did not write)."""
+    m = _SEG_RE.fullmatch(path)
+    return m[2] if m is not None and m[1] == m[2][:2] else None
 
 
 @dataclass

@@ -20,9 +20,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
+from obstore.exceptions import AlreadyExistsError, BaseError, InvalidPathError, NotFoundError, PreconditionError
 
 from kvj.errors import CorruptionError, FormatError, KvjError
+from kvj.untrusted import printable
 
 #: Every request may take this long, plus the time its bytes take at ``MIN_RATE``; a
 #: download also fails once this long passes without a byte arriving.
@@ -158,6 +159,10 @@ class Remote:
             for batch in obstore.list(self.store(), prefix):
                 for meta in batch:
                     yield ObjectInfo(meta["path"], meta["size"], meta["last_modified"].timestamp())
+        except InvalidPathError as exc:  # a name with "..": nothing kvj writes, and the listing stops at it
+            reason = " ".join(str(exc).split("Debug source")[0].split())
+            raise CorruptionError(f"{self.url}/{prefix}", None, f"holds an object kvj did not write, whose name "
+                                  f"is not a path ({printable(reason, 300)}); remove it") from None
         except BaseError as exc:
             raise _unavailable(exc, f"listing {prefix}") from None
 

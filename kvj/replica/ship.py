@@ -154,7 +154,8 @@ class Replicator:
         changed = False
         for prefix in ("logs/", "snapshots/"):
             for obj in self.remote.list(prefix):
-                if obj.path not in needed and obj.path not in self.manifest.garbage and now - obj.mtime >= self.grace:
+                if obj.path not in needed and obj.path not in self.manifest.garbage and \
+                        now - obj.mtime >= self.grace and mf.is_object_name(obj.path):  # others are not kvj's
                     self.manifest.garbage[obj.path] = now
                     changed = True
         if changed:
@@ -227,6 +228,7 @@ class Replicator:
         return result
 
     def _commit(self, m: mf.Manifest) -> None:
+        mf.Manifest.from_json(m.to_json(), "the manifest about to be written")  # never one kvj would refuse
         self.lease.ensure()
         try:
             self._etag = mf.commit(self.remote, m, self._etag, self._unacked)

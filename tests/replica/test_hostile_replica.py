@@ -366,3 +366,33 @@ def test_a_junk_snapshot_is_refused_unread(replica, tmp_path, capsys, body_reads
     status, _, stderr = kvj_here(capsys, "restore", "--from", replica.url, "-j", str(tmp_path / "out"))
     assert status == 65 and "are declared (not read)" in one_clear_line(stderr)
     assert sum(body_reads[obj]) == 0
+
+
+@pytest.mark.parametrize("name", ["logs/notes.txt", "snapshots/x.snap", "segments/zz/evil.kvjseg",
+                                  "logs/0000000000000001/x.part"])
+def test_objects_kvj_did_not_write_are_left_alone(name, replica, source, capsys):
+    """An object under the replica's prefix that kvj did not write is neither deleted as
+    garbage nor written into the manifest (which would then be refused)."""
+    replica.put(name, b"someone else's")
+    for _ in range(2):
+        status, _, stderr = kvj_here(capsys, "replicate", "-j", source[0], "--to", replica.url, "--grace", "0s")
+        assert status == 0, stderr
+    assert replica.get(name) == b"someone else's"
+    assert name not in json.loads(replica.get(mf.MANIFEST_OBJECT))["garbage"]
+    status, stdout, _ = kvj_here(capsys, "verify", "--remote", replica.url)
+    assert status == 0, stdout
+
+
+@pytest.mark.parametrize("name,restored", [("snapshots/../../x.snap", 0), ("segments/ab/../../../etc/passwd", 65)])
+def test_an_object_whose_name_is_not_a_path_is_reported_not_an_io_error(name, restored, replica, source, tmp_path,
+                                                                         capsys):
+    """S3 keys may hold "..": the object store client cannot list past one (it was exit 74, "I/O
+    error"). It is 65, naming the object to remove; restore lists only segments/."""
+    replica.put(name, b"planted")
+    status, _, stderr = kvj_here(capsys, "replicate", "-j", source[0], "--to", replica.url)
+    line = one_clear_line(stderr)
+    assert status == 65 and "kvj did not write" in line and name in line, line
+    status, _, stderr = kvj_here(capsys, "restore", "--from", replica.url, "-j", str(tmp_path / "out"))
+    assert status == restored, stderr
+    if restored:
+        assert name in one_clear_line(stderr)
