@@ -47,12 +47,12 @@ def source(moto, tmp_path_factory):
         bucket = moto.new_bucket()
         journal = str(tmp_path_factory.mktemp("source") / "j")
         with Journal.open(journal, policy=POLICY) as j:
-            _requests(j, 0, 30)
-            for i in range(20):
+            _requests(j, 0, 8)
+            for i in range(6):
                 j.end(f"r{i}")
-            _requests(j, 30, 5)  # so that the ends are in a sealed log, folded into the snapshot
+            _requests(j, 8, 8)  # so that the ends are in a sealed log, folded into the snapshot
             assert compact(journal, grace=3600).snapshot_lsn
-            _requests(j, 35, 2)
+            _requests(j, 16, 1)
         with Replicator(journal, open_remote(f"s3://{bucket}/replica")) as rep:
             rep.round()
     return journal, bucket

@@ -162,18 +162,28 @@ def test_restore_into_a_prepared_directory_keeps_it_with_its_owner_and_mode(s3, 
     _same(str(tmp_path / "src"), str(target))
 
 
+def kvj_here(capsys, *argv: str):
+    """The kvj CLI run in this process (fast): (exit status, stdout, stderr)."""
+    from kvj.cli.main import app, run
+
+    capsys.readouterr()
+    status = run(app, list(argv), "kvj")
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: as root, restore refuses a directory another user owns")
-def test_as_root_restore_refuses_another_users_directory_unless_trusted(s3, moto, tmp_path):
+def test_as_root_restore_refuses_another_users_directory_unless_trusted(s3, moto, tmp_path, capsys, monkeypatch):
     _replicate(s3, str(tmp_path / "src"))
     target = tmp_path / "nobodys"
     target.mkdir(mode=0o750)
     os.chown(target, 65534, 65534)
-    proc = subprocess.run([*KVJ, "restore", "--from", s3, "-j", str(target)], capture_output=True, text=True,
-                          env=env(**s3_env(moto.url)), timeout=300)
-    assert proc.returncode == 77 and "uid 65534" in proc.stderr and os.listdir(target) == [], proc.stderr
-    proc = subprocess.run([*KVJ, "restore", "--from", s3, "-j", str(target)], capture_output=True, text=True,
-                          env=env(KVJ_TRUST_OWNER="1", **s3_env(moto.url)), timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.delenv("KVJ_TRUST_OWNER", raising=False)
+    status, _, stderr = kvj_here(capsys, "restore", "--from", s3, "-j", str(target))
+    assert status == 77 and "uid 65534" in stderr and os.listdir(target) == [], stderr
+    monkeypatch.setenv("KVJ_TRUST_OWNER", "1")
+    status, _, stderr = kvj_here(capsys, "restore", "--from", s3, "-j", str(target))
+    assert status == 0, stderr
     assert os.stat(target).st_uid == 65534 and stat.S_IMODE(os.stat(target).st_mode) == 0o750
 
 
@@ -193,7 +203,7 @@ CUT_SHORT = textwrap.dedent("""
 """)
 
 
-def test_a_restore_cut_short_mid_move_never_leaves_a_shorter_journal(s3, moto, tmp_path):
+def test_a_restore_cut_short_mid_move_never_leaves_a_shorter_journal(s3, moto, tmp_path, capsys):
     """Killed after each step of the move into the target: kvj refuses what is there (no log
     file yet: not a journal; then an LSN gap: the first log files are missing), never shows a
     shorter history, and a new restore refuses the target until it is emptied."""
@@ -211,9 +221,7 @@ def test_a_restore_cut_short_mid_move_never_leaves_a_shorter_journal(s3, moto, t
         if any(n.endswith(".log") for n in os.listdir(target)):
             with pytest.raises(CorruptionError, match="missing"):
                 replay(target)
-        seen = subprocess.run([*KVJ, "replay", "-j", target], capture_output=True, text=True, env=env(), timeout=300)
-        assert seen.returncode in (65, 66) and ("missing" in seen.stderr or "not a kvj journal" in seen.stderr), \
-            seen.stdout + seen.stderr
-        again = subprocess.run([*KVJ, "restore", "--from", s3, "-j", target], capture_output=True, text=True,
-                               env=env(**s3_env(moto.url)), timeout=300)
-        assert again.returncode == 64 and STAGING in again.stderr, again.stderr
+        status, stdout, stderr = kvj_here(capsys, "replay", "-j", target)
+        assert status in (65, 66) and ("missing" in stderr or "not a kvj journal" in stderr), stdout + stderr
+        status, _, stderr = kvj_here(capsys, "restore", "--from", s3, "-j", target)
+        assert status == 64 and STAGING in stderr, stderr
