@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from kvj.errors import FormatError, InvalidArgument, JournalLocked, KvjError
-from kvj.replica.remote import LostRace, ObjectTooLarge, Remote, RemoteUnavailable
+from kvj.replica.remote import LostRace, UnexpectedSize, Remote, RemoteUnavailable
 from kvj.untrusted import MAX_INT, load_json, printable
 
 LEASE_OBJECT = "lock.json"
@@ -108,7 +108,7 @@ class Lease:
         """``lock.json`` as it is now, None when there is none."""
         try:
             found = self.remote.get(LEASE_OBJECT, MAX_LEASE_BYTES)
-        except ObjectTooLarge as exc:
+        except UnexpectedSize as exc:
             return _Holder(exc.etag, problem=f"{exc.reason}")
         if found is None:
             return None

@@ -45,9 +45,9 @@ class RemoteUnavailable(OSError):
     """The object store could not be reached or refused the request (retry later)."""
 
 
-class ObjectTooLarge(CorruptionError):
-    """An object is larger than the bytes expected of it (or of another size than declared):
-    refused before its body is read. ``etag`` is its ETag, for a conditional replacement."""
+class UnexpectedSize(CorruptionError):
+    """An object is larger than it may be, or of another size than declared: refused before
+    its body is read. ``etag`` is its ETag, for a conditional replacement."""
 
     def __init__(self, path: str, reason: str, etag: Optional[str]):
         super().__init__(path, None, reason)
@@ -118,15 +118,15 @@ class Remote:
         """``path`` as one GET returns it, or None when it does not exist.
 
         At most ``limit`` bytes are read: an object the store says is larger (or, with
-        ``exact``, of any other size than ``limit``) is ``CorruptionError`` before its body
+        ``exact``, of any other size than ``limit``) is ``UnexpectedSize`` before its body
         is read, and a body that runs past ``limit`` is cut off there.
         """
         where = f"{self.url}/{path}"
         try:
             result = obstore.get(self.store(limit, download=True), path)
             size = int(result.meta["size"])
-            if size != limit if exact else size > limit:
-                raise ObjectTooLarge(where, f"the object holds {size} bytes, " +
+            if (size != limit) if exact else (size > limit):
+                raise UnexpectedSize(where, f"the object holds {size} bytes, " +
                                      (f"{limit} are declared" if exact else f"more than the {limit} it may hold") +
                                      " (not read)", result.meta.get("e_tag"))
             pieces: List[Any] = []
@@ -195,7 +195,7 @@ class Remote:
         except LostRace:
             try:
                 found = self.get(path, max(len(data), len(unacked or b"")))
-            except ObjectTooLarge:
+            except UnexpectedSize:
                 found = None  # larger than anything this writer sent: another writer's
             if found is not None and found.data == data:
                 return found.etag

@@ -33,7 +33,7 @@ from kvj.journal.records import RecordType, decode_payload
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.replica import manifest as mf
 from kvj.replica.lease import DEFAULT_TTL, Lease
-from kvj.replica.remote import LostRace, ObjectTooLarge, Remote, RemoteUnavailable, md5_etag
+from kvj.replica.remote import LostRace, UnexpectedSize, Remote, RemoteUnavailable, md5_etag
 
 DEFAULT_INTERVAL = 1.0
 DEFAULT_GRACE = 3600.0
@@ -429,7 +429,7 @@ class Replicator:
         if etag is None:
             try:
                 same = self.remote.read(obj, len(data)) == bytes(data)
-            except ObjectTooLarge:
+            except UnexpectedSize:
                 same = False
             if not same:
                 raise CorruptionError(f"{self.remote.url}/{obj}", None, "the replica holds different bytes under "

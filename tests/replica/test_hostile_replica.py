@@ -33,7 +33,8 @@ POLICY = CommitPolicy(max_delay=0.001, file_size_limit=4096)
 def _requests(j: Journal, first: int, n: int) -> None:
     for i in range(first, first + n):
         j.start(f"r{i}")
-        j.flush(f"r{i}", 0, torch.randn(32, 32, generator=torch.Generator().manual_seed(i)), token_range=(0, 16)).result()
+        tensor = torch.randn(32, 32, generator=torch.Generator().manual_seed(i))
+        j.flush(f"r{i}", 0, tensor, token_range=(0, 16)).result()
         j.alloc("cuda:0", i, 4096, "kv")
     j.sync()
 
