@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import get_current_context  # type: ignore[no-redef]
 
 from kvj.errors import CorruptionError, FormatError, NotFound, UnsafePath
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import STORE_DIR, config_store
 from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
@@ -224,7 +224,7 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool =
     command that writes (``writing``) never creates a journal: a path that is not one is
     ``NotFound``, pointing at ``kvj init``.
     """
-    if path is None:
+    if path is None or not os.fspath(path):  # an empty -j "" would otherwise name the current directory
         raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
     full = os.path.abspath(os.fspath(path))
     if writing:
@@ -271,17 +271,17 @@ def _check_legacy(path: str) -> None:
 
 
 def store_path(journal: str, store: Optional[str]) -> str:
-    """The store directory: ``--store``, the one ``kvj init`` recorded, or ``segments/``
-    inside the journal (never a link planted there: a store elsewhere is named with --store)."""
-    from kvj.ops.init import read_config
-
-    config = read_config(journal) if journal and os.path.isdir(journal) else None
-    if store is None and config and config.get("store"):
-        store = config["store"]
+    """The store directory: ``--store`` (or KVJ_STORE), else the journal's own, as
+    ``Journal.open`` finds it: the one its kvj.conf names, or ``segments/`` inside it (never
+    a link planted there: a store elsewhere is named with --store or kvj init --store)."""
+    if store is not None and not os.fspath(store):
+        raise usage_error(f"an empty --store (or {STORE_ENV}) names no store")
+    if store is None and os.path.isdir(journal):
+        store = config_store(journal)
     if store is not None:
         path = os.path.abspath(os.fspath(store))
-    else:
-        path = default_store_path(journal if os.path.isdir(journal) else os.path.dirname(journal))
+    else:  # segments/ inside the journal (beside a seed-era journal file, which has no kvj.conf)
+        path = os.path.join(journal if os.path.isdir(journal) else os.path.dirname(journal), STORE_DIR)
         if os.path.islink(path) and os.environ.get(TRUST_ENV) != "1":
             raise UnsafePath(f"{path} is a symbolic link: refused (name a store elsewhere with --store or "
                              f"{STORE_ENV})")
@@ -340,16 +340,31 @@ def ago(when: Optional[float], now: Optional[float] = None) -> str:
 
 # -- parsers -------------------------------------------------------------------------------
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
-_UNITS = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_BARE_NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
+
+#: The one rule every command's time arguments follow (each man page states it).
+DURATION_RULE = ("a DURATION is a number with its unit: ms, s, m, h, d or w (90s, 15m, 1h, 7d); a bare number "
+                 "is refused, except 0")
+TIME_RULE = ("a TIME is ISO 8601 (2026-11-29T15:00, local time unless it names a zone), @ and Unix seconds "
+             "(@1796134025, as date -d takes them), or a DURATION ago (10m); a bare number is refused")
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from ``90``, ``90s``, ``15m``, ``1h``, ``2d``."""
-    m = _DURATION.match(text.strip())
+def parse_duration(text: str, option: Optional[str] = None) -> float:
+    """Seconds from ``90s``, ``15m``, ``1h``, ``2d`` (``DURATION_RULE``: the unit is required,
+    so that ``7`` is never read as seven seconds when seven days were meant; ``0`` is zero)."""
+    text = text.strip()
+    if text == "0":
+        return 0.0
+    m = _DURATION.match(text)
     if not m:
-        raise typer.BadParameter(f"{text!r} is not a duration (use e.g. 90s, 15m, 1h, 2d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+        why = "has no unit" if _BARE_NUMBER.match(text) else "is not a duration"
+        raise typer.BadParameter(f"{text!r} {why}: {DURATION_RULE}", param_hint=option)
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(seconds):
+        raise typer.BadParameter(f"{text!r} is too long a duration", param_hint=option)
+    return seconds
 
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(|B|K|KB|KiB|M|MB|MiB|G|GB|GiB)$", re.I)
@@ -364,20 +379,25 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
 
 
-def parse_time(text: str, now: Optional[float] = None) -> float:
-    """A point in time: ISO 8601 (``2026-11-29T15:00``), Unix seconds, or a duration ago (``10m``)."""
+def parse_time(text: str, option: Optional[str] = None, now: Optional[float] = None) -> float:
+    """A point in time as Unix seconds (``TIME_RULE``): ISO 8601 (``2026-11-29T15:00``),
+    ``@`` and Unix seconds (``@1796134025``), or a duration ago (``10m``). A bare number is
+    refused: it could mean seconds ago or Unix seconds, and each reading was once some
+    command's."""
     text = text.strip()
+    unix = re.fullmatch(r"@(-?\d+(?:\.\d+)?)", text)
+    if unix:
+        return float(unix.group(1))
+    if _BARE_NUMBER.match(text):
+        raise typer.BadParameter(f"{text!r} is a bare number: {TIME_RULE}", param_hint=option)
     try:
         return datetime.fromisoformat(text).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError, OSError):
         pass
-    if re.fullmatch(r"\d{9,}(\.\d+)?", text):
-        return float(text)
     try:
-        return (time.time() if now is None else now) - parse_duration(text)
+        return (time.time() if now is None else now) - parse_duration(text, option)
     except typer.BadParameter:
-        raise typer.BadParameter(f"{text!r} is not a time (use ISO 8601, Unix seconds, or e.g. 10m for "
-                                 "ten minutes ago)") from None
+        raise typer.BadParameter(f"{text!r} is not a time: {TIME_RULE}", param_hint=option) from None
 
 
 def parse_range(text: str, what: str = "range") -> Tuple[int, int]:

@@ -28,7 +28,6 @@ from kvj.errors import FormatError, InvalidArgument
 from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 from kvj.journal.state import RequestState
-from kvj.ops.init import policy_of, read_config
 from kvj.ops.inspection import human_size
 from kvj.segments.codecs import codec_names
 
@@ -277,7 +276,7 @@ def flush(
     from kvj.segments.store import SegmentStore
 
     layout_map = parse_pairs(layout, "--layout")
-    with Journal.open(path, create=False, policy=policy_of(read_config(path)), mirror=mirror,
+    with Journal.open(path, create=False, mirror=mirror,
                       mirror_policy=mirror_policy) as j, \
             SegmentStore(store_path(path, store)) as seg_store, progress() as update:
         rows: List[Dict[str, Any]] = []

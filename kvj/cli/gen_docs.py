@@ -18,6 +18,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from kvj import __version__
+from kvj.cli.common import DURATION_RULE, TIME_RULE
 from kvj.cli.errors import EXIT_CODES, FSCK_CODES
 from kvj.cli.main import app, command, legacy_app
 
@@ -213,6 +214,21 @@ def _command_sections(path: str, cmd, ctx, level: str = ".SH") -> List[str]:  # 
     return lines
 
 
+def _takes_times(cmd) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``cmd`` or one of its subcommands has a DURATION or TIME option."""
+    if any("DURATION" in (p.metavar or "") or "TIME" in (p.metavar or "") for p in cmd.params):
+        return True
+    return any(_takes_times(sub) for sub in getattr(cmd, "commands", {}).values())
+
+
+def _time_arguments() -> List[str]:
+    """The one rule for time arguments, the same on every page that takes them."""
+    rule = (f"Every kvj command reads time arguments the same way: {DURATION_RULE}; {TIME_RULE}. An option "
+            "named LSN takes a log sequence number, never a time (kvj restore --at takes either: a bare integer "
+            "is an LSN).")
+    return [".SH TIME ARGUMENTS", ".PP", esc(rule[0].upper() + rule[1:])]
+
+
 def man_page(name: str, path: str, cmd, section_title: str, see_also: List[str]) -> str:  # type: ignore[no-untyped-def]
     """One man page for ``cmd``, invoked as ``path``."""
     short = paragraphs(cmd.help or "")[0] if cmd.help else ""
@@ -221,6 +237,8 @@ def man_page(name: str, path: str, cmd, section_title: str, see_also: List[str])
              ".SH NAME", f"{opt(name)} \\- {esc(short[0].lower() + short[1:] if short else '')}",
              ".SH SYNOPSIS", _synopsis(path, cmd)]
     lines += _command_sections(path, cmd, None)
+    if name == "kvj" or _takes_times(cmd):
+        lines += _time_arguments()
     if name == "kvj":
         lines += [".SH COMMANDS"]
         for sub_name, sub in sorted(cmd.commands.items()):

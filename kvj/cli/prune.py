@@ -13,8 +13,8 @@ from kvj.ops.inspection import human_size
 def prune(journal: JournalArg = None,
           store: StoreArg = None,
           older_than: Annotated[str, typer.Option("--older-than", metavar="DURATION",
-                                                  help="Remove what was set aside longer ago than this (e.g. 7d, "
-                                                  "12h).")] = "",
+                                                  help="Remove what was set aside longer ago than this (a "
+                                                  "DURATION with its unit: 7d, 12h; 7 alone is refused).")] = "",
           dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be removed; change "
                                                 "nothing.")] = False,
           as_json: JsonArg = False) -> None:
@@ -31,7 +31,7 @@ def prune(journal: JournalArg = None,
     from kvj.ops.prune import prune as prune_journal
 
     path = journal_path(journal, legacy_ok=False)
-    result = prune_journal(path, store_path(path, store), older_than=parse_duration(older_than), dry_run=dry_run)
+    result = prune_journal(path, store_path(path, store), older_than=parse_duration(older_than, "--older-than"), dry_run=dry_run)
     if as_json:
         emit_json(result.to_dict())
         return

@@ -26,7 +26,6 @@ from kvj.cli.common import (
 from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import convert_legacy
-from kvj.ops.init import policy_of, read_config
 from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
 from kvj.names import check_request_id
 
@@ -62,7 +61,7 @@ def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[in
     keys = [key for rtype, payload in records for key in _segment_keys(rtype, payload)]
     if keys:
         require_segments(store_path(path, store), keys)
-    with Journal.open(path, create=False, policy=policy_of(read_config(path)), mirror=mirror,
+    with Journal.open(path, create=False, mirror=mirror,
                       mirror_policy=mirror_policy) as j:
         lsns = [j.append(rtype, payload) for rtype, payload in records]
         j.sync()

@@ -20,6 +20,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List
 
 from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFailed, KvjError
 from kvj.fileio import FS, REAL_FS, DurabilityError, atomic_write, fsync_path, makedirs_durable, open_read
+from kvj.journal.config import STORE_DIR, config_policy, config_store
 from kvj.journal.framing import FORMAT_VERSION
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.mirror import DEGRADE, FAIL, check_policy, copies, log, mirror_of, resolve
@@ -34,12 +35,13 @@ if TYPE_CHECKING:  # the store pulls in torch; the journal alone does not need i
     from kvj.segments.flusher import Flusher
     from kvj.segments.store import SegmentInfo, SegmentStore
 
-STORE_DIR = "segments"
 TORN_DIR = "torn"
 
 
 def default_store_path(journal_path: str) -> str:
-    return os.path.join(journal_path, STORE_DIR)
+    """The journal's segment store when none is given: the one its ``kvj.conf`` names
+    (``kvj init --store``), else ``segments/`` inside it."""
+    return config_store(journal_path) or os.path.join(journal_path, STORE_DIR)
 
 
 def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
@@ -293,6 +295,11 @@ class Journal:
         continues the newest log file when its tail is clean (else starts a new one).
         Mid-log corruption raises ``CorruptionError``: run fsck.
 
+        ``store`` and ``policy`` default to what the journal's ``kvj.conf`` records (``kvj
+        init --store``, ``--max-delay``, ...; see ``kvj.journal.config``), else to
+        ``segments/`` inside the journal and ``CommitPolicy()``; given here, they win over
+        the file. A ``kvj.conf`` that is not a valid configuration is ``FormatError``.
+
         ``mirror``: a directory (ideally on another device) that keeps a second copy of the
         log, written and fdatasynced with every group before it is acknowledged; the journal
         records it, so later opens use it without being told. A journal's recorded mirror
@@ -308,7 +315,7 @@ class Journal:
             makedirs_durable(path, fs)
         locks = [DirLock(path, LOCK_NAME, "writer").acquire()]
         try:
-            policy = policy or CommitPolicy()
+            policy = policy or config_policy(path) or CommitPolicy()
             chosen: Optional[str] = None
             try:
                 with _mirror_side(os.fspath(mirror) if mirror is not None else mirror_of(path)):
@@ -433,7 +440,8 @@ class Journal:
 
     @property
     def store(self) -> "SegmentStore":
-        """The segment store (``segments/`` inside the journal unless given at open)."""
+        """The segment store: the one given at open, else the one ``kvj.conf`` names, else
+        ``segments/`` inside the journal."""
         if self._store is None:
             from kvj.segments.store import SegmentStore
             arg = self._store_arg

@@ -300,3 +300,22 @@ def test_append_many_waits_at_the_cap_on_what_a_crash_can_lose(tmp_path):
         assert j.sync() == 301
     assert max(group_sizes(tmp_path)) <= 50
     assert [r.payload["addr"] for r in Scan(str(tmp_path)).records()] == list(range(301))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_buffer_bytes", 0), ("max_buffer_bytes", -1), ("max_records", 0), ("max_pending_records", 0),
+    ("file_size_limit", 0), ("max_delay", -0.1), ("max_delay", float("nan")), ("max_delay", float("inf")),
+    ("max_records", 2.5), ("max_records", True), ("max_delay", "100ms"), ("file_size_limit", None)])
+def test_a_commit_policy_that_cannot_work_is_refused_where_it_is_made(tmp_path, field, value):
+    # max_buffer_bytes=0 used to block the first start() for ever: refused when the policy is made
+    with pytest.raises(kvj.InvalidArgument, match=field):
+        CommitPolicy(**{field: value})
+    assert not os.listdir(tmp_path)
+
+
+def test_the_smallest_commit_policy_values_work(tmp_path):
+    policy = CommitPolicy(max_delay=0, max_records=1, max_buffer_bytes=1, max_pending_records=1, file_size_limit=1)
+    with Journal.open(tmp_path, policy=policy) as j:
+        for i in range(5):
+            j.alloc("cuda:0", i, 64)
+        assert j.sync() == 5
