@@ -22,6 +22,7 @@ from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFaile
 from kvj.fileio import FS, REAL_FS, DurabilityError, atomic_write, fsync_path, makedirs_durable, open_read
 from kvj.journal.config import STORE_DIR, config_policy, config_store
 from kvj.journal.framing import FORMAT_VERSION
+from kvj.journal.inflight import InFlight
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.mirror import DEGRADE, FAIL, check_policy, copies, log, mirror_of, resolve
 from kvj.journal.reader import TORN, Damage, Scan, TornTail, log_seq, raise_on_damage
@@ -283,6 +284,8 @@ class Journal:
         #: Per request id, the last of its records still waiting to be appended (see ``_in_order``).
         self._waiting: Dict[str, "Future[int]"] = {}
         self._deferred: "set[Future[int]]" = set()
+        #: the requests in flight and their segments' tokens, so that ``flush`` refuses at the call
+        self._inflight = InFlight(self._in_flight_on_disk)
 
     @classmethod
     def open(cls, path: Union[str, "os.PathLike[str]"], *, store: Union[None, str, "SegmentStore"] = None,
@@ -354,7 +357,17 @@ class Journal:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # the block's own exception is what the caller sees; a failing close() is noted on it
+            self.close()
+        except Exception as close_error:
+            note = f"closing the journal failed too: {type(close_error).__name__}: {close_error}"
+            if hasattr(exc, "add_note"):  # Python 3.11
+                exc.add_note(note)
+            else:
+                log.warning("journal %s: %s", self.path, note)
 
     # -- records -------------------------------------------------------------------------
 
@@ -382,6 +395,7 @@ class Journal:
     def _request_record(self, request_id: str, rtype: int, payload: Mapping[str, Any],
                         durable: bool) -> Union[int, "Future[int]"]:
         body = encode(rtype, payload)  # a bad argument raises here, before anything is queued
+        self._track(rtype, payload)
         if not self._waiting:  # no record of any request waits (entries leave only once appended)
             return self.writer.append(rtype, body, durable)
         later = self._in_order(request_id, [], lambda: self.writer.append(rtype, body))
@@ -425,12 +439,39 @@ class Journal:
     def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
         """Append a record given as a plain payload, validated against its type's schema
         (``FormatError`` at the call, nothing appended)."""
-        return self.writer.append(rtype, encode(rtype, payload), durable)
+        body = encode(rtype, payload)
+        self._track(rtype, payload)
+        return self.writer.append(rtype, body, durable)
 
     def append_many(self, records: Iterable[Tuple[int, Mapping[str, Any]]], durable: bool = False) -> List[int]:
         """Append (type, payload) records in order, as ``append`` does each, and return their LSNs.
         All are checked first: one bad record raises ``FormatError`` and none is appended."""
-        return self.writer.append_many([(rtype, encode(rtype, payload)) for rtype, payload in records], durable)
+        records = list(records)
+        encoded = [(rtype, encode(rtype, payload)) for rtype, payload in records]
+        for rtype, payload in records:
+            self._track(rtype, payload)
+        return self.writer.append_many(encoded, durable)
+
+    def _track(self, rtype: int, payload: Mapping[str, Any]) -> None:
+        """Keep ``InFlight`` current with a request record about to be appended (already checked)."""
+        if rtype == RecordType.START:
+            self._inflight.started(payload["id"])
+        elif rtype == RecordType.END:
+            self._inflight.ended(payload["id"])
+        elif rtype == RecordType.SEGMENT:
+            self._inflight.segment(payload["id"], payload["seg"], tuple(payload["tokens"]))  # type: ignore[arg-type]
+
+    def _in_flight_on_disk(self) -> Dict[str, Dict[int, Tuple[int, int]]]:
+        """The requests in flight in the journal as written so far, with their segments' tokens
+        (what a writer that resumes requests started before it opened the journal needs once)."""
+        from kvj.journal.replay import replay
+
+        self.writer.sync()
+        with self._order:
+            pending = set(self._waiting)  # an end among their records is not in the log yet
+        state = replay(self.path)
+        return {rid: {seg: ref.tokens for seg, ref in req.segments.items() if ref.tokens is not None}
+                for rid, req in state.requests.items() if not req.ended and rid not in pending}
 
     def _append(self, rtype: int, payload: Mapping[str, Any], durable: bool) -> int:
         """Check ``payload`` against the schema (``FormatError`` at the call, nothing appended), then append."""
@@ -459,6 +500,14 @@ class Journal:
         to journal a segment already in the store. A failed write or fsync of the segment
         is final: its future, and every later ``flush``, ``sync`` and ``close``, raise
         ``JournalFailed`` (chained from the ``OSError``).
+
+        Refused at the call, nothing stored or appended: a negative ``segment`` or a bad
+        token range (``FormatError``, as every malformed argument); a request that is not in
+        flight (never started, or ended) and a token range overlapping another segment of
+        the request (``InvalidArgument``) (flushing a segment number again
+        replaces that segment). A request in flight before this journal was opened (one
+        being resumed) is looked up in the journal itself the first time one is flushed:
+        one replay, once.
         """
         if self._closed:
             raise JournalClosed("journal is closed")
@@ -476,6 +525,7 @@ class Journal:
         payload = {"id": request_id, "seg": _integer(segment, "segment"), "key": "0" * 64, "tokens": [start, end],
                    "layout": dict(layout or {}), "raw_size": 0, "stored_size": 0, "digest": "", "codec": ""}
         encode(RecordType.SEGMENT, payload)
+        self._inflight.claim(request_id, payload["seg"], (start, end))
 
         def record(seg_info: "SegmentInfo") -> int:
             return self._append(RecordType.SEGMENT, {

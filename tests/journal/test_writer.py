@@ -319,3 +319,21 @@ def test_the_smallest_commit_policy_values_work(tmp_path):
         for i in range(5):
             j.alloc("cuda:0", i, 64)
         assert j.sync() == 5
+
+
+class UserError(Exception):
+    pass
+
+
+def test_an_exception_in_the_with_block_is_not_replaced_by_a_failing_close(tmp_path):
+    with Journal.open(tmp_path) as j:
+        j.alloc("cuda:0", 0, 1, durable=True)
+    with pytest.raises(UserError) as caught:
+        with Journal.open(tmp_path, fs=FailingSyncFS(fail_on_call=1)) as j:
+            j.alloc("cuda:0", 1, 1)  # its group's fdatasync fails: close() raises JournalFailed
+            raise UserError("the caller's own failure")
+    assert str(caught.value) == "the caller's own failure"  # the user's traceback, not close()'s
+    assert any("closing the journal failed too: JournalFailed" in n for n in getattr(caught.value, "__notes__", []))
+    with pytest.raises(JournalFailed):  # without an exception in the block, close()'s failure is raised
+        with Journal.open(tmp_path, fs=FailingSyncFS(fail_on_call=1)) as j:
+            j.alloc("cuda:0", 2, 1)
