@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -73,33 +74,92 @@ class OutputClosed(BaseException):
     """
 
 
+class OutputFailed(BaseException):
+    """Standard output cannot be written: closed (``>&-``), its disk full (``> /dev/full``),
+    an I/O error. The command stops; the entry point says whether its work was already done
+    (``done``): status 73 when it was, 74 when nothing was. A BaseException, as
+    ``OutputClosed``."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+    @property
+    def reason(self) -> str:
+        return self.error.strerror or str(self.error)
+
+
+#: What the running command has made durable, once it has (``done``).
+_done: List[str] = []
+
+
+def done(what: str) -> None:
+    """Say, before printing about it, that the command's durable work is done: should its
+    output then fail, the error says ``what`` was done, with status 73 (not 74, which
+    says nothing after the failure is durable)."""
+    _done[:] = [what]
+
+
+def work_done() -> Optional[str]:
+    """What ``done`` last said in this command, or None."""
+    return _done[0] if _done else None
+
+
+def reset_done() -> None:
+    _done.clear()
+
+
 class StdoutGuard:
-    """Wraps ``sys.stdout``: a write to a closed pipe raises ``OutputClosed`` once, and
-    standard output then points at /dev/null so that the exit flush stays quiet."""
+    """Wraps ``sys.stdout``: a write to a closed pipe raises ``OutputClosed`` once, any other
+    failure to write (a closed descriptor, a full disk) ``OutputFailed``; standard output
+    then points at /dev/null, so that nothing later (the exit flush) fails again."""
 
     def __init__(self, stream: Any):
-        self.stream = stream
+        self.stream = stream  # None when kvj was started with standard output closed
 
-    def _closed(self) -> "OutputClosed":
+    def _aside(self) -> None:
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self.stream.fileno())
             os.close(devnull)
-        except (OSError, ValueError, AttributeError):  # not a real descriptor (captured in tests)
+        except (OSError, ValueError, AttributeError):  # not a real descriptor (captured in tests), or none
             pass
+
+    def _closed(self) -> "OutputClosed":
+        self._aside()
         return OutputClosed()
 
+    def _failed(self, error: OSError) -> "OutputFailed":
+        self._aside()
+        if self.stream is not None:
+            try:  # what is still buffered goes to /dev/null now
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+        return OutputFailed(error)
+
     def write(self, text: str) -> int:
+        if self.stream is None:
+            raise self._failed(OSError(errno.EBADF, "standard output is closed"))
         try:
             return self.stream.write(text)
         except BrokenPipeError:
             raise self._closed() from None
+        except OSError as exc:
+            raise self._failed(exc) from None
 
     def flush(self) -> None:
+        if self.stream is None:
+            return
         try:
             self.stream.flush()
         except BrokenPipeError:
             raise self._closed() from None
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def isatty(self) -> bool:
+        return self.stream is not None and self.stream.isatty()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
@@ -172,7 +232,7 @@ def usage_and_exit(ctx: "typer.Context") -> None:
 
 def interactive() -> bool:
     """Progress bars and colour only for a person at a terminal."""
-    return sys.stdout.isatty() and sys.stderr.isatty()
+    return all(stream is not None and stream.isatty() for stream in (sys.stdout, sys.stderr))
 
 
 @contextmanager

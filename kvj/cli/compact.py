@@ -10,6 +10,7 @@ from kvj.cli.common import (
     JournalArg,
     JsonArg,
     StoreArg,
+    done,
     emit_json,
     journal_path,
     out,
@@ -45,6 +46,8 @@ def compact(journal: JournalArg = None,
     with progress() as update:
         result = compact_journal(path, store_path(path, store), grace=parse_duration(grace, "--grace"), collect=segments,
                                  progress=update, dry_run=dry_run)
+    if not dry_run:
+        done(f"compaction of {path} is done ({human_size(result.bytes_reclaimed)} reclaimed)")
     if as_json:
         emit_json(result.to_dict())
         return

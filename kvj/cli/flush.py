@@ -15,6 +15,7 @@ from kvj.cli.common import (
     MirrorArg,
     MirrorPolicyArg,
     StoreArg,
+    done,
     emit_json,
     journal_path,
     out,
@@ -305,6 +306,8 @@ def flush(
             for row in rows:
                 row["lsn"] = lsn
         j.sync()
+    done(f"{len(rows)} segments durable in {store_path(path, store)} and journaled in {path} "
+         f"(LSN {rows[0]['lsn']}..{rows[-1]['lsn']})" if rows else f"nothing stored in {path}")
     if as_json:
         for row in rows:
             emit_json(row)

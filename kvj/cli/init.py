@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, StoreArg, emit_json, out, parse_duration, parse_size,
-                            usage_error)
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, StoreArg, done, emit_json, out, parse_duration,
+                            parse_size, usage_error)
 from kvj.ops.inspection import human_size
 
 #: The smallest log file size kvj init accepts (the library's CommitPolicy takes any size).
@@ -57,6 +58,7 @@ def init(journal: JournalArg = None,
                                  "records (a bare number is bytes: 64MiB, 1GiB)", param_hint="--file-size")
     policy = CommitPolicy(max_delay=parse_duration(max_delay, "--max-delay"), max_records=max_records, file_size_limit=size)
     config = init_journal(journal, store=store, policy=policy, mirror=mirror)
+    done(f"created journal {os.path.abspath(journal)}")
     if as_json:
         emit_json({"journal": journal, **config})
         return
@@ -85,6 +87,7 @@ def migrate(seed: Annotated[str, typer.Argument(metavar="SEED", help="The seed-e
     if not journal:
         raise usage_error("give the new journal directory: kvj migrate SEED -j DIR")
     result = migrate_journal(seed, journal, store=store, drop_segments=drop_segments)
+    done(f"migrated {result['records']} records into {result['journal']}")
     if as_json:
         emit_json(result)
         return

@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, parse_duration, store_path, usage_error
+from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, emit_json, journal_path, out, parse_duration,
+                            store_path, usage_error)
 from kvj.ops.inspection import human_size
 
 
@@ -31,7 +32,10 @@ def prune(journal: JournalArg = None,
     from kvj.ops.prune import prune as prune_journal
 
     path = journal_path(journal, legacy_ok=False)
-    result = prune_journal(path, store_path(path, store), older_than=parse_duration(older_than, "--older-than"), dry_run=dry_run)
+    result = prune_journal(path, store_path(path, store), older_than=parse_duration(older_than, "--older-than"),
+                           dry_run=dry_run)
+    if not dry_run:
+        done(f"pruned {path} ({human_size(result.bytes_reclaimed)} reclaimed)")
     if as_json:
         emit_json(result.to_dict())
         return

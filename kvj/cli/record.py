@@ -14,6 +14,7 @@ from kvj.cli.common import (
     MirrorArg,
     MirrorPolicyArg,
     StoreArg,
+    done,
     emit_json,
     journal_path,
     loads_strict,
@@ -65,6 +66,8 @@ def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[in
                       mirror_policy=mirror_policy) as j:
         lsns = [j.append(rtype, payload) for rtype, payload in records]
         j.sync()
+    if lsns:
+        done(f"{len(lsns)} records durable in {path} (LSN {lsns[0]}..{lsns[-1]})")
     if as_json:
         for (rtype, _payload), lsn in zip(records, lsns):
             emit_json({"lsn": lsn, "type": NAMES[RecordType(rtype)], "durable": True})

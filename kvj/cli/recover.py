@@ -10,8 +10,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, ago, emit_json, journal_path,
-                            out, progress, rate, store_path)
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, ago, done, emit_json,
+                            journal_path, out, progress, rate, store_path)
 from kvj.cli.errors import FAILURE
 from kvj.errors import CorruptionError
 from kvj.ops.inspection import human_size
@@ -97,6 +97,9 @@ def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: b
                 raise
             raise CorruptionError(exc.path, exc.offset, f"{exc.reason}; nothing was changed (kvj recover "
                                   "--until-damage recovers what precedes the damage, see kvj-recover(1))") from None
+        if not result.dry_run:
+            epoch = f", epoch record at LSN {result.epoch_lsn}" if result.epoch_lsn is not None else ""
+            done(f"recovery is done: manifest {result.manifest_path}{epoch}")
         if device is not None:
             result.load = load_manifest(result.manifest, store, device, progress=update)
     if as_json:

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, err, journal_path, out, parse_duration, store_path
+from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, emit_json, err, journal_path, out, parse_duration,
+                            store_path)
 from kvj.cli.errors import one_line
 from kvj.ops.inspection import human_size
 from kvj.replica.lease import DEFAULT_TTL
@@ -72,6 +73,7 @@ def replicate(journal: JournalArg = None,
     with replicator:
         if not follow:
             result = replicate_once(replicator)
+            done(f"replication round to {to} is done")
             if as_json:
                 emit_json(result.to_dict())
             else:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, out, parse_time, progress, usage_error
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, done, emit_json, out, parse_time, progress, usage_error
 from kvj.ops.inspection import human_size
 from kvj.replica.remote import open_remote
 from kvj.replica.restore import restore as restore_replica
@@ -48,6 +48,7 @@ def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL
     with progress() as update:
         result = restore_replica(remote, target, store=os.path.abspath(store) if store else None, at_lsn=at_lsn,
                                  at_time=at_time, progress=update)
+    done(f"restored {target} through LSN {result.last_lsn}")
     if as_json:
         emit_json(result.to_dict())
         return
