@@ -19,7 +19,10 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
 
     Whether a writer holds the journal (its pid), the last complete commit group's LSN and
     how long ago it was written, records/s and bytes/s over the last minute and the commit
-    lag (the longest interval between two commit groups in that minute), requests in
+    lag (the longest interval between two commit groups of one writer in that minute, the
+    most a record can have waited for its group; the pauses between writers, a dead
+    writer's last group and recovery's epoch record or the next writer's first group, are
+    left out: no record waited through them), requests in
     flight and ended, the training step, journal and store sizes, what kvj set aside (torn/,
     recovery/, quarantine) and the free space of their disks, the mirror (whether both
     copies reach the same LSN), the last recovery epoch
