@@ -80,7 +80,10 @@ def migrate(seed: Annotated[str, typer.Argument(metavar="SEED", help="The seed-e
     as kvj init makes one). A seed seg_flush points at bytes in the seed's KV file, which a
     kvj journal cannot refer to (kvj segments are content-addressed and verified): such a
     journal is refused (status 64) unless --drop-segments, and then the output counts the
-    pointers left behind per request. The seed file is only read.
+    pointers left behind per request. A last line without its newline (a write cut short)
+    is left out and reported; a complete line that is no seed-era record, the last one
+    too (an unsafe id such as ../x, NaN or a number no float holds), is refused with
+    status 65 naming the line, and nothing is created. The seed file is only read.
     """
     from kvj.ops.init import migrate as migrate_journal
 

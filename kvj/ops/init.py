@@ -46,7 +46,8 @@ def migrate(seed: str, journal: str, *, store: Optional[str] = None, drop_segmen
     which a kvj journal cannot refer to (its segments are content-addressed and verified):
     with such records the migration is refused unless ``drop_segments``, and then each
     request they belonged to resumes at token 0 (the result counts them per request). A
-    torn last line is left out and reported.
+    torn last line (no newline) is left out and reported; a complete line that is not a
+    valid record is ``CorruptionError``, the last one too, and nothing is created.
     """
     seed = os.path.abspath(seed)
     if not os.path.isfile(seed):
@@ -54,7 +55,8 @@ def migrate(seed: str, journal: str, *, store: Optional[str] = None, drop_segmen
     scan = LegacyScan(seed)
     records = list(scan)
     if not records:
-        raise FormatError(f"{seed} holds no seed-era journal record")
+        why = f": its only line is torn (no newline; {scan.tail_reason})" if scan.tail else ""
+        raise FormatError(f"{seed} holds no seed-era journal record{why}")
     pointers: Dict[str, int] = {}
     for _lsn, rtype, payload in records:
         if rtype == RecordType.SEGMENT:

@@ -107,3 +107,27 @@ def test_commit_policy_values_that_cannot_work_are_refused(tmp_path, cli):
     assert_fails(proc, 65, "kvj.conf", "max_buffer_bytes must be an integer >= 1")
     with pytest.raises(kvj_lib.FormatError, match="max_buffer_bytes"):
         kvj_lib.Journal.open(str(journal))
+
+
+@pytest.mark.parametrize("content, needles", [
+    (b'{"op": "start", "id": "a"}\n{"op": "sta"}\n', ["line 2", "invalid request id None"]),  # complete: not torn
+    (b'{"op": "start", "id": "../../etc/x"}\n', ["line 1", "invalid request id '../../etc/x'"]),
+    (b'{"op": "start", "id": "../../etc/x"}', ["its only line is torn", "invalid request id '../../etc/x'"]),
+    (b'{"op": "start", "id": "a", "prompt_hash": NaN}\n{"op": "end", "id": "a"}\n', ["line 1", "NaN is not JSON"]),
+    (b'{"op": "start", "id": "a", "prompt_hash": 1e309}\n{"op": "end", "id": "a"}\n', ["line 1", "not inf"]),
+    (b'{"op": "end", "id": "a", "status": Infinity}\n', ["line 1", "Infinity is not JSON"]),
+], ids=["complete bad last line", "bad id", "bad id, torn", "NaN", "1e309", "Infinity"])
+def test_migrate_refuses_what_is_not_a_seed_record_and_names_it(tmp_path, cli, content, needles):
+    seed = tmp_path / "seed.jsonl"
+    seed.write_bytes(content)
+    assert_fails(cli("migrate", seed, "-j", tmp_path / "new"), 65, str(seed), *needles)
+    assert not (tmp_path / "new").exists() and seed.read_bytes() == content
+
+
+def test_migrate_keeps_integer_hashes_and_leaves_out_zeros_a_crash_left(tmp_path, cli):
+    seed = tmp_path / "seed.jsonl"
+    seed.write_bytes(b'{"op": "start", "id": "a", "prompt_hash": 12345}\n\0\0\0\n\0\0')
+    proc = cli("migrate", seed, "-j", tmp_path / "new", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["torn_last_line"]["length"] == 6
+    assert kvj_lib.replay(str(tmp_path / "new")).requests["a"].prompt_hash == "12345"
