@@ -208,11 +208,30 @@ def _salvage(s: Dict[str, Any], dry_run: bool) -> List[RenderableType]:
                               + ", ".join(s["set_aside_to"]), style="red"))
     else:
         parts.append(Text("set aside (kept): " + ", ".join(s["set_aside_to"]), style="red"))
-    for r in s["requests"]:
-        parts.append(Text(f"  {r['id']}: {r['what']}", style="red"))
+    parts += _salvaged_requests(s["requests"])
     if s.get("training"):
         parts.append(Text(f"  training: step {s['training']['step_after_damage']} lost; restores step "
                           f"{s['training']['kept_step']}", style="red"))
+    return parts
+
+
+#: Requests a salvage report names one per line; past this many, they are counted (--json lists each).
+SALVAGE_LINES = 10
+
+
+def _salvaged_requests(requests: List[Dict[str, Any]]) -> List[RenderableType]:
+    """What the damage changed per request: those that lose tokens first, most lost first,
+    at most ``SALVAGE_LINES`` of them named; the rest counted by what happened to them."""
+    ordered = sorted(requests, key=lambda r: (-r["tokens_lost"], r["id"]))
+    named = [r for r in ordered if r["tokens_lost"]][:SALVAGE_LINES]
+    parts: List[RenderableType] = [Text(f"  {r['id']}: {r['what']}", style="red") for r in named]
+    rest: Dict[str, int] = {}
+    for r in ordered[len(named):]:
+        kind = "lose tokens too (kvj recover --json lists each)" if r["tokens_lost"] else r["what"]
+        rest[kind] = rest.get(kind, 0) + 1
+    for kind, count in rest.items():
+        parts.append(Text(f"  {count} {'request' if count == 1 else 'requests'}: {kind}",
+                          style="red" if kind.startswith("lose") else "yellow"))
     return parts
 
 
