@@ -211,6 +211,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def warn(message: str) -> None:
+    """One line on stderr that does not fail the command: ``kvj: warning: message``."""
+    err.print(f"kvj: warning: {' '.join(message.split())}", markup=False)
+
+
+def warn_past_end(at: Optional[int], last_lsn: Optional[int]) -> None:
+    """Say so when ``--at LSN`` names a point after the journal's last record: what is shown
+    is the journal's end, not a state that ever existed at that LSN."""
+    if at is not None and (last_lsn or 0) < at:
+        end = f"LSN {last_lsn}" if last_lsn else "no record"
+        warn(f"--at {at} is past the journal's last record ({end}): this is the state at its end")
+
+
 def usage_error(message: str) -> Exception:
     """A usage error (exit status 64; 16 for fsck) tied to the command being run."""
     return click.exceptions.UsageError(message, ctx=get_current_context(silent=True))

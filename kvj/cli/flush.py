@@ -29,7 +29,7 @@ from kvj.errors import FormatError, InvalidArgument
 from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 from kvj.journal.state import RequestState
-from kvj.ops.inspection import human_size
+from kvj.ops.inspection import human_size, short_key
 from kvj.segments.codecs import codec_names
 
 
@@ -315,7 +315,7 @@ def flush(
     for row in rows:
         where = (f"{row['name']} -> segment {row['segment']}, tokens {row['tokens'][0]}..{row['tokens'][1]}"
                  if "segment" in row else row["name"])
-        out.print(f"{where}: {row['key'][:16]} {human_size(row['raw_size'])} -> {human_size(row['stored_size'])} "
+        out.print(f"{where}: {short_key(row['key'])} {human_size(row['raw_size'])} -> {human_size(row['stored_size'])} "
                   f"({row['codec']}), LSN {row['lsn']}", markup=False)
     what = f"request {request}" if request is not None else (
         f"checkpoint step {checkpoint}" if checkpoint is not None else f"delta step {delta} on {base_step}")

@@ -24,6 +24,7 @@ from kvj.cli.common import (
 )
 from kvj.cli.errors import FSCK_CANCELED, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
+from kvj.cli.render import lsn_span
 from kvj.ops.fsck import FsckResult
 from kvj.ops.fsck import fsck as check_journal
 
@@ -128,8 +129,10 @@ def _show(result: FsckResult, path: str, as_json: bool) -> None:
         checked = (f"{result.segments_checked} segments checked" if not result.headers_checked else
                    f"{result.data_verified} segments read in full, {result.headers_checked} by their headers "
                    f"(sample seed {result.sample_seed})")
-        summary = (f"{path}: {result.logs} log files, {result.records} records (LSN {result.first_lsn}.."
-                   f"{result.last_lsn}), {result.snapshots} snapshots, {checked}, {len(result.orphans)} orphans; ")
+        span = lsn_span(result.first_lsn, result.last_lsn)
+        records = f"{result.records} records" + (f" ({span})" if result.first_lsn is not None else "")
+        summary = (f"{path}: {result.logs} log files, {records}, {result.snapshots} snapshots, {checked}, "
+                   f"{len(result.orphans)} orphans; ")
         if errors:
             summary += f"{len(errors)} errors, {len(warned)} warnings, {fixed} corrected"
         elif warned:

@@ -9,6 +9,7 @@ import typer
 
 from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, StoreArg, done, emit_json, out, parse_duration,
                             parse_size, usage_error)
+from kvj.cli.render import lsn_span
 from kvj.ops.inspection import human_size
 
 #: The smallest log file size kvj init accepts (the library's CommitPolicy takes any size).
@@ -96,7 +97,7 @@ def migrate(seed: Annotated[str, typer.Argument(metavar="SEED", help="The seed-e
         return
     dropped = result["segments_dropped"]
     out.print(f"migrated {result['records']} records from {result['seed']} into {result['journal']} "
-              f"(LSN {result['first_lsn']}..{result['last_lsn']})", markup=False)
+              f"({lsn_span(result['first_lsn'], result['last_lsn'])})", markup=False)
     if dropped:
         out.print(f"left behind {sum(dropped.values())} seg_flush pointers of {len(dropped)} requests (they resume "
                   f"at token 0): " + ", ".join(f"{rid} {n}" for rid, n in sorted(dropped.items())), markup=False)

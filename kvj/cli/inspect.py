@@ -21,6 +21,7 @@ from kvj.cli.common import (
     parse_time,
     store_path,
     usage_error,
+    warn_past_end,
 )
 from kvj.cli.render import (
     EXPORT_SUFFIXES,
@@ -113,6 +114,7 @@ def inspect(
         return
     if layout or timeline:
         state = replay(path, at_lsn=at)
+        warn_past_end(at, state.last_lsn)
         if as_json:
             emit_json({"allocations": state.to_dict()["allocations"]} if layout else
                       {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,

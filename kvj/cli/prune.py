@@ -45,5 +45,6 @@ def prune(journal: JournalArg = None,
             out.print(f"{verb} {p}", markup=False)
     counts = ", ".join(f"{len(paths)} from {folder}" for folder, paths in result.removed.items())
     out.print(f"{verb} {counts}; {'would reclaim' if dry_run else 'reclaimed'} {human_size(result.bytes_reclaimed)}"
-              + (f"; kept the newest manifest {result.kept_newest_manifest}" if result.kept_newest_manifest else ""),
+              + (f"; {'would keep' if dry_run else 'kept'} the newest manifest {result.kept_newest_manifest}"
+                 if result.kept_newest_manifest else ""),
               markup=False)

@@ -27,7 +27,7 @@ from kvj.cli.common import (
 from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import convert_legacy
-from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
+from kvj.journal.records import BY_NAME, NAMES, RecordType, encode
 from kvj.names import check_request_id
 
 app = typer.Typer(no_args_is_help=False, help="""Append records to the journal; exits only once they are durable.
@@ -112,7 +112,7 @@ def _checked(rtype: int, payload: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
         if not isinstance(tokens, list) or not all(
                 type(t) is int and 0 <= t <= MAX_TOKEN for t in tokens):  # noqa: E721 - bool is no token
             raise FormatError(f"'tokens' must be a list of integers from 0 to 2^64-1, not {_short(tokens)}")
-    decode_payload(rtype, encode_payload(payload))
+    encode(rtype, payload)  # the check every new record gets (finite numbers only), before anything is appended
     return rtype, payload
 
 
