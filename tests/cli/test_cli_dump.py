@@ -126,3 +126,19 @@ def test_a_failed_write_names_the_file_asked_for_not_its_temporary(tmp_path, jou
     line = assert_fails(cli("dump", "-j", journal[0], "-r", "req-0", "--segment", "0", "-o", target),
                         77 if step == "open" else 74, f"{target}: ")
     assert ".tmp." not in line and os.listdir(tmp_path) == []
+
+
+def test_damage_inside_a_chunk_is_reported_with_the_chunk_s_bytes(tmp_path, cli):
+    path = tmp_path / "j"
+    with kvj_lib.Journal.open(path) as j:  # one raw chunk of 64 KiB
+        key = j.store.put(torch.arange(16384, dtype=torch.float32), codec="raw").key
+        j.checkpoint(1, {"w": key})
+    seg = segment_file(str(path), key)
+    with open(seg, "r+b") as f:
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    line = assert_fails(cli("dump", key, "-j", path, "-o", tmp_path / "w.pt"), DATAERR, "chunk 0 CRC mismatch")
+    start, end = (int(n) for n in line.rsplit("its bytes ", 1)[1].split(".."))
+    assert f"at offset {start}:" in line and start <= 5000 < end  # where the chunk is, and that the damage is in it
