@@ -51,8 +51,8 @@ EXIT_CODES: Dict[int, str] = {
                      "full or failing): the message says what was done",
     IOERR: "I/O error while writing: failed write or fsync, disk full (nothing after it is durable)",
     TEMPFAIL: "the journal is locked by a live writer or compactor (its pid is named); try again later",
-    NOPERM: "permission denied, or refused: a symlink, FIFO, device or hard link where kvj keeps a file, or "
-            "(as root) a journal another user owns",
+    NOPERM: "permission denied, or refused: a symlink, FIFO or device where kvj keeps a file, a file with other "
+            "hard links that kvj would write, or (as root) a journal another user owns",
     INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
