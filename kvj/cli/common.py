@@ -40,7 +40,8 @@ TRUST_ENV = "KVJ_TRUST_OWNER"
 JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=True, metavar="DIR",
                           help="Journal directory.")
 StoreOpt = typer.Option("--store", "-s", envvar=STORE_ENV, show_envvar=True, metavar="DIR",
-                        help="Segment store directory [default: JOURNAL/segments].")
+                        help="Segment store directory [default: the one JOURNAL/kvj.conf names, else "
+                             "JOURNAL/segments].")
 MirrorOpt = typer.Option("--mirror", envvar=MIRROR_ENV, show_envvar=True, metavar="DIR",
                          help="Keep a synchronous mirror of the log in DIR (ideally on another device): every "
                               "commit group is synced to both before it counts. The journal remembers it: needed "

@@ -27,7 +27,8 @@ COMPLETE_VAR = "_{}_COMPLETE"
 
 ENVIRONMENT = [
     ("KVJ_JOURNAL", "Journal directory, when --journal is not given."),
-    ("KVJ_STORE", "Segment store directory, when --store is not given (default: the journal's segments/ folder)."),
+    ("KVJ_STORE", "Segment store directory, when --store is not given (default: the store the journal's kvj.conf "
+                  "names, else its segments/ folder)."),
     ("KVJ_MIRROR", "Mirror directory, when --mirror is not given (init, record, flush, recover, journal_replay): a "
                    "synchronous second copy of the log; the journal records it, so it is needed once."),
     ("NO_COLOR", "When set, output has no colour. Colour and progress bars appear only when standard output "
@@ -42,8 +43,10 @@ ENVIRONMENT = [
 FILES = [
     ("JOURNAL/NNNNNNNNNNNNNNNN.log", "Log files, numbered; all but the newest are sealed (kvj-journal(5))."),
     ("JOURNAL/snapshot-LSN.snap", "Snapshots written by kvj compact."),
-    ("JOURNAL/kvj.conf", "Written by kvj init (JSON): the commit policy kvj record and kvj flush write with, and "
-                         "the segment store."),
+    ("JOURNAL/kvj.conf", "Written by kvj init (JSON): the commit policy and the segment store. Every path that "
+                         "opens the journal reads it (every command, kvj.Journal.open and the integrations); what "
+                         "is given explicitly wins: --store or KVJ_STORE, store= and policy= of kvj.Journal.open. "
+                         "A kvj.conf that is not valid is refused with status 65. See kvj-init(1)."),
     ("JOURNAL/LOCK, JOURNAL/COMPACT", "Writer and compactor locks; each holds its owner's pid."),
     ("JOURNAL/torn/", "Bytes cut from torn tails and log files set aside by recovery or fsck --repair (kept "
                       "until kvj prune removes them)."),
