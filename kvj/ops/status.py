@@ -16,6 +16,7 @@ from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, Se
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR
+from kvj.journal.config import config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
@@ -130,6 +131,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "disk": _disk(journal),
         "mirror": _mirror(journal, snapshot_lsn),
         "salvage_pending": os.path.lexists(os.path.join(journal, PENDING_NAME)),
+        "config_error": _config_error(journal),
     }
     try:
         state = replay(journal)
@@ -143,6 +145,15 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                    training_step=state.training_step())
     out["store"] = _store(store_root)
     return out
+
+
+def _config_error(journal: str) -> Optional[str]:
+    """Why the journal's kvj.conf cannot be used, or None (none, or a valid one)."""
+    try:
+        config_policy(journal)
+    except FormatError as exc:
+        return str(exc)
+    return None
 
 
 def _mirror(journal: str, snapshot_lsn: int) -> Optional[Dict[str, Any]]:

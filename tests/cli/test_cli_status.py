@@ -161,3 +161,16 @@ def test_commit_lag_leaves_out_the_pauses_between_writers(tmp_path, capsys):
     waits = [b - a for run in (first, second, third) for a, b in zip(run, run[1:])]
     m = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)["last_minute"]
     assert m["groups"] == 10 and m["commit_lag"] == max(waits)  # no pause between writers is a lag
+
+
+def test_status_shows_a_kvj_conf_it_cannot_use_instead_of_failing(tmp_path, capsys):
+    path = tmp_path / "j"
+    Journal.open(path).close()
+    for content, needle in (("[" * 20_000 + "]" * 20_000, "nested too deeply"),
+                            ('{"kvj_config": 1, "policy": {"max_buffer_bytes": 0}}', "max_buffer_bytes")):
+        (path / "kvj.conf").write_text(content)
+        proc = in_process(capsys, "status", "-j", path, "--json")
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert needle in json.loads(proc.stdout)["config_error"]
+        text = " ".join(in_process(capsys, "status", "-j", path).stdout.split())
+        assert "kvj.conf" in text and needle in text
