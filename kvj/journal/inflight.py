@@ -4,15 +4,16 @@
 log could never make sense of is refused at the call and nothing is appended: a request
 that is not in flight (never started, or ended), or tokens
 that overlap another segment of the request (flushing a segment number again replaces
-that segment, as replay reads it). Requests started by this writer are known from their
-``start``; those in flight before it opened the journal (a resumed request) are learned
-once, from the journal itself, the first time one of them is flushed.
+that segment, as replay reads it). Requests started through this writer are known from
+their ``start``; a flush naming one it does not know (a request in flight before it opened
+the journal, being resumed; one started by a record written around the ``Journal``) looks
+the journal itself up first: one replay, which finds every resumed request at once.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 from kvj.errors import InvalidArgument
 
@@ -23,8 +24,9 @@ class InFlight:
     """Request id -> {segment number: token range} for every request known to be in flight."""
 
     def __init__(self, load: Callable[[], Dict[str, Dict[int, Range]]]):
-        """``load`` returns the requests in flight in the journal as written so far (called once, lazily)."""
-        self._load: Optional[Callable[[], Dict[str, Dict[int, Range]]]] = load
+        """``load`` returns the requests in flight in the journal as written so far (called
+        when a flush names a request not known here)."""
+        self._load = load
         self._live: Dict[str, Dict[int, Range]] = {}
         self._lock = threading.Lock()
 
@@ -47,9 +49,8 @@ class InFlight:
         """Check a flush of segment ``seg`` over ``tokens`` and remember it; ``InvalidArgument``
         says why one is refused."""
         with self._lock:
-            if request_id not in self._live and self._load is not None:
-                load, self._load = self._load, None
-                for rid, segments in load().items():
+            if request_id not in self._live:
+                for rid, segments in self._load().items():
                     self._live.setdefault(rid, segments)  # what this writer did itself wins
             segments = self._live.get(request_id)
             if segments is None:

@@ -504,10 +504,10 @@ class Journal:
         Refused at the call, nothing stored or appended: a negative ``segment`` or a bad
         token range (``FormatError``, as every malformed argument); a request that is not in
         flight (never started, or ended) and a token range overlapping another segment of
-        the request (``InvalidArgument``) (flushing a segment number again
-        replaces that segment). A request in flight before this journal was opened (one
-        being resumed) is looked up in the journal itself the first time one is flushed:
-        one replay, once.
+        the request (``InvalidArgument``; flushing a segment number again replaces that
+        segment). A request this writer did not start (one in flight before the journal
+        was opened, being resumed) is looked up in the journal itself: one replay, which
+        finds every resumed request at once.
         """
         if self._closed:
             raise JournalClosed("journal is closed")
