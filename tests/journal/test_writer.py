@@ -204,6 +204,7 @@ def test_a_failed_segment_flush_makes_sync_and_close_fail(tmp_path):
             super().fsync(fd)
 
     j = Journal.open(tmp_path / "j", fs=NoSegmentFsync())
+    j.start("r")
     future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
     with pytest.raises(JournalFailed):
         future.result(10)
@@ -227,6 +228,7 @@ def test_a_failed_segment_write_fails_its_own_flush_future_with_journal_failed(t
             super().write(fd, data)
 
     j = Journal.open(tmp_path / "j", fs=NoSegmentWrite())
+    j.start("r")
     j.alloc("cuda:0", 0, 1)
     before = j.writer.last_lsn
     future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
