@@ -83,6 +83,7 @@ def replicate(journal: JournalArg = None,
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
         def on_round(result: RoundResult) -> None:
+            done(f"replication rounds to {to} are done")
             if as_json:
                 emit_json(result.to_dict())
             elif result.committed:
