@@ -462,8 +462,8 @@ class Journal:
             self._inflight.segment(payload["id"], payload["seg"], tuple(payload["tokens"]))  # type: ignore[arg-type]
 
     def _in_flight_on_disk(self) -> Dict[str, Dict[int, Tuple[int, int]]]:
-        """The requests in flight in the journal as written so far, with their segments' tokens
-        (what a writer that resumes requests started before it opened the journal needs once)."""
+        """The requests in flight in the journal as written so far, with their segments' tokens:
+        what ``flush`` looks up for a request this writer does not know (one being resumed)."""
         from kvj.journal.replay import replay
 
         self.writer.sync()
