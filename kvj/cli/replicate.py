@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, err, journal_path, out, parse_duration, store_path
+from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, emit_json, err, journal_path, out, parse_duration,
+                            store_path)
 from kvj.cli.errors import one_line
 from kvj.ops.inspection import human_size
 from kvj.replica.lease import DEFAULT_TTL, UNREADABLE
@@ -93,6 +94,7 @@ def replicate(journal: JournalArg = None,
                       f"(generation {replicator.lease.generation}), and the old holder is fenced out", markup=False)
         if not follow:
             result = replicate_once(replicator)
+            done(f"replication round to {to} is done")
             if as_json:
                 emit_json(result.to_dict())
             else:
@@ -102,6 +104,7 @@ def replicate(journal: JournalArg = None,
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
         def on_round(result: RoundResult) -> None:
+            done(f"replication rounds to {to} are done")
             if as_json:
                 emit_json(result.to_dict())
             elif result.committed:

@@ -13,6 +13,7 @@ from kvj.cli.common import (
     JsonArg,
     StoreArg,
     check_owner,
+    done,
     emit_json,
     out,
     parse_time,
@@ -29,8 +30,8 @@ def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL
             journal: JournalArg = None,
             store: StoreArg = None,
             at: Annotated[Optional[str], typer.Option(metavar="LSN|TIME", help="Restore the state as of this LSN "
-                                                      "(an integer), or as replicated at this time (ISO 8601, or "
-                                                      "e.g. 10m for ten minutes ago).")] = None,
+                                                      "(a bare integer), or as replicated at this TIME (ISO 8601, "
+                                                      "@ and Unix seconds, or e.g. 10m for ten minutes ago).")] = None,
             as_json: JsonArg = False) -> None:
     """Restore a journal and its segments from a replica onto a new directory.
 
@@ -64,11 +65,12 @@ def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL
         if re.fullmatch(r"\s*\d+\s*", at):
             at_lsn = int(at)
         else:
-            at_time = parse_time(at)
+            at_time = parse_time(at, "--at")
     remote = open_remote(source)
     with progress() as update:
         result = restore_replica(remote, target, store=os.path.abspath(store) if store else None, at_lsn=at_lsn,
                                  at_time=at_time, progress=update)
+    done(f"restored {target} through LSN {result.last_lsn}")
     if as_json:
         emit_json(result.to_dict())
         return
