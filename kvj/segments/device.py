@@ -150,19 +150,18 @@ class Cuda:
     def upload(self, host: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, Any]:
         """Start copying ``host`` onto ``device``; returns the device tensor and the copy's event.
 
-        The copy runs on kvj's h2d stream into memory allocated there; the caller's current
-        stream waits for it on the GPU, so later work sees the data. The host must
-        :meth:`wait` on the event before it reuses ``host``. If anything fails once the copy
-        is enqueued, this waits for the stream before raising, so ``host`` is free again.
+        The copy runs on kvj's h2d stream into memory allocated there, which the caller's
+        current stream will use (``record_stream``). The host must :meth:`finish` the event
+        before it uses the tensor or reuses ``host``; work it enqueues after that wait comes
+        after the copy on every stream. If anything fails once the copy is enqueued, this
+        waits for the stream before raising, so ``host`` is free again.
         """
         side = self.side_stream(device, "h2d")
         with self.enqueue_on(side):
             out = self.empty(tuple(host.shape), host.dtype, device)
             self.copy(out, host)
             event = self.record(side)
-        current = self.current_stream(device)
-        self.gpu_wait(current, event)
-        self.keep_alive(out, current)
+        self.keep_alive(out, self.current_stream(device))
         return out, event
 
     def download(self, tensor: torch.Tensor, dest: torch.Tensor) -> Any:

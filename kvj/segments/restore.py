@@ -121,7 +121,7 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     when all are in does anything reach the cache (a segment of another model or layout raises
     LayoutMismatch with every slot untouched), then ``kvj.segments.device.scatter_blocks`` puts
     them in: on the CPU one row copy per layer, on a GPU one non-blocking transfer on a side
-    stream and one ``index_copy_`` per layer; the caller's stream waits for it on the GPU.
+    stream and one ``index_copy_`` per layer, which the host waits for (its event, not a stream).
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):
@@ -163,7 +163,7 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
         bufs = cuda.block_buffers(kv_caches, len(ids), buf[ids_at:ids_at + 8 * len(ids)].view(torch.long))
         moved = cuda.scatter_blocks(kv_caches, ids, host, bufs)
-        moved.wait()  # the staging buffer is reused once the copy from it is done ...
-        moved.fence()  # ... and the caller's later work reads the blocks after the scatter
+        moved.wait()  # the staging buffer is reused once the copy from it is done (and, the host
+        # having waited, the caller's later work on any stream comes after the scatter)
     finally:
         pool.release(buf)  # scatter_blocks raises only once nothing reads the buffer
