@@ -103,11 +103,21 @@ def load_many(store: SegmentStore, keys: Sequence[str], device: Device = "cpu",
     """Several segments, decoded concurrently (small segments are one chunk each).
 
     ``device`` is resolved here, in the caller's thread: a bare ``"cuda"`` means the caller's
-    current device, not the worker threads' default (device 0).
+    current device, not the worker threads' default (device 0). On CUDA the worker threads load
+    under the caller's current stream, the one that uses the tensors: their memory is kept for
+    it (``record_stream``), not for the threads' own default stream.
     """
     target = cuda.CUDA.resolve(device)
+    stream = cuda.CUDA.current_stream(target) if target.type == "cuda" else None
+
+    def one(key: str) -> torch.Tensor:
+        if stream is None:
+            return load(store, key, target, expect_layout)
+        with cuda.CUDA.use(stream):
+            return load(store, key, target, expect_layout)
+
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        return list(pool.map(lambda k: load(store, k, target, expect_layout), keys))
+        return list(pool.map(one, keys))
 
 
 def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[torch.Tensor],

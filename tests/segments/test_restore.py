@@ -1,11 +1,10 @@
 """Restore onto devices and into a paged KV cache."""
 
-import os
-import subprocess
-import sys
+import gc
 
 import pytest
 import torch
+from support.fakecuda import gpu  # noqa: F401
 
 from kvj.errors import LayoutMismatch
 from kvj.segments.restore import gather_block, load, load_many, paged_layout, restore_paged
@@ -88,14 +87,19 @@ def test_load_and_load_many(store):
         assert torch.equal(got, want)
 
 
-def test_gpu_selfcheck_exits_cleanly_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present; run scripts/gpu_selfcheck.py directly")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_selfcheck.py")],
-                          capture_output=True, text=True, timeout=120, cwd=root)
-    assert proc.returncode == 0, proc.stderr
-    assert "no CUDA" in proc.stdout
+def test_load_many_keeps_its_tensors_for_the_callers_stream_not_its_threads(gpu, store):
+    """The tensors load_many returns are used on the caller's current stream: their memory must
+    be held for it (record_stream), not for the worker threads' default stream (found by
+    scripts/gpu_check.py: a caller on its own stream dropping them could see them reused)."""
+    keys = [store.put(torch.randn(4, 8)).key for _ in range(3)]
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        loaded = load_many(store, keys, "cuda", workers=2)
+        copies = [t.clone() for t in loaded]  # read on the caller's stream, then dropped
+        del loaded
+        gc.collect()
+        gpu.check()  # memory used on the caller's stream and freed without record_stream is reported
+        assert [c.cpu().tolist() for c in copies] == [store.get(k).tolist() for k in keys]
 
 
 def test_a_recurring_block_is_read_and_decoded_once(store, monkeypatch):
