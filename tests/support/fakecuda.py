@@ -66,6 +66,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import pytest
 import torch
+import torch.utils._device
 
 POISON = 0xA5
 aten = torch.ops.aten
@@ -369,6 +370,15 @@ def autograd_env(devices: int = 1) -> Dict[str, str]:
             "KVJ_FAKECUDA_AUTOGRAD": str(int(devices))}
 
 
+def _context_device() -> Optional[torch.device]:
+    """The device of an enclosing ``with torch.device(...)``, if any (not torch.get_default_device,
+    which makes a tensor to find out)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, torch.utils._device.DeviceContext)]
+    return modes[-1].device if modes else None
+
+
 def _flatten(obj: Any) -> Tuple[List[Any], Any]:
     """The leaves of ``obj`` (nested tuples, lists and dicts) and a spec to rebuild it."""
     leaves: List[Any] = []
@@ -490,6 +500,8 @@ class FakeCuda:
             "empty_cache": lambda: None, "_sleep": self.sleep, **self._rng_functions(),
         }.items():
             monkeypatch.setattr(cuda, name, value)
+        torch.utils._device._device_constructors()  # cached before the patches: "with torch.device(...)"
+        # adds the device to the real factories, which the patched ones call
         for name in ("empty", "zeros", "ones", "full", "empty_strided", "empty_like", "zeros_like", *_MADE_ON_CPU):
             monkeypatch.setattr(torch, name, self._factory(getattr(torch, name)))
         for name, method in self._tensor_methods().items():
@@ -1060,6 +1072,8 @@ class FakeCuda:
         def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
             pin = kwargs.pop("pin_memory", False)
             device = kwargs.get("device")
+            if device is None and orig.__name__ in _MADE_ON_CPU:
+                device = _context_device()
             if orig.__name__ in _MADE_ON_CPU and device is not None and (
                     isinstance(device, int) or torch.device(device).type == "cuda"):
                 kwargs["device"] = "cpu"
