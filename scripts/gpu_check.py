@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kvj's GPU check: one prepared command that runs kvj's CUDA paths on a GPU and says PASS or FAIL.
 
-    python3 scripts/gpu_check.py --out DIR               a GPU machine (a few minutes on one H200)
+    python3 scripts/gpu_check.py --out DIR               a GPU machine (sized for one H200; the whole
+                                                         run is bounded by --budget, 450 s by default)
     python3 scripts/gpu_check.py --standin --out DIR     a CPU: the same checks, small, under the
                                                          strict CUDA stand-in (tests/support/fakecuda.py)
 
@@ -32,7 +33,7 @@ lora           A LoRA fine-tune (PEFT) through transformers.Trainer with KvjCall
                and without kvj.
 timing         GB/s device-to-host and host-to-device through kvj against plain ``tensor.cpu()`` /
                ``.cuda()`` and pinned non-blocking copies, each result checked; host time per saved
-               block (Flusher.submit, gather_blocks).
+               block (Flusher.submit here; gather_blocks and scatter_blocks in vllm-blocks).
 
 Writes DIR/gpu_check.json (every check, part, reason, timing and the environment; DIR defaults to
 $OUT) and DIR/gpu_check.progress.jsonl as it goes. Exit status 0 when every check passed, 1 when
@@ -157,6 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "unbounded under --standin); checks left when it is spent do not run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--progress", help=argparse.SUPPRESS)
+    p.add_argument("--scratch", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=["generate", "train"], help=argparse.SUPPRESS)
     p.add_argument("--journal", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -175,93 +177,122 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def orchestrate(args: argparse.Namespace, checks: List[str]) -> int:
-    """Run the checks in a worker process; one that outlives its limit (or the run's budget) is
-    killed and fails, and a fresh worker runs the rest. Writes the JSON after every check."""
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
-    progress = os.path.join(out, "gpu_check.progress.jsonl")
-    open(progress, "w").close()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-        [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
-    if args.standin:
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from support.fakecuda import autograd_env  # builds its library here, once per machine
-        env.update(autograd_env(devices=1))
-    scale = STANDIN_SLOWER if args.standin else 1
-    budget = args.budget if args.budget is not None else (None if args.standin else BUDGET_S)
-    t_start = time.monotonic()
-    deadline = None if budget is None else t_start + budget
-    results: Dict[str, Result] = {}
-    pending = list(checks)
-    seen = 0
-    while pending:
-        if deadline is not None and time.monotonic() >= deadline:
-            for name in pending:
-                results[name] = Result(name, reason=f"not run: the run's budget of {budget:.0f} s was spent")
-            break
-        argv = [sys.executable, SCRIPT, "--worker", "--progress", progress, "--checks", ",".join(pending)]
-        argv += ["--standin"] if args.standin else ["--small"] if args.small else []
-        proc = subprocess.Popen(argv, env=env, start_new_session=True)  # its own group: killed whole
-        current: Optional[Tuple[str, float]] = None
+    return Run(args, checks).run()
+
+
+class Run:
+    """The checks of one run, in worker processes: a check that outlives its limit (or the run's
+    budget) is killed and fails, and a fresh worker runs the rest. The JSON is rewritten after
+    every check, so a run cut short still leaves what it found."""
+
+    def __init__(self, args: argparse.Namespace, checks: List[str]):
+        self.args, self.checks = args, checks
+        self.out = os.path.abspath(args.out)
+        self.progress = os.path.join(self.out, "gpu_check.progress.jsonl")
+        self.scale = STANDIN_SLOWER if args.standin else 1
+        self.budget = args.budget if args.budget is not None else (None if args.standin else BUDGET_S)
+        self.t_start = time.monotonic()
+        self.deadline = None if self.budget is None else self.t_start + self.budget
+        self.results: Dict[str, Result] = {}
+        self.pending = list(checks)
+        self.seen = 0  # lines of the progress file read so far
+
+    def run(self) -> int:
+        os.makedirs(self.out, exist_ok=True)
+        open(self.progress, "w").close()
+        scratch = tempfile.mkdtemp(prefix="kvj-gpu-check-")  # journals and stores: never under --out
+        try:
+            return self._run(scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _run(self, scratch: str) -> int:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+            [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+        if self.args.standin:
+            sys.path.insert(0, os.path.join(ROOT, "tests"))
+            from support.fakecuda import autograd_env  # builds its library here, once per machine
+            env.update(autograd_env(devices=1))
+        while self.pending:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                for name in self.pending:
+                    self.results[name] = Result(name, reason=f"not run: the run's budget of {self.budget:.0f} s "
+                                                "was spent")
+                break
+            argv = [sys.executable, SCRIPT, "--worker", "--progress", self.progress, "--scratch", scratch,
+                    "--checks", ",".join(self.pending)]
+            argv += ["--standin"] if self.args.standin else ["--small"] if self.args.small else []
+            proc = subprocess.Popen(argv, env=env, process_group=0)  # its own group, to kill it whole
+            try:
+                self.watch(proc)
+            finally:
+                if proc.poll() is None:  # this process is going down: the worker and its children too
+                    _kill_worker(proc)
+        doc = self.report()
+        ordered = [Result(**c) for c in doc["checks"]]
+        print(f"\ngpu_check: {sum(r.status == 'PASS' for r in ordered)} of {len(ordered)} checks passed in "
+              f"{doc['seconds']:.0f} s{' (the CUDA stand-in, on a CPU)' if self.args.standin else ''}; "
+              f"{os.path.join(self.out, 'gpu_check.json')}")
+        for r in ordered:
+            print(f"  {r.status:4}  {r.name:13} {r.seconds:7.1f} s  {r.reason}")
+        return 0 if doc["passed"] else 1
+
+    def watch(self, proc: subprocess.Popen) -> None:
+        """Follow one worker until it exits, or kill it when its check runs out of time."""
+        current: Optional[Tuple[str, float]] = None  # the check it runs, since when
         while True:
-            with open(progress, encoding="utf-8") as f:
+            with open(self.progress, encoding="utf-8") as f:
                 lines = f.read().splitlines()
-            for line in lines[seen:]:
+            for line in lines[self.seen:]:
                 msg = json.loads(line)
                 if "start" in msg:
                     current = (msg["start"], time.monotonic())
                 else:
-                    results[msg["result"]["name"]] = Result(**msg["result"])
-                    pending.remove(msg["result"]["name"])
+                    self.finished(Result(**msg["result"]))
                     current = None
-                    write_report(out, args, checks, results, t_start)
-            seen = len(lines)
+            self.seen = len(lines)
             code = proc.poll()
             if code is not None:
-                lost = [current[0]] if current is not None else list(pending)
-                for name in lost:  # died inside a check: it fails; a fresh worker runs the rest
-                    results[name] = Result(name, reason=f"the worker process exited with status {code} during "
-                                           "this check; see its output above" if current is not None else
-                                           f"not run: the worker exited with status {code} before it")
-                    pending.remove(name)
-                break
+                if current is not None:  # it died inside a check: that one fails, a fresh worker runs the rest
+                    self.finished(Result(current[0], reason=f"the worker process exited with status {code} "
+                                         "during this check; see its output above"))
+                else:
+                    for name in list(self.pending):
+                        self.finished(Result(name, reason=f"not run: the worker exited with status {code}"))
+                return
             now = time.monotonic()
-            over_budget = deadline is not None and now > deadline
-            if over_budget or (current is not None and now - current[1] > LIMITS[current[0]] * scale):
+            over_budget = self.deadline is not None and now > self.deadline
+            if current is not None and (over_budget or now - current[1] > LIMITS[current[0]] * self.scale):
                 _kill_worker(proc)
-                name = current[0] if current is not None else pending[0]
-                spent = now - current[1] if current is not None else 0.0
-                why = (f"killed after {spent:.0f} s: the run's budget of {budget:.0f} s was spent" if over_budget
-                       else f"killed after {spent:.0f} s (its limit is {LIMITS[name] * scale:.0f} s)")
-                results[name] = Result(name, reason=f"{why}; its Python stacks are on stderr above",
-                                       seconds=round(spent, 1))
-                pending.remove(name)
-                break
+                spent = now - current[1]
+                why = (f"the run's budget of {self.budget:.0f} s was spent" if over_budget
+                       else f"its limit is {LIMITS[current[0]] * self.scale:.0f} s")
+                self.finished(Result(current[0], reason=f"killed after {spent:.0f} s ({why}); its Python stacks "
+                                     "are on stderr above", seconds=round(spent, 1)))
+                return
+            if over_budget:  # between checks
+                _kill_worker(proc)
+                return
             time.sleep(0.2)
-    doc = write_report(out, args, checks, results, t_start)
-    ordered = [Result(**c) for c in doc["checks"]]
-    print(f"\ngpu_check: {sum(r.status == 'PASS' for r in ordered)} of {len(ordered)} checks passed in "
-          f"{doc['seconds']:.0f} s{' (the CUDA stand-in, on a CPU)' if args.standin else ''}; "
-          f"{os.path.join(out, 'gpu_check.json')}")
-    for r in ordered:
-        print(f"  {r.status:4}  {r.name:13} {r.seconds:7.1f} s  {r.reason}")
-    return 0 if doc["passed"] else 1
 
+    def finished(self, result: Result) -> None:
+        self.results[result.name] = result
+        self.pending.remove(result.name)
+        self.report()
 
-def write_report(out: str, args: argparse.Namespace, checks: Sequence[str], results: Dict[str, Result],
-                 t_start: float) -> Dict[str, Any]:
-    """``gpu_check.json`` as it stands (replaced atomically); it passes once every check has."""
-    ordered = [results[name] for name in checks if name in results]
-    doc = {"passed": len(ordered) == len(checks) and all(r.status == "PASS" for r in ordered),
-           "standin": bool(args.standin), "sizes": "small" if args.small or args.standin else "full",
-           "seconds": round(time.monotonic() - t_start, 1), "argv": sys.argv,
-           "environment": results["environment"].details if "environment" in results else None,
-           "checks": [asdict(r) for r in ordered]}
-    path = os.path.join(out, "gpu_check.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, sort_keys=True, default=str)
-    os.replace(path + ".tmp", path)
-    return doc
+    def report(self) -> Dict[str, Any]:
+        """``gpu_check.json`` as it stands (replaced atomically); it passes once every check has."""
+        ordered = [self.results[name] for name in self.checks if name in self.results]
+        env = self.results.get("environment")
+        doc = {"passed": len(ordered) == len(self.checks) and all(r.status == "PASS" for r in ordered),
+               "standin": bool(self.args.standin), "sizes": "small" if self.args.small or self.args.standin else "full",
+               "seconds": round(time.monotonic() - self.t_start, 1), "argv": sys.argv,
+               "environment": env.details if env is not None else None, "checks": [asdict(r) for r in ordered]}
+        path = os.path.join(self.out, "gpu_check.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True, default=str)
+        os.replace(path + ".tmp", path)
+        return doc
 
 
 def _kill_worker(proc: subprocess.Popen) -> None:
@@ -360,7 +391,7 @@ def worker_main(args: argparse.Namespace, checks: List[str]) -> int:
         with open(args.progress, "a", encoding="utf-8") as f:
             f.write(json.dumps(msg, sort_keys=True) + "\n")
 
-    tmp = tempfile.mkdtemp(prefix="kvj-gpu-check-")
+    tmp = tempfile.mkdtemp(dir=args.scratch)
     try:
         ctx: Optional[Ctx] = None
         why = ""
@@ -450,10 +481,13 @@ def run_check(name: str, ctx: Ctx) -> Result:
 def same(a: Any, b: Any) -> bool:
     """Whether two tensors (either side on the device) hold the same shape and bits."""
     a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    return a.shape == b.shape and a.dtype == b.dtype and bool((a.view(-1).view(_u8(a)) == b.view(-1).view(_u8(b))).all())
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool((a.view(-1).view(_bits_dtype(a)) == b.view(-1).view(_bits_dtype(b))).all())
 
 
-def _u8(t: Any) -> Any:
+def _bits_dtype(t: Any) -> Any:
+    """An integer dtype of the same width, to compare bits (NaNs included)."""
     import torch
 
     return torch.uint8 if t.element_size() == 1 else {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
@@ -984,8 +1018,8 @@ def one_generation(ctx: Ctx, parts: Parts, name: str, prompt_len: int, new: int,
                                 journal=cj)
                 cj.end(RID)
             out.update(restored=point.position, recomputed=out["at_kill"] - point.position)
-            expect(got == want, f"the resumed run's tokens differ from the uninterrupted run's from position "
-                   f"{next(i for i, (x, y) in enumerate(zip(got, want)) if x != y) if got[:len(want)] != want[:len(got)] else min(len(got), len(want))}")
+            differ = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+            expect(got == want, f"the resumed run's tokens differ from the uninterrupted run's from position {differ}")
         if "restored" in out:
             context = torch.tensor([want[:out["restored"]]], dtype=torch.long, device=ctx.device)
             with torch.no_grad():
@@ -1143,9 +1177,10 @@ def check_lora(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
                    "the uninterrupted run's")
             expect(resumed["optimizer_sha256"] == ref["optimizer_sha256"], "the optimizer state after the resume "
                    "differs from the uninterrupted run's")
-    print(f"  {name}: killed at step {out.get('killed_at_step')}, resumed from {out.get('resumed', {}).get('resumed_from')}; "
-          f"ms per step without kvj {ref.get('ms_per_step')}, with kvj {out.get('with_kvj_ms_per_step')} "
-          f"(killed run), {out.get('resumed', {}).get('ms_per_step')} (resumed run)", flush=True)
+    resumed = out.get("resumed", {})
+    print(f"  {name}: killed at step {out.get('killed_at_step')}, resumed from {resumed.get('resumed_from')}; ms "
+          f"per step without kvj {ref.get('ms_per_step')}, with kvj {out.get('with_kvj_ms_per_step')} (killed run), "
+          f"{resumed.get('ms_per_step')} (resumed run)", flush=True)
     return out
 
 
@@ -1249,7 +1284,8 @@ def check_timing(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
                          f"({block.numel() * block.element_size() >> 10} KiB), host time", "us/block":
                          round(submit_s / count * 1e6, 1)})
     width = max(len(r["how"]) for r in rows)
-    print(f"  {'':3} {'how':{width}}  {'GB/s':>8}" + ("   (the CUDA stand-in: not a measurement)" if ctx.standin else ""))
+    note = "   (the CUDA stand-in: not a measurement)" if ctx.standin else ""
+    print(f"  {'':3} {'how':{width}}  {'GB/s':>8}{note}")
     for r in rows:
         value = f"{r['GB/s']:8.2f}" if "GB/s" in r else f"{r['us/block']:8.1f} us per block"
         print(f"  {r['direction']:3} {r['how']:{width}}  {value}", flush=True)

@@ -90,8 +90,10 @@ def test_a_wait_deleted_from_kvj_fails_the_device_check(gpu, tmp_path, monkeypat
 #: Sites no check fails without, and why: error paths (a CUDA call that fails), and the
 #: download's record_stream, which its wait of the caller's stream makes redundant (memory the
 #: caller frees is reused only by work ordered after the copy).
-SURVIVORS = {"device.Cuda.settle: stream.synchronize() -> None", "device.Cuda.enqueue_on: self.settle(stream) -> None",
-             "device.Cuda.finish: self.settle(stream) -> None", "device.Cuda.download: self.keep_alive(tensor, side) -> None"}
+SURVIVORS = {"device.Cuda.settle: stream.synchronize() -> None",
+             "device.Cuda.enqueue_on: self.settle(stream) -> None",
+             "device.Cuda.finish: self.settle(stream) -> None",
+             "device.Cuda.download: self.keep_alive(tensor, side) -> None"}
 
 
 @pytest.mark.slow
