@@ -216,7 +216,8 @@ class Transfer:
         """Make ``stream`` (default: the caller's current one) wait for it on the GPU, before
         its later work reads what it brought; the host goes on."""
         if self.event is not None:
-            CUDA.gpu_wait(stream if stream is not None else CUDA.current_stream(self.stream.device), self.event)
+            waiter = stream if stream is not None else CUDA.current_stream(self.stream.device)
+            CUDA.gpu_wait(waiter, self.event)
 
 
 @dataclass(eq=False)
@@ -271,7 +272,10 @@ def block_buffers(caches: Sequence[torch.Tensor], max_blocks: int,
             ids_host = CUDA.pinned(max_blocks * 8).view(torch.long)
         ids = CUDA.empty((max_blocks,), torch.long, dev)
         blocks = CUDA.empty(blocks_shape(caches, max_blocks), first.dtype, dev)
-    except (torch.OutOfMemoryError, MemoryError) as exc:
+    except (RuntimeError, MemoryError) as exc:  # OutOfMemoryError is a RuntimeError too
+        # a failed pinned allocation is a plain RuntimeError ("CUDA error: out of memory")
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "out of memory" not in str(exc):
+            raise
         raise DeviceOutOfMemory(f"no room on {dev} for {max_blocks} blocks of staging: {exc}") from None
     return BlockBuffers(max_blocks, ids_host, ids, blocks)
 

@@ -103,9 +103,9 @@ def load_many(store: SegmentStore, keys: Sequence[str], device: Device = "cpu",
     """Several segments, decoded concurrently (small segments are one chunk each).
 
     ``device`` is resolved here, in the caller's thread: a bare ``"cuda"`` means the caller's
-    current device, not the worker threads' default (device 0). On CUDA the worker threads load
-    under the caller's current stream, the one that uses the tensors: their memory is kept for
-    it (``record_stream``), not for the threads' own default stream.
+    current device, not the worker threads' default (device 0); and the workers load with the
+    caller's current stream as theirs, so the tensors are marked as used by the stream that
+    will use them (not the workers' default stream), lest the allocator reuse them early.
     """
     target = cuda.CUDA.resolve(device)
     stream = cuda.CUDA.current_stream(target) if target.type == "cuda" else None

@@ -240,3 +240,16 @@ def test_two_restores_in_a_row_through_one_staging_pool(gpu, tmp_path):
         for layer in range(L):
             want = src[layer][[1, 4, 6, 1]]
             assert torch.equal(_bits(dst[layer][[0, 1, 2, 3]].cpu()), _bits(want))
+
+
+def test_segments_loaded_by_worker_threads_are_fenced_for_the_callers_own_stream(gpu, tmp_path):
+    with SegmentStore(tmp_path / "s") as store:
+        keys = [store.put(torch.arange(64.0) + i).key for i in range(3)]
+        mine = torch.cuda.Stream()
+        mine.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(mine):  # the caller computes on its own stream
+            got = load_many(store, keys, "cuda:0", workers=2)
+            totals = [(t * 2).sum() for t in got]
+            del got  # freed while that stream may still use them: the allocator must know of it
+            gc.collect()
+            assert [t.item() for t in totals] == [2 * sum(range(64)) + 128 * i for i in range(3)]

@@ -258,11 +258,10 @@ class FakeCudaTensor(torch.Tensor):
                              outer_size: Any, outer_stride: Any) -> "FakeCudaTensor":
         return _sim()._wrap(inner["_inner"], ctx[0], ctx[1])
 
-    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        # not a weakref.finalize: nn.Module.to() swaps parameters, which refuses weakrefs; nothing
-        # to report once the interpreter is shutting down (module globals are gone by then)
+    def __del__(self) -> None:
+        # not a weakref.finalize: nn.Module.to() swaps parameters, which refuses weakrefs
         mem = self.__dict__.get("_mem")
-        if mem is not None and not _finalizing():
+        if mem is not None and _join is not None:  # None: the interpreter is shutting down
             mem.sim._dropped_wrapper(mem)
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
@@ -478,7 +477,7 @@ class FakeCuda:
         self.pinned_allocs = 0
         self.allocated: Dict[int, int] = collections.defaultdict(int)  #: live device bytes per device
         self.memory_limit: Dict[int, int] = {}  #: device index -> bytes; beyond it allocation fails
-        self.fail_next: Optional[str] = None  #: "record" or "synchronize": that call raises once
+        self.fail_next: Optional[str] = None  #: "record", "synchronize" or "pin": that call raises once
         self._meta_cache: Dict[Tuple[Any, ...], Any] = {}
 
     # -- installing ------------------------------------------------------------------------
@@ -693,6 +692,10 @@ class FakeCuda:
     # -- memory ----------------------------------------------------------------------------
 
     def _register_pinned(self, t: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            if self.fail_next == "pin":  # as cudaHostAlloc fails: torch raises a plain RuntimeError
+                self.fail_next = None
+                raise RuntimeError("CUDA error: out of memory (pinned host memory, injected by the stand-in)")
         storage = t.untyped_storage()
         key = storage.data_ptr()
         with self.lock:

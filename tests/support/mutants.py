@@ -57,6 +57,7 @@ class Site:
 
 
 D, R, F, S = "kvj.segments.device", "kvj.segments.restore", "kvj.segments.flusher", "kvj.segments.store"
+T = "kvj.integrations.training"
 NO_EVENT = "torch.cuda.Event()"  # never recorded: waits on it return at once, queries say done
 
 #: Every host wait, GPU-side wait, event and record_stream on kvj's device paths.
@@ -85,16 +86,29 @@ SITES: List[Site] = [
     # paged KV blocks (the vLLM connector's save and load, restore_paged)
     Site(D, "gather_blocks", "cu.gpu_wait_stream(side, current)", hint=("gather_saves",)),
     Site(D, "gather_blocks", "cu.record(side)", NO_EVENT, hint=("gather_saves",)),
-    Site(D, "gather_blocks", "cu.keep_alive(bufs.blocks, side)", hint=("dropped",)),
+    Site(D, "gather_blocks", "cu.keep_alive(bufs.blocks, side)", hint=("reuse_the_blocks",)),
     Site(D, "scatter_blocks", "cu.gpu_wait_stream(side, current)", hint=("old_slots",)),
     Site(D, "scatter_blocks", "cu.record(side)", NO_EVENT, hint=("two_restores",)),
-    Site(D, "scatter_blocks", "cu.keep_alive(t, side)", hint=("dropped",)),
+    Site(D, "scatter_blocks", "cu.keep_alive(t, side)", hint=("scatter_loads",)),
     Site(D, "Transfer.wait", "CUDA.finish(self.event, self.stream)", hint=("two_restores",)),
-    Site(D, "Transfer.fence", "CUDA.gpu_wait(stream if stream is not None else CUDA.current_stream(self.stream.device), "
-         "self.event)", hint=("scatter_loads",)),
+    Site(D, "Transfer.fence", "CUDA.gpu_wait(waiter, self.event)", hint=("scatter_loads",)),
     Site(D, "BlockBuffers.busy", "not self.transfer.done()", "False", hint=("ring",)),
     Site(D, "BlockRing.take", "bufs.transfer.wait()", hint=("ring",)),
     Site(R, "restore_paged", "moved.wait()", hint=("two_restores",)),
+    Site(R, "load_many", "with cuda.CUDA.use(stream):", "if True:", hint=("worker_threads_are_fenced",)),
+    # the training snapshot (StateJournal's saves, recovery onto a device)
+    Site(T, "StateBuffers._download", "cuda.CUDA.gpu_wait_stream(side, current)", hint=("one_copy",)),
+    Site(T, "StateBuffers._download", "early = cuda.CUDA.record(side)", f"early = {NO_EVENT}", hint=("scalers",)),
+    Site(T, "StateBuffers._download", "gathered = cuda.CUDA.record(side)", f"gathered = {NO_EVENT}",
+         hint=("one_copy",)),
+    Site(T, "StateBuffers._download", "landed = cuda.CUDA.record(side)", f"landed = {NO_EVENT}", hint=("one_copy",)),
+    Site(T, "StateBuffers._download", "cuda.CUDA.gpu_wait(current, gathered)", hint=("one_copy",)),
+    Site(T, "StateBuffers._download", "cuda.CUDA.gpu_wait(current, early)", hint=("scalers",)),
+    Site(T, "StateBuffers._before_step", "cuda.CUDA.gpu_wait(cuda.CUDA.current_stream(device), gathered)",
+         hint=("only_the_next_optimizer_step",)),
+    Site(T, "Snapshot.wait", "cuda.CUDA.finish(event, stream)", hint=("one_copy",)),
+    Site(T, "_placed", 'cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))',
+         hint=("recovered_onto_the_device",)),
 ]
 
 #: The CPU-into-CUDA ``index_copy_`` the vLLM connector once had: the host's ids and blocks
@@ -103,7 +117,8 @@ CPU_INTO_CUDA = Site(D, "scatter_blocks", "cache.index_copy_(0, dev_ids, blocks[
                      "cache.index_copy_(0, ids_host, src[:, layer])", hint=("scatter_loads",))
 
 #: The device-path tests every mutant runs against (files under tests/).
-MODULES = ["segments/test_device_paths.py", "segments/test_device_blocks.py"]
+MODULES = ["segments/test_device_paths.py", "segments/test_device_blocks.py", "integrations/test_training_device.py",
+           "integrations/test_dcp.py"]
 
 FIXTURES = {"gpu", "tmp_path", "monkeypatch"}
 
