@@ -28,9 +28,10 @@ hf-generation  Greedy generation of a random-weight Llama (tiny, and ~1B with a 
                identical to an uninterrupted run, restored KV bit-identical to its KV; restore time
                against re-prefilling the same context.
 lora           A LoRA fine-tune (PEFT) through transformers.Trainer with KvjCallback and fused
-               AdamW on the GPU, in a child process SIGKILLed mid-run, recovered and resumed:
-               adapter and optimizer state bit-identical to an uninterrupted run; ms per step with
-               and without kvj.
+               AdamW on the GPU, in a child process SIGKILLed mid-run (its saves' races made
+               deterministic: each optimizer step runs late, and so does kvj's gather of the state
+               after it), recovered and resumed: adapter and optimizer state bit-identical to an
+               uninterrupted run; ms per step with and without kvj.
 timing         GB/s device-to-host and host-to-device through kvj against plain ``tensor.cpu()`` /
                ``.cuda()`` and pinned non-blocking copies, each result checked; host time per saved
                block (Flusher.submit here; gather_blocks and scatter_blocks in vllm-blocks).
@@ -88,8 +89,9 @@ CHECKS = tuple(LIMITS)
 BUDGET_S = 450.0
 #: Under the stand-in every op runs in Python on a CPU: limits stretch by this much.
 STANDIN_SLOWER = 10
-#: torch.cuda._sleep's length in milliseconds; the long one outlasts a whole burst of enqueues.
-DELAY_MS, LONG_DELAY_MS = 20.0, 200.0
+#: torch.cuda._sleep's length in milliseconds; the long one outlasts a whole burst of enqueues,
+#: the training one a forward and backward pass of the 1B model.
+DELAY_MS, LONG_DELAY_MS, TRAINING_DELAY_MS = 20.0, 200.0, 500.0
 SEED = 20261201
 
 #: Llama configurations built from transformers configs with random weights (nothing downloaded).
@@ -603,7 +605,7 @@ def check_environment(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
         done = torch.cuda.Event()
         ctx.delay(long=True)
         done.record(ctx.stream)
-        expect(ctx.standin or not done.query(), "a long _sleep had finished before the host could look")
+        expect(not done.query(), "a long _sleep had finished before the host could look")
         done.synchronize()
     return info
 
@@ -1099,7 +1101,8 @@ def make_trainer(spec: Dict[str, Any], output_dir: str, callbacks: List[Any]) ->
                                             target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
                                             task_type="CAUSAL_LM"))
     args = TrainingArguments(output_dir=output_dir, max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
-                             learning_rate=2e-3, lr_scheduler_type="linear", logging_steps=1, save_strategy="no",
+                             learning_rate=2e-3, lr_scheduler_type="linear", save_strategy="no",
+                             logging_steps=spec["steps"],  # each log waits for the GPU, hiding a missing wait
                              report_to=[], seed=SEED % 10_000, dataloader_num_workers=0, disable_tqdm=True,
                              optim="adamw_torch_fused", max_grad_norm=1.0)
     data = SyntheticLM(spec["batch"] * spec["steps"], spec["seq"], MODELS[spec["model"]]["vocab_size"], SEED % 997)
@@ -1109,17 +1112,31 @@ def make_trainer(spec: Dict[str, Any], output_dir: str, callbacks: List[Any]) ->
 
 
 def train(spec: Dict[str, Any], output_dir: str, journal: Optional[str] = None, resume: bool = False,
-          on_step: Optional[Callable[[int, Optional[int]], None]] = None) -> Dict[str, Any]:
+          on_step: Optional[Callable[[int, Optional[int]], None]] = None, cycles: Optional[int] = None
+          ) -> Dict[str, Any]:
     """One fine-tune (with KvjCallback when ``journal`` is given; resumed from it with ``resume``):
-    its digests, the median ms per step and what it ran with."""
+    its digests, the median ms per step and what it ran with. With ``cycles`` (torch.cuda._sleep
+    cycles per DELAY_MS) the races of kvj's saves are made deterministic: each optimizer step runs
+    late (a save that does not wait for it reads the state from before it) and so does kvj's
+    gather of the state after it (a next step that does not wait for that changes what is saved)."""
+    import torch
     from transformers import TrainerCallback
 
     from kvj.demo.hf_training import digests
     from kvj.integrations.hf_trainer import KvjCallback
+    from kvj.segments import device as kd
 
     times: List[float] = []
     cb = KvjCallback(journal=journal, full_every=max(2, spec["steps"] // 4), model_id=model_id(spec["model"])) \
         if journal else None
+
+    class Late(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.cuda._sleep(cycles)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            with torch.cuda.stream(kd.CUDA.side_stream(kd.CUDA.resolve("cuda"), "d2h")):
+                torch.cuda._sleep(int(cycles * TRAINING_DELAY_MS / DELAY_MS))
 
     class Steps(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -1127,7 +1144,8 @@ def train(spec: Dict[str, Any], output_dir: str, journal: Optional[str] = None, 
             if on_step is not None:
                 on_step(state.global_step, cb.durable_step if cb is not None else None)
 
-    trainer = make_trainer(spec, output_dir, [c for c in (cb, Steps()) if c is not None])
+    callbacks = [Late() if cycles is not None else None, cb, Steps()]
+    trainer = make_trainer(spec, output_dir, [c for c in callbacks if c is not None])
     checkpoint = cb.resume(trainer) if cb is not None and resume else None
     trainer.train(resume_from_checkpoint=checkpoint)
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
@@ -1163,10 +1181,7 @@ def check_lora(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
             killed = crashrun.kill_when(crashrun.start(argv + (["--standin"] if ctx.standin else [])),
                                         lambda e: (e.get("durable") or 0) >= kill_at)
             expect(not killed.finished, "the child finished before the kill landed (raise the steps)")
-            marks = [e["t"] for e in killed.last("step")]
-            gaps = [b - a for a, b in zip(marks, marks[1:])]
             out["killed_at_step"] = max((e["step"] for e in killed.last("step")), default=0)
-            out["with_kvj_ms_per_step"] = round(median(gaps) * 1e3, 2) if gaps else None
             out["recovery"] = recover(journal_dir).manifest.get("training")
             resumed = train(spec, os.path.join(ctx.tmp, "lora-resumed"), journal=journal_dir, resume=True)
             out["resumed"] = resumed
@@ -1179,18 +1194,20 @@ def check_lora(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
                    "differs from the uninterrupted run's")
     resumed = out.get("resumed", {})
     print(f"  {name}: killed at step {out.get('killed_at_step')}, resumed from {resumed.get('resumed_from')}; ms "
-          f"per step without kvj {ref.get('ms_per_step')}, with kvj {out.get('with_kvj_ms_per_step')} (killed run), "
-          f"{resumed.get('ms_per_step')} (resumed run)", flush=True)
+          f"per step without kvj {ref.get('ms_per_step')}, with kvj {resumed.get('ms_per_step')} (the resumed run, "
+          f"steps {resumed.get('resumed_from')} to {steps})", flush=True)
     return out
 
 
 def child_train(args: argparse.Namespace, spec: Dict[str, Any]) -> None:
-    """The journaled fine-tune the parent SIGKILLs: reports each step and the newest durable one."""
+    """The journaled fine-tune the parent SIGKILLs, its races made deterministic (its saves are
+    what the resume starts from): reports each step and the newest durable one."""
     import torch
 
     torch.use_deterministic_algorithms(True)
     train(spec, os.path.join(os.path.dirname(args.journal), "lora-killed"), journal=args.journal,
-          on_step=lambda step, durable: emit(event="step", step=step, durable=durable, t=time.perf_counter()))
+          on_step=lambda step, durable: emit(event="step", step=step, durable=durable),
+          cycles=calibrate_sleep(torch.device("cuda", 0)))
     emit(event="done")
 
 

@@ -69,12 +69,16 @@ def _device_check(gpu, tmp_path, monkeypatch, check: str = "device"):
     return gpu_check.run_check(check, ctx)
 
 
-D = "kvj.segments.device"
-#: A wait of each primitive, and the part of the device check that fails without it.
+def _site(function: str, old: str) -> Site:
+    (site,) = [s for s in SITES if s.function == function and old in s.old]
+    return site
+
+
+#: A wait of each primitive (from the shared mutation list), and the part of the device check
+#: that fails without it.
 FAST = {
-    Site(D, "Cuda.download", "self.gpu_wait_stream(side, current)"): "download: kvj's copy waits for",
-    Site(D, "Transfer.fence", "CUDA.gpu_wait(stream if stream is not None else CUDA.current_stream("
-         "self.stream.device), self.event)"): "fence() orders the caller's reads",
+    _site("Cuda.download", "gpu_wait_stream"): "download: kvj's copy waits for",
+    _site("Transfer.fence", "gpu_wait"): "fence() orders the caller's reads",
     CPU_INTO_CUDA: "scatter_blocks",
 }
 
@@ -96,8 +100,13 @@ SURVIVORS = {"device.Cuda.settle: stream.synchronize() -> None",
              "device.Cuda.download: self.keep_alive(tensor, side) -> None"}
 
 
+#: The mutation sites of the device layer and its callers (the training snapshot's run inside the
+#: lora check's Trainer processes, out of reach of an in-process mutant).
+DEVICE_SITES = [s for s in SITES + [CPU_INTO_CUDA] if s.module != "kvj.integrations.training"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("site", SITES + [CPU_INTO_CUDA], ids=lambda s: s.name)
+@pytest.mark.parametrize("site", DEVICE_SITES, ids=lambda s: s.name)
 def test_every_wait_of_the_mutation_list_fails_a_check_or_is_a_known_survivor(gpu, tmp_path, monkeypatch, site):
     with mutated(site):
         failed = [c for c in ("device", "vllm-blocks")
@@ -105,13 +114,42 @@ def test_every_wait_of_the_mutation_list_fails_a_check_or_is_a_known_survivor(gp
     assert bool(failed) != (site.name in SURVIVORS), failed
 
 
-def test_a_check_that_hangs_is_killed_at_its_limit_and_the_next_check_still_runs(tmp_path, monkeypatch, capfd):
+#: The training snapshot's sites the lora check does not reach, and why: the scaler's early
+#: gather and its wait (no GradScaler: the fine-tune runs without mixed precision); the wait
+#: for a capture without an optimizer step hook (KvjCallback always has one); recovery onto a
+#: device (KvjCallback recovers on the host and loads the adapter into the model).
+TRAINING_SURVIVORS = {"training.StateBuffers._download: early = cuda.CUDA.record(side) -> early = torch.cuda.Event()",
+                      "training.StateBuffers._download: cuda.CUDA.gpu_wait(current, early) -> None",
+                      "training.StateBuffers._download: cuda.CUDA.gpu_wait(current, gathered) -> None",
+                      'training._placed: cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d")) -> None'}
+TRAINING_SITES = [s for s in SITES if s.module == "kvj.integrations.training" and s.name not in TRAINING_SURVIVORS]
+
+
+def _mutant_site(tmp_path, code: str) -> str:
+    """A directory whose sitecustomize.py runs ``code`` in every process the script starts."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(
+    (site / "sitecustomize.py").write_text(code)
+    return os.pathsep.join([str(site), ROOT, os.environ.get("PYTHONPATH", "")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("site", TRAINING_SITES, ids=lambda s: s.name)
+def test_a_wait_deleted_from_the_training_snapshot_fails_the_lora_check(tmp_path, site):
+    code = (f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+            "from support.mutants import SITES, mutated\n"
+            f"MUTANT = mutated(next(s for s in SITES if s.name == {site.name!r}))  # kept: dropped, it undoes\n"
+            "MUTANT.__enter__()\n")
+    proc = _run("--standin", "--out", str(tmp_path / "out"), "--checks", "lora",
+                env={"PYTHONPATH": _mutant_site(tmp_path, code)})
+    (lora,) = _doc(tmp_path / "out")["checks"]
+    assert proc.returncode == 1 and lora["status"] == "FAIL", lora
+
+
+def test_a_check_that_hangs_is_killed_at_its_limit_and_the_next_check_still_runs(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PYTHONPATH", _mutant_site(tmp_path, (
         "import time\nimport kvj.segments.device as d\n"
-        "d.Cuda.download = lambda self, tensor, dest: time.sleep(3600)  # the device check's first part hangs\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), ROOT, os.environ.get("PYTHONPATH", "")]))
+        "d.Cuda.download = lambda self, tensor, dest: time.sleep(3600)  # the device check's first part hangs\n")))
     monkeypatch.setitem(gpu_check.LIMITS, "device", 3 / gpu_check.STANDIN_SLOWER)
     code = gpu_check.main(["--standin", "--out", str(tmp_path / "out"), "--checks", "device,vllm-blocks"])
     doc = _doc(tmp_path / "out")
