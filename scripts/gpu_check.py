@@ -1033,8 +1033,8 @@ def one_generation(ctx: Ctx, parts: Parts, name: str, prompt_len: int, new: int,
                     torch.cuda.synchronize(ctx.device)
                     out["prefill_s"] = round(time.perf_counter() - t0, 4)
             print(f"  {tag}: killed at position {out['at_kill']}, {out['restored']} restored, "
-                  f"{out['recomputed']} recomputed; restore {out['restore_s'] * 1e3:.1f} ms vs re-prefill of "
-                  f"{out['restored']} tokens {out['prefill_s'] * 1e3:.1f} ms", flush=True)
+                  f"{out['recomputed']} recomputed; restore {out['restore_s'] * 1e3:.1f} ms (segments in the page "
+                  f"cache) vs re-prefill of {out['restored']} tokens {out['prefill_s'] * 1e3:.1f} ms", flush=True)
     del model
     gc.collect()
     torch.cuda.empty_cache()
