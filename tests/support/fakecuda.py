@@ -13,9 +13,12 @@ with ``device="cuda"``, ``.to("cuda")``, ``.cuda()`` and C++ paths such as index
 work unpatched), with a do-nothing CUDA device guard compiled from ``fakecuda_guard.cpp`` (a
 C++ compiler, ``c++`` or ``$CXX``, is needed; torch ships the headers). ``pin_memory=True``, ``Tensor.is_pinned`` /
 ``.pin_memory`` and ``torch.cuda`` (``Stream``, ``Event``, ``current_stream``, ``stream()``,
-``synchronize``, ``set_device``...) are patched on the modules, not through a
-TorchFunctionMode: modes are per thread, and kvj copies from worker threads. Autograd's
-backward pass does not run on these tensors (torch's engine asks for a CUDA runtime).
+``synchronize``, ``set_device``, ``_sleep``, the RNG state functions...) are patched on the
+modules, not through a TorchFunctionMode: modes are per thread, and kvj copies from worker
+threads. Autograd's backward pass runs on these tensors only in a process started with
+:func:`autograd_env` (torch's engine asks CUDA hooks for the gradients' streams: that library
+registers some before torch starts), and then on each thread's current stream, not on the
+stream its forward op ran on as CUDA's engine does: run training on the default stream.
 
 What CUDA does that this enforces:
 
