@@ -282,11 +282,16 @@ def _recorded(state: Optional[JournalState], salvage: Salvage) -> bool:
 def _require_store(path: str, store: Any, store_root: Optional[str], state: Optional[JournalState]) -> None:
     """Refuse (``NotFound``, before anything is written) a missing or empty store when the
     journal needs segments: a mistyped ``--store`` or ``KVJ_STORE`` must not turn into a
-    manifest in which every request resumes at token 0."""
+    manifest in which every request resumes at token 0. An empty store that quarantined one
+    of the needed segments (``kvj fsck --repair``) is this journal's store: those are known
+    losses, and recovery falls back past them as fsck said it would."""
+    needed: Optional[set] = None
     with opened_store(store, store_root or "") as seg_store:
         if seg_store is not None and next(iter(seg_store.keys()), None) is not None:
             return
-    needed = {key for key, _digest in _needed(state if state is not None else replay(path))}
+        needed = {key for key, _digest in _needed(state if state is not None else replay(path))}
+        if seg_store is not None and any(seg_store.quarantined_copies(key) for key in needed):
+            return
     if needed:
         state = "holds no segments" if seg_store is not None else "does not exist"
         raise NotFound(f"segment store {store_root} {state}, but the journal needs {len(needed)} segments: "

@@ -191,3 +191,37 @@ def test_load_reports_segments_that_fail_after_planning(tmp_path):
     load = load_manifest(manifest, os.path.join(j, "segments"), "cpu")
     assert load["segments"] == 1 and [f["key"] for f in load["failed"]] == [keys["req-0"][1]]
     assert load["bytes"] == block(0, 0).nbytes and load["gb_per_s"] > 0
+
+
+def test_fsck_repair_quarantining_the_only_segment_then_fsck_and_recover_resume_at_token_0(tmp_path):
+    """Regression (issue 26, item 2): after ``fsck --repair`` quarantined a request's only
+    segment, the store holds no segment, and recovery refused it as a mistyped store (66)
+    although fsck had just said "recovery handles them". The store that quarantined the
+    needed segment is the journal's own: recovery resumes the request at token 0."""
+    import numpy as np
+
+    j = tmp_path / "j"
+    blk = tmp_path / "blk0.npy"
+    np.save(blk, np.random.default_rng(0).standard_normal((2, 16, 4, 8)).astype("float32"))
+    assert kvj_proc("init", "-j", j).returncode == 0
+    assert kvj_proc("record", "start", "-j", j, "r1").returncode == 0
+    assert kvj_proc("flush", "-j", j, "-r", "r1", "--block-tokens", 16, blk).returncode == 0
+    key = kvj.replay(str(j)).requests["r1"].segments[0].key
+    path = segment_file(str(j), key)
+    with open(path, "r+b") as f:  # the repro's damage: a byte at offset 40 of the one segment file
+        f.seek(40)
+        byte = f.read(1)[0]
+        f.seek(40)
+        f.write(bytes([byte ^ 0xFF]))
+    repaired = kvj_proc("fsck", "-j", j, "--repair")
+    assert repaired.returncode == 1 and "quarantined" in repaired.stdout, repaired.stdout + repaired.stderr
+    again = kvj_proc("fsck", "-j", j)
+    assert again.returncode == 0, again.stdout + again.stderr
+    for args in (("--dry-run",), ()):
+        proc = kvj_proc("recover", "-j", j, "--json", *args)
+        assert proc.returncode == 0, proc.stderr
+        manifest = json.loads(proc.stdout)["manifest"]
+        (req,) = manifest["requests"]
+        assert (req["id"], req["resume_position"], req["recorded_position"], req["segments"]) == ("r1", 0, 16, [])
+        assert req["fallback"]["lost_tokens"] == [0, 16] and manifest["tokens"] == {"restorable": 0, "lost": 16}
+    assert kvj.replay(str(j)).epochs[-1]["epoch"] == 1
