@@ -225,3 +225,29 @@ def test_fsck_repair_quarantining_the_only_segment_then_fsck_and_recover_resume_
         assert (req["id"], req["resume_position"], req["recorded_position"], req["segments"]) == ("r1", 0, 16, [])
         assert req["fallback"]["lost_tokens"] == [0, 16] and manifest["tokens"] == {"restorable": 0, "lost": 16}
     assert kvj.replay(str(j)).epochs[-1]["epoch"] == 1
+
+
+def test_refusing_mid_log_damage_changes_nothing_even_with_an_empty_newest_log(tmp_path):
+    """Regression: a journal damaged in a sealed log file whose newest log is empty (the
+    writer was killed while rotating) was refused, "nothing was changed", after the writer
+    recovery opened had already moved the empty file into torn/ (the incident walkthrough
+    failed when its kill landed so). Recovery replays before the writer cuts anything."""
+    from support.cli_helpers import tree
+
+    path = tmp_path / "j"
+    with kvj.Journal.open(path, policy=kvj.CommitPolicy(file_size_limit=2000)) as j:
+        j.start("r1")
+        j.flush("r1", 0, block(0, 0), token_range=(0, BLOCK_TOKENS)).result()
+        for i in range(60):
+            j.alloc("cuda:0", i, 1, "x" * 50, durable=True)
+    logs = sorted(p for p in os.listdir(path) if p.endswith(".log"))
+    assert len(logs) >= 4
+    flip_byte(os.path.join(path, logs[1]), offset_from_end=os.path.getsize(os.path.join(path, logs[1])) - 200)
+    open(os.path.join(path, f"{len(logs) + 1:016d}.log"), "wb").close()  # killed while rotating
+    before = tree(path)
+    with pytest.raises(kvj.errors.CorruptionError, match="followed by a valid one"):
+        recover(str(path))
+    after = tree(path)
+    for lock in ("LOCK", "COMPACT"):  # recovery took the locks (its pid is written in them) before it stopped
+        before.pop(lock, None), after.pop(lock)
+    assert after == before
