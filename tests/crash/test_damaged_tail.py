@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -229,7 +230,7 @@ def test_an_unknown_recovery_mode_is_refused():
 def test_through_the_cli_flipped_bit_against_torn_write(journal, tmp_path):
     path, log, start, size = journal
     torn_copy = tmp_path / "torn"
-    os.system(f"cp -a {path} {torn_copy}")
+    shutil.copytree(path, torn_copy)
     flip(log, size - 7)  # in the last record
     proc = kvj("fsck", "-j", path)
     assert proc.returncode == FSCK_UNCORRECTED, proc.stdout + proc.stderr
