@@ -4,7 +4,8 @@ Run as ``python -m support.vllm_engine SPEC.json`` (``tests`` on ``PYTHONPATH``)
 names the model, the connector (``kvj`` through ``support.vllm_record``, ``example`` for
 vLLM's in-tree ExampleConnector, or none), the engine settings, and a list of jobs:
 
-* ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy;
+* ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy, or
+  sampled with ``"temperature"`` and a per-prompt ``"seed"`` (``seed + i`` for prompt i);
 * ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``.
 
 Each job's result (tokens, the sampled tokens' logprobs, cached-token counts) is appended
@@ -66,7 +67,10 @@ def main(spec_path: str) -> None:
     for job in spec["jobs"]:
         t0 = time.perf_counter()
         if "generate" in job:
-            params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, logprobs=1)
+            temperature = job.get("temperature", 0)
+            params = [SamplingParams(temperature=temperature, max_tokens=job["max_tokens"], detokenize=False,
+                                     logprobs=1, seed=job["seed"] + i if temperature else None)
+                      for i in range(len(job["generate"]))]
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["generate"]], params, use_tqdm=False)
             result = {"requests": [_request(o) for o in outs]}
         else:

@@ -1,0 +1,281 @@
+"""A KV block: the unit in which kvj journals a request's KV cache, owned by this one module.
+
+A block is ``block_size`` token positions of every layer of one rank's KV cache, stored as
+one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a block is:
+
+* its **layout** (:class:`KVBlockLayout`): the model, dtype and geometry, the order of its
+  axes (``L2NHD``: ``[layers, 2, block, kv_heads, head_dim]``, K then V, as kvj's own paged
+  cache and the transformers integration hold it; ``LHNC``: ``[layers, kv_heads, block,
+  2*head_dim]``, K and V side by side, vLLM's standardized per-layer view), and the rank;
+* its **chained key**: ``chain[b] = BLAKE3(chain[b-1] || token ids of block b)`` from a seed
+  that is the layout's rank-free identity, so a block loads only into the model, dtype and
+  geometry it came from, whatever rank of a tensor-parallel engine asks;
+* the **check on load**: :meth:`KVBlockLayout.check` accepts a segment of this layout, and of
+  the tags kvj wrote before (``kvj-kv-block/1``, ``kvj-vllm-block/1``, ``paged_kv_block``),
+  and refuses any other with ``LayoutMismatch``;
+* the **gather** of a step's blocks out of paged caches (one indexed copy per layer into a
+  block-major buffer) and the **scatter** of loaded blocks into them (one copy to the
+  device, one indexed copy per layer), device-correct through ``kvj.segments.device``.
+
+The caches are one tensor per layer whose first axis is the block id and whose other axes are
+the block's logical view in the layout's order; their strides are free (FlashAttention's
+NHD-ordered cache is a permuted view, where ``cache[block_id]`` is not contiguous): a stored
+block is always the logical view, in C order, so it loads into any physical layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import blake3
+import numpy as np
+import torch
+
+from kvj.errors import InvalidArgument, LayoutMismatch
+from kvj.segments import device as cuda
+from kvj.segments.format import dtype_name
+
+#: Layout ``format`` of a KV block segment written now.
+FORMAT = "kvj-kv-block/2"
+#: Tags of KV block segments written by kvj 0.2 (read, never written).
+HF_V1, VLLM_V1, PAGED_V1 = "kvj-kv-block/1", "kvj-vllm-block/1", "paged_kv_block"
+#: Axis orders of a block.
+L2NHD, LHNC = "L2NHD", "LHNC"
+
+
+@dataclass(frozen=True)
+class KVBlockLayout:
+    """What a KV block holds: model, element dtype, geometry, axis order and rank.
+
+    ``layers`` and ``kv_heads`` are the whole model's; a rank of a ``tp_size``-way
+    tensor-parallel engine holds ``kv_heads // tp_size`` heads of each block.
+    """
+
+    model: str
+    dtype: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    order: str = L2NHD
+    tp_size: int = 1
+    tp_rank: int = 0
+    #: what the stored bytes mean when ``dtype`` is only their storage (vLLM keeps fp8 KV as uint8)
+    quant: str = ""
+
+    def __post_init__(self) -> None:
+        if self.order not in (L2NHD, LHNC):
+            raise InvalidArgument(f"KV block order must be {L2NHD} or {LHNC}, not {self.order!r}")
+        if min(self.layers, self.kv_heads, self.head_dim, self.block_size, self.tp_size) < 1 \
+                or self.kv_heads % self.tp_size or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"bad KV block geometry: {self}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def shard_heads(self) -> int:
+        return self.kv_heads // self.tp_size
+
+    @property
+    def block_shape(self) -> Tuple[int, ...]:
+        """One layer's block in this layout's order (what ``cache[block_id]`` views)."""
+        if self.order == L2NHD:
+            return (2, self.block_size, self.shard_heads, self.head_dim)
+        return (self.shard_heads, self.block_size, 2 * self.head_dim)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The segment's tensor: every layer of one block."""
+        return (self.layers, *self.block_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def identity(self) -> Dict[str, Any]:
+        """The rank-free fields a block must match to load anywhere this layout is served."""
+        return {"format": FORMAT, "model": self.model, "dtype": self.dtype, "layers": self.layers,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "block_size": self.block_size,
+                "order": self.order, "tp_size": self.tp_size, "quant": self.quant}
+
+    def seed(self) -> str:
+        """The chain seed: BLAKE3 of the identity as canonical JSON (rank-free)."""
+        return fingerprint(self.identity())
+
+    def segment_layout(self, token_ids: Sequence[int], chain: Optional[str] = None) -> Dict[str, Any]:
+        """The layout journaled with one block: identity, rank, its token ids and the next one,
+        and, for a chained block, its chain key and the chain's seed."""
+        out = {**self.identity(), "tp_rank": self.tp_rank, "token_ids": [int(t) for t in token_ids]}
+        if chain is not None:
+            out.update(chain=chain, seed=self.seed())
+        return out
+
+    def check(self, layout: Mapping[str, Any], where: str) -> None:
+        """Refuse (``LayoutMismatch``) a block segment of another model, dtype, geometry, order or rank."""
+        theirs = parse(layout, where)
+        if theirs != self:
+            diff = [f"{k}={v!r} (expected {asdict(self)[k]!r})" for k, v in asdict(theirs).items()
+                    if asdict(self)[k] != v]
+            raise LayoutMismatch(f"{where} belongs to another KV block layout: " + ", ".join(diff))
+
+    def check_caches(self, caches: Sequence[torch.Tensor]) -> None:
+        """Refuse caches that are not ``[num_blocks, *block_shape]`` of this dtype, one per layer."""
+        if len(caches) != self.layers:
+            raise LayoutMismatch(f"{len(caches)} KV cache layers; the block layout has {self.layers}")
+        for c in caches:
+            if tuple(c.shape[1:]) != self.block_shape or c.dtype != self.torch_dtype:
+                raise LayoutMismatch(f"KV cache {tuple(c.shape)} {dtype_name(c.dtype)} is not "
+                                     f"[num_blocks, {', '.join(map(str, self.block_shape))}] {self.dtype}")
+            if c.shape[0] != caches[0].shape[0] or cuda.CUDA.device_of(c) != cuda.CUDA.device_of(caches[0]):
+                raise LayoutMismatch("KV cache layers differ in number of blocks or device")
+
+
+def fingerprint(identity: Mapping[str, Any]) -> str:
+    """BLAKE3 of ``identity`` as canonical JSON (sorted keys)."""
+    return blake3.blake3(json.dumps(dict(identity), sort_keys=True).encode()).hexdigest()
+
+
+def chain_keys(seed: str, token_ids: Sequence[int], block_size: int, start: Sequence[str] = ()) -> List[str]:
+    """Chained keys of the whole blocks of ``token_ids``; ``start`` (keys of a prefix) is continued."""
+    keys = list(start)
+    prev = bytes.fromhex(keys[-1] if keys else seed)
+    for b in range(len(keys), len(token_ids) // block_size):
+        ids = np.asarray(token_ids[b * block_size:(b + 1) * block_size], dtype="<i8")
+        prev = blake3.blake3(prev + ids.tobytes()).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def parse(layout: Mapping[str, Any], where: str = "segment") -> KVBlockLayout:
+    """The :class:`KVBlockLayout` a journaled KV block segment's layout describes (any tag kvj wrote)."""
+    lay = dict(layout or {})
+    tag = lay.get("format", lay.get("kind"))
+    try:
+        if tag == FORMAT:
+            return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["layers"]), int(lay["kv_heads"]),
+                                 int(lay["head_dim"]), int(lay["block_size"]), str(lay["order"]),
+                                 int(lay["tp_size"]), int(lay["tp_rank"]), str(lay["quant"]))
+        if tag == HF_V1:
+            return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["layers"]), int(lay["kv_heads"]),
+                                 int(lay["head_dim"]), int(lay["block_size"]))
+        if tag == PAGED_V1:
+            return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["num_layers"]),
+                                 int(lay["num_kv_heads"]), int(lay["head_dim"]), int(lay["block_size"]))
+        if tag == VLLM_V1:
+            heads, block, width = (int(d) for d in lay["block_shape"])
+            tp = int(lay["tp_size"])
+            return KVBlockLayout(str(lay["model"]), str(lay["kv_dtype"]), int(lay["layers"]), heads * tp, width // 2,
+                                 block, LHNC, tp, int(lay["tp_rank"]))
+    except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
+        raise LayoutMismatch(f"{where}: malformed KV block layout ({exc})") from None
+    raise LayoutMismatch(f"{where} is not a KV block (layout format {tag!r})")
+
+
+def is_block(layout: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a segment layout is a KV block's (any tag)."""
+    tag = (layout or {}).get("format", (layout or {}).get("kind"))
+    return tag in (FORMAT, HF_V1, VLLM_V1, PAGED_V1)
+
+
+def of_caches(model: str, caches: Sequence[torch.Tensor], order: str = L2NHD) -> KVBlockLayout:
+    """The layout of blocks of per-layer caches ``[num_blocks, *block_shape]`` (``order``'s view)."""
+    if not caches or caches[0].dim() != (5 if order == L2NHD else 4):
+        raise InvalidArgument(f"each cache must be [num_blocks, ...] in {order} order")
+    first = caches[0]
+    if order == L2NHD:
+        _, two, block, heads, head_dim = first.shape
+        if two != 2:
+            raise InvalidArgument("each cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim]")
+    else:
+        _, heads, block, width = first.shape
+        head_dim = width // 2
+    lay = KVBlockLayout(str(model), dtype_name(first.dtype), len(caches), heads, head_dim, block, order)
+    lay.check_caches(caches)
+    return lay
+
+
+# ---------------------------------------------------------------------------- moving blocks
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its element size: copies move bytes, and indexed copies exist for
+    every integer dtype on every device (not for float8 everywhere)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+    """Copy blocks ``block_ids`` of every layer into ``out``, block-major: ``[n, layers, *block]``.
+
+    One indexed copy per layer, on the caller's current stream (so after the work that
+    computed the blocks, before any later kernel that overwrites them); ``out`` is on the
+    caches' device. Returns ``out``'s ``[n, layers, *block]`` view.
+    """
+    n = len(block_ids)
+    view = out.view(-1)[:n * len(caches) * caches[0][0].numel()].view(n, len(caches), *caches[0].shape[1:])
+    if n == 0:
+        return view
+    bits = _bits(view)
+    ids = torch.tensor(list(block_ids), dtype=torch.long)
+    if cuda.CUDA.is_device_tensor(caches[0]):  # the ids go on the current stream, before the copies
+        dev_ids = cuda.CUDA.empty(tuple(ids.shape), ids.dtype, cuda.CUDA.device_of(caches[0]))
+        cuda.CUDA.copy(dev_ids, ids)  # from pageable memory: done when it returns
+        ids = dev_ids
+    for layer, cache in enumerate(caches):
+        torch.index_select(_bits(cache), 0, ids, out=bits[:, layer])
+    return view
+
+
+def scatter_cpu(caches: Sequence[torch.Tensor], host: torch.Tensor, block_ids: Sequence[int]) -> None:
+    """``cache[block_ids[i]] = host[i, layer]`` for every layer of CPU caches.
+
+    Contiguous caches take one numpy fancy-index assignment per layer (a row copy per block,
+    about 6x faster than ``index_copy_`` here); strided ones (a permuted view) ``index_copy_``.
+    """
+    idx = np.asarray(list(block_ids), dtype=np.int64)
+    index = torch.from_numpy(idx)
+    src = None
+    for layer, cache in enumerate(caches):
+        if cache.is_contiguous() and not cache.requires_grad and cache.numel():
+            if src is None:
+                src = host.contiguous().view(torch.uint8).numpy()
+            cache.view(torch.uint8).numpy()[idx] = src[:, layer]
+        else:
+            _bits(cache).index_copy_(0, index, _bits(host[:, layer]))
+
+
+def scatter(caches: Sequence[torch.Tensor], host: torch.Tensor, block_ids: Sequence[int]) -> Optional[Any]:
+    """Put ``host[i]`` (``[n, layers, *block]``, pinned for a device cache) into block
+    ``block_ids[i]`` of every layer.
+
+    On the CPU it is done when this returns (None). On a GPU: one copy of the blocks and one
+    of the ids onto the device on kvj's h2d stream, after the caller's queued work (which may
+    still read the old slots), then one indexed copy per layer there; the caller's stream
+    waits for them on the GPU, and the returned event completes when they are done: until
+    then ``host`` must not be reused.
+    """
+    if not cuda.CUDA.is_device_tensor(caches[0]):
+        scatter_cpu(caches, host, block_ids)
+        return None
+    cu = cuda.CUDA
+    dev = cu.device_of(caches[0])
+    side, current = cu.side_stream(dev, "h2d"), cu.current_stream(dev)
+    cu.gpu_wait_stream(side, current)
+    index = torch.tensor(list(block_ids), dtype=torch.long)  # pageable: its copy is done when it returns
+    with cu.enqueue_on(side):
+        blocks = cu.empty(tuple(host.shape), host.dtype, dev)
+        cu.copy(blocks, host)
+        dev_index = cu.empty(tuple(index.shape), index.dtype, dev)
+        cu.copy(dev_index, index)
+        for layer, cache in enumerate(caches):
+            _bits(cache).index_copy_(0, dev_index, _bits(blocks[:, layer]))
+        done = cu.record(side)
+    for cache in caches:
+        cu.keep_alive(cache, side)
+    cu.gpu_wait(current, done)
+    return done
