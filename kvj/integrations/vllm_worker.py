@@ -433,6 +433,11 @@ class WorkerJournal:
     def failed(self) -> Optional[BaseException]:
         return self._failed
 
+    def counters(self) -> Dict[str, int]:
+        """What this worker did so far: steps, blocks saved, referenced, skipped, loaded and failed,
+        bytes raw and stored, tokens journaled, gather rounds, fsyncs (store and journal)."""
+        return {**self.stats, "fsyncs": self.fs.fsyncs}
+
     # ------------------------------------------------------------------ loads
 
     def start_loads(self, plan: StepPlan) -> None:

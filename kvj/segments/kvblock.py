@@ -106,10 +106,12 @@ class KVBlockLayout:
         """The chain seed: BLAKE3 of the identity as canonical JSON (rank-free)."""
         return fingerprint(self.identity())
 
-    def segment_layout(self, token_ids: Sequence[int], chain: Optional[str] = None) -> Dict[str, Any]:
-        """The layout journaled with one block: identity, rank, its token ids and the next one,
-        and, for a chained block, its chain key and the chain's seed."""
-        out = {**self.identity(), "tp_rank": self.tp_rank, "token_ids": [int(t) for t in token_ids]}
+    def segment_layout(self, token_ids: Optional[Sequence[int]] = None, chain: Optional[str] = None) -> Dict[str, Any]:
+        """The layout journaled with one block: identity and rank; its token ids and the next
+        one when known; for a chained block, its chain key and the chain's seed."""
+        out: Dict[str, Any] = {**self.identity(), "tp_rank": self.tp_rank}
+        if token_ids is not None:
+            out["token_ids"] = [int(t) for t in token_ids]
         if chain is not None:
             out.update(chain=chain, seed=self.seed())
         return out
@@ -130,8 +132,12 @@ class KVBlockLayout:
             if tuple(c.shape[1:]) != self.block_shape or c.dtype != self.torch_dtype:
                 raise LayoutMismatch(f"KV cache {tuple(c.shape)} {dtype_name(c.dtype)} is not "
                                      f"[num_blocks, {', '.join(map(str, self.block_shape))}] {self.dtype}")
-            if c.shape[0] != caches[0].shape[0] or cuda.CUDA.device_of(c) != cuda.CUDA.device_of(caches[0]):
+            if c.shape[0] != caches[0].shape[0] or _where(c) != _where(caches[0]):
                 raise LayoutMismatch("KV cache layers differ in number of blocks or device")
+
+
+def _where(t: torch.Tensor) -> torch.device:
+    return cuda.CUDA.device_of(t) if cuda.CUDA.is_device_tensor(t) else t.device
 
 
 def fingerprint(identity: Mapping[str, Any]) -> str:

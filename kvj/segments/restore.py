@@ -1,16 +1,13 @@
 """Restore: segments back onto a device, and into a paged KV cache in the right slots.
 
-Paged-cache convention (also in ``man/kvj-segment.5``): a vLLM-like cache is one tensor per
-layer shaped ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K at index 0, V at 1).
-A request's KV is flushed as **one segment per block**, holding that block for every layer::
-
-    segment = stack([kv_caches[l][block_id] for l in range(num_layers)])
-            # shape [num_layers, 2, block_size, num_kv_heads, head_dim], the cache dtype
-
-with the layout :func:`paged_layout` (model id, kind, dtype, num_layers, block_size,
-num_kv_heads, head_dim). A block's content does not depend on where it sat in the old cache,
-so identical prefix blocks of different requests share one key, and restore puts block ``i``
-of a request into ``new_block_ids[i]`` of the new cache, whatever ids it had before.
+Paged-cache convention (``kvj.segments.kvblock``, spec in ``man/kvj-segment.5``): a
+vLLM-like cache is one tensor per layer shaped ``[num_blocks, 2, block_size, num_kv_heads,
+head_dim]`` (K at index 0, V at 1). A request's KV is flushed as **one segment per block**,
+holding that block for every layer (:func:`gather_block`), shape ``[num_layers, 2,
+block_size, num_kv_heads, head_dim]`` in the cache dtype, with the layout
+:func:`paged_layout`. A block's content does not depend on where it sat in the old cache, so
+identical prefix blocks of different requests share one key, and restore puts block ``i`` of
+a request into ``new_block_ids[i]`` of the new cache, whatever ids it had before.
 """
 
 from __future__ import annotations
@@ -25,22 +22,16 @@ import torch
 
 from kvj.errors import InvalidArgument, LayoutMismatch
 from kvj.segments import device as cuda
-from kvj.segments.format import dtype_name
+from kvj.segments import kvblock
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore
 
 Device = Union[str, torch.device]
 
-PAGED_KIND = "paged_kv_block"
-
-
 def paged_layout(model: str, kv_caches: Sequence[torch.Tensor]) -> Dict[str, Any]:
-    """The layout every block segment of ``kv_caches`` carries (and restore demands)."""
-    first = _check_caches(kv_caches)
-    _, two, block_size, heads, head_dim = first.shape
-    return {"kind": PAGED_KIND, "model": str(model), "dtype": dtype_name(first.dtype),
-            "num_layers": len(kv_caches), "block_size": block_size, "num_kv_heads": heads,
-            "head_dim": head_dim}
+    """The layout every block segment of ``kv_caches`` carries (restore also takes 0.2's)."""
+    _check_caches(kv_caches)
+    return kvblock.of_caches(model, kv_caches).segment_layout()
 
 
 def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -55,28 +46,11 @@ def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
     return first
 
 
-def _scatter_cpu(kv_caches: Sequence[torch.Tensor], host: torch.Tensor, index: torch.Tensor) -> None:
-    """``cache[index[i]] = host[i, layer]`` for every layer, on CPU.
-
-    Contiguous caches take one numpy fancy-index assignment per layer (a row copy per block,
-    about 6x faster than ``index_copy_``, which copies element by element here); others fall
-    back to ``index_copy_``.
-    """
-    idx = index.numpy()
-    src = None
-    for layer, cache in enumerate(kv_caches):
-        if cache.is_contiguous() and not cache.requires_grad and cache.numel():
-            if src is None:
-                src = host.contiguous().view(torch.uint8).numpy()
-            cache.view(torch.uint8).numpy()[idx] = src[:, layer]
-        else:
-            cache.index_copy_(0, index, host[:, layer])
-
-
 def gather_block(kv_caches: Sequence[torch.Tensor], block_id: int) -> torch.Tensor:
     """One block of every layer, ``[num_layers, 2, block_size, heads, head_dim]`` (to flush)."""
-    _check_caches(kv_caches)
-    return torch.stack([c[block_id] for c in kv_caches])
+    first = _check_caches(kv_caches)
+    out = torch.empty((len(kv_caches), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    return kvblock.gather(kv_caches, [block_id], out)[0]
 
 
 #: Pinned staging shared by every ``load`` not given its own (pinned memory is costly to
@@ -148,7 +122,7 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         raise InvalidArgument("new_block_ids must be distinct slots of the cache")
     if not keys:
         return
-    expected = paged_layout(model, kv_caches)
+    expected = kvblock.of_caches(model, kv_caches)
     block_shape = (len(kv_caches),) + tuple(first.shape[1:])
     is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
@@ -163,8 +137,10 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         slot = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
 
         def one(i: int) -> None:
-            try:  # the layout is checked before decoding, the size on the way in
-                block = store.get(keys[i], expect_layout=expected, out=slot[i])
+            layout = store.info(keys[i]).layout  # checked before decoding, the size on the way in
+            expected.check(layout or {}, f"segment {keys[i]}")
+            try:
+                block = store.get(keys[i], expect_layout=layout, out=slot[i])
             except InvalidArgument:
                 raise LayoutMismatch(f"segment {keys[i]} holds more than one block of this cache") from None
             if tuple(block.shape) != block_shape or block.dtype != first.dtype:
@@ -177,34 +153,8 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
             if first_of[key] != i:
                 np.copyto(slot[i].numpy(), slot[first_of[key]].numpy())
         host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
-        index = torch.tensor(ids, dtype=torch.long)
-        if is_cuda:
-            _scatter_device(kv_caches, host, index)
-        else:
-            _scatter_cpu(kv_caches, host, index)
+        done = kvblock.scatter(kv_caches, host, ids)
+        if done is not None:
+            cuda.CUDA.finish(done, cuda.CUDA.side_stream(cuda.CUDA.device_of(first), "h2d"))
     finally:
-        pool.release(buf)  # _scatter_device returns (or raises) only once its copy is done
-
-
-def _scatter_device(kv_caches: Sequence[torch.Tensor], host: torch.Tensor, index: torch.Tensor) -> None:
-    """``cache[index[i]] = host[i, layer]`` on the GPU: one copy of the pinned blocks, then one
-    ``index_copy_`` per layer, on kvj's h2d stream after the caller's queued work (which may
-    still read the old slots). Returns once the copy is done (an event, not the whole stream);
-    the caller's stream waits for the scatter on the GPU."""
-    cu = cuda.CUDA
-    dev = cu.device_of(kv_caches[0])
-    side = cu.side_stream(dev, "h2d")
-    current = cu.current_stream(dev)
-    cu.gpu_wait_stream(side, current)
-    with cu.enqueue_on(side):
-        blocks = cu.empty(tuple(host.shape), host.dtype, dev)
-        cu.copy(blocks, host)
-        dev_index = cu.empty(tuple(index.shape), index.dtype, dev)
-        cu.copy(dev_index, index)
-        for layer, cache in enumerate(kv_caches):
-            cache.index_copy_(0, dev_index, blocks[:, layer])
-        done = cu.record(side)
-    for cache in kv_caches:
-        cu.keep_alive(cache, side)
-    cu.gpu_wait(current, done)
-    cu.finish(done, side)
+        pool.release(buf)  # only once the copy out of it is done (or has failed and settled)

@@ -5,7 +5,7 @@ names the model, the connector (``kvj`` through ``support.vllm_record``, ``examp
 vLLM's in-tree ExampleConnector, or none), the engine settings, and a list of jobs:
 
 * ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy, or
-  sampled with ``"temperature"`` and a per-prompt ``"seed"`` (``seed + i`` for prompt i);
+  with ``"sampling": [{"temperature": T, "seed": S} or null, ...]`` per prompt;
 * ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``.
 
 Each job's result (tokens, the sampled tokens' logprobs, cached-token counts) is appended
@@ -67,10 +67,9 @@ def main(spec_path: str) -> None:
     for job in spec["jobs"]:
         t0 = time.perf_counter()
         if "generate" in job:
-            temperature = job.get("temperature", 0)
-            params = [SamplingParams(temperature=temperature, max_tokens=job["max_tokens"], detokenize=False,
-                                     logprobs=1, seed=job["seed"] + i if temperature else None)
-                      for i in range(len(job["generate"]))]
+            sampling = job.get("sampling") or [None] * len(job["generate"])
+            params = [SamplingParams(**(s or {"temperature": 0}), max_tokens=job["max_tokens"], detokenize=False,
+                                     logprobs=1) for s in sampling]
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["generate"]], params, use_tqdm=False)
             result = {"requests": [_request(o) for o in outs]}
         else:

@@ -42,7 +42,7 @@ class RecordingKvjConnector(KvjConnector):
 
     def _stats(self) -> None:
         with open(os.path.join(self._record, f"stats-{os.getpid()}.json"), "w", encoding="utf-8") as f:
-            json.dump(self.worker.stats, f)
+            json.dump(self.worker.counters(), f)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if self._record:
