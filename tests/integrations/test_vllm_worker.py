@@ -143,3 +143,87 @@ def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
     news = again.news()
     assert news.loaded == {"r1": BS} and news.lost == [chains[1]]
     again.close()
+
+
+def test_no_room_for_the_gather_buffer_skips_the_steps_journaling_never_the_step(tmp_path, monkeypatch, caplog):
+    """The device buffer is made once, outside vLLM's memory profile: when the device has no room
+    for it, the step's blocks are not journaled (a warning) and the step goes on; the request's
+    finish is still reported, so vLLM frees its blocks."""
+    fake = FakeCuda(devices=1)
+    monkeypatch.setattr(device, "CUDA", fake)
+    real_empty = fake.empty
+    refuse = [True]
+
+    def empty(shape, dtype, dev):
+        if refuse[0] and dtype == torch.uint8:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return real_empty(shape, dtype, dev)
+
+    monkeypatch.setattr(fake, "empty", empty)
+    src = place(make_caches("NHD"), fake)
+    tokens = tokens_of(2 * BS + 1)
+    worker = WorkerJournal(str(tmp_path / "j"), LAYOUT, threads=2)
+    worker.register(src)
+    worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})], saves=saves_for("e-r0", tokens, [1])))
+    assert worker.counters()["blocks_skipped"] == 1 and "no room" in caplog.text
+    refuse[0] = False  # memory came back: the next step's blocks are journaled
+    worker.step(StepPlan(saves=saves_for("e-r0", tokens, [1, 2])[1:], finishes=[Finish("r0", "e-r0", "ok", [])]))
+    assert worker.poll()[0] == {"r0"}
+    worker.close()
+    req = kvj.replay(str(tmp_path / "j")).requests["e-r0"]
+    assert req.ended and sorted(req.segments) == [1]
+    assert fake.violations == []
+
+
+def test_an_fp8_cache_round_trips_as_bytes(tmp_path):
+    """vLLM 0.32 keeps an fp8 KV cache as uint8 (its CPU backend runs fp8 only with AVX-512 or AMX,
+    which this machine lacks: the engine is not run with one here)."""
+    layout = KVBlockLayout("test-model", "uint8", L, H, D, BS, LHNC, quant="fp8_e4m3")
+    gen = torch.Generator().manual_seed(3)
+    src = [torch.randint(0, 256, (NB, H, BS, 2 * D), generator=gen, dtype=torch.uint8) for _ in range(L)]
+    tokens = tokens_of(BS + 1)
+    chain = kvblock.chain_keys(layout.seed(), tokens, BS)[0]
+    worker = WorkerJournal(str(tmp_path / "j"), layout, threads=2)
+    worker.register(src)
+    worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})], saves=[Save("e-r0", 0, 6, chain, tokens)]))
+    worker.close()
+    dst = [torch.zeros_like(c) for c in src]
+    again = WorkerJournal(str(tmp_path / "j"), layout, threads=2)
+    again.register(dst)
+    again.start_loads(StepPlan(loads=[Load("r1", [(2, chain)])]))
+    wait_for(lambda: "r1" in again.poll()[1], "the load")
+    assert torch.equal(block_of(dst, 2), block_of(src, 6))
+    again.close()
+
+
+EXIT = """
+import sys, torch
+from kvj.integrations.vllm_worker import Finish, Save, Start, StepPlan, WorkerJournal
+from kvj.segments import kvblock
+from kvj.segments.kvblock import LHNC, KVBlockLayout
+layout = KVBlockLayout("test-model", "float32", 2, 2, 8, 4, LHNC)
+caches = [torch.randn(8, 2, 4, 16) for _ in range(2)]
+tokens = list(range(13))
+chains = kvblock.chain_keys(layout.seed(), tokens, 4)
+worker = WorkerJournal(sys.argv[1], layout, threads=1)
+worker.register(caches)
+for r in range(4):
+    jid = f"e-r{r}"
+    worker.step(StepPlan(starts=[Start(str(r), jid, tokens, {})],
+                         saves=[Save(jid, b, b, chains[b], tokens[4 * b:4 * b + 5]) for b in range(3)],
+                         finishes=[Finish(str(r), jid, "ok", [])]))
+sys.exit(0)  # no close(): the engine process exits without vLLM's shutdown
+"""
+
+
+def test_a_process_that_exits_without_shutdown_drains_what_it_queued(tmp_path):
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", EXIT, str(tmp_path / "j")], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    state = kvj.replay(str(tmp_path / "j"))
+    assert len(state.requests) == 4 and not state.in_flight(), "finished requests were left looking in flight"
+    assert all(sorted(r.segments) == [0, 1, 2] for r in state.requests.values())
