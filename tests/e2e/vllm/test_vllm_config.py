@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -197,3 +197,35 @@ def test_unknown_extra_config_keys_are_refused(model: str, tmp_path: Any) -> Non
 
     with pytest.raises(KvjError, match="unknown key 'thread'"):
         KvjConnector(engine_config(model, str(tmp_path / "j"), thread=2), KVConnectorRole.SCHEDULER, None)
+
+
+def scheduled(plan_ids: Any, tokens: Dict[str, int], preempted: Any = ()) -> Any:
+    """A scheduler output scheduling ``tokens`` (request id -> tokens), blocks from ``plan_ids``."""
+    from vllm.v1.core.sched.output import KVConnectorBlockState
+
+    out = no_step()
+    out.num_scheduled_tokens = dict(tokens)
+    out.total_num_scheduled_tokens = sum(tokens.values())
+    out.preempted_req_ids = set(preempted)
+    out.kv_connector_block_state = KVConnectorBlockState(set(tokens), lambda rid: (plan_ids[rid],), {})
+    return out
+
+
+def test_a_step_saves_blocks_computed_by_the_previous_one_and_a_preempted_requests_before_reuse(
+        model: str, tmp_path: Any) -> None:
+    """A step's plan is gathered before its forward, so it names only blocks already computed
+    (``num_computed_tokens`` before vLLM adds the step's tokens) whose next token is known; a
+    request preempted in this step has its computed blocks saved now, from the block ids it had
+    (vLLM freed them: a later kernel of this step may overwrite them)."""
+    conn = scheduler(model, str(tmp_path / "j"))
+    r = request("r1", list(range(3 * BLOCK + 5)))
+    conn.on_new_request(r)
+    ids = {"r1": [4, 9, 2, 7]}
+    assert conn.build_connector_meta(scheduled(ids, {"r1": 2 * BLOCK})).saves == []  # computed in this step
+    r.num_computed_tokens = 2 * BLOCK  # vLLM's _update_after_schedule
+    plan = conn.build_connector_meta(scheduled(ids, {"r1": BLOCK}))
+    assert [(s.block, s.block_id) for s in plan.saves] == [(0, 4), (1, 9)]
+    assert plan.saves[1].token_ids == list(range(BLOCK, 2 * BLOCK + 1))  # its tokens and the next
+    r.num_computed_tokens = 0  # preempted in the next schedule: vLLM resets it and frees the blocks
+    plan = conn.build_connector_meta(scheduled({}, {}, preempted={"r1"}))
+    assert [(s.block, s.block_id) for s in plan.saves] == [(2, 2)]
