@@ -19,7 +19,7 @@ def check_request_id(request_id: Any) -> str:
     """Validate a request id: 1-256 safe characters, never a path component like '..'."""
     if not isinstance(request_id, str) or not _ID_RE.fullmatch(request_id):
         raise InvalidName(f"invalid request id {request_id!r}: use 1-256 of [A-Za-z0-9._:@+=-], "
-                          "not starting with '.' or '-'")
+                          "the first a letter, digit or '_'")
     return request_id
 
 

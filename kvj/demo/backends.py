@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from kvj.errors import CacheFull, FormatError
 from kvj.integrations.hf import build_cache, cache_block, cache_kwarg, layout_for
-from kvj.segments import device, kvblock
+from kvj.segments import device
 from kvj.segments.kvblock import KVBlockLayout
+from kvj.segments.restore import gather_block
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -124,9 +125,8 @@ class PagedKVCache:
         return kv[:, 0].reshape(-1, kvh, hd)[:length], kv[:, 1].reshape(-1, kvh, hd)[:length]
 
     def block(self, request_id: str, index: int) -> torch.Tensor:
-        """Block ``index`` of the request across all layers: ``layout.shape`` (one gather)."""
-        out = torch.empty(self.layout.shape, dtype=self.layout.torch_dtype, device=self.device)
-        return kvblock.gather(self.pools, [self.tables[request_id][index]], out)[0]
+        """Block ``index`` of the request across all layers: ``layout.shape``."""
+        return gather_block(self.pools, self.tables[request_id][index])
 
     def forget_previous(self, state: "JournalState") -> Dict[str, List[int]]:
         """Journal frees for the blocks a previous process left allocated on this device (its
@@ -140,21 +140,21 @@ class PagedKVCache:
 
     def restore(self, request_id: str, blocks: List[torch.Tensor]) -> List[int]:
         """Allocate fresh blocks for a resumed request and scatter ``blocks`` into them: block
-        ``i`` goes to the ``i``-th new id of every layer's pool (``kvblock.scatter``: one copy
-        onto the device through pinned staging, one indexed copy per layer)."""
+        ``i`` goes to the ``i``-th new id of every layer's pool (``device.scatter_blocks``: one
+        copy onto the device from pinned staging, one indexed copy per layer)."""
         if request_id in self.tables:
             raise FormatError(f"request {request_id} already has blocks in the cache")
         new = self.ensure(request_id, len(blocks) * self.layout.block_size)
         if blocks:
-            on_device = device.CUDA.is_device_tensor(self.pools[0])
-            host = torch.stack([b.cpu() for b in blocks])  # [blocks, layers, 2, block_size, kv_heads, head_dim]
-            if on_device:
-                pinned = device.CUDA.pinned(host.numel() * host.element_size()).view(host.dtype).view(host.shape)
+            shape = device.blocks_shape(self.pools, len(blocks))
+            host = torch.stack([b.cpu() for b in blocks])
+            if device.CUDA.is_device_tensor(self.pools[0]):
+                pinned = device.CUDA.pinned(host.numel() * host.element_size()).view(host.dtype).view(shape)
                 pinned.copy_(host)
                 host = pinned
-            event = kvblock.scatter(self.pools, host, new)
-            if event is not None:
-                device.CUDA.wait(event)  # the pinned copy may be dropped only once it is on the device
+            moved = device.scatter_blocks(self.pools, new, host, device.block_buffers(self.pools, len(blocks)))
+            moved.wait()  # the pinned copy may go only once it is on the device ...
+            moved.fence()  # ... and the next forward reads the blocks after the scatter
         return new
 
 

@@ -403,8 +403,9 @@ class StateJournal:
         """Store one stream of a save; (its SegmentInfo, whether a delta stored it whole)."""
         store = self.journal.store
         n = self._deltas_on_base
-        trial = not full and (n & (n - 1) == 0 or name not in self._xor_pays)
-        if not full and (trial or self._xor_pays[name]):
+        xorable = t.element_size() in _INT_OF_SIZE  # 16-byte elements (complex128) have no integer to XOR as
+        trial = not full and xorable and (n & (n - 1) == 0 or name not in self._xor_pays)
+        if trial or (not full and xorable and self._xor_pays[name]):
             base_step, base = self._base  # type: ignore[misc]
             layout = self._layout(DELTA_FORMAT, name, t, base_step=base_step)
             info = store.put(xor(t, base.streams[name]), layout=layout)

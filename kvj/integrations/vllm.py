@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from concurrent.futures import Future
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -75,7 +75,7 @@ from kvj.names import check_request_id
 from kvj.segments import kvblock
 from kvj.segments.format import dtype_name
 from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
-from kvj.integrations.vllm_resume import RESTORED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
+from kvj.integrations.vllm_resume import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
 from kvj.integrations.vllm_worker import (
     GATHER_BYTES,
     STAGING_BYTES,
@@ -111,6 +111,10 @@ DIGESTS = "vllm-model-digests.json"
 #: vLLM KV cache dtypes whose bytes a block holds as they are (fp8: vLLM stores them as uint8).
 _FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _ADMISSIONS = ("arrival", "durable")
+#: Scheduler-side connectors of this process, by journal: where the scheduler and the worker share
+#: a process (an in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM shuts the worker
+#: down first, and it takes over what the scheduler still holds for a step that will not come.
+_SCHEDULERS: "weakref.WeakValueDictionary[str, KvjConnector]" = weakref.WeakValueDictionary()
 
 
 def _check_version() -> None:
@@ -322,11 +326,13 @@ class KvjConnector(KVConnectorBase_V1):
             self._arrived: List[Start] = []
             self._finishing: List[Finish] = []
             self._leftover = StepPlan()  #: saves and tokens of requests that finished
+            _SCHEDULERS[path] = self
         else:
             c = self.config
             self.worker = WorkerJournal(c.journal, self.layout, codec=c.codec, threads=c.threads,
                                         load_threads=c.load_threads, gather_bytes=c.gather_bytes,
                                         staging_bytes=c.staging_bytes)
+            self.worker.last_plan = self._last_plan
             self._finished_seen: Set[str] = set()
             self._unreported: Set[str] = set()
             self._runner: Any = None
@@ -395,15 +401,22 @@ class KvjConnector(KVConnectorBase_V1):
         tracked.load = Load(request.request_id, [(block_ids[b], chains[b]) for b in range(first, end)])
         tracked.loaded = {block_ids[b]: b for b in range(first, end)}
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvjConnectorMetadata:
+    def _held(self) -> KvjConnectorMetadata:
+        """What the workers' next step must journal whatever it computes: the requests that arrived
+        or finished since the last step, the finished ones' last blocks, and new tokens."""
         plan = KvjConnectorMetadata(starts=self._arrived, finishes=self._finishing, saves=self._leftover.saves,
                                     tokens=self._leftover.tokens)
         self._arrived, self._finishing, self._leftover = [], [], StepPlan()
         for tracked in self._requests.values():
+            self._tokens(tracked, plan)
+        return plan
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvjConnectorMetadata:
+        plan = self._held()
+        for tracked in self._requests.values():
             if tracked.load is not None:
                 plan.loads.append(tracked.load)
                 tracked.load = None
-            self._tokens(tracked, plan)
         for req_id in scheduler_output.preempted_req_ids or ():  # its blocks are free again: save them now
             tracked = self._requests.get(req_id)
             if tracked is not None:
@@ -466,7 +479,8 @@ class KvjConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Its last blocks and tokens go out with its finish at the next step; its blocks are
-        kept until that step has gathered them. Reports the tokens the connector loaded."""
+        kept until that step has gathered them. Reports the tokens the connector loaded, and those
+        vLLM's own prefix cache held."""
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None:
             return False, None
@@ -476,7 +490,7 @@ class KvjConnector(KVConnectorBase_V1):
         status = request.status.name.lower().replace("finished_", "")
         resumes = [r for r in str(extra.get("kvj_resumes") or "").split(",") if r]
         self._finishing.append(Finish(request.request_id, tracked.jid, status, resumes))
-        return True, {RESTORED: tracked.restored}
+        return True, {RESTORED: tracked.restored, REUSED: tracked.local_hit}
 
     # ------------------------------------------------------------------ worker side
 
@@ -536,7 +550,14 @@ class KvjConnector(KVConnectorBase_V1):
             return None
         return KvjWorkerMetadata(news.durable, news.lost, news.started, news.loaded)
 
+    def _last_plan(self) -> Optional[StepPlan]:
+        """In an in-process engine, what its scheduler side still holds (the last finishes,
+        their blocks and tokens): vLLM shuts the worker down first, and no step will carry it."""
+        scheduler = _SCHEDULERS.get(self.config.journal)
+        return scheduler._held() if scheduler is not None and scheduler is not self else None
+
     def shutdown(self) -> None:
+        """The worker journals what is still held for it and drains everything queued."""
         if self._role == KVConnectorRole.WORKER:
             self.worker.close()
 

@@ -27,8 +27,9 @@ START_FORMAT = "kvj-vllm-request/1"
 #: Sampling settings journaled with each request and restored by :func:`resume`.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "stop_token_ids", "ignore_eos",
             "detokenize")
-#: ``kv_transfer_params`` key in which the connector reports the tokens it loaded for a request.
-RESTORED = "kvj_restored_tokens"
+#: ``kv_transfer_params`` keys in which the connector reports, per request, the tokens whose KV it
+#: loaded, and those vLLM's own prefix cache held when it was scheduled (block-aligned).
+RESTORED, REUSED = "kvj_restored_tokens", "kvj_reused_tokens"
 
 Manifest = Union[str, "os.PathLike[str]", Mapping[str, Any]]
 
@@ -79,11 +80,18 @@ class Resumed:
         return int(params.get(RESTORED, 0))
 
     @property
+    def reused_tokens(self) -> int:
+        """Tokens of the resubmitted prompt vLLM's own prefix cache already held (say, blocks
+        another resumed request had loaded)."""
+        params = (self.output.kv_transfer_params or {}) if self.output is not None else {}
+        return int(params.get(REUSED, 0))
+
+    @property
     def recomputed_tokens(self) -> int:
         """Tokens of the resubmitted prompt that vLLM computed again."""
         if self.output is None:
             return 0
-        return len(self.output.prompt_token_ids or []) - self.restored_tokens
+        return len(self.output.prompt_token_ids or []) - self.restored_tokens - self.reused_tokens
 
 
 def _load_manifest(manifest: Manifest) -> Mapping[str, Any]:

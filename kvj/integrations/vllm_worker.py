@@ -50,10 +50,10 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 import torch
 
 import kvj
-from kvj.errors import KvjError, LayoutMismatch, SegmentCorrupt
+from kvj.errors import DeviceOutOfMemory, KvjError, LayoutMismatch, SegmentCorrupt
 from kvj.fileio import FS
 from kvj.journal.journal import default_store_path
-from kvj.segments import device as cuda
+from kvj.segments import device
 from kvj.segments import format as seg
 from kvj.segments import kvblock
 from kvj.segments.flusher import Flusher
@@ -203,7 +203,7 @@ class _Loading:
     buf: torch.Tensor
     host: torch.Tensor  #: [n, layers, *block] view of buf
     reads: List["Future[SegmentInfo]"]
-    event: Any = None
+    copies: List[device.Transfer] = field(default_factory=list)
     copying: bool = False
     good: int = 0
 
@@ -234,9 +234,8 @@ class WorkerJournal:
         self._load_staging = StagingPool(staging_bytes)
         self._gather_bytes = int(gather_bytes)
         self._per_round = 1  #: blocks one gather takes (set by ``register``)
-        self._device_buffer: Optional[torch.Tensor] = None
-        self._round = 0
-        self._round_events: List[Any] = [None, None]  #: last copy out of each half of the device buffer
+        self._ring: Optional[device.BlockRing] = None  #: staging on the caches' device, made on first use
+        self._no_room = False  #: the last attempt to make it failed (warned once until it succeeds)
         self._caches: List[torch.Tensor] = []
         self._on_device = False
         #: (chain, next token) -> a durable segment holding that block: journaled again by reference
@@ -252,6 +251,8 @@ class WorkerJournal:
         self._lock = threading.Lock()
         self._failed: Optional[BaseException] = None
         self._closed = False
+        #: what the last step before closing must journal, when someone else holds it (see close)
+        self.last_plan: Optional[Callable[[], Optional[StepPlan]]] = None
         self.stats = {"steps": 0, "blocks_saved": 0, "blocks_referenced": 0, "blocks_skipped": 0,
                       "blocks_loaded": 0, "blocks_failed": 0, "bytes_raw": 0, "bytes_stored": 0, "tokens": 0,
                       "rounds": 0}
@@ -266,8 +267,8 @@ class WorkerJournal:
         """The per-layer paged caches, in layer order; refused unless they fit the block layout."""
         self.layout.check_caches(caches)
         self._caches = list(caches)
-        self._on_device = cuda.CUDA.is_device_tensor(self._caches[0])
-        # A device gather buffer has two halves: one round is copied out while the next gathers.
+        self._on_device = device.CUDA.is_device_tensor(self._caches[0])
+        # Two slots of device staging: one round is copied while the next gathers (or scatters).
         self._per_round = max(1, self._gather_bytes // (2 if self._on_device else 1) // self.layout.nbytes)
 
     # ------------------------------------------------------------------ each step, before the forward
@@ -305,55 +306,40 @@ class WorkerJournal:
                 self.stats["blocks_skipped"] += len(copies) - i
                 return
 
-    def _device_half(self) -> Optional[torch.Tensor]:
-        """Half of the device gather buffer, made on first use; None if the device has no room."""
-        if self._device_buffer is None:
-            dev = cuda.CUDA.device_of(self._caches[0])
+    def _buffers(self) -> Optional[device.BlockBuffers]:
+        """A slot of the block staging (device memory for device caches), made on first use; None
+        when the device has no room for it (vLLM may have taken it all)."""
+        if self._ring is None:
             try:
-                self._device_buffer = cuda.CUDA.empty((2, self._per_round * self.layout.nbytes), torch.uint8, dev)
-            except (RuntimeError, MemoryError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
-                log.warning("kvj: no room on %s for the %d-byte gather buffer (%s): this step's blocks are "
-                            "not journaled; lower gpu_memory_utilization or gather_bytes", dev,
-                            2 * self._per_round * self.layout.nbytes, exc)
+                self._ring = device.BlockRing(self._caches, self._per_round, slots=2)
+            except DeviceOutOfMemory as exc:
+                if not self._no_room:
+                    log.warning("kvj: %s: blocks of steps are not journaled (nor loaded) until there is room; "
+                                "lower gpu_memory_utilization or gather_bytes", exc)
+                self._no_room = True
                 return None
-        return self._device_buffer[self._round % 2]
+            self._no_room = False
+        return self._ring.take()
 
     def _gather_round(self, saves: Sequence[Save]) -> bool:
         """One gather of ``saves``' blocks, and one job for kvj's thread to write them."""
         n, lay = len(saves), self.layout
         nbytes = n * lay.nbytes
-        ids = [s.block_id for s in saves]
+        bufs = self._buffers()
+        if bufs is None:
+            return False
         slot = self._save_staging.acquire(nbytes, pinned=self._on_device)  # waits while kvj's threads lag
         host = slot[:nbytes].view(lay.torch_dtype).view(n, *lay.shape)
-        event = None
         try:
-            if self._on_device:
-                half = self._device_half()
-                if half is None:
-                    self._save_staging.release(slot)
-                    return False
-                cu, dev = cuda.CUDA, cuda.CUDA.device_of(self._caches[0])
-                current, side = cu.current_stream(dev), cu.side_stream(dev, "d2h")
-                previous = self._round_events[self._round % 2]
-                if previous is not None:  # the copy out of this half two rounds ago (GPU-side wait)
-                    cu.gpu_wait(current, previous)
-                gathered = kvblock.gather(self._caches, ids, half.view(lay.torch_dtype))
-                cu.gpu_wait_stream(side, current)  # the copy follows the gather; compute never waits for it
-                with cu.enqueue_on(side):
-                    cu.copy(host, gathered)
-                    event = cu.record(side)
-                self._round_events[self._round % 2] = event
-                self._round += 1
-            else:
-                kvblock.gather(self._caches, ids, host)
+            moved = device.gather_blocks(self._caches, [s.block_id for s in saves], host, bufs)
         except BaseException:
-            self._save_staging.release(slot, reuse=event is None)
+            self._save_staging.release(slot)  # gather_blocks raises only once nothing writes the slot
             raise
         done: "Future[None]" = Future()
         for s in saves:
             self._pending.setdefault(s.jid, []).append(done)
         self.stats["rounds"] += 1
-        job = self._writer.submit(self._write_round, slot, host, event, list(saves), done)
+        job = self._writer.submit(self._write_round, slot, host, moved, list(saves), done)
         with self._lock:
             self._rounds.add(job)
         job.add_done_callback(self._round_done)
@@ -363,14 +349,13 @@ class WorkerJournal:
         with self._lock:
             self._rounds.discard(job)
 
-    def _write_round(self, slot: torch.Tensor, host: torch.Tensor, event: Any, saves: List[Save],
+    def _write_round(self, slot: torch.Tensor, host: torch.Tensor, moved: device.Transfer, saves: List[Save],
                      done: "Future[None]") -> None:
         """On kvj's thread: wait for the round's copy, hand each block to the flusher."""
-        landed = event is None
+        landed = False
         try:
-            if event is not None:
-                cuda.CUDA.wait(event)
-                landed = True
+            moved.wait()
+            landed = True
             futures = []
             for i, save in enumerate(saves):
                 layout = self.layout.segment_layout(save.token_ids, save.chain)
@@ -479,7 +464,8 @@ class WorkerJournal:
         return SegmentInfo.from_header(header)
 
     def poll(self) -> Tuple[Set[str], Set[str]]:
-        """Finished sends (blocks vLLM may free) and finished loads, for vLLM's ``get_finished``."""
+        """Finished sends (blocks vLLM may free) and finished loads, for vLLM's ``get_finished``:
+        a load is finished once its copy into the cache is done (polled, never waited for)."""
         recving: Set[str] = set()
         still: List[_Loading] = []
         for ld in self._loading:
@@ -488,8 +474,11 @@ class WorkerJournal:
                     still.append(ld)
                     continue
                 self._copy_in(ld)
-            if ld.event is not None:
-                cuda.CUDA.wait(ld.event)  # one request's upload; a polled event when the device layer has one
+            if not all(t.done() for t in ld.copies):
+                still.append(ld)
+                continue
+            for t in ld.copies:
+                t.fence()  # the compute stream reads the blocks after the copy (done already)
             self._load_staging.release(ld.buf)
             recving.add(ld.load.vllm_id)
             with self._lock:
@@ -520,9 +509,16 @@ class WorkerJournal:
                     self._news.lost.append(chain)
             self._load_errors.add(block_id)
             self.stats["blocks_failed"] += 1
-        if ld.good:
-            ld.event = kvblock.scatter(self._caches, ld.host[:ld.good], [b for b, _ in ld.load.blocks[:ld.good]])
-            self.stats["blocks_loaded"] += ld.good
+        ids = [b for b, _ in ld.load.blocks]
+        for i in range(0, ld.good, self._per_round):
+            bufs = self._buffers()
+            if bufs is None:  # no staging on the device: vLLM computes the rest
+                self._load_errors.update(ids[i:])
+                ld.good = i
+                break
+            j = min(ld.good, i + self._per_round)
+            ld.copies.append(device.scatter_blocks(self._caches, ids[i:j], ld.host[i:j], bufs))
+        self.stats["blocks_loaded"] += ld.good
 
     def load_errors(self) -> Set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -568,11 +564,15 @@ class WorkerJournal:
                 self._fail(exc)
 
     def close(self) -> None:
-        """Drain, then stop kvj's threads and close the journal (vLLM's shutdown; interpreter exit)."""
+        """Carry out ``last_plan()`` if set, drain, then stop kvj's threads and close the journal
+        (vLLM's shutdown; the interpreter's exit)."""
         if self._closed:
             return
         self._closed = True
         try:
+            plan = self.last_plan() if self.last_plan is not None else None
+            if plan is not None:
+                self.step(plan)
             self.drain()
         finally:
             self._writer.shutdown(wait=True)

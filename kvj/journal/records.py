@@ -18,6 +18,7 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Tuple, Type
 import msgspec
 
 from kvj.errors import FormatError, InvalidName
+from kvj.journal.framing import MAX_RECORD_PAYLOAD
 from kvj.names import check_key, check_request_id
 
 
@@ -183,8 +184,8 @@ def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
     One conversion in C builds the typed struct and checks every field's type; the struct's
     ``check`` adds names, token order and plain, finite data in nested maps (stricter than
     reading, so that what is journaled stays valid JSON for ``kvj inspect --json``); the
-    struct is what is encoded. Raises ``FormatError``, or ``InvalidName`` for a request id
-    or key that is unsafe as a path component.
+    struct is what is encoded, and must fit ``MAX_RECORD_PAYLOAD``. Raises ``FormatError``,
+    or ``InvalidName`` for a request id or key that is unsafe as a path component.
     """
     struct = _STRUCTS.get(rtype)
     if struct is None:
@@ -199,11 +200,15 @@ def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
             raise FormatError(f"{NAMES[RecordType(rtype)]} record: unknown field {unknown}")
     try:
         rec.check(True)
-        return _encode(rec)
+        data = _encode(rec)
     except (TypeError, ValueError, OverflowError) as exc:
         raise FormatError(f"{NAMES[RecordType(rtype)]} record cannot be encoded: {exc}") from None
     except RecursionError:
         raise FormatError(f"{NAMES[RecordType(rtype)]} record: a map is nested too deeply (or holds itself)") from None
+    if len(data) > MAX_RECORD_PAYLOAD:  # a reader would take it for damage: refused here, never acknowledged
+        raise FormatError(f"{NAMES[RecordType(rtype)]} record is {len(data)} bytes, more than the "
+                          f"{MAX_RECORD_PAYLOAD >> 20} MiB a record may hold: keep large data in segments")
+    return data
 
 
 def decode_payload(rtype: int, data: bytes) -> Dict[str, Any]:

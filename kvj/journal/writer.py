@@ -30,7 +30,8 @@ from crc32c import crc32c
 
 from kvj.errors import JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, DurabilityError
-from kvj.journal.framing import CRC, RECORD_TAIL, encode_file_header, encode_group_header, encode_record, new_salt
+from kvj.journal.framing import (CRC, MAX_GROUP_BODY, MAX_RECORD_PAYLOAD, RECORD_HEADER_SIZE, RECORD_TAIL,
+                                 encode_file_header, encode_group_header, encode_record, new_salt)
 from kvj.journal.mirror import DEGRADE, FAIL, log
 from kvj.journal.records import encode_payload
 
@@ -77,7 +78,9 @@ class LogWriter:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # committer waits here
         self._done = threading.Condition(self._lock)  # sync() and full-buffer appends wait here
-        self._max_buffer = policy.max_buffer_bytes
+        # A group is the whole buffer: committed before one more record could take it past what a
+        # reader accepts (kvj-journal(5), Limits), whatever the policy allows.
+        self._max_buffer = min(policy.max_buffer_bytes, MAX_GROUP_BODY - MAX_RECORD_PAYLOAD - RECORD_HEADER_SIZE)
         self._max_pending = max(1, policy.max_pending_records)
         self._max_records = policy.max_records
         self._buf = bytearray()

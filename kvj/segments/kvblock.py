@@ -13,14 +13,15 @@ one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a bl
 * the **check on load**: :meth:`KVBlockLayout.check` accepts a segment of this layout, and of
   the tags kvj wrote before (``kvj-kv-block/1``, ``kvj-vllm-block/1``, ``paged_kv_block``),
   and refuses any other with ``LayoutMismatch``;
-* the **gather** of a step's blocks out of paged caches (one indexed copy per layer into a
-  block-major buffer) and the **scatter** of loaded blocks into them (one copy to the
-  device, one indexed copy per layer), device-correct through ``kvj.segments.device``.
-
-The caches are one tensor per layer whose first axis is the block id and whose other axes are
-the block's logical view in the layout's order; their strides are free (FlashAttention's
-NHD-ordered cache is a permuted view, where ``cache[block_id]`` is not contiguous): a stored
-block is always the logical view, in C order, so it loads into any physical layout.
+* the **caches** a block moves between (:meth:`KVBlockLayout.check_caches`): one tensor per
+  layer whose first axis is the block id and whose other axes are the block's logical view
+  in the layout's order, with free strides (FlashAttention's NHD-ordered cache is a permuted
+  view, where ``cache[block_id]`` is not contiguous). A stored block is always the logical
+  view in C order, so it loads into any physical layout. Blocks move through
+  ``kvj.segments.device.gather_blocks`` and ``scatter_blocks`` (one indexed copy per layer
+  and one transfer, device-correct), which travel in exactly this ``[n, layers, *block]``
+  form: the restore of paged caches (``kvj.segments.restore.restore_paged``), the demo's
+  paged engine and the vLLM connector all use them.
 """
 
 from __future__ import annotations
@@ -202,86 +203,3 @@ def of_caches(model: str, caches: Sequence[torch.Tensor], order: str = L2NHD) ->
     lay = KVBlockLayout(str(model), dtype_name(first.dtype), len(caches), heads, head_dim, block, order)
     lay.check_caches(caches)
     return lay
-
-
-# ---------------------------------------------------------------------------- moving blocks
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as integers of its element size: copies move bytes, and indexed copies exist for
-    every integer dtype on every device (not for float8 everywhere)."""
-    return t.view(_BITS[t.element_size()])
-
-
-def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
-    """Copy blocks ``block_ids`` of every layer into ``out``, block-major: ``[n, layers, *block]``.
-
-    One indexed copy per layer, on the caller's current stream (so after the work that
-    computed the blocks, before any later kernel that overwrites them); ``out`` is on the
-    caches' device. Returns ``out``'s ``[n, layers, *block]`` view.
-    """
-    n = len(block_ids)
-    view = out.view(-1)[:n * len(caches) * caches[0][0].numel()].view(n, len(caches), *caches[0].shape[1:])
-    if n == 0:
-        return view
-    bits = _bits(view)
-    ids = torch.tensor(list(block_ids), dtype=torch.long)
-    if cuda.CUDA.is_device_tensor(caches[0]):  # the ids go on the current stream, before the copies
-        dev_ids = cuda.CUDA.empty(tuple(ids.shape), ids.dtype, cuda.CUDA.device_of(caches[0]))
-        cuda.CUDA.copy(dev_ids, ids)  # from pageable memory: done when it returns
-        ids = dev_ids
-    for layer, cache in enumerate(caches):
-        torch.index_select(_bits(cache), 0, ids, out=bits[:, layer])
-    return view
-
-
-def scatter_cpu(caches: Sequence[torch.Tensor], host: torch.Tensor, block_ids: Sequence[int]) -> None:
-    """``cache[block_ids[i]] = host[i, layer]`` for every layer of CPU caches.
-
-    Contiguous caches take one numpy fancy-index assignment per layer (a row copy per block,
-    about 6x faster than ``index_copy_`` here); strided ones (a permuted view) ``index_copy_``.
-    """
-    idx = np.asarray(list(block_ids), dtype=np.int64)
-    index = torch.from_numpy(idx)
-    src = None
-    for layer, cache in enumerate(caches):
-        if cache.is_contiguous() and not cache.requires_grad and cache.numel():
-            if src is None:
-                src = host.contiguous().view(torch.uint8).numpy()
-            cache.view(torch.uint8).numpy()[idx] = src[:, layer]
-        else:
-            _bits(cache).index_copy_(0, index, _bits(host[:, layer]))
-
-
-def scatter(caches: Sequence[torch.Tensor], host: torch.Tensor, block_ids: Sequence[int]) -> Optional[Any]:
-    """Put ``host[i]`` (``[n, layers, *block]``, pinned for a device cache) into block
-    ``block_ids[i]`` of every layer.
-
-    On the CPU it is done when this returns (None). On a GPU: one copy of the blocks and one
-    of the ids onto the device on kvj's h2d stream, after the caller's queued work (which may
-    still read the old slots), then one indexed copy per layer there; the caller's stream
-    waits for them on the GPU, and the returned event completes when they are done: until
-    then ``host`` must not be reused.
-    """
-    if not cuda.CUDA.is_device_tensor(caches[0]):
-        scatter_cpu(caches, host, block_ids)
-        return None
-    cu = cuda.CUDA
-    dev = cu.device_of(caches[0])
-    side, current = cu.side_stream(dev, "h2d"), cu.current_stream(dev)
-    cu.gpu_wait_stream(side, current)
-    index = torch.tensor(list(block_ids), dtype=torch.long)  # pageable: its copy is done when it returns
-    with cu.enqueue_on(side):
-        blocks = cu.empty(tuple(host.shape), host.dtype, dev)
-        cu.copy(blocks, host)
-        dev_index = cu.empty(tuple(index.shape), index.dtype, dev)
-        cu.copy(dev_index, index)
-        for layer, cache in enumerate(caches):
-            _bits(cache).index_copy_(0, dev_index, _bits(blocks[:, layer]))
-        done = cu.record(side)
-    for cache in caches:
-        cu.keep_alive(cache, side)
-    cu.gpu_wait(current, done)
-    return done

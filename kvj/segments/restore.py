@@ -48,9 +48,8 @@ def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def gather_block(kv_caches: Sequence[torch.Tensor], block_id: int) -> torch.Tensor:
     """One block of every layer, ``[num_layers, 2, block_size, heads, head_dim]`` (to flush)."""
-    first = _check_caches(kv_caches)
-    out = torch.empty((len(kv_caches), *first.shape[1:]), dtype=first.dtype, device=first.device)
-    return kvblock.gather(kv_caches, [block_id], out)[0]
+    _check_caches(kv_caches)
+    return torch.stack([c[block_id] for c in kv_caches])
 
 
 #: Pinned staging shared by every ``load`` not given its own (pinned memory is costly to
@@ -111,8 +110,9 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     Blocks are decoded in parallel into one staging buffer (pinned when the cache is on CUDA),
     each checked against the cache's layout before it is decoded and its shape after; only
     when all are in does anything reach the cache (a segment of another model or layout raises
-    LayoutMismatch with every slot untouched): on the CPU one row copy per layer, on a GPU one
-    non-blocking transfer on a side stream, then one ``index_copy_`` per layer.
+    LayoutMismatch with every slot untouched), then ``kvj.segments.device.scatter_blocks`` puts
+    them in: on the CPU one row copy per layer, on a GPU one non-blocking transfer on a side
+    stream and one ``index_copy_`` per layer; the caller's stream waits for it on the GPU.
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):
@@ -127,8 +127,9 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
     total = block_bytes * len(keys)
+    ids_at = -(-total // 8) * 8  # the block ids go up from the same pinned buffer, 8-aligned
     pool = staging or (default_staging() if is_cuda else StagingPool(total))
-    buf = pool.acquire(total, pinned=is_cuda)
+    buf = pool.acquire(ids_at + 8 * len(keys), pinned=is_cuda)
     try:
         # A key that recurs (a shared prefix block) is decoded once and its bytes copied.
         first_of: Dict[str, int] = {}
@@ -153,8 +154,9 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
             if first_of[key] != i:
                 np.copyto(slot[i].numpy(), slot[first_of[key]].numpy())
         host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
-        done = kvblock.scatter(kv_caches, host, ids)
-        if done is not None:
-            cuda.CUDA.finish(done, cuda.CUDA.side_stream(cuda.CUDA.device_of(first), "h2d"))
+        bufs = cuda.block_buffers(kv_caches, len(ids), buf[ids_at:ids_at + 8 * len(ids)].view(torch.long))
+        moved = cuda.scatter_blocks(kv_caches, ids, host, bufs)
+        moved.wait()  # the staging buffer is reused once the copy from it is done ...
+        moved.fence()  # ... and the caller's later work reads the blocks after the scatter
     finally:
-        pool.release(buf)  # only once the copy out of it is done (or has failed and settled)
+        pool.release(buf)  # scatter_blocks raises only once nothing reads the buffer

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from support.fakecuda import POISON, FakeCuda
+from support.fakecuda_legacy import POISON, FakeCuda
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvj

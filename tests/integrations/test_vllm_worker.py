@@ -2,9 +2,11 @@
 
 Caches are laid out as vLLM 0.32 allocates them: the CPU backend's contiguous
 ``[num_blocks, kv_heads, block, 2*head_dim]`` and FlashAttention's NHD-ordered cache seen
-through the same logical view (``cache[block_id]`` is not contiguous). With the CUDA
-stand-in they are "device" tensors: saves go gather -> pinned staging on a side stream, loads
-pinned staging -> one copy -> scatter, through ``kvj.segments.device``.
+through the same logical view (``cache[block_id]`` is not contiguous). Under the strict CUDA
+stand-in (``tests/support/fakecuda.py``) they live on ``cuda:0``, written by kernels the host
+has not waited for: saves go gather -> pinned staging on kvj's side stream, loads pinned
+staging -> one copy -> scatter, through ``kvj.segments.device``; device mixing raises, a read
+before its copy is done sees poison, a race between streams raises.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from support import fakecuda
 from support.fakecuda import FakeCuda
 from support.wait import wait_for
 
 import kvj
 from kvj.integrations.vllm_worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
-from kvj.segments import device, kvblock
+from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 
 L, H, BS, D, NB = 2, 2, 4, 8, 12
@@ -27,16 +30,21 @@ LAYOUT = KVBlockLayout("test-model", "bfloat16", L, H, D, BS, LHNC)
 SEED = LAYOUT.seed()
 
 
-def make_caches(order: str, seed: int = 0) -> List[torch.Tensor]:
-    """Per-layer caches of logical shape [NB, H, BS, 2D]: contiguous (CPU backend) or a view of
-    an [NB, BS, H, 2D] allocation (FlashAttention's NHD order)."""
+def make_caches(order: str, seed: int = 0, dev: str = "cpu") -> List[torch.Tensor]:
+    """Per-layer caches of logical shape [NB, H, BS, 2D] on ``dev``: contiguous (CPU backend) or a
+    view of an [NB, BS, H, 2D] allocation (FlashAttention's NHD order); on a device, their values
+    come from a copy the host has not waited for."""
     gen = torch.Generator().manual_seed(seed)
     caches = []
     for _ in range(L):
+        values = torch.randn(NB, H, BS, 2 * D, generator=gen).to(torch.bfloat16)
         if order == "HNC":
-            caches.append(torch.randn(NB, H, BS, 2 * D, generator=gen).to(torch.bfloat16))
+            cache = torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16, device=dev)
         else:
-            caches.append(torch.randn(NB, BS, H, 2 * D, generator=gen).to(torch.bfloat16).permute(0, 2, 1, 3))
+            cache = torch.zeros(NB, BS, H, 2 * D, dtype=torch.bfloat16, device=dev).permute(0, 2, 1, 3)
+            assert not cache[0].is_contiguous()
+        cache.copy_(values.to(dev))
+        caches.append(cache)
     return caches
 
 
@@ -50,30 +58,39 @@ def saves_for(jid: str, tokens: List[int], block_ids: List[int]) -> List[Save]:
 
 
 def block_of(caches: List[torch.Tensor], block_id: int) -> torch.Tensor:
-    return torch.stack([c[block_id] for c in caches])
+    """A synchronized readback of one block of every layer."""
+    return torch.stack([c[block_id].cpu() for c in caches])
 
 
-@pytest.fixture(params=["cpu", "cuda"])
-def on(request, monkeypatch):
-    """Caches on the CPU (vLLM's CPU backend) or on the stand-in's cuda:0."""
+def loaded(worker: WorkerJournal, vllm_id: str) -> None:
+    """Poll until the worker reports ``vllm_id`` loaded; a simulated GPU runs its queued work
+    between polls (it runs only when asked), as a real one does meanwhile."""
+    done: set = set()
+
+    def poll() -> bool:
+        if fakecuda._ACTIVE is not None:
+            fakecuda._ACTIVE.advance()
+        done.update(worker.poll()[1])
+        return vllm_id in done
+
+    wait_for(poll, f"the load of {vllm_id}")
+
+
+@pytest.fixture(params=["cpu", "cuda:0"])
+def dev(request, monkeypatch):
+    """Caches on the CPU (vLLM's CPU backend) or on the strict stand-in's cuda:0."""
     if request.param == "cpu":
-        return None
-    fake = FakeCuda(devices=1)
-    monkeypatch.setattr(device, "CUDA", fake)
-    return fake
-
-
-def place(caches: List[torch.Tensor], fake) -> List[torch.Tensor]:
-    if fake is not None:
-        for c in caches:
-            fake.adopt(c, 0)
-    return caches
+        yield "cpu"
+        return
+    sim = FakeCuda(devices=1).install(monkeypatch)
+    yield "cuda:0"
+    sim.check()
 
 
 @pytest.mark.parametrize("order", ["HNC", "NHD"])
-def test_a_step_saves_its_blocks_and_a_restart_loads_them_bit_for_bit(tmp_path, on, order):
+def test_a_step_saves_its_blocks_and_a_restart_loads_them_bit_for_bit(tmp_path, dev, order):
     journal = str(tmp_path / "j")
-    src = place(make_caches(order), on)
+    src = make_caches(order, dev=dev)
     tokens = tokens_of(3 * BS + 2)
     ids = [5, 0, 9]
     worker = WorkerJournal(journal, LAYOUT, threads=2)
@@ -97,23 +114,20 @@ def test_a_step_saves_its_blocks_and_a_restart_loads_them_bit_for_bit(tmp_path, 
     assert worker.stats["blocks_saved"] == 3 and worker.stats["rounds"] == 2
 
     # A restarted worker loads them into other blocks of fresh caches.
-    dst = place([torch.zeros_like(c) for c in make_caches(order, seed=1)], on)
+    dst = make_caches(order, seed=1, dev=dev)
     again = WorkerJournal(journal, LAYOUT, threads=2)
     again.register(dst)
     chains = kvblock.chain_keys(SEED, tokens, BS)
     new_ids = [3, 11, 1]
     again.step(StepPlan())
     again.start_loads(StepPlan(loads=[Load("r1", list(zip(new_ids, chains)))]))
-    recving: set = set()
-    wait_for(lambda: recving.update(again.poll()[1]) or "r1" in recving, "the load")
+    loaded(again, "r1")
     assert again.load_errors() == set()
     for b, block_id in enumerate(new_ids):
         assert torch.equal(block_of(dst, block_id), want[b]), f"block {b}"
     news = again.news()
     assert news is not None and news.loaded == {"r1": 3 * BS}
     again.close()
-    if on is not None:
-        assert on.violations == []
 
 
 def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
@@ -136,8 +150,7 @@ def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
     again.register(dst)
     chains = kvblock.chain_keys(SEED, tokens, BS)
     again.start_loads(StepPlan(loads=[Load("r1", [(4, chains[0]), (5, chains[1]), (6, chains[2])])]))
-    recving: set = set()
-    wait_for(lambda: recving.update(again.poll()[1]) or "r1" in recving, "the load")
+    loaded(again, "r1")
     assert again.load_errors() == {5, 6}  # the damaged block and the one after it: recomputed
     assert torch.equal(block_of(dst, 4), block_of(src, 1)) and not block_of(dst, 5).any()
     news = again.news()
@@ -146,33 +159,25 @@ def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
 
 
 def test_no_room_for_the_gather_buffer_skips_the_steps_journaling_never_the_step(tmp_path, monkeypatch, caplog):
-    """The device buffer is made once, outside vLLM's memory profile: when the device has no room
-    for it, the step's blocks are not journaled (a warning) and the step goes on; the request's
-    finish is still reported, so vLLM frees its blocks."""
-    fake = FakeCuda(devices=1)
-    monkeypatch.setattr(device, "CUDA", fake)
-    real_empty = fake.empty
-    refuse = [True]
-
-    def empty(shape, dtype, dev):
-        if refuse[0] and dtype == torch.uint8:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
-        return real_empty(shape, dtype, dev)
-
-    monkeypatch.setattr(fake, "empty", empty)
-    src = place(make_caches("NHD"), fake)
+    """The device staging is made once, outside vLLM's memory profile: when the device has no
+    room for it, the step's blocks are not journaled (a warning) and the step goes on; the
+    request's finish is still reported, so vLLM frees its blocks; once there is room, the next
+    step's blocks are journaled."""
+    sim = FakeCuda(devices=1).install(monkeypatch)
+    src = make_caches("NHD", dev="cuda:0")
     tokens = tokens_of(2 * BS + 1)
     worker = WorkerJournal(str(tmp_path / "j"), LAYOUT, threads=2)
     worker.register(src)
+    sim.memory_limit[0] = sim.allocated[0] + 1024
     worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})], saves=saves_for("e-r0", tokens, [1])))
     assert worker.counters()["blocks_skipped"] == 1 and "no room" in caplog.text
-    refuse[0] = False  # memory came back: the next step's blocks are journaled
+    del sim.memory_limit[0]
     worker.step(StepPlan(saves=saves_for("e-r0", tokens, [1, 2])[1:], finishes=[Finish("r0", "e-r0", "ok", [])]))
     assert worker.poll()[0] == {"r0"}
     worker.close()
     req = kvj.replay(str(tmp_path / "j")).requests["e-r0"]
     assert req.ended and sorted(req.segments) == [1]
-    assert fake.violations == []
+    sim.check()
 
 
 def test_an_fp8_cache_round_trips_as_bytes(tmp_path):
@@ -191,7 +196,7 @@ def test_an_fp8_cache_round_trips_as_bytes(tmp_path):
     again = WorkerJournal(str(tmp_path / "j"), layout, threads=2)
     again.register(dst)
     again.start_loads(StepPlan(loads=[Load("r1", [(2, chain)])]))
-    wait_for(lambda: "r1" in again.poll()[1], "the load")
+    loaded(again, "r1")
     assert torch.equal(block_of(dst, 2), block_of(src, 6))
     again.close()
 

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from support.fakecuda import POISON, FakeCuda, any_in_flight
+from support.fakecuda_legacy import POISON, FakeCuda, any_in_flight
 
 from kvj.segments import device
 from kvj.segments.flusher import Flusher

@@ -42,6 +42,8 @@ def main(spec_path: str) -> None:
     # vLLM's CPU backend reserves one more core when a KV connector is configured (for NIXL);
     # on a 2-core machine that leaves the engine's scheduler process none and decoding crawls.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    if spec.get("in_process"):  # the engine core and its worker in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -77,7 +79,8 @@ def main(spec_path: str) -> None:
             result = {"requests": [{**(_request(r.output) if r.output else {}), "id": r.request_id,
                                     "prompt": r.plan.prompt, "resumed_at": len(r.plan.generated),
                                     "durable_tokens": r.plan.durable_tokens, "all_token_ids": r.token_ids,
-                                    "restored": r.restored_tokens, "recomputed": r.recomputed_tokens}
+                                    "restored": r.restored_tokens, "reused": r.reused_tokens,
+                                    "recomputed": r.recomputed_tokens}
                                    for r in resumed]}
         _write(spec["out"], {**result, "seconds": time.perf_counter() - t0})
 

@@ -175,7 +175,7 @@ def test_the_tokens_loaded_are_counted_by_the_connector_and_reported_with_the_ou
     """vLLM's num_cached_tokens is fixed at scheduling and counts blocks that failed to load; the
     connector reports what the workers loaded (``kv_transfer_params``, which ``resume`` reads)."""
     from kvj.integrations.vllm import KvjWorkerMetadata
-    from kvj.integrations.vllm_resume import RESTORED
+    from kvj.integrations.vllm_resume import RESTORED, REUSED
 
     conn = scheduler(model, str(tmp_path / "j"))
     r = request("r1", list(range(100)))
@@ -184,7 +184,7 @@ def test_the_tokens_loaded_are_counted_by_the_connector_and_reported_with_the_ou
         kv_connector_worker_meta=KvjWorkerMetadata(loaded={"r1": 64}), invalid_block_ids=set()))
     r.num_computed_tokens = 64
     hold, params = conn.request_finished(r, [7, 8, 9, 10])
-    assert hold and params == {RESTORED: 64}
+    assert hold and params == {RESTORED: 64, REUSED: 0}
     plan = conn.build_connector_meta(no_step())
     assert [f.vllm_id for f in plan.finishes] == ["r1"]
     assert [(s.block, s.block_id) for s in plan.saves] == [(0, 7), (1, 8)]  # its computed blocks, gathered now

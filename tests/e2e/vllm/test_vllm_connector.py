@@ -213,7 +213,9 @@ def reference(models: Dict[str, str], seed: int, tmp_path_factory: pytest.TempPa
     """An uninterrupted engine: its outputs, and (recorded) every block's KV it computed."""
     tmp = str(tmp_path_factory.mktemp("reference"))
     ps = prompts(seed)
-    out = run_engine(tmp, "ref", models["main"], jobs_of(ps), os.path.join(tmp, "journal"))
+    # In process (engine core and worker in one process: no step follows the last finishes,
+    # and at exit the worker journals what the scheduler side still held for it).
+    out = run_engine(tmp, "ref", models["main"], jobs_of(ps), os.path.join(tmp, "journal"), in_process=True)
     return {"tmp": tmp, "prompts": ps, "Q": out[1]["requests"][0], "batch": out[2]["requests"],
             "journal": os.path.join(tmp, "journal")}
 
@@ -304,6 +306,18 @@ def test_sigkill_mid_decode_and_mid_prefill_then_fsck_recover_resume(reference: 
     # Resumed requests are done: nothing is left in flight.
     state = kvj.replay(crashed["journal"])
     assert not state.in_flight(), [r.id for r in state.in_flight()]
+
+
+def test_an_engine_that_finished_leaves_nothing_in_flight(reference: Dict[str, Any]) -> None:
+    """The in-process reference engine exited after its last generate: every request it finished
+    ended in the journal, after all its tokens (the last finishes never reached a step)."""
+    state = kvj.replay(reference["journal"])
+    outputs = [reference["Q"], *reference["batch"]]
+    assert len(state.requests) == len(outputs) + 1 and not state.in_flight(), [r.id for r in state.in_flight()]
+    for r in state.requests.values():
+        if r.tokens in batch_of(reference["prompts"]):
+            want = reference["batch"][batch_of(reference["prompts"]).index(r.tokens)]["token_ids"]
+            assert r.output == want, f"request {r.id}: journaled tokens differ from its output"
 
 
 def test_restart_prefix_reuse(reference: Dict[str, Any], crashed: Dict[str, Any]) -> None:
