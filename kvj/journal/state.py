@@ -69,8 +69,9 @@ class RequestState:
     def to_dict(self) -> Dict[str, Any]:
         return {"id": self.id, "prompt_hash": self.prompt_hash, "tokens": self.tokens, "meta": self.meta,
                 "start_lsn": self.start_lsn, "ended": self.ended, "status": self.status,
-                "end_lsn": self.end_lsn, "resume_position": self.resume_position, "output": self.output,
-                "segments": [self.segments[k].to_dict() for k in sorted(self.segments)]}
+                "end_lsn": self.end_lsn, "resume_position": self.resume_position,
+                "segments": [self.segments[k].to_dict() for k in sorted(self.segments)],
+                **({"output": self.output} if self.output else {})}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RequestState":
