@@ -257,6 +257,9 @@ class WorkerJournal:
                       "blocks_loaded": 0, "blocks_failed": 0, "bytes_raw": 0, "bytes_stored": 0, "tokens": 0,
                       "rounds": 0}
         self._rounds: Set["Future[None]"] = set()  #: jobs on kvj's save thread not yet done
+        #: (LSN or its future, tokens, blocks) of records not yet known durable: ``progress``
+        self._marks: Deque[Tuple[Union[int, "Future[int]"], int, int]] = deque()
+        self._durable_tokens = self._durable_blocks = self._gathered = 0
         # Drained at interpreter exit before the thread pools stop taking work (threading's
         # exit hooks run before atexit's, newest first: after concurrent.futures' own).
         threading._register_atexit(_close_at_exit, weakref.ref(self))  # type: ignore[attr-defined]
@@ -282,8 +285,10 @@ class WorkerJournal:
                     self._starts.append((s.vllm_id, self.journal.start(s.jid, None, s.tokens, s.meta)))
                     self._pending.setdefault(s.jid, [])
                 for jid, at, ids in plan.tokens:
-                    self.journal.tokens(jid, at, ids)
+                    lsn = self.journal.tokens(jid, at, ids)
                     self.stats["tokens"] += len(ids)
+                    with self._lock:
+                        self._marks.append((lsn, len(ids), 0))
                 self._save(plan.saves)
             except (KvjError, OSError) as exc:
                 self._fail(exc)
@@ -339,6 +344,7 @@ class WorkerJournal:
         for s in saves:
             self._pending.setdefault(s.jid, []).append(done)
         self.stats["rounds"] += 1
+        self._gathered += n
         job = self._writer.submit(self._write_round, slot, host, moved, list(saves), done)
         with self._lock:
             self._rounds.add(job)
@@ -372,8 +378,9 @@ class WorkerJournal:
     def _saved(self, save: Save, info: SegmentInfo) -> None:
         """On a flusher thread, once the block's segment is durable: its record, and tell the scheduler."""
         start = save.block * self.layout.block_size
-        self.journal.flush(save.jid, save.block, token_range=(start, start + self.layout.block_size), info=info)
+        lsn = self.journal.flush(save.jid, save.block, token_range=(start, start + self.layout.block_size), info=info)
         with self._lock:
+            self._marks.append((lsn, 0, 1))
             self._known[(save.chain, save.token_ids[-1])] = info
             self._durable[save.chain] = {"key": info.key, "layout": info.layout}
             self._news.durable[save.chain] = [self.layout.tp_rank]
@@ -539,6 +546,26 @@ class WorkerJournal:
             news, self._news = self._news, WorkerNews()
         news.started = [vllm_id for vllm_id, _ in started]
         return news if news else None
+
+    def progress(self) -> Dict[str, int]:
+        """How far durability has come (``kvj bench vllm``): tokens journaled and durable, blocks
+        gathered and durable (segment and record), and the backlog in between."""
+        durable_lsn = self.journal.durable_lsn
+        with self._lock:
+            while self._marks:
+                lsn, tokens, blocks = self._marks[0]
+                if isinstance(lsn, Future):
+                    if not lsn.done() or lsn.exception() is not None:
+                        break
+                    lsn = lsn.result()
+                if lsn > durable_lsn:
+                    break
+                self._marks.popleft()
+                self._durable_tokens += tokens
+                self._durable_blocks += blocks
+            return {"tokens": self.stats["tokens"], "tokens_durable": self._durable_tokens,
+                    "blocks_gathered": self._gathered, "blocks_durable": self._durable_blocks,
+                    "backlog_blocks": self._gathered - self._durable_blocks}
 
     # ------------------------------------------------------------------ end
 
