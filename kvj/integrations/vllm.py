@@ -67,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE as _STR_DTYPES
 
 import kvj
 from kvj.errors import InvalidArgument, InvalidName, KvjError
@@ -172,7 +173,7 @@ def refusal(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"
         unsupported.append("MLA attention")
     if vllm_config.speculative_config is not None:
         unsupported.append("speculative decoding")
-    if cc.cache_dtype not in ("auto", *_FP8) and cc.cache_dtype != dtype_name(mc.dtype):
+    if cc.cache_dtype not in ("auto", *_FP8) and _STR_DTYPES.get(cc.cache_dtype) != mc.dtype:
         unsupported.append(f"KV cache dtype {cc.cache_dtype!r} (only the model's, or {', '.join(_FP8)})")
     if not unsupported:
         return None
@@ -321,7 +322,7 @@ class KvjConnector(KVConnectorBase_V1):
             path = self.config.journal
             state = kvj.replay(path) if os.path.isdir(path) else kvj.JournalState()
             self._durable_chains: Set[str] = set(durable_blocks(state, self._seed))
-            self._engine = blake3.blake3(os.urandom(16)).hexdigest()[:8]  #: this engine's journal ids
+            self._engine = os.urandom(4).hex()  #: prefixes this engine's journal ids
             self._requests: Dict[str, _Tracked] = {}
             self._arrived: List[Start] = []
             self._finishing: List[Finish] = []
