@@ -481,11 +481,9 @@ class WorkerJournal:
                     still.append(ld)
                     continue
                 self._copy_in(ld)
-            if not all(t.done() for t in ld.copies):
+            if not all(t.done() for t in ld.copies):  # once it is, later work on any stream sees the blocks
                 still.append(ld)
                 continue
-            for t in ld.copies:
-                t.fence()  # the compute stream reads the blocks after the copy (done already)
             self._load_staging.release(ld.buf)
             recving.add(ld.load.vllm_id)
             with self._lock:
