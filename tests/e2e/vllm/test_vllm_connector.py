@@ -299,7 +299,7 @@ def test_sigkill_mid_decode_and_mid_prefill_then_fsck_recover_resume(reference: 
     loaded = check_loaded_kv(crashed["tmp"], "resumed", reference["tmp"])
     counts = stats(crashed["tmp"], "resumed")
     print(f"blocks loaded {counts['blocks_loaded']}, failed verification {counts['blocks_failed']}")
-    assert counts["blocks_loaded"] == len(loaded)
+    assert 0 < len(loaded) <= counts["blocks_loaded"]  # one file per chain: two requests may load one block
     assert counts["blocks_failed"] >= 1, "the damaged block was not detected"
     assert not os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{victim['layout']['chain']}.npy"))
 
