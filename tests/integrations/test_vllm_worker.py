@@ -232,3 +232,22 @@ def test_a_process_that_exits_without_shutdown_drains_what_it_queued(tmp_path):
     state = kvj.replay(str(tmp_path / "j"))
     assert len(state.requests) == 4 and not state.in_flight(), "finished requests were left looking in flight"
     assert all(sorted(r.segments) == [0, 1, 2] for r in state.requests.values())
+
+
+def test_a_steps_blocks_leave_the_device_in_one_copy_the_compute_stream_never_waits_for(tmp_path, monkeypatch):
+    """Not a copy per block per layer (defect 2): a step's blocks go through one gather and one
+    device-to-host copy on kvj's side stream; the compute stream does not wait for it."""
+    sim = FakeCuda(devices=1).install(monkeypatch)
+    src = make_caches("NHD", dev="cuda:0")
+    tokens = tokens_of(5 * BS + 1)
+    worker = WorkerJournal(str(tmp_path / "j"), LAYOUT, threads=2)
+    worker.register(src)
+    sim.copies.clear()
+    worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})], saves=saves_for("e-r0", tokens, [1, 2, 3, 4, 5])))
+    d2h = [c for c in sim.copies if c.kind == "d2h"]
+    assert len(d2h) == 1 and d2h[0].stream is not torch.cuda.current_stream()
+    assert d2h[0].host.numel() * d2h[0].host.element_size() == 5 * LAYOUT.nbytes
+    assert worker.counters()["rounds"] == 1
+    worker.close()
+    assert sorted(kvj.replay(str(tmp_path / "j")).requests["e-r0"].segments) == [0, 1, 2, 3, 4]
+    sim.check()

@@ -229,3 +229,29 @@ def test_a_step_saves_blocks_computed_by_the_previous_one_and_a_preempted_reques
     r.num_computed_tokens = 0  # preempted in the next schedule: vLLM resets it and frees the blocks
     plan = conn.build_connector_meta(scheduled({}, {}, preempted={"r1"}))
     assert [(s.block, s.block_id) for s in plan.saves] == [(2, 2)]
+
+
+def test_a_finish_needs_no_wait_for_save(model: str, tmp_path: Any) -> None:
+    """Finishes and their last blocks are journaled at the start of the next step
+    (``handle_preemptions``, which vLLM calls on every step), so a step on which vLLM skips
+    ``wait_for_save`` still ends the request and frees its blocks (defect 6)."""
+    import kvj
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvj.integrations.vllm import KvjConnector
+    from kvj.integrations.vllm_worker import Finish, Start
+
+    journal = str(tmp_path / "j")
+    worker = KvjConnector(engine_config(model, journal), KVConnectorRole.WORKER, None)
+    caches = {f"l{i}": torch.zeros(4, 2, BLOCK, 32) for i in range(2)}
+    worker.register_kv_caches(caches)
+    sched = scheduler(model, str(tmp_path / "other"))
+    r = request("v1", list(range(40)))
+    sched.on_new_request(r)
+    plan = sched.build_connector_meta(no_step())
+    plan.starts = [Start("v1", "e-v1", r.prompt_token_ids, {})]
+    plan.finishes = [Finish("v1", "e-v1", "length_capped", [])]
+    worker.handle_preemptions(plan)  # no wait_for_save
+    assert worker.get_finished({"v1"}) == ({"v1"}, None)
+    worker.shutdown()
+    assert kvj.replay(journal).requests["e-v1"].ended
