@@ -2,11 +2,9 @@
 is durable, sustained generation, time to first token, and after a restart.
 
 ``kvj bench vllm [--dir DIR] [--rounds N] [--sustain SECONDS]`` builds a small random-weight
-Llama and runs each engine in a process of its own (``python -m kvj.bench.vllm SPEC.json``,
-which ``Engine`` starts), vLLM in process there (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
-engine core and its worker in that one process), so that the benchmark reads the worker-side
-connector's counters and waits for its durability. Engines that are compared stay up side by
-side and take turns, round after round, on the same prompts (each round new ones, so vLLM's
+Llama and runs each engine in a process of its own (``kvj.bench.vllm_engine``, which
+``Engine`` starts; vLLM in its usual processes there). Engines that are compared stay up side
+by side and take turns, round after round, on the same prompts (each round new ones, so vLLM's
 own prefix cache never answers), so that a neighbour's load on a shared machine falls on all
 alike; the table gives each system's median over the rounds:
 
@@ -43,8 +41,8 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-BLOCK = 32
-VOCAB = 4096
+from kvj.bench.vllm_engine import BLOCK, VOCAB
+
 #: Seconds for an engine that just served to settle before the next one's turn.
 IDLE = 1.5
 
@@ -64,124 +62,6 @@ def _model(path: str) -> str:
     return path
 
 
-# ---------------------------------------------------------------------------- an engine process
-
-
-class _Served:
-    """The child's engine, and its worker-side connector when it has one."""
-
-    def __init__(self, spec: Dict[str, Any]):
-        # vLLM's CPU backend reserves one more core when a KV connector is configured (for NIXL);
-        # on a 2-core machine that leaves the engine's scheduler none (see the README).
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        transfer = None
-        if spec["connector"] == "kvj":
-            transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
-                                        kv_role="kv_both", kv_load_failure_policy="recompute",
-                                        kv_connector_extra_config={"journal": spec["dir"], **spec.get("extra", {})})
-        elif spec["connector"] == "example":
-            transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                                        kv_connector_extra_config={"shared_storage_path": spec["dir"]})
-        self.llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=4096,
-                       enforce_eager=True, block_size=BLOCK, kv_transfer_config=transfer, seed=0,
-                       max_num_batched_tokens=4096,
-                       kv_cache_memory_bytes=1 << 30)  # no start-up check against the memory others use
-        self.core = self.llm.llm_engine.engine_core.engine_core
-        self.worker = None
-        if spec["connector"] == "kvj":
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            self.worker = get_kv_transfer_group().worker
-
-    def params(self, max_tokens: int) -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
-
-    def settle(self) -> None:
-        """Step until the engine holds no request (its last finishes reach the worker), then wait
-        until everything the connector journaled is durable."""
-        while self.core.scheduler.has_requests():
-            self.llm.llm_engine.step()
-        if self.worker is not None:
-            self.worker.drain()
-
-    def counters(self) -> Dict[str, int]:
-        return self.worker.counters() if self.worker is not None else {}
-
-    def generate(self, job: Dict[str, Any]) -> Dict[str, Any]:
-        from vllm.inputs import TokensPrompt
-
-        before = self.counters()
-        t0 = time.perf_counter()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]],
-                                 self.params(job["max_tokens"]), use_tqdm=False)
-        generated = time.perf_counter() - t0
-        self.settle()
-        after = self.counters()
-        return {"seconds": time.perf_counter() - t0, "generate_seconds": generated,
-                "generated": sum(len(o.outputs[0].token_ids) for o in outs),
-                "prompt": sum(len(o.prompt_token_ids or []) for o in outs),
-                "cached": sum(o.num_cached_tokens or 0 for o in outs),
-                "counters": {k: after[k] - before.get(k, 0) for k in after}}
-
-    def sustain(self, job: Dict[str, Any]) -> Dict[str, Any]:
-        """Requests arriving continuously: one whenever one finishes, ``in_flight`` at a time."""
-        from vllm.inputs import TokensPrompt
-
-        engine, rng = self.llm.llm_engine, random.Random(job["seed"])
-        params = self.params(job["max_tokens"])
-        produced: Dict[str, int] = {}
-        prompts: Dict[str, int] = {}
-        active: set = set()
-        samples: List[Dict[str, Any]] = []
-        t0 = time.perf_counter()
-        next_sample, n = t0, 0
-        while True:
-            now = time.perf_counter()
-            arriving = now - t0 < job["seconds"]
-            while arriving and len(active) < job["in_flight"]:
-                rid = f"s{n}"
-                n += 1
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=[rng.randrange(VOCAB)
-                                                                        for _ in range(job["prompt"])]), params)
-                active.add(rid)
-                prompts[rid] = job["prompt"]
-            if not active and not arriving:
-                break
-            for out in engine.step():
-                produced[out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    active.discard(out.request_id)
-            if now >= next_sample:
-                samples.append({"t": now - t0, "generated": sum(produced.values()),
-                                **(self.worker.progress() if self.worker is not None else {})})
-                next_sample = now + 1.0
-        generated_at = time.perf_counter() - t0
-        self.settle()
-        end = {"t": time.perf_counter() - t0, "generated": sum(produced.values()),
-               **(self.worker.progress() if self.worker is not None else {})}
-        # Whole blocks whose next token is known: the blocks the connector journals.
-        blocks = sum((prompts[r] + produced.get(r, 0) - 1) // BLOCK for r in prompts if produced.get(r))
-        return {"samples": samples + [end], "generate_seconds": generated_at, "requests": n, "blocks": blocks,
-                "counters": self.counters()}
-
-
-def _serve(spec: Dict[str, Any]) -> None:
-    """Child process: one engine; a JSON job per stdin line, a RESULT line per job on stdout."""
-    served = _Served(spec)
-    served.generate({"prompts": [[7] * 40], "max_tokens": 4})  # warm up
-    print("RESULT {}", flush=True)
-    for line in sys.stdin:
-        job = json.loads(line)
-        result = served.sustain(job) if job.get("sustain") else served.generate(job)
-        print("RESULT " + json.dumps(result), flush=True)
-
-
 class Engine:
     """An engine process the benchmark sends jobs to, one at a time."""
 
@@ -191,7 +71,7 @@ class Engine:
             json.dump(spec, f)
         self.name = name
         self._log = open(os.path.join(work, f"{name}.log"), "w")
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm", path], text=True,
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm_engine", path], text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       start_new_session=True)
         ENGINES.append(self)
@@ -324,7 +204,7 @@ def summarize(measures: Dict[str, Dict[str, List[Dict[str, Any]]]], sustained: D
                 c = [r["counters"] for r in runs[name]]
                 row.update(fsyncs_per_step=_median(c, lambda x: x["fsyncs"] / max(1, x["steps"])),
                            bytes_per_token=_median(runs[name], lambda r: r["counters"]["bytes_stored"] /
-                                                   max(1, r["generated"])),
+                                                   max(1, count(r))),
                            blocks_per_fsync=_median(c, lambda x: x["blocks_saved"] / max(1, x["fsyncs"])))
             rows.append(row)
     for measure in ("ttft", "restart"):  # until the first token, not until it is durable
@@ -342,11 +222,11 @@ def summarize(measures: Dict[str, Dict[str, List[Dict[str, Any]]]], sustained: D
                "tokens_durable_per_s": end["tokens_durable"] / end["t"],
                "blocks_per_s": kvj["blocks"] / kvj["generate_seconds"],
                "blocks_durable_per_s": end["blocks_durable"] / end["t"], "blocks": kvj["blocks"],
-               "blocks_durable": end["blocks_durable"],
-               "drain_seconds": end["t"] - kvj["generate_seconds"],
-               "backlog_max": max(s.get("backlog_blocks", 0) for s in kvj["samples"]),
+               "blocks_durable": end["blocks_durable"], "drain_seconds": end["t"] - kvj["generate_seconds"],
+               "backlog_max": max(s["backlog_blocks"] for s in kvj["samples"]),
+               "token_lag_max": max(s["generated"] - s["tokens_durable"] for s in kvj["samples"]),
                "backlog_end": end["backlog_blocks"],
-               "all_durable": end["tokens_durable"] == end["tokens"] and end["backlog_blocks"] == 0}
+               "all_durable": end["tokens_durable"] == end["generated"] and end["blocks_durable"] == kvj["blocks"]}
     return {"rows": rows, "sustained": sustain, "rounds": rounds, "prompt_tokens": prompt, "shared_tokens": shared,
             "block": BLOCK, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}
 
@@ -394,14 +274,11 @@ def format_table(result: Dict[str, Any]) -> str:
               f"  KV blocks computed {s['blocks_per_s']:,.1f}/s, made durable {s['blocks_durable_per_s']:,.1f}/s "
               f"({s['blocks_durable_per_s'] / s['blocks_per_s']:.2f}x; {s['blocks_durable']} of {s['blocks']}); "
               f"all durable {s['drain_seconds']:.2f} s after the last token",
-              f"  backlog (blocks gathered, not yet durable): at most {s['backlog_max']}, "
-              f"{s['backlog_end']} at the end; everything durable: {'yes' if s['all_durable'] else 'NO'}"]
-    lines.append(f"{result['cpus']} CPUs, vLLM CPU backend, float32, block {result['block']}; engines compared take "
+              f"  backlog: at most {s['backlog_max']} blocks and {s['token_lag_max']} tokens generated but not yet "
+              f"durable, {s['backlog_end']} blocks at the end; everything durable: "
+              f"{'yes' if s['all_durable'] else 'NO'}"]
+    lines.append(f"{result['cpus']} CPUs, vLLM CPU backend, bfloat16, block {result['block']}; engines compared take "
                  f"turns on the same prompts; load average {result['load_average']:.2f} after the run. No GPU in "
                  f"this run: restore vs re-prefill on a GPU is not measured.")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":  # an engine process of the benchmark (Engine starts it)
-    with open(sys.argv[1]) as f:
-        _serve(json.load(f))
