@@ -238,6 +238,9 @@ class WorkerJournal:
         self._no_room = False  #: the last attempt to make it failed (warned once until it succeeds)
         self._caches: List[torch.Tensor] = []
         self._on_device = False
+        self._spare: Set[int] = set()  #: CPUs for kvj's threads (see _place_threads)
+        self._placed: Set[int] = set()
+        self._threads = 0
         #: (chain, next token) -> a durable segment holding that block: journaled again by reference
         self._known: Dict[Tuple[str, int], SegmentInfo] = {}
         self._pending: Dict[str, List["Future[Any]"]] = {}  #: journal id -> its saves not yet recorded
@@ -271,6 +274,9 @@ class WorkerJournal:
         self.layout.check_caches(caches)
         self._caches = list(caches)
         self._on_device = device.CUDA.is_device_tensor(self._caches[0])
+        self._spare = spare_cpus()
+        self._threads = 0
+        self._place_threads()
         # Two slots of device staging: one round is copied while the next gathers (or scatters).
         self._per_round = max(1, self._gather_bytes // (2 if self._on_device else 1) // self.layout.nbytes)
 
@@ -294,6 +300,23 @@ class WorkerJournal:
                 self._fail(exc)
         for fin in plan.finishes:  # released even when journaling has stopped
             self._finish(fin)
+        self._place_threads()
+
+    def _place_threads(self) -> None:
+        """Run kvj's threads on the CPUs the engine's compute threads are not bound to (vLLM's
+        CPU backend binds its worker to some cores and reserves the others for helpers such
+        as a KV connector; its threads would otherwise inherit the compute cores). Threads
+        are made as work comes: checked every step, cheaply."""
+        if not self._spare or threading.active_count() == self._threads:
+            return
+        self._threads = threading.active_count()
+        for t in threading.enumerate():
+            if t.name.startswith("kvj-") and t.native_id is not None and t.native_id not in self._placed:
+                try:
+                    os.sched_setaffinity(t.native_id, self._spare)
+                except OSError:  # gone, or those CPUs are not ours after all
+                    pass
+                self._placed.add(t.native_id)
 
     def _save(self, saves: Sequence[Save]) -> None:
         copies: List[Save] = []
@@ -609,6 +632,30 @@ class WorkerJournal:
                 self._fail(exc)
             finally:
                 self.journal.store.close()
+
+
+def spare_cpus() -> Set[int]:
+    """The CPUs this process may run on that the calling thread is not bound to: empty unless
+    the caller is bound to some (as vLLM's CPU worker binds its compute threads)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set()
+    mine = os.sched_getaffinity(0)
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective", encoding="ascii") as f:
+            allowed = _cpu_list(f.read())
+    except (OSError, ValueError):
+        allowed = set(range(os.cpu_count() or 1))
+    return allowed - mine if mine < allowed else set()
+
+
+def _cpu_list(text: str) -> Set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set."""
+    cpus: Set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def _settle(done: "Future[None]", f: "Future[Any]") -> None:
