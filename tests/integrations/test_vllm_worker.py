@@ -12,7 +12,7 @@ before its copy is done sees poison, a race between streams raises.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import pytest
 import torch
