@@ -71,18 +71,21 @@ class Engine:
             json.dump(spec, f)
         self.name = name
         self._log = open(os.path.join(work, f"{name}.log"), "w")
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm_engine", path], text=True,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                      start_new_session=True)
+        # Results come on a pipe of their own: vLLM's processes share the child's stdout.
+        read, write = os.pipe()
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm_engine", path, str(write)], text=True,
+                                      stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
+                                      pass_fds=(write,), start_new_session=True)
+        os.close(write)
+        self._results = os.fdopen(read, encoding="utf-8")
         ENGINES.append(self)
         self._result()  # up and ready
 
     def _result(self) -> Dict[str, Any]:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-        raise RuntimeError(f"engine {self.name} failed ({self._proc.wait()}): see {self._log.name}")
+        line = self._results.readline()
+        if not line:
+            raise RuntimeError(f"engine {self.name} failed ({self._proc.wait()}): see {self._log.name}")
+        return json.loads(line)
 
     def job(self, **job: Any) -> Dict[str, Any]:
         assert self._proc.stdin is not None
@@ -99,6 +102,7 @@ class Engine:
         self._proc.stdin.close()
         if self._proc.wait() != 0:
             raise RuntimeError(f"engine {self.name} exited {self._proc.returncode}: see {self._log.name}")
+        self._results.close()
         self._log.close()
 
     def kill(self) -> None:

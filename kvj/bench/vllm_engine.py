@@ -1,5 +1,6 @@
 """An engine process of ``kvj bench vllm`` (``kvj.bench.vllm`` starts it): one vLLM engine, a job
-per stdin line, a ``RESULT`` line per job on stdout.
+per stdin line, a JSON line per job on the file descriptor it is given (vLLM's own processes
+share its stdout).
 
 vLLM runs in its usual processes (its engine core and worker apart from this one). A kvj
 engine's timed region ends when everything it journaled is durable: this process follows the
@@ -174,16 +175,18 @@ class Served:
                 "requests": n, "blocks": blocks}
 
 
-def serve(spec: Dict[str, Any]) -> None:
+def serve(spec: Dict[str, Any], results: Any) -> None:
     served = Served(spec)
     served.generate({"prompts": [[7] * 40], "max_tokens": 4})  # warm up
-    print("RESULT {}", flush=True)
+    results.write("{}\n")
+    results.flush()
     for line in sys.stdin:
         job = json.loads(line)
         result = served.sustain(job) if job.get("sustain") else served.generate(job)
-        print("RESULT " + json.dumps(result), flush=True)
+        results.write(json.dumps(result) + "\n")
+        results.flush()
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        serve(json.load(f))
+    with open(sys.argv[1]) as f, os.fdopen(int(sys.argv[2]), "w", encoding="utf-8") as out:
+        serve(json.load(f), out)
