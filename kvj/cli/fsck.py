@@ -12,6 +12,7 @@ from kvj.cli.common import (
     JournalArg,
     JsonArg,
     OutputClosed,
+    OutputFailed,
     StoreArg,
     click,
     emit_json,
@@ -21,8 +22,9 @@ from kvj.cli.common import (
     store_path,
     usage_error,
 )
-from kvj.cli.errors import FSCK_CANCELED, fail, fsck_status, report
+from kvj.cli.errors import FSCK_CANCELED, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
+from kvj.cli.render import lsn_span
 from kvj.ops.fsck import FsckResult
 from kvj.ops.fsck import fsck as check_journal
 
@@ -62,7 +64,10 @@ def fsck(journal: JournalArg = None,
 
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
-    error); 16 usage error; 32 interrupted (Ctrl-C).
+    error); 16 usage error; 32 interrupted (Ctrl-C). When the report cannot be written
+    (standard output closed or full), 8 is added to the status of what was found and
+    corrected (9: corrected, then the output failed), and one line on stderr says so:
+    what --repair corrected is done and durable.
 
     --preen (e2fsck's -p, for boot scripts) cuts what recovery would cut anyway and
     quarantines damaged segments nothing refers to; anything else stays an error (status
@@ -90,6 +95,12 @@ def fsck(journal: JournalArg = None,
         _show(result, path, as_json)
     except OutputClosed:  # kvj fsck | head: the check is done, its status still counts
         pass
+    except OutputFailed as failed:  # its status still says what was found and corrected, plus 8 for the output
+        fixed = sum(1 for f in result.findings if f.fixed)
+        what = f"the repairs are done ({fixed} corrected)" if fixed else "the check is done"
+        report("kvj", f"fsck of {path}: {what}, status {result.exit_code}; but its report could not be written "
+                      f"to standard output: {failed.reason}")
+        raise typer.Exit(result.exit_code | FSCK_OPERATIONAL) from None
     raise typer.Exit(result.exit_code)
 
 
@@ -118,8 +129,10 @@ def _show(result: FsckResult, path: str, as_json: bool) -> None:
         checked = (f"{result.segments_checked} segments checked" if not result.headers_checked else
                    f"{result.data_verified} segments read in full, {result.headers_checked} by their headers "
                    f"(sample seed {result.sample_seed})")
-        summary = (f"{path}: {result.logs} log files, {result.records} records (LSN {result.first_lsn}.."
-                   f"{result.last_lsn}), {result.snapshots} snapshots, {checked}, {len(result.orphans)} orphans; ")
+        span = lsn_span(result.first_lsn, result.last_lsn)
+        records = f"{result.records} records" + (f" ({span})" if result.first_lsn is not None else "")
+        summary = (f"{path}: {result.logs} log files, {records}, {result.snapshots} snapshots, {checked}, "
+                   f"{len(result.orphans)} orphans; ")
         if errors:
             summary += f"{len(errors)} errors, {len(warned)} warnings, {fixed} corrected"
         elif warned:

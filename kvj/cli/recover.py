@@ -10,8 +10,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, ago, emit_json, journal_path,
-                            out, progress, rate, store_path)
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, ago, done, emit_json,
+                            journal_path, out, progress, rate, store_path)
 from kvj.cli.errors import FAILURE
 from kvj.errors import CorruptionError
 from kvj.ops.inspection import human_size
@@ -97,6 +97,9 @@ def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: b
                 raise
             raise CorruptionError(exc.path, exc.offset, f"{exc.reason}; nothing was changed (kvj recover "
                                   "--until-damage recovers what precedes the damage, see kvj-recover(1))") from None
+        if not result.dry_run:
+            epoch = f", epoch record at LSN {result.epoch_lsn}" if result.epoch_lsn is not None else ""
+            done(f"recovery is done: manifest {result.manifest_path}{epoch}")
         if device is not None:
             result.load = load_manifest(result.manifest, store, device, progress=update)
     if as_json:
@@ -205,11 +208,30 @@ def _salvage(s: Dict[str, Any], dry_run: bool) -> List[RenderableType]:
                               + ", ".join(s["set_aside_to"]), style="red"))
     else:
         parts.append(Text("set aside (kept): " + ", ".join(s["set_aside_to"]), style="red"))
-    for r in s["requests"]:
-        parts.append(Text(f"  {r['id']}: {r['what']}", style="red"))
+    parts += _salvaged_requests(s["requests"])
     if s.get("training"):
         parts.append(Text(f"  training: step {s['training']['step_after_damage']} lost; restores step "
                           f"{s['training']['kept_step']}", style="red"))
+    return parts
+
+
+#: Requests a salvage report names one per line; past this many, they are counted (--json lists each).
+SALVAGE_LINES = 10
+
+
+def _salvaged_requests(requests: List[Dict[str, Any]]) -> List[RenderableType]:
+    """What the damage changed per request: those that lose tokens first, most lost first,
+    at most ``SALVAGE_LINES`` of them named; the rest counted by what happened to them."""
+    ordered = sorted(requests, key=lambda r: (-r["tokens_lost"], r["id"]))
+    named = [r for r in ordered if r["tokens_lost"]][:SALVAGE_LINES]
+    parts: List[RenderableType] = [Text(f"  {r['id']}: {r['what']}", style="red") for r in named]
+    rest: Dict[str, int] = {}
+    for r in ordered[len(named):]:
+        kind = "lose tokens too (kvj recover --json lists each)" if r["tokens_lost"] else r["what"]
+        rest[kind] = rest.get(kind, 0) + 1
+    for kind, count in rest.items():
+        parts.append(Text(f"  {count} {'request' if count == 1 else 'requests'}: {kind}",
+                          style="red" if kind.startswith("lose") else "yellow"))
     return parts
 
 

@@ -89,6 +89,8 @@ class Segment(Schema):
     def check(self, new: bool) -> None:
         check_request_id(self.id)
         check_key(self.key)
+        if new and self.seg < 0:  # read back, a negative number is kept: kvj before 0.2 wrote what it was given
+            raise FormatError(f"segment record has negative segment number {self.seg}")
         if self.tokens[0] > self.tokens[1]:
             raise FormatError(f"segment record has bad token range {self.tokens!r}")
         _plain(self.layout, "layout", new)

@@ -19,6 +19,7 @@ warning and the writer goes on with its own copy alone (``mirror_error`` says wh
 from __future__ import annotations
 
 import errno
+import math
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Unio
 
 from crc32c import crc32c
 
-from kvj.errors import JournalClosed, JournalFailed
+from kvj.errors import InvalidArgument, JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, DurabilityError
 from kvj.journal.framing import (CRC, MAX_GROUP_BODY, MAX_RECORD_PAYLOAD, RECORD_HEADER_SIZE, RECORD_TAIL,
                                  encode_file_header, encode_group_header, encode_record, new_salt)
@@ -56,6 +57,17 @@ class CommitPolicy:
     max_pending_records: int = 10_000
     file_size_limit: int = 64 << 20  # rotate to a new log file after this many bytes
 
+    def __post_init__(self) -> None:
+        """Refuse, where the policy is made, a value the writer cannot work with (a zero
+        buffer would block the first append for ever): ``InvalidArgument`` naming it."""
+        delay = self.max_delay
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
+            raise InvalidArgument(f"commit policy: max_delay must be a finite number of seconds >= 0, not {delay!r}")
+        for name in ("max_records", "max_buffer_bytes", "max_pending_records", "file_size_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"commit policy: {name} must be an integer >= 1, not {value!r}")
+
 
 class LogWriter:
     """Appends records to the log files of one journal directory. One per journal."""
@@ -81,7 +93,7 @@ class LogWriter:
         # A group is the whole buffer: committed before one more record could take it past what a
         # reader accepts (kvj-journal(5), Limits), whatever the policy allows.
         self._max_buffer = min(policy.max_buffer_bytes, MAX_GROUP_BODY - MAX_RECORD_PAYLOAD - RECORD_HEADER_SIZE)
-        self._max_pending = max(1, policy.max_pending_records)
+        self._max_pending = policy.max_pending_records
         self._max_records = policy.max_records
         self._buf = bytearray()
         self._count = 0

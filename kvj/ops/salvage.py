@@ -273,8 +273,8 @@ def _lost_requests(kept: JournalState, full: JournalState) -> Tuple[List[Dict[st
             continue
         resume_after = 0 if after.ended else after.resume_position
         if before is None:
-            what = "started after the damage: not recovered" + ("" if after.ended else
-                                                                 f" ({resume_after} tokens lost)")
+            what = ("started and ended after the damage: nothing to resume" if after.ended else
+                    f"started after the damage: not recovered ({resume_after} tokens lost)")
             lost = resume_after
         elif before.start_lsn != after.start_lsn:
             what, lost = "started again after the damage: its later incarnation is not recovered", resume_after

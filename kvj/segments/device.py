@@ -150,19 +150,18 @@ class Cuda:
     def upload(self, host: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, Any]:
         """Start copying ``host`` onto ``device``; returns the device tensor and the copy's event.
 
-        The copy runs on kvj's h2d stream into memory allocated there; the caller's current
-        stream waits for it on the GPU, so later work sees the data. The host must
-        :meth:`wait` on the event before it reuses ``host``. If anything fails once the copy
-        is enqueued, this waits for the stream before raising, so ``host`` is free again.
+        The copy runs on kvj's h2d stream into memory allocated there, which the caller's
+        current stream will use (``record_stream``). The host must :meth:`finish` the event
+        before it uses the tensor or reuses ``host``; work it enqueues after that wait comes
+        after the copy on every stream. If anything fails once the copy is enqueued, this
+        waits for the stream before raising, so ``host`` is free again.
         """
         side = self.side_stream(device, "h2d")
         with self.enqueue_on(side):
             out = self.empty(tuple(host.shape), host.dtype, device)
             self.copy(out, host)
             event = self.record(side)
-        current = self.current_stream(device)
-        self.gpu_wait(current, event)
-        self.keep_alive(out, current)
+        self.keep_alive(out, self.current_stream(device))
         return out, event
 
     def download(self, tensor: torch.Tensor, dest: torch.Tensor) -> Any:
@@ -217,7 +216,8 @@ class Transfer:
         """Make ``stream`` (default: the caller's current one) wait for it on the GPU, before
         its later work reads what it brought; the host goes on."""
         if self.event is not None:
-            CUDA.gpu_wait(stream if stream is not None else CUDA.current_stream(self.stream.device), self.event)
+            waiter = stream if stream is not None else CUDA.current_stream(self.stream.device)
+            CUDA.gpu_wait(waiter, self.event)
 
 
 @dataclass(eq=False)
@@ -272,7 +272,10 @@ def block_buffers(caches: Sequence[torch.Tensor], max_blocks: int,
             ids_host = CUDA.pinned(max_blocks * 8).view(torch.long)
         ids = CUDA.empty((max_blocks,), torch.long, dev)
         blocks = CUDA.empty(blocks_shape(caches, max_blocks), first.dtype, dev)
-    except (torch.OutOfMemoryError, MemoryError) as exc:
+    except (RuntimeError, MemoryError) as exc:  # OutOfMemoryError is a RuntimeError too
+        # a failed pinned allocation is a plain RuntimeError ("CUDA error: out of memory")
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "out of memory" not in str(exc):
+            raise
         raise DeviceOutOfMemory(f"no room on {dev} for {max_blocks} blocks of staging: {exc}") from None
     return BlockBuffers(max_blocks, ids_host, ids, blocks)
 

@@ -592,11 +592,13 @@ def check_stored(data: Union[bytes, memoryview], name: str = "<segment>") -> Hea
     pos = PREAMBLE.size
     if header.dedup is not None:
         if crc32c.crc32c(view[pos:pos + header.dedup["map_stored"]]) != header.dedup["map_crc"]:
-            raise _corrupt(name, pos, "dedup map CRC mismatch")
+            raise _corrupt(name, pos, f"dedup map CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{pos}..{pos + header.dedup['map_stored']}")
         pos += header.dedup["map_stored"]
     for i, (stored, crc) in enumerate(header.chunks):
         if crc32c.crc32c(view[pos:pos + stored]) != crc:
-            raise _corrupt(name, pos, f"chunk {i} CRC mismatch")
+            raise _corrupt(name, pos, f"chunk {i} CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{pos}..{pos + stored}")
         pos += stored
     return header
 
@@ -640,7 +642,8 @@ def decode_into(data: Union[Buffer, Source], out: Optional[torch.Tensor] = None,
         dd = header.dedup
         frame = bytes(source.read(pos, dd["map_stored"]))
         if crc32c.crc32c(frame) != dd["map_crc"]:
-            raise _corrupt(name, pos, "dedup map CRC mismatch")
+            raise _corrupt(name, pos, f"dedup map CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{pos}..{pos + header.dedup['map_stored']}")
         try:
             map_raw = zstd_decompress(frame, dd["map_raw"])
             src, firsts = RowDedup.decode_map(map_raw, dd["rows"])
@@ -670,7 +673,8 @@ def decode_into(data: Union[Buffer, Source], out: Optional[torch.Tensor] = None,
         else:
             body = source.read(off, stored)
         if crc32c.crc32c(body) != crc:
-            raise _corrupt(name, off, f"chunk {i} CRC mismatch")
+            raise _corrupt(name, off, f"chunk {i} CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{off}..{off + stored}")
         if body is not dest:
             try:
                 codec.decode_into(body, dest, wsize)

@@ -94,11 +94,21 @@ def load_many(store: SegmentStore, keys: Sequence[str], device: Device = "cpu",
     """Several segments, decoded concurrently (small segments are one chunk each).
 
     ``device`` is resolved here, in the caller's thread: a bare ``"cuda"`` means the caller's
-    current device, not the worker threads' default (device 0).
+    current device, not the worker threads' default (device 0); and the workers load with the
+    caller's current stream as theirs, so the tensors are marked as used by the stream that
+    will use them (not the workers' default stream), lest the allocator reuse them early.
     """
     target = cuda.CUDA.resolve(device)
+    stream = cuda.CUDA.current_stream(target) if target.type == "cuda" else None
+
+    def one(key: str) -> torch.Tensor:
+        if stream is None:
+            return load(store, key, target, expect_layout)
+        with cuda.CUDA.use(stream):
+            return load(store, key, target, expect_layout)
+
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        return list(pool.map(lambda k: load(store, k, target, expect_layout), keys))
+        return list(pool.map(one, keys))
 
 
 def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[torch.Tensor],
@@ -112,7 +122,7 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     when all are in does anything reach the cache (a segment of another model or layout raises
     LayoutMismatch with every slot untouched), then ``kvj.segments.device.scatter_blocks`` puts
     them in: on the CPU one row copy per layer, on a GPU one non-blocking transfer on a side
-    stream and one ``index_copy_`` per layer; the caller's stream waits for it on the GPU.
+    stream and one ``index_copy_`` per layer, which the host waits for (its event, not a stream).
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):
@@ -156,7 +166,7 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
         bufs = cuda.block_buffers(kv_caches, len(ids), buf[ids_at:ids_at + 8 * len(ids)].view(torch.long))
         moved = cuda.scatter_blocks(kv_caches, ids, host, bufs)
-        moved.wait()  # the staging buffer is reused once the copy from it is done ...
-        moved.fence()  # ... and the caller's later work reads the blocks after the scatter
+        moved.wait()  # the staging buffer is reused once the copy from it is done (and, the host
+        # having waited, the caller's later work on any stream comes after the scatter)
     finally:
         pool.release(buf)  # scatter_blocks raises only once nothing reads the buffer

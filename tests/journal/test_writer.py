@@ -204,6 +204,7 @@ def test_a_failed_segment_flush_makes_sync_and_close_fail(tmp_path):
             super().fsync(fd)
 
     j = Journal.open(tmp_path / "j", fs=NoSegmentFsync())
+    j.start("r")
     future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
     with pytest.raises(JournalFailed):
         future.result(10)
@@ -227,6 +228,7 @@ def test_a_failed_segment_write_fails_its_own_flush_future_with_journal_failed(t
             super().write(fd, data)
 
     j = Journal.open(tmp_path / "j", fs=NoSegmentWrite())
+    j.start("r")
     j.alloc("cuda:0", 0, 1)
     before = j.writer.last_lsn
     future = j.flush("r", 0, torch.arange(64, dtype=torch.float32), token_range=(0, 16))
@@ -300,3 +302,40 @@ def test_append_many_waits_at_the_cap_on_what_a_crash_can_lose(tmp_path):
         assert j.sync() == 301
     assert max(group_sizes(tmp_path)) <= 50
     assert [r.payload["addr"] for r in Scan(str(tmp_path)).records()] == list(range(301))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_buffer_bytes", 0), ("max_buffer_bytes", -1), ("max_records", 0), ("max_pending_records", 0),
+    ("file_size_limit", 0), ("max_delay", -0.1), ("max_delay", float("nan")), ("max_delay", float("inf")),
+    ("max_records", 2.5), ("max_records", True), ("max_delay", "100ms"), ("file_size_limit", None)])
+def test_a_commit_policy_that_cannot_work_is_refused_where_it_is_made(tmp_path, field, value):
+    # max_buffer_bytes=0 used to block the first start() for ever: refused when the policy is made
+    with pytest.raises(kvj.InvalidArgument, match=field):
+        CommitPolicy(**{field: value})
+    assert not os.listdir(tmp_path)
+
+
+def test_the_smallest_commit_policy_values_work(tmp_path):
+    policy = CommitPolicy(max_delay=0, max_records=1, max_buffer_bytes=1, max_pending_records=1, file_size_limit=1)
+    with Journal.open(tmp_path, policy=policy) as j:
+        for i in range(5):
+            j.alloc("cuda:0", i, 64)
+        assert j.sync() == 5
+
+
+class UserError(Exception):
+    pass
+
+
+def test_an_exception_in_the_with_block_is_not_replaced_by_a_failing_close(tmp_path):
+    with Journal.open(tmp_path) as j:
+        j.alloc("cuda:0", 0, 1, durable=True)
+    with pytest.raises(UserError) as caught:
+        with Journal.open(tmp_path, fs=FailingSyncFS(fail_on_call=1)) as j:
+            j.alloc("cuda:0", 1, 1)  # its group's fdatasync fails: close() raises JournalFailed
+            raise UserError("the caller's own failure")
+    assert str(caught.value) == "the caller's own failure"  # the user's traceback, not close()'s
+    assert any("closing the journal failed too: JournalFailed" in n for n in getattr(caught.value, "__notes__", []))
+    with pytest.raises(JournalFailed):  # without an exception in the block, close()'s failure is raised
+        with Journal.open(tmp_path, fs=FailingSyncFS(fail_on_call=1)) as j:
+            j.alloc("cuda:0", 2, 1)

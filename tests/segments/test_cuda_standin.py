@@ -253,3 +253,33 @@ def test_device_memory_runs_out_where_told_and_failures_can_be_injected(gpu):
     with pytest.raises(RuntimeError, match="injected"):
         torch.cuda.Event().record()
     torch.cuda.Event().record()  # once
+
+
+def test_a_thread_learns_what_another_waited_for_through_a_future_it_completed(gpu):
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = torch.full((4,), 1.0, device="cuda")
+    host = torch.empty(4, pin_memory=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        host.copy_(x, non_blocking=True)
+        done = side.record_event()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(done.synchronize).result()  # the worker waited, then handed the result over
+    x.fill_(2.0)  # ordered after the copy for this thread now
+    assert host.tolist() == [1.0] * 4
+
+
+def test_an_op_with_a_data_dependent_shape_waits_for_its_inputs(gpu):
+    x = gpu.fresh(torch.tensor([0.0, 3.0, 0.0, 5.0]))
+    syncs = sum(gpu.syncs.values())
+    assert x.nonzero().cpu().flatten().tolist() == [1, 3]
+    assert sum(gpu.syncs.values()) > syncs
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_resizing_a_device_tensor_in_place_is_refused_loudly(gpu):
+    out = torch.empty(2, device="cuda")
+    with pytest.raises(StandInError, match="resizes a device tensor"):
+        torch.index_select(torch.ones(4, device="cuda"), 0, torch.tensor([0, 1, 2], device="cuda"), out=out)

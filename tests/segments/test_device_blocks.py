@@ -145,6 +145,9 @@ def test_a_failed_device_allocation_is_reported_and_keeps_nothing(gpu):
     with pytest.raises(DeviceOutOfMemory, match="no room on cuda:0"):
         block_buffers(caches, 64)
     assert torch.cuda.memory_allocated(0) == before
+    gpu.fail_next = "pin"
+    with pytest.raises(DeviceOutOfMemory, match="pinned host memory"):
+        block_buffers(caches, 1)
 
 
 def test_bad_arguments_are_refused_before_anything_moves(gpu):

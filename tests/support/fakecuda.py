@@ -7,11 +7,18 @@ are what the tests exercise (delete one and a test fails: ``tests/segments/test_
 
 Design. A device tensor is a :class:`FakeCudaTensor`, a wrapper subclass whose ``device`` is
 ``cuda:i`` (so ``t.is_cuda``, ``t.device.type == "cuda"`` and kvj's real branches hold) holding an
-inner CPU tensor; ``__torch_dispatch__`` routes every aten op on it here. Factories with
-``device="cuda..."``, ``pin_memory=True``, ``Tensor.to/.cuda/.is_pinned/.pin_memory`` and
-``torch.cuda`` (``Stream``, ``Event``, ``current_stream``, ``stream()``, ``synchronize``,
-``set_device``...) are patched on the modules, not through a TorchFunctionMode: modes are per
-thread, and kvj copies from worker threads.
+inner CPU tensor; ``__torch_dispatch__`` routes every aten op on it here. Device tensors are
+born in Python kernels registered for torch's CUDA ``empty``/``empty_strided`` (so factories
+with ``device="cuda"``, ``.to("cuda")``, ``.cuda()`` and C++ paths such as indexing with a list
+work unpatched), with a do-nothing CUDA device guard compiled from ``fakecuda_guard.cpp`` (a
+C++ compiler, ``c++`` or ``$CXX``, is needed; torch ships the headers). ``pin_memory=True``, ``Tensor.is_pinned`` /
+``.pin_memory`` and ``torch.cuda`` (``Stream``, ``Event``, ``current_stream``, ``stream()``,
+``synchronize``, ``set_device``, ``_sleep``, the RNG state functions...) are patched on the
+modules, not through a TorchFunctionMode: modes are per thread, and kvj copies from worker
+threads. Autograd's backward pass runs on these tensors only in a process started with
+:func:`autograd_env` (torch's engine asks CUDA hooks for the gradients' streams: that library
+registers some before torch starts), and then on each thread's current stream, not on the
+stream its forward op ran on as CUDA's engine does: run training on the default stream.
 
 What CUDA does that this enforces:
 
@@ -38,7 +45,8 @@ What CUDA does that this enforces:
 - several devices are distinct (their own default streams, memory and checks).
 
 The host's knowledge is per thread: a thread that waited on an event knows that work is done,
-another does not (kvj's threads hand buffers over through Python, which this cannot see).
+another learns it only through a ``concurrent.futures`` result the first thread set afterwards
+(the handoff kvj's thread pools use; other Python synchronization is not seen).
 Simplifications, all on the lenient side: a strided view is tracked by the byte range it spans;
 an op without a meta kernel (data-dependent shapes) runs when enqueued after the work it
 depends on; at most 256 earlier accesses are remembered per allocation.
@@ -47,8 +55,11 @@ depends on; at most 256 earlier accesses are remembered per allocation.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
+import hashlib
 import os
+import subprocess
 import sys
 import threading
 import weakref
@@ -58,7 +69,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+import torch.utils._device
 
 POISON = 0xA5
 aten = torch.ops.aten
@@ -90,7 +101,7 @@ class FakeStream:
     _count = 0
 
     def __init__(self, device: Any = None, priority: int = 0, *, name: Optional[str] = None):
-        sim = _sim()
+        sim = self._sim = _sim()  # a stream (and an event) belongs to the stand-in that made it
         FakeStream._count += 1
         self.device = sim.resolve("cuda" if device is None else device)
         self.name = name or f"stream{FakeStream._count}"
@@ -106,10 +117,10 @@ class FakeStream:
         return self.device.index
 
     def wait_event(self, event: "FakeEvent") -> None:
-        _sim()._wait(self, event.clock)
+        self._sim._wait(self, event.clock)
 
     def wait_stream(self, stream: "FakeStream") -> None:
-        _sim()._wait(self, dict(stream.clock))
+        self._sim._wait(self, dict(stream.clock))
 
     def record_event(self, event: Optional["FakeEvent"] = None) -> "FakeEvent":
         event = event or FakeEvent()
@@ -117,10 +128,10 @@ class FakeStream:
         return event
 
     def synchronize(self) -> None:
-        _sim()._host_wait(dict(self.clock), "stream")
+        self._sim._host_wait(dict(self.clock), "stream")
 
     def query(self) -> bool:
-        return _sim()._query(dict(self.clock))
+        return self._sim._query(dict(self.clock))
 
     def __repr__(self) -> str:
         return f"<stream {self.name} of {self.device}>"
@@ -133,12 +144,12 @@ class FakeEvent:
         self.blocking = blocking
         self.clock: Dict[FakeStream, int] = {}  #: empty until recorded: waits on it return at once
         self.stream: Optional[FakeStream] = None
-        sim = _sim()
+        sim = self._sim = _sim()
         with sim.lock:
             sim.events.append(self)
 
     def record(self, stream: Optional[FakeStream] = None) -> None:
-        sim = _sim()
+        sim = self._sim
         stream = stream or sim.current_stream()
         with sim.lock:
             sim._inject("record")
@@ -146,16 +157,16 @@ class FakeEvent:
             self.clock, self.stream = dict(stream.clock), stream
 
     def synchronize(self) -> None:
-        sim = _sim()
+        sim = self._sim
         with sim.lock:
             sim._inject("synchronize")
         sim._host_wait(self.clock, "event")
 
     def query(self) -> bool:
-        return _sim()._query(self.clock)
+        return self._sim._query(self.clock)
 
     def wait(self, stream: Optional[FakeStream] = None) -> None:
-        (stream or _sim().current_stream()).wait_event(self)
+        (stream or self._sim.current_stream()).wait_event(self)
 
     def __repr__(self) -> str:
         return f"<event on {self.stream!r} at {self.clock.get(self.stream) if self.stream else 'unrecorded'}>"
@@ -183,7 +194,8 @@ class _Access:
 class _Memory:
     """One allocation: a device tensor's inner storage, or a pinned host buffer."""
 
-    def __init__(self, label: str, device: Optional[torch.device], alloc: Optional[FakeStream]):
+    def __init__(self, sim: "FakeCuda", label: str, device: Optional[torch.device], alloc: Optional[FakeStream]):
+        self.sim = sim
         self.label = label
         self.device = device
         self.alloc = alloc  #: the stream it was allocated on (device memory)
@@ -191,6 +203,15 @@ class _Memory:
         self.cross: Dict[FakeStream, int] = {}  #: last use by each stream other than ``alloc``
         self.recorded: set = set()  #: streams ``record_stream`` named
         self.refs = 0  #: live FakeCudaTensor wrappers
+
+
+@dataclass(frozen=True)
+class _Out:
+    """A new tensor an op returns: what its meta kernel said about it."""
+
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass
@@ -224,7 +245,27 @@ class FakeCudaTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _sim()._dispatch(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        for x in _flatten((args, kwargs))[0]:
+            if isinstance(x, FakeCudaTensor):  # the stand-in that made the tensor runs its ops
+                return x._mem.sim._dispatch(func, args, kwargs)
+        return _sim()._dispatch(func, args, kwargs)
+
+    # a traceable wrapper: nn.Module.to("cuda") swaps its parameters for these instead of
+    # pointing them at a wrapper's data (which would make a plain tensor claiming to be on cuda)
+    def __tensor_flatten__(self) -> Tuple[List[str], Tuple[torch.device, _Memory]]:
+        return ["_inner"], (self.device, self._mem)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: Dict[str, torch.Tensor], ctx: Tuple[torch.device, _Memory],
+                             outer_size: Any, outer_stride: Any) -> "FakeCudaTensor":
+        return _sim()._wrap(inner["_inner"], ctx[0], ctx[1])
+
+    def __del__(self) -> None:
+        # not a weakref.finalize: nn.Module.to() swaps parameters, which refuses weakrefs
+        mem = self.__dict__.get("_mem")
+        if mem is not None and _join is not None:  # None: the interpreter is shutting down
+            mem.sim._dropped_wrapper(mem)
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to "
@@ -234,26 +275,153 @@ class FakeCudaTensor(torch.Tensor):
         return self.cpu().tolist()
 
     def record_stream(self, stream: FakeStream) -> None:
-        _sim()._record_stream(self, stream)
+        self._mem.sim._record_stream(self, stream)
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # the inner tensor's (a wrapper has none): code that tells tensors apart by storage
+        # pointer (safetensors, PEFT's save_pretrained) works; its device says cpu
+        return self._inner.untyped_storage()
+
+    # torch turns a list index into a device tensor with the Python key masked, which a CPU
+    # build cannot run; CUDA takes CPU index tensors, so the list becomes one
+    def __getitem__(self, index: Any) -> Any:
+        return torch.Tensor.__getitem__(self, _cpu_index(index))
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        torch.Tensor.__setitem__(self, _cpu_index(index), value)
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"FakeCudaTensor({list(self.shape)}, {self.dtype}, {self.device})"
 
 
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakecuda_guard.cpp")
-_guard_loaded = False
+_backend: Optional[torch.library.Library] = None
 
 
-def _load_guard() -> None:
-    """Register a do-nothing CUDA device guard (compiled once per machine, a few seconds)."""
-    global _guard_loaded
-    if _guard_loaded:
+def _cuda_empty(size: Sequence[int], dtype: Optional[torch.dtype] = None, layout: Any = None,
+                device: Optional[torch.device] = None, pin_memory: Optional[bool] = None,
+                memory_format: Optional[torch.memory_format] = None) -> torch.Tensor:
+    inner = torch.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format)
+    return _sim()._empty(inner, device)
+
+
+def _cuda_empty_strided(size: Sequence[int], stride: Sequence[int], dtype: Optional[torch.dtype] = None,
+                        layout: Any = None, device: Optional[torch.device] = None,
+                        pin_memory: Optional[bool] = None) -> torch.Tensor:
+    return _sim()._empty(torch.empty_strided(size, stride, dtype=dtype), device)
+
+
+def _build_guard(path: str = _GUARD) -> str:
+    """The guard (or another of these C++ sources) as a shared library, compiled with the
+    system's C++ compiler against torch's headers, cached per source and torch version
+    (``$XDG_CACHE_HOME/kvj-fakecuda``)."""
+    from torch.utils import cpp_extension
+
+    with open(path, "rb") as f:
+        source = f.read()
+    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvj-fakecuda")
+    name = "guard" if path == _GUARD else os.path.splitext(os.path.basename(path))[0]
+    lib = os.path.join(cache, f"{name}-{tag}.so")
+    if os.path.exists(lib):
+        return lib
+    os.makedirs(cache, exist_ok=True)
+    tmp = f"{lib}.{os.getpid()}.tmp"
+    cmd = [os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", "-std=c++17",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-I{d}" for d in cpp_extension.include_paths()), path, "-o", tmp,
+           *(f"-L{d}" for d in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise StandInError(f"could not compile the CUDA stand-in's device guard ({' '.join(cmd)}):\n{done.stderr}")
+    os.replace(tmp, lib)  # concurrent builds: the last complete one wins
+    return lib
+
+
+def _register_backend() -> None:
+    """Make this CPU-only torch able to hold "cuda" tensors, once per process: a do-nothing CUDA
+    device guard (C++, compiled once per machine in seconds) and Python kernels for the
+    CUDA ``empty``/``empty_strided``, where every device tensor (factories, ``to``, indexing
+    with lists) starts; every other op on one reaches ``FakeCudaTensor.__torch_dispatch__``."""
+    global _backend
+    if _backend is not None:
         return
     if torch.version.cuda is not None:
         pytest.skip("the CUDA stand-in runs on CPU-only torch builds (this one has CUDA)")
-    from torch.utils.cpp_extension import load
-    load("kvj_fakecuda_guard", sources=[_GUARD], is_python_module=False)
-    _guard_loaded = True
+    torch.ops.load_library(_build_guard())
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("empty.memory_format", _cuda_empty, "CUDA")
+    lib.impl("empty_strided", _cuda_empty_strided, "CUDA")
+    _backend = lib
+
+
+_AUTOGRAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakecuda_autograd.cpp")
+
+
+def autograd_env(devices: int = 1) -> Dict[str, str]:
+    """Environment variables for a new process in which autograd's backward pass runs on device
+    tensors of a stand-in with ``devices`` devices (install it there as usual). torch's
+    autograd engine asks the CUDA hooks for the accelerator of a "cuda" gradient, and a CPU-only
+    build has none: ``fakecuda_autograd.cpp`` registers some, which works only before torch
+    first asks, so that library is preloaded into the process (``LD_PRELOAD``)."""
+    from torch.utils import cpp_extension
+
+    preload = [_build_guard(_AUTOGRAD), *filter(None, os.environ.get("LD_PRELOAD", "").split(":"))]
+    libraries = [*cpp_extension.library_paths(), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
+    return {"LD_PRELOAD": ":".join(preload), "LD_LIBRARY_PATH": ":".join(libraries),
+            "KVJ_FAKECUDA_AUTOGRAD": str(int(devices))}
+
+
+def _context_device() -> Optional[torch.device]:
+    """The device of an enclosing ``with torch.device(...)``, if any (not torch.get_default_device,
+    which makes a tensor to find out)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, torch.utils._device.DeviceContext)]
+    return modes[-1].device if modes else None
+
+
+def _flatten(obj: Any) -> Tuple[List[Any], Any]:
+    """The leaves of ``obj`` (nested tuples, lists and dicts) and a spec to rebuild it."""
+    leaves: List[Any] = []
+    return leaves, _walk(obj, leaves)
+
+
+def _walk(x: Any, leaves: List[Any]) -> Any:
+    # module-level, not a recursive closure: such a closure is a reference cycle that would
+    # keep the leaves (device tensors) alive until the garbage collector runs
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_walk(v, leaves) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _walk(v, leaves)) for k, v in x.items()))
+    leaves.append(x)
+    return None
+
+
+def _unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+    return _build(iter(leaves), spec)
+
+
+def _build(it: Iterator[Any], spec: Any) -> Any:
+    if spec is None:
+        return next(it)
+    kind, items = spec
+    if kind is dict:
+        return {k: _build(it, v) for k, v in items}
+    return kind(_build(it, v) for v in items)
+
+
+def _tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
+    leaves, spec = _flatten(obj)
+    return _unflatten([fn(x) for x in leaves], spec)
+
+
+def _cpu_index(index: Any) -> Any:
+    if isinstance(index, list):
+        return torch.tensor(index)
+    if isinstance(index, tuple):
+        return tuple(torch.tensor(i) if isinstance(i, list) else i for i in index)
+    return index
 
 
 def _span(t: torch.Tensor) -> Tuple[int, int]:
@@ -287,6 +455,8 @@ _VIEWS = {aten._unsafe_view.default, aten._reshape_alias.default} if hasattr(ate
     aten._unsafe_view.default}
 #: Ops whose CPU index tensors CUDA accepts (advanced indexing copies them over).
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+#: Factories whose device results a CPU build cannot make in place (see ``FakeCuda._factory``).
+_MADE_ON_CPU = ("tensor", "as_tensor", "arange", "linspace", "randperm", "eye")
 #: Ops returning Python values that only look at metadata.
 _METADATA = {aten.is_pinned.default, aten.is_same_size.default}
 
@@ -301,6 +471,7 @@ class FakeCuda:
         self._defaults: Dict[int, FakeStream] = {}
         self.streams: List[FakeStream] = []  #: every stream made (the defaults too)
         self._pinned: Dict[int, _Memory] = {}
+        #: (allocation, what was known done when one of its tensors died), reaped under the lock
         self._dropped: "collections.deque[Tuple[_Memory, Dict[FakeStream, int]]]" = collections.deque()
         self.violations: List[str] = []
         self.syncs: "collections.Counter[str]" = collections.Counter()  #: host synchronizations by kind
@@ -309,15 +480,16 @@ class FakeCuda:
         self.pinned_allocs = 0
         self.allocated: Dict[int, int] = collections.defaultdict(int)  #: live device bytes per device
         self.memory_limit: Dict[int, int] = {}  #: device index -> bytes; beyond it allocation fails
-        self.fail_next: Optional[str] = None  #: "record" or "synchronize": that call raises once
+        self.fail_next: Optional[str] = None  #: "record", "synchronize" or "pin": that call raises once
+        self._meta_cache: Dict[Tuple[Any, ...], Any] = {}
 
     # -- installing ------------------------------------------------------------------------
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> "FakeCuda":
         """Patch torch (and give kvj a fresh ``device.CUDA``, whose streams are this one's)."""
-        from kvj.segments import device
+        from kvj.segments import device, restore
 
-        _load_guard()
+        _register_backend()
         monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", self)
         cuda = torch.cuda
         for name, value in {
@@ -327,18 +499,51 @@ class FakeCuda:
             "current_stream": self.current_stream, "default_stream": self.default_stream,
             "stream": self.use, "synchronize": self.synchronize, "get_device_name": lambda d=None: "cuda stand-in",
             "memory_allocated": lambda d=None: self.allocated[self.resolve("cuda" if d is None else d).index],
-            "empty_cache": lambda: None,
+            "empty_cache": lambda: None, "_sleep": self.sleep, **self._rng_functions(),
         }.items():
             monkeypatch.setattr(cuda, name, value)
-        for name in ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "randn", "rand",
-                     "randint", "randperm", "empty_strided", "linspace", "eye"):
+        torch.utils._device._device_constructors()  # cached before the patches: "with torch.device(...)"
+        # adds the device to the real factories, which the patched ones call
+        for name in ("empty", "zeros", "ones", "full", "empty_strided", "empty_like", "zeros_like", *_MADE_ON_CPU):
             monkeypatch.setattr(torch, name, self._factory(getattr(torch, name)))
-        for name in ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"):
-            monkeypatch.setattr(torch, name, self._like(getattr(torch, name)))
         for name, method in self._tensor_methods().items():
             monkeypatch.setattr(torch.Tensor, name, method)
+        for name, method in self._future_methods().items():
+            monkeypatch.setattr(concurrent.futures.Future, name, method)
         monkeypatch.setattr(device, "CUDA", device.Cuda())
+        monkeypatch.setattr(restore, "_default_staging", None)  # pinned memory of no other "machine"
         return self
+
+    def sleep(self, cycles: int) -> None:
+        """``torch.cuda._sleep``: a kernel that only takes time, on the current stream. Every op
+        here runs late anyway (when the host waits for something after it): it does nothing."""
+        self._enqueue(self.current_stream(), [], lambda: None, f"_sleep({int(cycles)})")
+
+    def _rng_functions(self) -> Dict[str, Callable[..., Any]]:
+        """``torch.cuda``'s RNG state functions, per device. Random ops on device tensors draw
+        from the CPU generator (they run on the inner CPU tensors), so these states are only
+        kept and given back, as a checkpoint of them would be (CUDA's: 16 bytes, seed and offset)."""
+        states: Dict[int, torch.Tensor] = {}
+
+        def seeded(seed: int) -> torch.Tensor:
+            return torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8)
+
+        def index(device: Any) -> int:
+            return self.resolve("cuda" if device is None else device).index
+
+        def get(device: Any = "cuda") -> torch.Tensor:
+            return states.get(index(device), seeded(0)).clone()
+
+        def put(state: torch.Tensor, device: Any = "cuda") -> None:
+            states[index(device)] = state.clone()
+
+        def seed_all(seed: int) -> None:
+            states.update({i: seeded(int(seed)) for i in range(self.n_devices)})
+
+        return {"get_rng_state": get, "set_rng_state": put,
+                "get_rng_state_all": lambda: [get(i) for i in range(self.n_devices)],
+                "set_rng_state_all": lambda all_states: [put(st, i) for i, st in enumerate(all_states)],
+                "manual_seed": lambda seed: put(seeded(int(seed)), "cuda"), "manual_seed_all": seed_all}
 
     def check(self) -> None:
         """At the end of a test: let the GPU finish and raise on any violation (allocations in
@@ -490,10 +695,14 @@ class FakeCuda:
     # -- memory ----------------------------------------------------------------------------
 
     def _register_pinned(self, t: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            if self.fail_next == "pin":  # as cudaHostAlloc fails: torch raises a plain RuntimeError
+                self.fail_next = None
+                raise RuntimeError("CUDA error: out of memory (pinned host memory, injected by the stand-in)")
         storage = t.untyped_storage()
         key = storage.data_ptr()
         with self.lock:
-            self._pinned[key] = _Memory(f"pinned buffer of {storage.nbytes()} bytes", None, None)
+            self._pinned[key] = _Memory(self, f"pinned buffer of {storage.nbytes()} bytes", None, None)
             self.pinned_allocs += 1
         weakref.finalize(storage, self._pinned.pop, key, None)
         return t
@@ -514,7 +723,7 @@ class FakeCuda:
                 raise torch.cuda.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {nbytes} bytes on {device} (stand-in limit {limit})")
             self.allocated[device.index] += nbytes
-            mem = _Memory(f"{label} ({nbytes} bytes on {device})", device, self.current_stream(device))
+            mem = _Memory(self, f"{label} ({nbytes} bytes on {device})", device, self.current_stream(device))
         weakref.finalize(storage, self._free_bytes, device.index, nbytes)
         return self._wrap(inner, device, mem)
 
@@ -527,12 +736,15 @@ class FakeCuda:
         t._mem = mem
         with self.lock:
             mem.refs += 1
-        weakref.finalize(t, self._dropped_wrapper, mem)
         return t
 
     def _dropped_wrapper(self, mem: _Memory) -> None:
-        # runs wherever the last reference died: take no lock, note what this thread knew
-        self._dropped.append((mem, dict(self._host())))
+        # runs wherever the last reference died: take no lock; note what this thread knew and
+        # what the allocating stream had waited for then (its later allocations reuse the memory)
+        known = dict(self._host())
+        if mem.alloc is not None:
+            _join(known, dict(mem.alloc.clock))
+        self._dropped.append((mem, known))
 
     def _reap(self) -> None:
         """Allocations whose last tensor died: report cross-stream uses nothing fenced."""
@@ -542,7 +754,7 @@ class FakeCuda:
             if mem.refs or mem.alloc is None:
                 continue
             for stream, seq in mem.cross.items():
-                if stream in mem.recorded or max(known.get(stream, 0), mem.alloc.clock.get(stream, 0)) >= seq:
+                if stream in mem.recorded or known.get(stream, 0) >= seq:
                     continue
                 self.violations.append(
                     f"{mem.label}, allocated on {mem.alloc!r}, was used on {stream!r} (op {seq}) and freed "
@@ -602,7 +814,7 @@ class FakeCuda:
         if func is aten._to_copy.default:
             return self._to_copy(*args, **kwargs)
         if func in _METADATA:
-            return func(*tree_map(self._meta_arg, args), **tree_map(self._meta_arg, kwargs))
+            return func(*_tree_map(self._meta_arg, args), **_tree_map(self._meta_arg, kwargs))
         if func is aten.detach_.default:
             return args[0]
         returns = func._schema.returns
@@ -653,10 +865,10 @@ class FakeCuda:
         return x
 
     def _view(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        flat, _ = tree_flatten((args, kwargs))
+        flat, _ = _flatten((args, kwargs))
         device = self._device_of(func, flat)
         owners = {x._inner.untyped_storage().data_ptr(): x._mem for x in flat if isinstance(x, FakeCudaTensor)}
-        out = func(*tree_map(self._unwrap, args), **tree_map(self._unwrap, kwargs))
+        out = func(*_tree_map(self._unwrap, args), **_tree_map(self._unwrap, kwargs))
 
         def wrap(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -665,7 +877,7 @@ class FakeCuda:
             if mem is None:
                 raise StandInError(f"{func} returned a tensor that views none of its inputs")
             return self._wrap(t, device, mem)
-        return tree_map(wrap, out)
+        return _tree_map(wrap, out)
 
     def _mutated(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
         """The tensors the op writes in place, by alias set (``self`` of ``add_``, ``out=``...)."""
@@ -680,74 +892,117 @@ class FakeCuda:
         return written
 
     def _kernel(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        flat, _ = tree_flatten((args, kwargs))
-        written = self._mutated(func, args, kwargs)
-        written_flat = [t for t in tree_flatten(list(written.values()))[0] if isinstance(t, torch.Tensor)]
+        flat, _ = _flatten((args, kwargs))
+        written_flat = [t for t in _flatten(list(self._mutated(func, args, kwargs).values()))[0]
+                        if isinstance(t, torch.Tensor)]
         allowed: List[torch.Tensor] = []
         if func in _INDEXING:
-            allowed = [t for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)]
+            allowed = [t for t in _flatten(args[1])[0] if isinstance(t, torch.Tensor)]
         device = self._device_of(func, flat, allowed)
         for t in written_flat:
             if not isinstance(t, FakeCudaTensor):
                 self._mismatch(func, device, t.device)
-        try:
-            meta_out = func(*tree_map(self._meta_arg, args), **tree_map(self._meta_arg, kwargs))
-        except NotImplementedError:
+        shape = self._out_shape(func, args, kwargs, flat, written_flat)
+        if shape is None:
             return self._eager(func, args, kwargs, device)
-        meta_flat, spec = tree_flatten(meta_out)
-        by_alias = {name: t for name, t in written.items()}
-        ret_alias = [next(iter(r.alias_info.before_set)) if r.alias_info is not None else None
-                     for r in func._schema.returns]
+        out_leaves, spec, returns_written = shape
         outputs: List[Any] = []
         fresh: List[Tuple[int, FakeCudaTensor]] = []
-        for i, m in enumerate(meta_flat):
-            alias = ret_alias[i] if i < len(ret_alias) and len(ret_alias) == len(meta_flat) else None
-            if alias is not None and alias in by_alias:
-                outputs.append(by_alias[alias])
-            elif isinstance(m, torch.Tensor):
-                inner = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
-                out = self._allocate(inner, device, f"output of {func}")
+        for i, leaf in enumerate(out_leaves):
+            if returns_written is not None and i < len(returns_written) and returns_written[i] is not None:
+                outputs.append(written_flat[returns_written[i]])
+            elif isinstance(leaf, _Out):
+                out = self._allocate(torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype), device,
+                                     f"output of {func}")
                 fresh.append((i, out))
                 outputs.append(out)
             else:
-                outputs.append(m)
-        inner_args, inner_kwargs = tree_map(self._unwrap, args), tree_map(self._unwrap, kwargs)
+                outputs.append(leaf)
+        inner_args, inner_kwargs = _tree_map(self._unwrap, args), _tree_map(self._unwrap, kwargs)
         fresh_inner = [(i, o._inner) for i, o in fresh]
 
         def run() -> None:
             result = func(*inner_args, **inner_kwargs)
-            result_flat = tree_flatten(result)[0]
-            for i, inner in fresh_inner:
-                inner.copy_(result_flat[i])
+            if fresh_inner:
+                result_flat = _flatten(result)[0]
+                for i, inner in fresh_inner:
+                    inner.copy_(result_flat[i])
 
         written_ids = {id(t) for t in written_flat}
         accesses = [(x._mem, x._inner, id(x) in written_ids) for x in flat if isinstance(x, FakeCudaTensor)]
         accesses += [(o._mem, o._inner, True) for _, o in fresh]
         self._enqueue(self.current_stream(device), accesses, run, str(func))
-        return tree_unflatten(outputs, spec)
+        return _unflatten(outputs, spec)
+
+    def _out_shape(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], flat: List[Any],
+                   written: List[torch.Tensor]) -> Optional[Tuple[List[Any], Any, Optional[List[Optional[int]]]]]:
+        """What the op returns, from its meta kernel (cached by the inputs' shapes): the output
+        leaves (``_Out`` for a new tensor), their spec, and for each leaf the index in
+        ``written`` of the argument it returns (in-place and ``out=`` ops). None: no meta kernel."""
+        key = self._meta_key(func, flat)
+        cached = self._meta_cache.get(key) if key is not None else None
+        if cached is not None:
+            return cached
+        metas: Dict[int, torch.Tensor] = {}
+
+        def meta(x: Any) -> Any:
+            m = self._meta_arg(x)
+            if isinstance(x, torch.Tensor):
+                metas[id(x)] = m
+            return m
+        meta_args, meta_kwargs = _tree_map(meta, args), _tree_map(meta, kwargs)
+        try:
+            meta_out = func(*meta_args, **meta_kwargs)
+        except NotImplementedError:
+            return None
+        if any(metas[id(t)].shape != t.shape for t in written):
+            raise StandInError(f"{func} resizes a device tensor in place, which the stand-in cannot do")
+        leaves, spec = _flatten(meta_out)
+        by_meta = {id(metas[id(t)]): i for i, t in enumerate(written)}
+        returns_written = [by_meta.get(id(m)) if isinstance(m, torch.Tensor) else None for m in leaves]
+        out_leaves = [_Out(tuple(m.shape), tuple(m.stride()), m.dtype) if isinstance(m, torch.Tensor)
+                      and by_meta.get(id(m)) is None else m for m in leaves]
+        result = (out_leaves, spec, returns_written)
+        if key is not None:
+            self._meta_cache[key] = result
+        return result
+
+    @staticmethod
+    def _meta_key(func: Any, flat: List[Any]) -> Optional[Tuple[Any, ...]]:
+        parts: List[Any] = [func]
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                inner = x._inner if isinstance(x, FakeCudaTensor) else x
+                parts.append((tuple(inner.shape), inner.stride(), inner.dtype, isinstance(x, FakeCudaTensor)))
+            elif isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                                torch.layout)):
+                parts.append((type(x), x))
+            else:
+                return None
+        return tuple(parts)
 
     def _eager(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], device: torch.device) -> Any:
         """An op with a data-dependent result shape: it runs now, after what it depends on (on
         CUDA such ops synchronize the host too)."""
         stream = self.current_stream(device)
-        flat, _ = tree_flatten((args, kwargs))
-        written = {id(t) for t in tree_flatten(list(self._mutated(func, args, kwargs).values()))[0]}
+        flat, _ = _flatten((args, kwargs))
+        written = {id(t) for t in _flatten(list(self._mutated(func, args, kwargs).values()))[0]}
         accesses = [(x._mem, x._inner, id(x) in written) for x in flat if isinstance(x, FakeCudaTensor)]
         self._enqueue(stream, accesses, lambda: None, str(func))
         self._host_wait(dict(stream.clock), "data-dependent op")
-        out = func(*tree_map(self._unwrap, args), **tree_map(self._unwrap, kwargs))
-        return tree_map(lambda t: self._allocate(t, device, f"output of {func}") if isinstance(t, torch.Tensor)
+        out = func(*_tree_map(self._unwrap, args), **_tree_map(self._unwrap, kwargs))
+        return _tree_map(lambda t: self._allocate(t, device, f"output of {func}") if isinstance(t, torch.Tensor)
                         and not any(t is getattr(x, "_inner", None) for x in flat) else t, out)
 
     def _host_read(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """``item()``, ``equal``...: a value the host gets by waiting for the current stream."""
-        flat, _ = tree_flatten((args, kwargs))
+        flat, _ = _flatten((args, kwargs))
         device = self._device_of(func, flat)
         stream = self.current_stream(device)
         accesses = [(x._mem, x._inner, False) for x in flat if isinstance(x, FakeCudaTensor)]
         self._enqueue(stream, accesses, lambda: None, str(func))
         self._host_wait(dict(stream.clock), "host read")
-        return func(*tree_map(self._unwrap, args), **tree_map(self._unwrap, kwargs))
+        return func(*_tree_map(self._unwrap, args), **_tree_map(self._unwrap, kwargs))
 
     # -- copies ----------------------------------------------------------------------------
 
@@ -815,59 +1070,57 @@ class FakeCuda:
     # -- patched torch entry points ----------------------------------------------------------
 
     def _factory(self, orig: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """A factory taking ``pin_memory=True`` (a CPU-only build has no pinned allocator); those
+        torch builds on the device in ways a CPU build cannot (``tensor`` masks the Python key,
+        ``arange``... resize an empty result) make their values on the CPU, then copy them up on
+        the current stream as CUDA would write them there."""
         @functools.wraps(orig)
         def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
-            device = kwargs.get("device")
             pin = kwargs.pop("pin_memory", False)
-            if device is not None and self._is_cuda(device):
-                dev = self.resolve(device)
+            device = kwargs.get("device")
+            if device is None and orig.__name__ in _MADE_ON_CPU:
+                device = _context_device()
+            if orig.__name__ in _MADE_ON_CPU and device is not None and (
+                    isinstance(device, int) or torch.device(device).type == "cuda"):
                 kwargs["device"] = "cpu"
                 requires_grad = kwargs.pop("requires_grad", False)
-                out = self._new_on(orig(*args, **kwargs), dev, orig.__name__)
-                return out.requires_grad_(requires_grad) if requires_grad else out
+                out = self.fresh(orig(*args, **kwargs), self.resolve(device))
+                return out.requires_grad_() if requires_grad else out
             out = orig(*args, **kwargs)
             return self._register_pinned(out) if pin else out
         return factory
 
-    def _like(self, orig: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        @functools.wraps(orig)
-        def like(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            device = kwargs.get("device")
-            if not isinstance(x, FakeCudaTensor) and device is not None and self._is_cuda(device):
-                kwargs["device"] = "cpu"
-                return self._new_on(orig(x, *args, **kwargs), self.resolve(device), orig.__name__)
-            pin = kwargs.pop("pin_memory", False)
-            out = orig(x, *args, **kwargs)
-            return self._register_pinned(out) if pin else out
-        return like
+    def _empty(self, inner: torch.Tensor, device: Optional[torch.device]) -> FakeCudaTensor:
+        """What torch's CUDA ``empty``/``empty_strided`` return: uninitialized device memory."""
+        return self._allocate(inner, self.resolve("cuda" if device is None else device), "torch.empty")
 
-    @staticmethod
-    def _is_cuda(device: Any) -> bool:
-        return isinstance(device, int) or torch.device(device).type == "cuda"
+    def _future_methods(self) -> Dict[str, Callable[..., Any]]:
+        """A future carries what the thread that completed it knew to the thread reading it."""
+        sim, base = self, concurrent.futures.Future
 
-    def _new_on(self, inner: torch.Tensor, device: torch.device, label: str) -> FakeCudaTensor:
-        """A factory's result on ``device``: its values written by the current stream."""
-        out = self._allocate(inner, device, f"torch.{label}")
-        self._enqueue(self.current_stream(device), [(out._mem, inner, True)], lambda: None, f"torch.{label}")
-        return out
+        def completing(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def complete(f: concurrent.futures.Future, value: Any) -> Any:
+                f._kvj_known = dict(sim._host())  # type: ignore[attr-defined]
+                return orig(f, value)
+            return complete
+
+        def reading(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def read(f: concurrent.futures.Future, timeout: Optional[float] = None) -> Any:
+                try:
+                    return orig(f, timeout)
+                finally:
+                    known = getattr(f, "_kvj_known", None)
+                    if known is not None:
+                        with sim.lock:
+                            _join(sim._host(), known)
+            return read
+
+        return {"set_result": completing(base.set_result), "set_exception": completing(base.set_exception),
+                "result": reading(base.result), "exception": reading(base.exception)}
 
     def _tensor_methods(self) -> Dict[str, Callable[..., Any]]:
-        """``Tensor.to``, ``.cuda``, ``.is_pinned``, ``.pin_memory`` for CPU tensors."""
-        sim, base_to = self, torch._C.TensorBase.to
-
-        def to(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if isinstance(t, FakeCudaTensor):
-                return base_to(t, *args, **kwargs)
-            device, dtype, non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
-            if device is None or device.type != "cuda":
-                return base_to(t, *args, **kwargs)
-            inner = torch.empty_like(t, dtype=dtype or t.dtype, memory_format=fmt or torch.preserve_format)
-            out = sim._allocate(inner, sim.resolve(device), "output of to()")
-            out.copy_(t, non_blocking=non_blocking)
-            return out
-
-        def cuda(t: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
-            return t.to(sim.resolve("cuda" if device is None else device), non_blocking=non_blocking)
+        """``Tensor.is_pinned`` and ``.pin_memory`` for CPU tensors."""
+        sim = self
 
         def is_pinned(t: torch.Tensor, device: Any = None) -> bool:
             return sim._pinned_mem(t) is not None
@@ -877,13 +1130,20 @@ class FakeCuda:
                 raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
             return t if sim._pinned_mem(t) is not None else sim._register_pinned(t.clone())
 
-        return {"to": to, "cuda": cuda, "is_pinned": is_pinned, "pin_memory": pin_memory}
+        return {"is_pinned": is_pinned, "pin_memory": pin_memory}
 
     # -- helpers for tests -------------------------------------------------------------------
 
-    def on_device(self, t: torch.Tensor, index: int = 0) -> FakeCudaTensor:
-        """``t`` copied onto ``cuda:index`` (a blocking upload: the host waits for it)."""
-        return t.to(torch.device("cuda", index))
+    def fresh(self, t: torch.Tensor, device: Any = "cuda") -> FakeCudaTensor:
+        """``t``'s values on ``device``, written by a copy the host has not waited for (so no
+        host wait orders what the test does next: only kvj's own waits can)."""
+        out = torch.empty_like(t, device=device)
+        out.copy_(t, non_blocking=True)  # pageable: staged at once, written on the current stream
+        return out
+
+    def pool_in_flight(self, pool: Any) -> bool:
+        """Whether any buffer a ``StagingPool`` keeps for reuse is still touched by a queued copy."""
+        return any(self.in_flight(buf) for bufs in pool._cached.values() for buf in bufs)
 
 
 @pytest.fixture
