@@ -21,7 +21,10 @@ vllm-blocks    The vLLM connector's device work on caches shaped as vLLM 0.32 al
                FlashAttention for a ~1B Llama (16 layers, 8 KV heads, head 128, block 16: per layer
                [blocks, 8, 16, 256], an NHD-permuted view): a step's blocks gathered and saved
                (compared bit for bit with a synchronized readback of the cache), then loaded back
-               into other blocks (compared with what was saved; other blocks untouched).
+               into other blocks (compared with what was saved; other blocks untouched); then the
+               connector's worker itself (kvj.integrations.vllm_worker.WorkerJournal, which needs
+               no vLLM): a step's saves with the blocks overwritten at once, a restarted worker's
+               asynchronous load polled to completion, compared with the cache's blocks.
 hf-generation  Greedy generation of a random-weight Llama (tiny, and ~1B with a 4096-token prompt)
                journaled with kvj.integrations.hf.CacheJournal in a child process, SIGKILLed
                mid-decode, recovered (kvj.ops.recover), restored onto cuda:0 and resumed: tokens
@@ -893,7 +896,62 @@ def check_vllm_blocks(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
                "a block the load was not given changed")
         details.update(scatter_host_us_per_block=round(enqueued / step * 1e6, 2),
                        scatter_gbps=gbps(step * block_bytes, landed))
+
+    with parts.part("the connector's worker: a step journaled, a restarted worker loads it into other blocks"):
+        details.update(worker_journal(ctx, caches, ids, new_ids, read))
     return details
+
+
+def worker_journal(ctx: Ctx, caches: List[Any], ids: List[int], new_ids: List[int],
+                   read: Callable[[Sequence[int]], Any]) -> Dict[str, Any]:
+    """The vLLM connector's worker side (``WorkerJournal``, vLLM not needed) on these caches: one
+    step's saves with the blocks overwritten right after, a finish, then a restarted worker's
+    asynchronous load polled to completion: the loaded blocks are what the cache held."""
+    import torch
+
+    from kvj.integrations.vllm_worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
+    from kvj.segments import kvblock
+
+    L, _nb, N, H, C, step = ctx.sizes.vllm
+    layout = kvblock.KVBlockLayout(model_id("vllm"), ctx.sizes.dtype, L, H, C // 2, N, kvblock.LHNC)
+    tokens = [i % 1000 for i in range(step * N + 1)]
+    chains = kvblock.chain_keys(layout.seed(), tokens, N)
+    want = read(ids).cpu()
+    journal = os.path.join(ctx.tmp, "vllm-journal")
+    worker = WorkerJournal(journal, layout)
+    worker.register(caches)
+    saves = [Save("e-r0", b, ids[b], chains[b], tokens[b * N:(b + 1) * N + 1]) for b in range(step)]
+    t0 = time.perf_counter()
+    ctx.delay()
+    for c in caches:
+        c.mul_(1)  # the step's forward pass, still running when the connector saves
+    worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {"prompt_len": len(tokens)})], saves=saves))
+    enqueued = time.perf_counter() - t0
+    for c in caches:
+        c.zero_()  # vLLM reuses the blocks as soon as the step's save is enqueued
+    worker.step(StepPlan(finishes=[Finish("r0", "e-r0", "length", [])]))
+    worker.close()
+    durable = time.perf_counter() - t0
+    again = WorkerJournal(journal, layout)
+    again.register(caches)
+    again.step(StepPlan())
+    t0 = time.perf_counter()
+    ctx.delay(ctx.side("h2d"), long=True)  # kvj's copies run late: a load reported before they land is caught
+    again.start_loads(StepPlan(loads=[Load("r1", list(zip(new_ids, chains[:step])))]))
+    done: set = set()
+    while "r1" not in done:
+        expect(time.perf_counter() - t0 < 120, "the load was not reported done within 120 s")
+        if SIM is not None:
+            SIM.advance()  # the stand-in runs queued work only when asked; a GPU runs it meanwhile
+        done.update(again.poll()[1])
+        time.sleep(0.001)
+    loaded = time.perf_counter() - t0
+    expect(again.load_errors() == set(), f"blocks failed to load: {sorted(again.load_errors())}")
+    # read on the compute stream, as the request's next forward pass would, with no host sync first
+    expect(same(read(new_ids).cpu(), want), "the blocks the restarted worker loaded differ from the cache's")
+    again.close()
+    return {"worker_step_host_ms": round(enqueued * 1e3, 2), "worker_durable_s": round(durable, 3),
+            "worker_load_s": round(loaded, 3)}
 
 
 # ================================================================================ models

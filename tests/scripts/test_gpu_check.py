@@ -148,17 +148,26 @@ def test_a_wait_deleted_from_the_training_snapshot_fails_the_lora_check(tmp_path
 
 def test_a_check_that_hangs_is_killed_at_its_limit_and_the_next_check_still_runs(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("PYTHONPATH", _mutant_site(tmp_path, (
-        "import time\nimport kvj.segments.device as d\n"
-        "d.Cuda.download = lambda self, tensor, dest: time.sleep(3600)  # the device check's first part hangs\n")))
-    monkeypatch.setitem(gpu_check.LIMITS, "device", 3 / gpu_check.STANDIN_SLOWER)
+        "import sys, time\nimport kvj.segments.device as d\n"
+        "download = d.Cuda.download\n"
+        "def hang_in_the_device_check(self, tensor, dest):  # its first part hangs; vllm-blocks' downloads do not\n"
+        "    frame = sys._getframe()\n"
+        "    while frame is not None:\n"
+        "        if frame.f_code.co_name == 'check_device':\n"
+        "            time.sleep(3600)\n"
+        "        frame = frame.f_back\n"
+        "    return download(self, tensor, dest)\n"
+        "d.Cuda.download = hang_in_the_device_check\n")))
+    # long enough for the worker to start (torch, the stand-in) and reach the hang on a loaded machine
+    monkeypatch.setitem(gpu_check.LIMITS, "device", 30 / gpu_check.STANDIN_SLOWER)
     code = gpu_check.main(["--standin", "--out", str(tmp_path / "out"), "--checks", "device,vllm-blocks"])
     doc = _doc(tmp_path / "out")
     captured = capfd.readouterr()
     assert code == 1 and not doc["passed"]
     device, blocks = doc["checks"]
-    assert device["status"] == "FAIL" and device["reason"].startswith("killed after 3 s (its limit is 3 s)")
+    assert device["status"] == "FAIL" and device["reason"].startswith("killed after 30 s (its limit is 30 s)")
     assert blocks["status"] == "PASS", blocks
-    assert "sitecustomize.py" in captured.err and "<lambda>" in captured.err  # the hung worker's stacks
+    assert "sitecustomize.py" in captured.err and "hang_in_the_device_check" in captured.err  # the hung worker's stacks
 
 
 def test_without_a_gpu_or_the_standin_it_says_so_and_exits_1(tmp_path):
