@@ -59,7 +59,7 @@ def test_node_killed_while_replicating_then_disk_wiped_restores_every_replicated
     rep = subprocess.Popen([*KVJ, "replicate", "-j", journal, "--to", s3, "--follow", "--interval", "0.1s", "--json"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**s3_env(moto.url)))
     try:
-        wait_for(lambda: _acked(child) > 200 and any(l.startswith("S ") for l in side_lines(child)),
+        wait_for(lambda: _acked(child) > 60 and any(l.startswith("S ") for l in side_lines(child)),
                  "the writer to acknowledge flushes", 120)
         acked = _acked(child)
         wait_for(lambda: _manifest_lsn(remote) >= acked, "a replication round past the acknowledged LSN", 120)
