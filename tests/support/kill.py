@@ -61,7 +61,7 @@ def side_lines(child: Child) -> List[str]:
         return []
 
 
-def wait_ready(child: Child, timeout: float = 60.0, what: str = "ready") -> None:
+def wait_ready(child: Child, timeout: float = 300.0, what: str = "ready") -> None:
     """Wait until the child wrote a side-channel line starting with ``what`` ("ready": it
     opened the journal; "S ": a flush is durable); fail with its stderr if it died instead."""
     deadline = time.monotonic() + timeout
