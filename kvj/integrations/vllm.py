@@ -60,7 +60,7 @@ import kvj
 from kvj.errors import InvalidArgument, InvalidName, KvjError, LayoutMismatch, SegmentCorrupt
 from kvj.journal.journal import default_store_path
 from kvj.names import check_request_id
-from kvj.segments import format as seg
+from kvj.segments import tensors as seg
 from kvj.segments.flusher import Flusher
 from kvj.segments.store import SegmentInfo, SegmentStore
 

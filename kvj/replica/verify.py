@@ -48,14 +48,14 @@ class VerifyReport:
 
 
 def _read_segment(remote: Remote, key: str) -> Optional[str]:
-    from kvj.segments import format as seg
+    from kvj.segments import segfile
 
     obj = mf.segment_object(key)
     found = remote.get(obj)
     if found is None:
         return f"segment {key}: missing"
     try:
-        header, _ = seg.decode_into(found[0], name=f"{remote.url}/{obj}")
+        header, _ = segfile.decode(found[0], name=f"{remote.url}/{obj}")
     except (CorruptionError, FormatError) as exc:
         return f"segment {key}: {exc}"
     if header.digest.hex() != key:

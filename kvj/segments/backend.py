@@ -20,13 +20,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Set, Union
 
-import numpy as np
-
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
 from kvj.fileio import (FS, REAL_FS, Buffer, DurabilityError, list_dir, makedirs_durable, open_regular,
                         rename_durable)
 from kvj.names import KEY_RE
-from kvj.segments.format import BytesSource, Source
 
 SEGMENT_SUFFIX = ".kvjseg"
 #: The store's collection lock (see ``LocalDirBackend._collection_lock``).
@@ -53,6 +50,57 @@ class ObjectStat:
     size: int
     #: Unix time it was stored or last claimed by a dedup hit (what collection's grace period counts from).
     used: float
+
+
+class Source(ABC):
+    """A segment's stored bytes, read by offset: held in memory (:class:`BytesSource`) or read
+    from a file chunk by chunk as the decoder needs them (``StorageBackend.open``), so a load
+    neither copies the whole file into a buffer first nor waits for it before decoding."""
+
+    name: str
+    size: int
+
+    @abstractmethod
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; ``SegmentCorrupt`` if the file ends first."""
+
+    def read(self, offset: int, n: int) -> memoryview:
+        """``n`` bytes at ``offset``, in this thread's scratch buffer: valid until the thread's
+        next read."""
+        buf = _thread_buffer(n)
+        self.read_into(offset, buf)
+        return buf
+
+
+class BytesSource(Source):
+    """A whole segment file held in memory (reads are zero-copy slices)."""
+
+    def __init__(self, data: Buffer, name: str = "<segment>"):
+        self.view = memoryview(data).cast("B")
+        self.name, self.size = name, len(self.view)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        if offset + len(out) > self.size:
+            raise SegmentCorrupt(self.name, offset, "segment ends inside a chunk")
+        out[:] = self.view[offset:offset + len(out)]
+
+    def read(self, offset: int, n: int) -> memoryview:
+        if offset + n > self.size:
+            raise SegmentCorrupt(self.name, offset, "segment ends inside a chunk")
+        return self.view[offset:offset + n]
+
+
+_local = threading.local()
+
+
+def _thread_buffer(n: int) -> memoryview:
+    """This thread's reusable read buffer, at least ``n`` bytes (reused, so no page faults)."""
+    import numpy as np  # here, not at the top: listing and stat-ing a store needs none
+
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = np.empty(max(n, 1 << 20), np.uint8)
+    return memoryview(buf)[:n]
 
 
 class Upload(ABC):
@@ -325,6 +373,8 @@ class LocalDirBackend(StorageBackend):
         Not memory-mapped: through a map, a media error or a file truncated under the reader
         is a SIGBUS that kills the process; read, either is a ``SegmentCorrupt`` naming the file.
         """
+        import numpy as np
+
         with self._open(key) as fd:
             size = os.fstat(fd).st_size
             data = memoryview(np.empty(size, np.uint8)) if size else memoryview(b"")

@@ -21,7 +21,7 @@ from kvj.errors import JournalClosed
 from kvj.segments import device
 from kvj.segments.codecs import Codec
 from kvj.segments.codecs.auto import Backpressure
-from kvj.segments.format import copy_into, dtype_name
+from kvj.segments.tensors import copy_into, dtype_name
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentInfo, SegmentStore
 

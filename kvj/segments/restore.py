@@ -25,7 +25,7 @@ import torch
 
 from kvj.errors import InvalidArgument, LayoutMismatch
 from kvj.segments import device as cuda
-from kvj.segments.format import dtype_name
+from kvj.segments.tensors import dtype_name
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore
 
