@@ -111,6 +111,9 @@ class SegmentStore:
         #: Puts answered by a stored copy (nothing written).
         self.dedup_hits = 0
         self._auto = auto.AutoChoices()
+        #: Keys a ``put_many`` of this store is writing now -> set once that put is over.
+        self._in_flight: Dict[str, threading.Event] = {}
+        self._in_flight_lock = threading.Lock()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -222,28 +225,68 @@ class SegmentStore:
             if info is not None:
                 found[key] = info
         new = {key: job for key, job in zip(keys, jobs) if key not in found}
+        mine, theirs = self._claim(new)
         waited = 0.0
-        if new:
-            with self._failing():
-                upload = self.backend.begin_many()
-            futures = [self.pool.submit(self._encode_whole, job, key) for key, job in new.items()]
-            try:
-                with self._failing(upload):
-                    for key, fut in zip(new, futures):
-                        t = time.perf_counter()
-                        parts, header = fut.result()
-                        waited += time.perf_counter() - t
-                        upload.add(key, parts)
-                        found[key] = SegmentInfo.from_header(header)
-                    upload.commit()
-            finally:
-                for fut in futures:
-                    fut.cancel()
-                wait(futures)  # none still reads a caller's buffer once this returns
+        try:
+            if mine:
+                waited = self._write_pack(mine, found)
+        finally:
+            self._release(mine)
+        for key, done in theirs.items():  # written by a concurrent put_many: a dedup hit once it is durable
+            done.wait()
+            with self._key_lock(key):
+                info = self._existing(key)
+            if info is None:  # that put failed: store this one on its own
+                raw, name, shape, layout, pipeline = new[key]
+                info = self.put_bytes(raw, dtype=name, shape=shape, layout=layout, codec=pipeline.codec,
+                                      pressure=pressure)
+            found[key] = info
         if timings is not None:
             total = time.perf_counter() - t0
             timings.update(compression=waited, io=max(0.0, total - waited))
         return [found[key] for key in keys]
+
+    def _claim(self, new: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, threading.Event]]:
+        """Split ``new`` into the keys this call writes (claimed) and those a concurrent
+        ``put_many`` of this store is writing already (with the event it sets when done), so
+        that blocks shared by concurrent steps are written once."""
+        mine: Dict[str, Any] = {}
+        theirs: Dict[str, threading.Event] = {}
+        with self._in_flight_lock:
+            for key, job in new.items():
+                if key in self._in_flight:
+                    theirs[key] = self._in_flight[key]
+                else:
+                    self._in_flight[key] = threading.Event()
+                    mine[key] = job
+        return mine, theirs
+
+    def _release(self, mine: Dict[str, Any]) -> None:
+        with self._in_flight_lock:
+            for key in mine:
+                self._in_flight.pop(key).set()
+
+    def _write_pack(self, new: Dict[str, Any], found: Dict[str, "SegmentInfo"]) -> float:
+        """Encode ``new`` (key -> job) in parallel and write it as one pack, durable on return;
+        the seconds spent waiting for the encoding."""
+        waited = 0.0
+        with self._failing():
+            upload = self.backend.begin_many()
+        futures = [self.pool.submit(self._encode_whole, job, key) for key, job in new.items()]
+        try:
+            with self._failing(upload):
+                for key, fut in zip(new, futures):
+                    t = time.perf_counter()
+                    parts, header = fut.result()
+                    waited += time.perf_counter() - t
+                    upload.add(key, parts)
+                    found[key] = SegmentInfo.from_header(header)
+                upload.commit()
+        finally:
+            for fut in futures:
+                fut.cancel()
+            wait(futures)  # none still reads a caller's buffer once this returns
+        return waited
 
     @staticmethod
     def _encode_whole(job: Tuple[memoryview, str, Tuple[int, ...], Any, Any],

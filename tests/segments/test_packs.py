@@ -353,3 +353,61 @@ def test_compaction_fsck_recovery_and_replication_see_packed_members(tmp_path):
             other.ingest_stored(key, store.read_stored(key))
         for info, t in zip(live_infos, live):
             assert torch.equal(other.get(info.key), t)
+
+
+@pytest.mark.parametrize("first", ["writes", "fails"])
+def test_concurrent_put_many_write_a_shared_block_once(tmp_path, first):
+    """Two steps sharing blocks, put at once: the blocks the first is writing are not written
+    again by the second, which waits for them and claims them (or, if the first put failed,
+    stores them itself)."""
+    import threading
+
+    from support.wait import wait_for
+
+    kv = blocks(8, seed=30)
+    batch = items(kv)
+    gate, calls, errors, out = threading.Event(), [], [], {}
+    with SegmentStore(tmp_path) as store:
+        real = store.backend.begin_many
+
+        def gated():
+            calls.append(1)
+            if len(calls) == 1:  # the first step's pack waits for the gate
+                gate.wait()
+                if first == "fails":
+                    raise RuntimeError("the first step's write fails")
+            return real()
+
+        def put(name, part):
+            try:
+                out[name] = store.put_many([batch[i] for i in part])
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        store.backend.begin_many = gated
+        a = threading.Thread(target=put, args=("a", range(0, 6)))
+        b = threading.Thread(target=put, args=("b", range(2, 8)))
+        try:
+            a.start()
+            wait_for(lambda: calls, "the first step to start its pack, its blocks claimed")
+            b.start()
+            wait_for(lambda: os.path.isdir(tmp_path / "packs") and len(packs_in(tmp_path)) == 1,
+                     "the second step's own pack (blocks 6 and 7)")
+            assert b.is_alive()  # waiting for the blocks the first step writes
+        finally:
+            gate.set()
+            a.join(60)
+            b.join(60)
+        assert not b.is_alive() and [i.key for i in out["b"]] == [store.key_for(kv[i], {"block": i}) for i in range(2, 8)]
+        for i, info in zip(range(2, 8), out["b"]):
+            assert torch.equal(store.get(info.key), kv[i])
+        copies = {}
+        for pack in packs_in(tmp_path):
+            for key in store.backend.packs._load(pack[:-len(".kvjpack")]).members:
+                copies[key] = copies.get(key, 0) + 1
+        assert all(n == 1 for n in copies.values())  # no block written twice
+        if first == "fails":
+            assert len(errors) == 1 and "a" not in out and len(copies) == 2
+            assert all(os.path.exists(store.backend.path(i.key)) for i in out["b"][:4])  # stored on their own
+        else:
+            assert not errors and len(copies) == 8
