@@ -17,6 +17,7 @@ def test_codec_benchmark_rows_and_table(tmp_path):
     packed = next(r for r in rows if r["method"] == "kvj auto, per-block flush, packs")
     assert packed["exact"] and packed["blocks"] == block["blocks"] and packed["load_vs_whole"] > 0
     assert packed["file_syncs"] == packed["steps"] < block["file_syncs"]  # one fdatasync per step, one fsync per block
+    assert packed["save_cpu_s"] > 0 and packed["save_cpu_vs_whole"] > 0
     table = bench.format_table(rows)
     assert "kv-small-model-bf16 per-block flush, packs:" in table and "blocks/s" in table
     assert list(bench.codec_names()) == [m.split()[1] for m in methods if m.startswith("kvj ") and "," not in m]
