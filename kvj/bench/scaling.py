@@ -5,8 +5,10 @@ as whole processes.
 
 Each operation runs as ``kvj ...`` in a fresh child process: its time is measured inside
 the child around the command (interpreter start-up and imports excluded), its peak RSS is
-the child's ``ru_maxrss`` from ``wait4`` (imports included: the same child running
-``kvj --version`` is printed as the baseline). The start-up rows (``status (process)``...)
+the child's own high-water mark (``VmHWM``, imports included: the same child running
+``kvj --version`` is printed as the baseline; ``wait4``'s ``ru_maxrss``, used where there
+is no ``/proc``, also counts the pages the child shared with this process, torch's among them,
+before it ran ``kvj``). The start-up rows (``status (process)``...)
 are the wall time of a plain ``kvj`` process instead, everything included, and say whether
 it imported torch. Per-record or per-segment cost and the growth
 ratio to the previous size make linearity visible: for linear work the time grows by the
@@ -63,23 +65,30 @@ STARTUP: List[Tuple[str, List[str]]] = [
     ("fsck -n (process)", ["fsck", "-n", "--json"]),
 ]
 
+#: What a child reports when it is done: seconds, whether it imported torch, its peak RSS (kB).
+_REPORT = ("def report(t0):\n"
+           "    try:\n"
+           "        hwm = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+           "    except (OSError, IndexError):\n"
+           "        hwm = ''\n"
+           "    sys.stderr.write(f'\\nkvj-bench-seconds {time.perf_counter() - t0:.6f}\\n'\n"
+           "                     f'kvj-bench-torch {int(\"torch\" in sys.modules)}\\nkvj-bench-hwm {hwm}\\n')\n")
 #: The child imports what the commands import lazily before the clock starts.
-_CHILD = ("import sys, time\n"
+_CHILD = ("import sys, time\n" + _REPORT +
           "import torch, kvj.ops.compact, kvj.ops.fsck, kvj.ops.inspection, kvj.ops.recover, kvj.segments.check, kvj.segments.store\n"
           "from kvj.cli.main import app, run\n"
           "t0 = time.perf_counter()\n"
           "status = run(app, sys.argv[1:], 'kvj')\n"
-          "sys.stderr.write(f'\\nkvj-bench-seconds {time.perf_counter() - t0:.6f}\\n')\n"
+          "report(t0)\n"
           "sys.exit(status)\n")
-#: A plain ``kvj`` process, imports and all; it reports whether torch was imported.
-_PLAIN_CHILD = ("import sys, time\n"
+#: A plain ``kvj`` process, imports and all.
+_PLAIN_CHILD = ("import sys, time\n" + _REPORT +
                 "t0 = time.perf_counter()\n"
                 "from kvj.cli.main import app, run\n"
                 "try:\n"
                 "    status = run(app, sys.argv[1:], 'kvj')\n"
                 "finally:\n"
-                "    sys.stderr.write(f'\\nkvj-bench-seconds {time.perf_counter() - t0:.6f}\\n'\n"
-                "                     f'kvj-bench-torch {int(\"torch\" in sys.modules)}\\n')\n"
+                "    report(t0)\n"
                 "sys.exit(status)\n")
 
 
@@ -170,13 +179,16 @@ def run_child(argv: List[str], cwd: Optional[str] = None, plain: bool = False) -
         err.seek(0)
         text = err.read().decode(errors="replace")
     seconds = torch = None
+    rss_kb = usage.ru_maxrss
     for line in text.splitlines():
         if line.startswith("kvj-bench-seconds "):
             seconds = float(line.split()[1])
         elif line.startswith("kvj-bench-torch "):
             torch = line.split()[1] == "1"
+        elif line.startswith("kvj-bench-hwm ") and line.split()[1:]:
+            rss_kb = int(line.split()[1])
     message = [line for line in text.splitlines() if line.strip() and not line.startswith("kvj-bench-")]
-    row = {"status": proc.returncode, "seconds": seconds, "wall": wall, "rss_mib": usage.ru_maxrss / 1024,
+    row = {"status": proc.returncode, "seconds": seconds, "wall": wall, "rss_mib": rss_kb / 1024,
            "stderr": message[-1] if message else ""}
     if plain:
         row.update(seconds=wall if seconds is not None else None, torch=torch)

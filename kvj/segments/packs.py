@@ -338,10 +338,10 @@ class PackDir:
             return
         raise SegmentMissing(f"segment {key} not in any pack")
 
-    def read(self, key: str) -> Tuple[bytes, str]:
-        """A member's bytes and where they were read."""
+    def read(self, key: str) -> bytes:
+        """A member's bytes."""
         with self.open(key) as (fd, member, path):
-            return _pread(fd, member.length, member.offset, path), f"{path}@{member.offset}"
+            return _pread(fd, member.length, member.offset, path)
 
     def touch(self, key: str) -> bool:
         """Claim ``key``'s packed copy (the caller holds the shared collection lock): True once
@@ -456,8 +456,7 @@ class PackDir:
     def quarantine(self, key: str, dest: str) -> None:
         """Copy ``key``'s packed bytes to ``dest`` durably, then name it dead in every pack
         holding it (the other members stay)."""
-        data, _where = self.read(key)
-        atomic_write(dest, data, self.fs)
+        atomic_write(dest, self.read(key), self.fs)
         with self.backend.collection_lock(exclusive=True):
             _dead, _kept, grew = self.mark_dead([key], None)
         self.finish(grew)
