@@ -20,6 +20,11 @@ class CacheFull(KvjError, MemoryError):
     A ``MemoryError`` too, for callers that catch that."""
 
 
+class DeviceOutOfMemory(KvjError, MemoryError):
+    """A device (or its pinned host memory) has no room for the staging buffers kvj asked for:
+    nothing was allocated. A ``MemoryError`` too, for callers that catch that."""
+
+
 class UnsafePath(KvjError):
     """A path kvj would read or write is a symbolic link, a FIFO, a device, a file with other
     hard links, or a directory whose owner kvj should not trust: refused, nothing done.

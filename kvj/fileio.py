@@ -236,11 +236,22 @@ def atomic_write(path: PathLike, data: Buffer, fs: FS = REAL_FS,
     """Durably replace ``path`` with ``data``: temp file, fsync, rename, fsync directory.
 
     After this returns the new content survives power loss; if it raises, ``path``
-    holds either its old content or the new one, never a mix.
+    holds either its old content or the new one, never a mix. An ``OSError`` names
+    ``path``, never the temporary file, which is gone by the time anyone reads the message.
     """
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        _replace(path, tmp, data, fs, mode)
+    except OSError as exc:
+        if exc.filename in (None, tmp):
+            exc.filename = path
+        raise
+
+
+def _replace(path: str, tmp: str, data: Buffer, fs: FS, mode: int) -> None:
+    """``atomic_write``'s steps, through the temporary file ``tmp``."""
+    directory = os.path.dirname(os.path.abspath(path))
     try:
         fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError:  # left by a crashed run with this pid, or planted: replace the name, not its target

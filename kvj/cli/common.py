@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -25,7 +26,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import get_current_context  # type: ignore[no-redef]
 
 from kvj.errors import CorruptionError, FormatError, NotFound, UnsafePath
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import STORE_DIR, config_store
 from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
@@ -39,7 +40,8 @@ TRUST_ENV = "KVJ_TRUST_OWNER"
 JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=True, metavar="DIR",
                           help="Journal directory.")
 StoreOpt = typer.Option("--store", "-s", envvar=STORE_ENV, show_envvar=True, metavar="DIR",
-                        help="Segment store directory [default: JOURNAL/segments].")
+                        help="Segment store directory [default: the one JOURNAL/kvj.conf names, else "
+                             "JOURNAL/segments].")
 MirrorOpt = typer.Option("--mirror", envvar=MIRROR_ENV, show_envvar=True, metavar="DIR",
                          help="Keep a synchronous mirror of the log in DIR (ideally on another device): every "
                               "commit group is synced to both before it counts. The journal remembers it: needed "
@@ -47,6 +49,11 @@ MirrorOpt = typer.Option("--mirror", envvar=MIRROR_ENV, show_envvar=True, metava
 MirrorPolicyOpt = typer.Option("--mirror-policy", metavar="fail|degrade",
                                help="When the mirror fails: fail the writer (the default), or go on with the "
                                     "journal's copy alone after a warning.")
+RecoveryModeOpt = typer.Option("--recovery-mode", metavar="MODE",
+                               help="What ends the log (kvj-journal(5), RECOVERY MODES): tolerate-torn-tail (the "
+                                    "default: a torn tail is cut, a damaged tail is an error), absolute-consistency "
+                                    "(both are errors), point-in-time (recovery stops before the first damage and "
+                                    "records the loss).")
 JsonOpt = typer.Option("--json", help="Print JSON (one object, or NDJSON for record streams) for scripts and jq.")
 
 #: Paths are plain strings, so an unreadable one fails in the command with the OS's error
@@ -56,6 +63,7 @@ StoreArg = Annotated[Optional[str], StoreOpt]
 JsonArg = Annotated[bool, JsonOpt]
 MirrorArg = Annotated[Optional[str], MirrorOpt]
 MirrorPolicyArg = Annotated[str, MirrorPolicyOpt]
+RecoveryModeArg = Annotated[str, RecoveryModeOpt]
 
 #: NO_COLOR (no-color.org) turns off every escape sequence, bold included, not just colours.
 _STYLES = None if os.environ.get("NO_COLOR") else "auto"
@@ -73,33 +81,92 @@ class OutputClosed(BaseException):
     """
 
 
+class OutputFailed(BaseException):
+    """Standard output cannot be written: closed (``>&-``), its disk full (``> /dev/full``),
+    an I/O error. The command stops; the entry point says whether its work was already done
+    (``done``): status 73 when it was, 74 when nothing was. A BaseException, as
+    ``OutputClosed``."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+    @property
+    def reason(self) -> str:
+        return self.error.strerror or str(self.error)
+
+
+#: What the running command has made durable, once it has (``done``).
+_done: List[str] = []
+
+
+def done(what: str) -> None:
+    """Say, before printing about it, that the command's durable work is done: should its
+    output then fail, the error says ``what`` was done, with status 73 (not 74, which
+    says nothing after the failure is durable)."""
+    _done[:] = [what]
+
+
+def work_done() -> Optional[str]:
+    """What ``done`` last said in this command, or None."""
+    return _done[0] if _done else None
+
+
+def reset_done() -> None:
+    _done.clear()
+
+
 class StdoutGuard:
-    """Wraps ``sys.stdout``: a write to a closed pipe raises ``OutputClosed`` once, and
-    standard output then points at /dev/null so that the exit flush stays quiet."""
+    """Wraps ``sys.stdout``: a write to a closed pipe raises ``OutputClosed`` once, any other
+    failure to write (a closed descriptor, a full disk) ``OutputFailed``; standard output
+    then points at /dev/null, so that nothing later (the exit flush) fails again."""
 
     def __init__(self, stream: Any):
-        self.stream = stream
+        self.stream = stream  # None when kvj was started with standard output closed
 
-    def _closed(self) -> "OutputClosed":
+    def _aside(self) -> None:
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self.stream.fileno())
             os.close(devnull)
-        except (OSError, ValueError, AttributeError):  # not a real descriptor (captured in tests)
+        except (OSError, ValueError, AttributeError):  # not a real descriptor (captured in tests), or none
             pass
+
+    def _closed(self) -> "OutputClosed":
+        self._aside()
         return OutputClosed()
 
+    def _failed(self, error: OSError) -> "OutputFailed":
+        self._aside()
+        if self.stream is not None:
+            try:  # what is still buffered goes to /dev/null now
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+        return OutputFailed(error)
+
     def write(self, text: str) -> int:
+        if self.stream is None:
+            raise self._failed(OSError(errno.EBADF, "standard output is closed"))
         try:
             return self.stream.write(text)
         except BrokenPipeError:
             raise self._closed() from None
+        except OSError as exc:
+            raise self._failed(exc) from None
 
     def flush(self) -> None:
+        if self.stream is None:
+            return
         try:
             self.stream.flush()
         except BrokenPipeError:
             raise self._closed() from None
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def isatty(self) -> bool:
+        return self.stream is not None and self.stream.isatty()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
@@ -151,6 +218,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def warn(message: str) -> None:
+    """One line on stderr that does not fail the command: ``kvj: warning: message``."""
+    err.print(f"kvj: warning: {' '.join(message.split())}", markup=False)
+
+
+def warn_past_end(at: Optional[int], last_lsn: Optional[int]) -> None:
+    """Say so when ``--at LSN`` names a point after the journal's last record: what is shown
+    is the journal's end, not a state that ever existed at that LSN."""
+    if at is not None and (last_lsn or 0) < at:
+        end = f"LSN {last_lsn}" if last_lsn else "no record"
+        warn(f"--at {at} is past the journal's last record ({end}): this is the state at its end")
+
+
 def usage_error(message: str) -> Exception:
     """A usage error (exit status 64; 16 for fsck) tied to the command being run."""
     return click.exceptions.UsageError(message, ctx=get_current_context(silent=True))
@@ -172,7 +252,7 @@ def usage_and_exit(ctx: "typer.Context") -> None:
 
 def interactive() -> bool:
     """Progress bars and colour only for a person at a terminal."""
-    return sys.stdout.isatty() and sys.stderr.isatty()
+    return all(stream is not None and stream.isatty() for stream in (sys.stdout, sys.stderr))
 
 
 @contextmanager
@@ -224,7 +304,7 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool =
     command that writes (``writing``) never creates a journal: a path that is not one is
     ``NotFound``, pointing at ``kvj init``.
     """
-    if path is None:
+    if path is None or not os.fspath(path):  # an empty -j "" would otherwise name the current directory
         raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
     full = os.path.abspath(os.fspath(path))
     if writing:
@@ -271,17 +351,17 @@ def _check_legacy(path: str) -> None:
 
 
 def store_path(journal: str, store: Optional[str]) -> str:
-    """The store directory: ``--store``, the one ``kvj init`` recorded, or ``segments/``
-    inside the journal (never a link planted there: a store elsewhere is named with --store)."""
-    from kvj.ops.init import read_config
-
-    config = read_config(journal) if journal and os.path.isdir(journal) else None
-    if store is None and config and config.get("store"):
-        store = config["store"]
+    """The store directory: ``--store`` (or KVJ_STORE), else the journal's own, as
+    ``Journal.open`` finds it: the one its kvj.conf names, or ``segments/`` inside it (never
+    a link planted there: a store elsewhere is named with --store or kvj init --store)."""
+    if store is not None and not os.fspath(store):
+        raise usage_error(f"an empty --store (or {STORE_ENV}) names no store")
+    if store is None and os.path.isdir(journal):
+        store = config_store(journal)
     if store is not None:
         path = os.path.abspath(os.fspath(store))
-    else:
-        path = default_store_path(journal if os.path.isdir(journal) else os.path.dirname(journal))
+    else:  # segments/ inside the journal (beside a seed-era journal file, which has no kvj.conf)
+        path = os.path.join(journal if os.path.isdir(journal) else os.path.dirname(journal), STORE_DIR)
         if os.path.islink(path) and os.environ.get(TRUST_ENV) != "1":
             raise UnsafePath(f"{path} is a symbolic link: refused (name a store elsewhere with --store or "
                              f"{STORE_ENV})")
@@ -340,16 +420,31 @@ def ago(when: Optional[float], now: Optional[float] = None) -> str:
 
 # -- parsers -------------------------------------------------------------------------------
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
-_UNITS = {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_BARE_NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
+
+#: The one rule every command's time arguments follow (each man page states it).
+DURATION_RULE = ("a DURATION is a number with its unit: ms, s, m, h, d or w (90s, 15m, 1h, 7d); a bare number "
+                 "is refused, except 0")
+TIME_RULE = ("a TIME is ISO 8601 (2026-11-29T15:00, local time unless it names a zone), @ and Unix seconds "
+             "(@1796134025, as date -d takes them), or a DURATION ago (10m); a bare number is refused")
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from ``90``, ``90s``, ``15m``, ``1h``, ``2d``."""
-    m = _DURATION.match(text.strip())
+def parse_duration(text: str, option: Optional[str] = None) -> float:
+    """Seconds from ``90s``, ``15m``, ``1h``, ``2d`` (``DURATION_RULE``: the unit is required,
+    so that ``7`` is never read as seven seconds when seven days were meant; ``0`` is zero)."""
+    text = text.strip()
+    if text == "0":
+        return 0.0
+    m = _DURATION.match(text)
     if not m:
-        raise typer.BadParameter(f"{text!r} is not a duration (use e.g. 90s, 15m, 1h, 2d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+        why = "has no unit" if _BARE_NUMBER.match(text) else "is not a duration"
+        raise typer.BadParameter(f"{text!r} {why}: {DURATION_RULE}", param_hint=option)
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(seconds):
+        raise typer.BadParameter(f"{text!r} is too long a duration", param_hint=option)
+    return seconds
 
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(|B|K|KB|KiB|M|MB|MiB|G|GB|GiB)$", re.I)
@@ -364,20 +459,25 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
 
 
-def parse_time(text: str, now: Optional[float] = None) -> float:
-    """A point in time: ISO 8601 (``2026-11-29T15:00``), Unix seconds, or a duration ago (``10m``)."""
+def parse_time(text: str, option: Optional[str] = None, now: Optional[float] = None) -> float:
+    """A point in time as Unix seconds (``TIME_RULE``): ISO 8601 (``2026-11-29T15:00``),
+    ``@`` and Unix seconds (``@1796134025``), or a duration ago (``10m``). A bare number is
+    refused: it could mean seconds ago or Unix seconds, and each reading was once some
+    command's."""
     text = text.strip()
+    unix = re.fullmatch(r"@(-?\d+(?:\.\d+)?)", text)
+    if unix:
+        return float(unix.group(1))
+    if _BARE_NUMBER.match(text):
+        raise typer.BadParameter(f"{text!r} is a bare number: {TIME_RULE}", param_hint=option)
     try:
         return datetime.fromisoformat(text).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError, OSError):
         pass
-    if re.fullmatch(r"\d{9,}(\.\d+)?", text):
-        return float(text)
     try:
-        return (time.time() if now is None else now) - parse_duration(text)
+        return (time.time() if now is None else now) - parse_duration(text, option)
     except typer.BadParameter:
-        raise typer.BadParameter(f"{text!r} is not a time (use ISO 8601, Unix seconds, or e.g. 10m for "
-                                 "ten minutes ago)") from None
+        raise typer.BadParameter(f"{text!r} is not a time: {TIME_RULE}", param_hint=option) from None
 
 
 def parse_range(text: str, what: str = "range") -> Tuple[int, int]:

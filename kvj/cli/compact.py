@@ -10,6 +10,7 @@ from kvj.cli.common import (
     JournalArg,
     JsonArg,
     StoreArg,
+    done,
     emit_json,
     journal_path,
     out,
@@ -25,7 +26,7 @@ from kvj.ops.inspection import human_size
 def compact(journal: JournalArg = None,
             store: StoreArg = None,
             grace: Annotated[str, typer.Option(metavar="DURATION", help="Never collect a segment younger than this "
-                                               "(90s, 15m, 1h, 2d).")] = f"{int(DEFAULT_GRACE)}s",
+                                               "(a DURATION: 90s, 15m, 1h, 2d; 0 for none).")] = f"{int(DEFAULT_GRACE)}s",
             segments: Annotated[bool, typer.Option("--segments/--no-segments",
                                                    help="Collect unreferenced segments.")] = True,
             dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would be written, removed and "
@@ -43,8 +44,10 @@ def compact(journal: JournalArg = None,
     """
     path = journal_path(journal, legacy_ok=False)
     with progress() as update:
-        result = compact_journal(path, store_path(path, store), grace=parse_duration(grace), collect=segments,
+        result = compact_journal(path, store_path(path, store), grace=parse_duration(grace, "--grace"), collect=segments,
                                  progress=update, dry_run=dry_run)
+    if not dry_run:
+        done(f"compaction of {path} is done ({human_size(result.bytes_reclaimed)} reclaimed)")
     if as_json:
         emit_json(result.to_dict())
         return

@@ -6,9 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, store_path, usage_error
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, done, emit_json, journal_path, out, store_path, usage_error
 from kvj.errors import InvalidArgument, NotFound
-from kvj.ops.inspection import human_size
+from kvj.ops.inspection import human_size, short_key
 
 
 def dump(key: Annotated[Optional[str], typer.Argument(metavar="KEY", show_default=False,
@@ -56,8 +56,9 @@ def dump(key: Annotated[Optional[str], typer.Argument(metavar="KEY", show_defaul
             key, name = ref.key, f"{request}.{segment}"
         else:
             key = resolve_key(seg_store, key)  # type: ignore[arg-type]
-            name = key[:16]
+            name = short_key(key)
         result = dump_segment(seg_store, key, output, name)
+    done(f"segment {key} written to {result['path']}, verified")
     result["users"] = segment_users(state, key) if state is not None else []
     if as_json:
         emit_json(result)

@@ -33,6 +33,7 @@ USAGE = 64
 DATAERR = 65
 NOINPUT = 66
 SOFTWARE = 70
+DONE_UNREPORTED = 73
 IOERR = 74
 TEMPFAIL = 75
 NOPERM = 77
@@ -46,10 +47,12 @@ EXIT_CODES: Dict[int, str] = {
     DATAERR: "corrupt or malformed input: damaged journal or segment, bad NDJSON or tensor file",
     NOINPUT: "missing or unreadable journal, store or input file",
     SOFTWARE: "internal error (a bug: set KVJ_DEBUG=1 for the traceback and report it)",
+    DONE_UNREPORTED: "the work is done and durable, but its output could not be written (standard output closed, "
+                     "full or failing): the message says what was done",
     IOERR: "I/O error while writing: failed write or fsync, disk full (nothing after it is durable)",
     TEMPFAIL: "the journal is locked by a live writer or compactor (its pid is named); try again later",
-    NOPERM: "permission denied, or refused: a symlink, FIFO, device or hard link where kvj keeps a file, or "
-            "(as root) a journal another user owns",
+    NOPERM: "permission denied, or refused: a symlink, FIFO or device where kvj keeps a file, a file with other "
+            "hard links that kvj would write, or (as root) a journal another user owns",
     INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

@@ -15,6 +15,7 @@ from kvj.cli.common import (
     MirrorArg,
     MirrorPolicyArg,
     StoreArg,
+    done,
     emit_json,
     journal_path,
     out,
@@ -28,8 +29,7 @@ from kvj.errors import FormatError, InvalidArgument
 from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 from kvj.journal.state import RequestState
-from kvj.ops.init import policy_of, read_config
-from kvj.ops.inspection import human_size
+from kvj.ops.inspection import human_size, short_key
 from kvj.segments.codecs import codec_names
 
 
@@ -277,7 +277,7 @@ def flush(
     from kvj.segments.store import SegmentStore
 
     layout_map = parse_pairs(layout, "--layout")
-    with Journal.open(path, create=False, policy=policy_of(read_config(path)), mirror=mirror,
+    with Journal.open(path, create=False, mirror=mirror,
                       mirror_policy=mirror_policy) as j, \
             SegmentStore(store_path(path, store)) as seg_store, progress() as update:
         rows: List[Dict[str, Any]] = []
@@ -306,6 +306,8 @@ def flush(
             for row in rows:
                 row["lsn"] = lsn
         j.sync()
+    done(f"{len(rows)} segments durable in {store_path(path, store)} and journaled in {path} "
+         f"(LSN {rows[0]['lsn']}..{rows[-1]['lsn']})" if rows else f"nothing stored in {path}")
     if as_json:
         for row in rows:
             emit_json(row)
@@ -313,7 +315,7 @@ def flush(
     for row in rows:
         where = (f"{row['name']} -> segment {row['segment']}, tokens {row['tokens'][0]}..{row['tokens'][1]}"
                  if "segment" in row else row["name"])
-        out.print(f"{where}: {row['key'][:16]} {human_size(row['raw_size'])} -> {human_size(row['stored_size'])} "
+        out.print(f"{where}: {short_key(row['key'])} {human_size(row['raw_size'])} -> {human_size(row['stored_size'])} "
                   f"({row['codec']}), LSN {row['lsn']}", markup=False)
     what = f"request {request}" if request is not None else (
         f"checkpoint step {checkpoint}" if checkpoint is not None else f"delta step {delta} on {base_step}")

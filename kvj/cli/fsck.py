@@ -12,6 +12,8 @@ from kvj.cli.common import (
     JournalArg,
     JsonArg,
     OutputClosed,
+    OutputFailed,
+    RecoveryModeArg,
     StoreArg,
     click,
     emit_json,
@@ -21,8 +23,9 @@ from kvj.cli.common import (
     store_path,
     usage_error,
 )
-from kvj.cli.errors import FSCK_CANCELED, fail, fsck_status, report
+from kvj.cli.errors import FSCK_CANCELED, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
+from kvj.cli.render import lsn_span
 from kvj.ops.fsck import FsckResult
 from kvj.ops.fsck import fsck as check_journal
 
@@ -43,6 +46,7 @@ def fsck(journal: JournalArg = None,
                                                        help="Read only this share of the segments in full (e.g. "
                                                        "10%), chosen at random; check the others' headers.")]
          = None,
+         mode: RecoveryModeArg = "tolerate-torn-tail",
          as_json: JsonArg = False) -> None:
     """Check framing and CRCs, LSN order, snapshots and every segment; list orphans.
 
@@ -56,13 +60,23 @@ def fsck(journal: JournalArg = None,
     store's quarantine.
 
     What recovery handles by itself is a warning, not an error, so that `kvj fsck && kvj
-    recover` recovers after a crash: a damaged or torn tail (recovery cuts it and keeps
-    the bytes in torn/), an empty newest log file, a needed segment an earlier --repair
-    quarantined (recovery falls back to the segments before it).
+    recover` recovers after a crash: a torn tail (the bytes a crash while writing the last
+    group leaves; recovery cuts it and keeps the bytes in torn/), an empty newest log
+    file, a needed segment an earlier --repair quarantined (recovery falls back to the
+    segments before it). A damaged tail, a last group a torn write cannot leave (one
+    flipped bit, a record failing its CRC where its sectors verify, bytes after it), is
+    an error (status 4) that --repair leaves, since its records may have been
+    acknowledged: the finding says how many; kvj recover --recovery-mode point-in-time
+    sets it aside and records the loss. --recovery-mode judges the end of the log as
+    recovery in that mode would: point-in-time makes a damaged tail a warning,
+    absolute-consistency makes a torn tail an error (--repair cuts it).
 
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
-    error); 16 usage error; 32 interrupted (Ctrl-C).
+    error); 16 usage error; 32 interrupted (Ctrl-C). When the report cannot be written
+    (standard output closed or full), 8 is added to the status of what was found and
+    corrected (9: corrected, then the output failed), and one line on stderr says so:
+    what --repair corrected is done and durable.
 
     --preen (e2fsck's -p, for boot scripts) cuts what recovery would cut anyway and
     quarantines damaged segments nothing refers to; anything else stays an error (status
@@ -78,7 +92,7 @@ def fsck(journal: JournalArg = None,
         path = journal_path(journal)
         with progress() as update:
             result = check_journal(path, store_path(path, store), repair=repair, preen=preen, sample=sample,
-                                   progress=update)
+                                   progress=update, mode=mode)
     except (typer.Exit, click.exceptions.ClickException):
         raise
     except KeyboardInterrupt:
@@ -90,6 +104,12 @@ def fsck(journal: JournalArg = None,
         _show(result, path, as_json)
     except OutputClosed:  # kvj fsck | head: the check is done, its status still counts
         pass
+    except OutputFailed as failed:  # its status still says what was found and corrected, plus 8 for the output
+        fixed = sum(1 for f in result.findings if f.fixed)
+        what = f"the repairs are done ({fixed} corrected)" if fixed else "the check is done"
+        report("kvj", f"fsck of {path}: {what}, status {result.exit_code}; but its report could not be written "
+                      f"to standard output: {failed.reason}")
+        raise typer.Exit(result.exit_code | FSCK_OPERATIONAL) from None
     raise typer.Exit(result.exit_code)
 
 
@@ -118,8 +138,10 @@ def _show(result: FsckResult, path: str, as_json: bool) -> None:
         checked = (f"{result.segments_checked} segments checked" if not result.headers_checked else
                    f"{result.data_verified} segments read in full, {result.headers_checked} by their headers "
                    f"(sample seed {result.sample_seed})")
-        summary = (f"{path}: {result.logs} log files, {result.records} records (LSN {result.first_lsn}.."
-                   f"{result.last_lsn}), {result.snapshots} snapshots, {checked}, {len(result.orphans)} orphans; ")
+        span = lsn_span(result.first_lsn, result.last_lsn)
+        records = f"{result.records} records" + (f" ({span})" if result.first_lsn is not None else "")
+        summary = (f"{path}: {result.logs} log files, {records}, {result.snapshots} snapshots, {checked}, "
+                   f"{len(result.orphans)} orphans; ")
         if errors:
             summary += f"{len(errors)} errors, {len(warned)} warnings, {fixed} corrected"
         elif warned:

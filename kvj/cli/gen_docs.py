@@ -18,6 +18,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from kvj import __version__
+from kvj.cli.common import DURATION_RULE, TIME_RULE
 from kvj.cli.errors import EXIT_CODES, FSCK_CODES
 from kvj.cli.main import app, command, legacy_app
 
@@ -26,7 +27,8 @@ COMPLETE_VAR = "_{}_COMPLETE"
 
 ENVIRONMENT = [
     ("KVJ_JOURNAL", "Journal directory, when --journal is not given."),
-    ("KVJ_STORE", "Segment store directory, when --store is not given (default: the journal's segments/ folder)."),
+    ("KVJ_STORE", "Segment store directory, when --store is not given (default: the store the journal's kvj.conf "
+                  "names, else its segments/ folder)."),
     ("KVJ_MIRROR", "Mirror directory, when --mirror is not given (init, record, flush, recover, journal_replay): a "
                    "synchronous second copy of the log; the journal records it, so it is needed once."),
     ("NO_COLOR", "When set, output has no colour. Colour and progress bars appear only when standard output "
@@ -41,8 +43,10 @@ ENVIRONMENT = [
 FILES = [
     ("JOURNAL/NNNNNNNNNNNNNNNN.log", "Log files, numbered; all but the newest are sealed (kvj-journal(5))."),
     ("JOURNAL/snapshot-LSN.snap", "Snapshots written by kvj compact."),
-    ("JOURNAL/kvj.conf", "Written by kvj init (JSON): the commit policy kvj record and kvj flush write with, and "
-                         "the segment store."),
+    ("JOURNAL/kvj.conf", "Written by kvj init (JSON): the commit policy and the segment store. Every path that "
+                         "opens the journal reads it (every command, kvj.Journal.open and the integrations); what "
+                         "is given explicitly wins: --store or KVJ_STORE, store= and policy= of kvj.Journal.open. "
+                         "A kvj.conf that is not valid is refused with status 65. See kvj-init(1)."),
     ("JOURNAL/LOCK, JOURNAL/COMPACT", "Writer and compactor locks; each holds its owner's pid."),
     ("JOURNAL/torn/", "Bytes cut from torn tails and log files set aside by recovery or fsck --repair (kept "
                       "until kvj prune removes them)."),
@@ -213,6 +217,21 @@ def _command_sections(path: str, cmd, ctx, level: str = ".SH") -> List[str]:  # 
     return lines
 
 
+def _takes_times(cmd) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``cmd`` or one of its subcommands has a DURATION or TIME option."""
+    if any("DURATION" in (p.metavar or "") or "TIME" in (p.metavar or "") for p in cmd.params):
+        return True
+    return any(_takes_times(sub) for sub in getattr(cmd, "commands", {}).values())
+
+
+def _time_arguments() -> List[str]:
+    """The one rule for time arguments, the same on every page that takes them."""
+    rule = (f"Every kvj command reads time arguments the same way: {DURATION_RULE}; {TIME_RULE}. An option "
+            "named LSN takes a log sequence number, never a time (kvj restore --at takes either: a bare integer "
+            "is an LSN).")
+    return [".SH TIME ARGUMENTS", ".PP", esc(rule[0].upper() + rule[1:])]
+
+
 def man_page(name: str, path: str, cmd, section_title: str, see_also: List[str]) -> str:  # type: ignore[no-untyped-def]
     """One man page for ``cmd``, invoked as ``path``."""
     short = paragraphs(cmd.help or "")[0] if cmd.help else ""
@@ -221,6 +240,8 @@ def man_page(name: str, path: str, cmd, section_title: str, see_also: List[str])
              ".SH NAME", f"{opt(name)} \\- {esc(short[0].lower() + short[1:] if short else '')}",
              ".SH SYNOPSIS", _synopsis(path, cmd)]
     lines += _command_sections(path, cmd, None)
+    if name == "kvj" or _takes_times(cmd):
+        lines += _time_arguments()
     if name == "kvj":
         lines += [".SH COMMANDS"]
         for sub_name, sub in sorted(cmd.commands.items()):

@@ -2,43 +2,64 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, StoreArg, emit_json, out, parse_duration, parse_size,
-                            usage_error)
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, StoreArg, done, emit_json, out, parse_duration,
+                            parse_size, usage_error)
+from kvj.cli.render import lsn_span
 from kvj.ops.inspection import human_size
+
+#: The smallest log file size kvj init accepts (the library's CommitPolicy takes any size).
+MIN_FILE_SIZE = 64 << 10
 
 
 def init(journal: JournalArg = None,
          store: StoreArg = None,
          max_delay: Annotated[str, typer.Option(metavar="DURATION", help="Longest a record waits for its commit "
-                                                "group (commit policy).")] = "100ms",
+                                                "group (commit policy; a DURATION: 100ms, 1s).")] = "100ms",
          max_records: Annotated[int, typer.Option(metavar="N", min=1, help="Commit as soon as this many records "
                                                   "wait (commit policy).")] = 100,
-         file_size: Annotated[str, typer.Option(metavar="SIZE", help="Start a new log file past this size.")]
-         = "64MiB",
+         file_size: Annotated[str, typer.Option(metavar="SIZE", help="Start a new log file past this size "
+                                                 "(at least 64KiB; a bare number is bytes).")] = "64MiB",
          mirror: MirrorArg = None,
          as_json: JsonArg = False) -> None:
     """Create a journal: the directory, its first log file, and kvj.conf with the settings.
 
-    kvj.conf (JSON) records the commit policy that kvj record and kvj flush write with and
-    the segment store (--store; by default JOURNAL/segments), so that every later command
-    finds them without being told again. The directory must be missing or empty. kvj
-    record and kvj flush write only to a journal made this way (or by a program through
-    kvj.Journal.open): a mistyped path is refused, never turned into a new journal.
-    With --mirror, the journal keeps a synchronous copy of its log in that directory from
-    its first log file on (the journal records it; kvj-journal(5), MIRROR).
+    kvj.conf (JSON) records the commit policy (--max-delay, --max-records, --file-size)
+    and the segment store (--store; by default JOURNAL/segments). Every path that opens
+    the journal reads it: kvj record and kvj flush, recover, fsck, compact, prune,
+    status, replicate, and programs through kvj.Journal.open("JOURNAL") and the
+    integrations, so the segments go to that store and recovery finds them there. What
+    is given explicitly wins over the file: --store or KVJ_STORE on a later command,
+    store= and policy= passed to kvj.Journal.open. A kvj.conf that is not valid JSON, or
+    holds a value the commit policy refuses, is refused (status 65) by every command
+    that reads it. The directory must be missing or empty. kvj record and kvj flush
+    write only to a journal made this way (or by a program through kvj.Journal.open): a
+    mistyped path is refused, never turned into a new journal. With --mirror, the
+    journal keeps a synchronous copy of its log in that directory from its first log
+    file on (the journal records it; kvj-journal(5), MIRROR).
+
+    A commit policy value that cannot work (--max-delay that is not a duration,
+    --max-records 0, --file-size under 64KiB) is a usage error (status 64) and nothing
+    is created.
     """
     from kvj.journal.writer import CommitPolicy
     from kvj.ops.init import init as init_journal
 
-    if journal is None:
+    if not journal:
         raise usage_error("give the journal directory to create: kvj init -j DIR")
-    policy = CommitPolicy(max_delay=parse_duration(max_delay), max_records=max_records,
-                          file_size_limit=parse_size(file_size))
+    if store is not None and not store:
+        raise usage_error("an empty --store names no store")
+    size = parse_size(file_size)
+    if size < MIN_FILE_SIZE:
+        raise typer.BadParameter(f"{file_size!r} is under 64KiB: a log file that small rotates every few "
+                                 "records (a bare number is bytes: 64MiB, 1GiB)", param_hint="--file-size")
+    policy = CommitPolicy(max_delay=parse_duration(max_delay, "--max-delay"), max_records=max_records, file_size_limit=size)
     config = init_journal(journal, store=store, policy=policy, mirror=mirror)
+    done(f"created journal {os.path.abspath(journal)}")
     if as_json:
         emit_json({"journal": journal, **config})
         return
@@ -60,19 +81,23 @@ def migrate(seed: Annotated[str, typer.Argument(metavar="SEED", help="The seed-e
     as kvj init makes one). A seed seg_flush points at bytes in the seed's KV file, which a
     kvj journal cannot refer to (kvj segments are content-addressed and verified): such a
     journal is refused (status 64) unless --drop-segments, and then the output counts the
-    pointers left behind per request. The seed file is only read.
+    pointers left behind per request. A last line without its newline (a write cut short)
+    is left out and reported; a complete line that is no seed-era record, the last one
+    too (an unsafe id such as ../x, NaN or a number no float holds), is refused with
+    status 65 naming the line, and nothing is created. The seed file is only read.
     """
     from kvj.ops.init import migrate as migrate_journal
 
-    if journal is None:
+    if not journal:
         raise usage_error("give the new journal directory: kvj migrate SEED -j DIR")
     result = migrate_journal(seed, journal, store=store, drop_segments=drop_segments)
+    done(f"migrated {result['records']} records into {result['journal']}")
     if as_json:
         emit_json(result)
         return
     dropped = result["segments_dropped"]
     out.print(f"migrated {result['records']} records from {result['seed']} into {result['journal']} "
-              f"(LSN {result['first_lsn']}..{result['last_lsn']})", markup=False)
+              f"({lsn_span(result['first_lsn'], result['last_lsn'])})", markup=False)
     if dropped:
         out.print(f"left behind {sum(dropped.values())} seg_flush pointers of {len(dropped)} requests (they resume "
                   f"at token 0): " + ", ".join(f"{rid} {n}" for rid, n in sorted(dropped.items())), markup=False)

@@ -21,6 +21,7 @@ from kvj.cli.common import (
     parse_time,
     store_path,
     usage_error,
+    warn_past_end,
 )
 from kvj.cli.render import (
     EXPORT_SUFFIXES,
@@ -63,7 +64,7 @@ def inspect(
                                                     help="First LSN to show.")] = None,
     to_lsn: Annotated[Optional[int], typer.Option("--to-lsn", metavar="LSN", min=0, help="Last LSN to show.")] = None,
     since: Annotated[Optional[str], typer.Option(metavar="TIME", help="Only records written at or after TIME "
-                                                 "(ISO 8601, Unix seconds, or a duration ago like 10m).")] = None,
+                                                 "(ISO 8601, @ and Unix seconds, or a duration ago like 10m).")] = None,
     until: Annotated[Optional[str], typer.Option(metavar="TIME",
                                                  help="Only records written at or before TIME.")] = None,
     last: Annotated[Optional[int], typer.Option("--last", "-n", min=1, metavar="N",
@@ -113,6 +114,7 @@ def inspect(
         return
     if layout or timeline:
         state = replay(path, at_lsn=at)
+        warn_past_end(at, state.last_lsn)
         if as_json:
             emit_json({"allocations": state.to_dict()["allocations"]} if layout else
                       {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,
@@ -123,7 +125,8 @@ def inspect(
         return
     flt = Filter(requests=set(request or []), types={BY_NAME[t.value] for t in rtype or []},
                  lsn_from=from_lsn, lsn_to=to_lsn,
-                 since=parse_time(since) if since else None, until=parse_time(until) if until else None)
+                 since=parse_time(since, "--since") if since else None,
+                 until=parse_time(until, "--until") if until else None)
     entries = Entries(path)
     windows = {} if entries.legacy else file_windows(list_logs(path))
     if stats:

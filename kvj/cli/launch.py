@@ -1,25 +1,39 @@
-"""The console scripts' first code: Ctrl-C is honoured from the first instant.
+"""The console scripts' first code: Ctrl-C is honoured from the first instant kvj runs.
 
-Before anything else is imported, a SIGINT handler is installed that ends the process at
-once with one line on stderr and status 130 (``kvj fsck``: 32, as e2fsck; ``kvj inspect
--f``: 0, silently, as the normal way to stop following). Stopping at any point is safe:
-every write kvj makes survives a SIGKILL at any instant (data before the metadata that
-points at it, atomic renames, a torn tail cut and kept on the next open), so an interrupt
-needs no clean-up. Handling it here, rather than as a KeyboardInterrupt travelling up the
-stack, means that no import in progress prints a traceback and no thread pool waiting for
-its workers delays or swallows it.
+The first thing the ``kvj`` and ``journal_replay`` scripts do, before anything is imported
+that is not loaded already (``import kvj`` itself imports nothing new, see kvj/__init__),
+is to install a SIGINT handler that ends the process at once with one line on stderr and
+status 130 (``kvj fsck``: 32, as e2fsck, known from the command line so that it holds
+from the first instant too; ``kvj inspect -f``: 0, silently, once it follows). Stopping at
+any point is safe: every write kvj makes survives a SIGKILL at any instant (data before
+the metadata that points at it, atomic renames, a torn tail cut and kept on the next
+open), so an interrupt needs no clean-up. Handling it here, rather than as a
+KeyboardInterrupt travelling up the stack, means that no import in progress prints a
+traceback and no thread pool waiting for its workers delays or swallows it. (Before
+this, while the Python interpreter itself starts and reads its site-packages, Ctrl-C
+meets Python's own default; no kvj code has run, nothing has been read or written.)
+
+It also gives a closed standard descriptor (``kvj ... >&-``) /dev/null, so that no file kvj
+opens later can become descriptor 1 and receive output meant for the terminal; writing
+the output then fails as ``OutputFailed`` (see ``kvj.cli.common``).
 """
 
 from __future__ import annotations
 
+import _signal  # the C module: ``signal`` would import enum first, time in which Ctrl-C would be Python's
 import os
-import signal
 import sys
-from typing import Any, NoReturn, Optional
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, List, NoReturn, Optional
 
 _prog = "kvj"
 _status = 130
 _message: Optional[str] = "interrupted"
+
+#: Statuses for Ctrl-C that a command has from its first instant on (by its name on the command line).
+FIRST_STATUS = {"fsck": 32}  # kvj.cli.errors.FSCK_CANCELED (that module imports too much to be imported here)
 
 
 def on_interrupt(status: int, message: Optional[str] = "interrupted") -> None:
@@ -34,20 +48,38 @@ def _interrupted(_signum: int, _frame: Any) -> None:
     except BaseException:  # a closed pipe, or a flush the signal arrived in the middle of
         pass
     if _message:
-        os.write(2, f"{_prog}: error: {_message}\n".encode())
+        try:
+            os.write(2, f"{_prog}: error: {_message}\n".encode())
+        except OSError:
+            pass
     os._exit(_status)
 
 
-def _install(prog: str) -> None:
-    global _prog
+def _command(argv: List[str]) -> Optional[str]:
+    """The command named on a ``kvj`` command line (its first word that is not an option)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _install(prog: str, argv: List[str]) -> None:
+    global _prog, _status
     _prog = prog
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, &): keep it so
-        signal.signal(signal.SIGINT, _interrupted)
+    if _signal.getsignal(_signal.SIGINT) is not _signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, &): keep it so
+        _signal.signal(_signal.SIGINT, _interrupted)
+    if prog == "kvj":
+        _status = FIRST_STATUS.get(_command(argv) or "", _status)
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:  # closed: /dev/null, so that no file kvj opens takes its number
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def kvj() -> NoReturn:
     """``kvj``: the console script."""
-    _install("kvj")
+    _install("kvj", sys.argv[1:])
     from kvj.cli.main import main
 
     main()
@@ -55,7 +87,7 @@ def kvj() -> NoReturn:
 
 def journal_replay() -> NoReturn:
     """``journal_replay``: the console script."""
-    _install("journal_replay")
+    _install("journal_replay", sys.argv[1:])
     from kvj.cli.main import journal_replay_main
 
     journal_replay_main()

@@ -16,8 +16,9 @@ import typer
 from kvj import __version__
 from kvj.cli import bench, compact, demo, dump, flush, fsck, init, inspect, prune, record, recover, replay, status
 from kvj.cli import replicate, restore, verify
-from kvj.cli.common import OutputClosed, StdoutGuard, click, usage_and_exit
-from kvj.cli.errors import EXIT_CODES, FSCK_USAGE, INTERRUPTED, OK, USAGE, classify, debug, report
+from kvj.cli.common import OutputClosed, OutputFailed, StdoutGuard, click, reset_done, usage_and_exit, work_done
+from kvj.cli.errors import (DONE_UNREPORTED, EXIT_CODES, FSCK_USAGE, INTERRUPTED, IOERR, OK, USAGE, classify, debug,
+                            report)
 
 EXIT_STATUS_HELP = "Exit status: " + "; ".join(f"{code} {text.split(':')[0].split(' (')[0]}"
                                                 for code, text in EXIT_CODES.items()) + ". See kvj(1)."
@@ -133,12 +134,28 @@ def run(typer_app: typer.Typer, argv: Optional[List[str]], prog: str) -> int:
     cmd = command(typer_app)
     guard = StdoutGuard(sys.stdout)
     sys.stdout = guard  # type: ignore[assignment]
+    reset_done()
     try:
-        return _invoke(cmd, argv, prog)
+        status = _invoke(cmd, argv, prog)
+        guard.flush()  # here, not at exit: a full disk is reported like any other output failure
+        return status
     except OutputClosed:
         return OK
+    except OutputFailed as failed:
+        return output_failed(prog, failed)
     finally:
         sys.stdout = guard.stream
+
+
+def output_failed(prog: str, failed: OutputFailed) -> int:
+    """Report standard output failing: 73 when the command's work was done and is durable
+    (the message says what), 74 when nothing was."""
+    what = work_done()
+    if what is None:
+        report(prog, f"cannot write to standard output: {failed.reason}")
+        return IOERR
+    report(prog, f"{what}; but its report could not be written to standard output: {failed.reason}")
+    return DONE_UNREPORTED
 
 
 def _invoke(cmd: "click.Command", argv: Optional[List[str]], prog: str) -> int:

@@ -6,15 +6,16 @@ from typing import Annotated
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, parse_duration, store_path, usage_error
+from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, emit_json, journal_path, out, parse_duration,
+                            store_path, usage_error)
 from kvj.ops.inspection import human_size
 
 
 def prune(journal: JournalArg = None,
           store: StoreArg = None,
           older_than: Annotated[str, typer.Option("--older-than", metavar="DURATION",
-                                                  help="Remove what was set aside longer ago than this (e.g. 7d, "
-                                                  "12h).")] = "",
+                                                  help="Remove what was set aside longer ago than this (a "
+                                                  "DURATION with its unit: 7d, 12h; 7 alone is refused).")] = "",
           dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be removed; change "
                                                 "nothing.")] = False,
           as_json: JsonArg = False) -> None:
@@ -31,7 +32,10 @@ def prune(journal: JournalArg = None,
     from kvj.ops.prune import prune as prune_journal
 
     path = journal_path(journal, legacy_ok=False)
-    result = prune_journal(path, store_path(path, store), older_than=parse_duration(older_than), dry_run=dry_run)
+    result = prune_journal(path, store_path(path, store), older_than=parse_duration(older_than, "--older-than"),
+                           dry_run=dry_run)
+    if not dry_run:
+        done(f"pruned {path} ({human_size(result.bytes_reclaimed)} reclaimed)")
     if as_json:
         emit_json(result.to_dict())
         return
@@ -41,5 +45,6 @@ def prune(journal: JournalArg = None,
             out.print(f"{verb} {p}", markup=False)
     counts = ", ".join(f"{len(paths)} from {folder}" for folder, paths in result.removed.items())
     out.print(f"{verb} {counts}; {'would reclaim' if dry_run else 'reclaimed'} {human_size(result.bytes_reclaimed)}"
-              + (f"; kept the newest manifest {result.kept_newest_manifest}" if result.kept_newest_manifest else ""),
+              + (f"; {'would keep' if dry_run else 'kept'} the newest manifest {result.kept_newest_manifest}"
+                 if result.kept_newest_manifest else ""),
               markup=False)

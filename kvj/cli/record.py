@@ -14,6 +14,7 @@ from kvj.cli.common import (
     MirrorArg,
     MirrorPolicyArg,
     StoreArg,
+    done,
     emit_json,
     journal_path,
     loads_strict,
@@ -26,8 +27,7 @@ from kvj.cli.common import (
 from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import convert_legacy
-from kvj.ops.init import policy_of, read_config
-from kvj.journal.records import BY_NAME, NAMES, RecordType, decode_payload, encode_payload
+from kvj.journal.records import BY_NAME, NAMES, RecordType, encode
 from kvj.names import check_request_id
 
 app = typer.Typer(no_args_is_help=False, help="""Append records to the journal; exits only once they are durable.
@@ -62,10 +62,12 @@ def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[in
     keys = [key for rtype, payload in records for key in _segment_keys(rtype, payload)]
     if keys:
         require_segments(store_path(path, store), keys)
-    with Journal.open(path, create=False, policy=policy_of(read_config(path)), mirror=mirror,
+    with Journal.open(path, create=False, mirror=mirror,
                       mirror_policy=mirror_policy) as j:
         lsns = [j.append(rtype, payload) for rtype, payload in records]
         j.sync()
+    if lsns:
+        done(f"{len(lsns)} records durable in {path} (LSN {lsns[0]}..{lsns[-1]})")
     if as_json:
         for (rtype, _payload), lsn in zip(records, lsns):
             emit_json({"lsn": lsn, "type": NAMES[RecordType(rtype)], "durable": True})
@@ -110,7 +112,7 @@ def _checked(rtype: int, payload: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
         if not isinstance(tokens, list) or not all(
                 type(t) is int and 0 <= t <= MAX_TOKEN for t in tokens):  # noqa: E721 - bool is no token
             raise FormatError(f"'tokens' must be a list of integers from 0 to 2^64-1, not {_short(tokens)}")
-    decode_payload(rtype, encode_payload(payload))
+    encode(rtype, payload)  # the check every new record gets (finite numbers only), before anything is appended
     return rtype, payload
 
 

@@ -38,9 +38,14 @@ def _color(name: str) -> str:
 # -- replay summary ------------------------------------------------------------------------
 
 
+def lsn_span(first: Optional[int], last: Optional[int]) -> str:
+    """``LSN first..last``, or "no records" for a journal that holds none (never "LSN None..None")."""
+    return f"LSN {first}..{last}" if first is not None and last is not None else "no records"
+
+
 def state_summary(path: str, state: JournalState, at: Optional[int] = None) -> RenderableType:
     parts: List[RenderableType] = []
-    lsns = f"LSN {state.first_lsn}..{state.last_lsn}" if state.first_lsn is not None else "no records"
+    lsns = lsn_span(state.first_lsn, state.last_lsn)
     snap = f", snapshot at LSN {state.snapshot_lsn}" if state.snapshot_lsn else ""
     point = f" (as of LSN {at})" if at is not None else ""
     parts.append(Text.assemble(("journal ", "bold"), path, f"  {lsns}{snap}{point}"))
@@ -144,7 +149,7 @@ def segment_view(info: Dict[str, Any]) -> RenderableType:
 
 def stats_view(stats: Dict[str, Any], path: str) -> RenderableType:
     parts: List[RenderableType] = [Text.assemble(("journal ", "bold"), path,
-                                                 f"  LSN {stats['first_lsn']}..{stats['last_lsn']}")]
+                                                 f"  {lsn_span(stats['first_lsn'], stats['last_lsn'])}")]
     table = Table(title="records by type", box=None, header_style="bold", title_justify="left")
     for col in ("type", "count", "bytes", "share"):
         table.add_column(col, justify="left" if col == "type" else "right")

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out
+from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out, warn_past_end
 from kvj.cli.render import state_summary
 from kvj.journal.replay import is_legacy
 from kvj.journal.replay import replay as replay_journal
@@ -27,6 +27,7 @@ def replay(journal: JournalArg = None,
     """
     path = journal_path(journal)
     state = replay_journal(path, at_lsn=at, strict=strict)
+    warn_past_end(at, state.last_lsn)
     if as_json:
         emit_json({"journal": path, "legacy": is_legacy(path), "at_lsn": at, **state.to_dict()})
         return

@@ -8,7 +8,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, out, parse_time, progress, usage_error
+from kvj.cli.common import (
+    JournalArg,
+    JsonArg,
+    StoreArg,
+    check_owner,
+    done,
+    emit_json,
+    out,
+    parse_time,
+    progress,
+    usage_error,
+)
 from kvj.ops.inspection import human_size
 from kvj.replica.remote import open_remote
 from kvj.replica.restore import restore as restore_replica
@@ -19,35 +30,47 @@ def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL
             journal: JournalArg = None,
             store: StoreArg = None,
             at: Annotated[Optional[str], typer.Option(metavar="LSN|TIME", help="Restore the state as of this LSN "
-                                                      "(an integer), or as replicated at this time (ISO 8601, or "
-                                                      "e.g. 10m for ten minutes ago).")] = None,
+                                                      "(a bare integer), or as replicated at this TIME (ISO 8601, "
+                                                      "@ and Unix seconds, or e.g. 10m for ten minutes ago).")] = None,
             as_json: JsonArg = False) -> None:
     """Restore a journal and its segments from a replica onto a new directory.
 
     Downloads the replica's snapshot, log files and every segment the restored state
     needs, and verifies each (the BLAKE3 the manifest recorded, every CRC, LSN
     continuity, each segment's chunks and content digest) before it is written durably.
-    The result is an ordinary journal: run kvj fsck and kvj recover on it as on the
-    original node. --at restores an earlier point (not before the replica's snapshot).
-    The target must be new or empty: nothing existing is overwritten.
+    No read goes past the size the manifest or the journal declares for an object, and
+    an object of another size is refused unread; a download fails after 30 s without a
+    byte, however long it takes in all. The result is an ordinary journal: run
+    kvj fsck and kvj recover on it as on the original node. --at restores an earlier
+    point (not before the replica's snapshot).
+
+    The target must be new or empty (an empty lost+found of a fresh file system is
+    allowed): nothing existing is overwritten. It may be a mount point: the journal is
+    staged in DIR/.kvj-restoring and moved into place, so DIR itself, its owner and mode,
+    stays. A target that is not empty or cannot be written fails before anything is
+    downloaded, one without the space for the log files before they are, one without the
+    space for the segments before any of them is. Run it as the user the journal's service runs as (User=): as
+    root, a DIR another user owns is refused (77) unless KVJ_TRUST_OWNER=1.
     """
     if not source:
         raise usage_error("no replica given: use --from s3://bucket/prefix")
     if journal is None:
         raise usage_error("no journal given: use --journal DIR (a new or empty directory)")
     target = os.path.abspath(journal)
-    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-        raise usage_error(f"{target} exists and is not empty: restore into a new directory")
+    for directory in (target, os.path.abspath(store) if store else None):
+        if directory and os.path.isdir(directory):
+            check_owner(directory)
     at_lsn = at_time = None
     if at is not None:
         if re.fullmatch(r"\s*\d+\s*", at):
             at_lsn = int(at)
         else:
-            at_time = parse_time(at)
+            at_time = parse_time(at, "--at")
     remote = open_remote(source)
     with progress() as update:
         result = restore_replica(remote, target, store=os.path.abspath(store) if store else None, at_lsn=at_lsn,
                                  at_time=at_time, progress=update)
+    done(f"restored {target} through LSN {result.last_lsn}")
     if as_json:
         emit_json(result.to_dict())
         return

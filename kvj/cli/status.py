@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -11,6 +11,7 @@ from rich.text import Text
 
 from kvj.cli.common import JournalArg, JsonArg, StoreArg, ago, emit_json, journal_path, out, store_path
 from kvj.cli.render import clock
+from kvj.errors import FormatError
 from kvj.ops.inspection import human_size
 
 
@@ -19,7 +20,10 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
 
     Whether a writer holds the journal (its pid), the last complete commit group's LSN and
     how long ago it was written, records/s and bytes/s over the last minute and the commit
-    lag (the longest interval between two commit groups in that minute), requests in
+    lag (the longest interval between two commit groups of one writer in that minute, the
+    most a record can have waited for its group; the pauses between writers, a dead
+    writer's last group and recovery's epoch record or the next writer's first group, are
+    left out: no record waited through them), requests in
     flight and ended, the training step, journal and store sizes, what kvj set aside (torn/,
     recovery/, quarantine) and the free space of their disks, the mirror (whether both
     copies reach the same LSN), the last recovery epoch
@@ -30,7 +34,11 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
     from kvj.ops.status import status as journal_status
 
     path = journal_path(journal, legacy_ok=False)
-    info = journal_status(path, store_path(path, store))
+    try:
+        root: Optional[str] = store_path(path, store)
+    except FormatError:  # a kvj.conf that cannot be read: status shows it, it does not stop at it
+        root = None
+    info = journal_status(path, root)
     if as_json:
         emit_json(info)
         return
@@ -87,7 +95,10 @@ def view(s: Dict[str, Any]) -> RenderableType:
     st = s["store"]
     rows.append(["store", f"{st['segments']:,} segments, {human_size(st['bytes'])}"
                           + (f", {st['quarantined']} quarantined" if st["quarantined"] else "")
-                 if st["exists"] else f"none at {st['path']}"])
+                 if st["exists"] else f"none at {st['path']}" if st["path"] else "unknown (kvj.conf cannot be read)"])
+    if s.get("config_error"):
+        rows.append(["kvj.conf", Text(f"{s['config_error']} (kvj uses none of the journal's settings until it "
+                                      "is fixed: commands that need them refuse it)", style="bold red")])
     aside = s["set_aside"]
     quarantined = st["quarantined_bytes"] if st["exists"] else 0
     if aside["torn"] or aside["recovery"] or quarantined:

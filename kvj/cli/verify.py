@@ -26,8 +26,10 @@ def verify(remote: Annotated[Optional[str], typer.Option("--remote", metavar="UR
     BLAKE3 the manifest recorded), reads the log back strictly (every CRC, LSNs
     continuous from the snapshot to the end), then checks that every segment the
     replicated state needs is present, and reads the sampled fraction of them in full
-    (chunk CRCs and content digest). Exit status 0 when all is well, 65 when anything
-    is missing or damaged (each problem is listed).
+    (chunk CRCs and content digest). An object whose size differs from the one the
+    manifest or the journal declares is a problem found without reading it. Exit status
+    0 when all is well, 65 when anything is missing, damaged or not what kvj writes
+    (each problem is listed).
     """
     if not remote:
         raise usage_error("no replica given: use --remote s3://bucket/prefix")

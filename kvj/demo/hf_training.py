@@ -13,6 +13,10 @@ import torch
 from kvj.demo.workload import SIZES, ModelSpec
 
 
+#: ``LoraRun.optim`` -> Trainer's ``optim``.
+OPTIMIZERS = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "sgd": "sgd"}
+
+
 @dataclass(frozen=True)
 class LoraRun:
     """A deterministic LoRA fine-tune through ``transformers.Trainer``."""
@@ -23,7 +27,7 @@ class LoraRun:
     seq_len: int = 16
     batch: int = 4
     grad_accum: int = 1
-    optim: str = "adamw"  #: adamw, or sgd (with momentum 0.9)
+    optim: str = "adamw"  #: adamw, adamw-fused (Trainer's default on torch 2.8+), or sgd (momentum 0.9)
     scheduler: str = "linear"
     warmup: int = 0
     lr: float = 2e-3
@@ -70,7 +74,7 @@ def build_trainer(run: LoraRun, output_dir: str, callbacks: List[Any], *, save_s
         gradient_accumulation_steps=run.grad_accum, learning_rate=run.lr, lr_scheduler_type=run.scheduler,
         warmup_steps=run.warmup, logging_steps=1, save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500, report_to=[], use_cpu=True, seed=run.seed,
-        dataloader_num_workers=0, disable_tqdm=True, optim="adamw_torch" if run.optim == "adamw" else "sgd",
+        dataloader_num_workers=0, disable_tqdm=True, optim=OPTIMIZERS[run.optim],
         optim_args="momentum=0.9" if run.optim == "sgd" else None, max_grad_norm=1.0)
     data = SyntheticLM(run.samples, run.seq_len, SIZES[run.model.size][0], run.seed)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)

@@ -81,7 +81,8 @@ def train(spec: TrainSpec, journal: Optional["Journal"] = None, *, device: Union
     if resume is not None:
         trainer.load(resume.state)
     if journal is not None:
-        saver = StateJournal(journal, spec.full_every, model=spec.model.model_id, resume=resume)
+        saver = StateJournal(journal, spec.full_every, model=spec.model.model_id, resume=resume,
+                             optimizer=trainer.optimizer)
     try:
         while trainer.step < spec.steps:
             loss = trainer.train_step()

@@ -253,7 +253,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--seq-len", type=int, default=16)
     h.add_argument("--batch", type=int, default=4)
     h.add_argument("--grad-accum", type=int, default=1)
-    h.add_argument("--optim", default="adamw", choices=["adamw", "sgd"])
+    h.add_argument("--optim", default="adamw", choices=["adamw", "adamw-fused", "sgd"])
     h.add_argument("--scheduler", default="linear")
     h.add_argument("--warmup", type=int, default=0)
     h.add_argument("--lr", type=float, default=2e-3)

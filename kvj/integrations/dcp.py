@@ -5,10 +5,11 @@
     dcp.save(state_dict, storage_writer=JournalWriter("/ckpt/run-7", step=step))
     dcp.load(state_dict, storage_reader=JournalReader("/ckpt/run-7"))   # the newest committed one
 
-Every rank stores its shards as kvj segments through a ``Flusher`` (the one device-to-host
-copy in kvj, so a CUDA shard goes through pinned staging; content-addressed, checksummed,
+Every rank stores its shards as kvj segments through a ``Flusher`` (a CUDA shard leaves
+through pinned staging and kvj's device-to-host copy; content-addressed, checksummed,
 compressed by the codec that pays, durable when ``write_data`` returns; an unchanged shard is
-not written again). The coordinator then stores DCP's ``Metadata`` (encoded as msgpack, no pickle) as one
+not written again) and loads them back through ``kvj.segments.restore.load`` (onto a CUDA
+shard through pinned staging and kvj's upload). The coordinator then stores DCP's ``Metadata`` (encoded as msgpack, no pickle) as one
 more segment and appends **one** journal checkpoint record naming the metadata and every
 shard, durably: that record is the commit point. DCP runs ``finish`` only after every rank's
 ``write_data`` returned, so a checkpoint counts only when all shards and the metadata are
@@ -41,7 +42,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from kvj.errors import FormatError
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.replay import replay
+from kvj.segments import device as cuda
 from kvj.segments.flusher import Flusher
+from kvj.segments.restore import load
 from kvj.segments.store import SegmentStore
 
 FORMAT = "kvj-dcp/1"
@@ -234,17 +237,21 @@ class JournalReader(StorageReader):
         """Read, verify (every chunk CRC and the digest) and install this rank's items."""
         with SegmentStore(default_store_path(self.path)) as store:
             for req in plan.items:
-                stored = store.get(self._storage[req.storage_index]["key"])
+                key = self._storage[req.storage_index]["key"]
                 if req.type == LoadItemType.BYTE_IO:
                     # The planner unpickles what it is handed: give it a torch.save of the value
                     # torch.load(weights_only=True) read, never the stored bytes themselves.
-                    value, fresh = plain_value(stored.numpy().tobytes(), req.storage_index.fqn), io.BytesIO()
+                    value = plain_value(store.get(key).numpy().tobytes(), req.storage_index.fqn)
+                    fresh = io.BytesIO()
                     torch.save(value, fresh)
                     fresh.seek(0)
                     planner.load_bytes(req, fresh)
                     continue
-                tensor = _narrow(stored, req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()
+                # A shard on a GPU arrives through pinned staging and kvj's upload, which the
+                # current stream waits for: the copy into the target below runs after it.
+                where = cuda.CUDA.device_of(target) if cuda.CUDA.is_device_tensor(target) else target.device
+                tensor = _narrow(load(store, key, where), req.storage_offsets, req.lengths)
                 if target.size() != tensor.size():
                     raise FormatError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
                                       f"wanted {tuple(target.size())}")

@@ -21,7 +21,14 @@ safetensors, no pickle) for Trainer's resume path, which restores the step, the 
 the dataloader position; the callback then installs the optimizer, scheduler and scaler
 state at train begin and the RNG streams where Trainer's own resume would (after the
 dataloader is fast-forwarded). After a resume, ``trainer.state.log_history`` holds what was
-logged since.
+logged since. A journal that does not fit the model (a changed LoRA rank, target modules or
+dtype) is refused by ``resume`` with a ``FormatError`` naming what differs, before anything is
+copied; one whose optimizer state does not fit Trainer's optimizer (made only once training
+begins) is refused at train begin, before that state is loaded (the model has the journaled
+weights by then, in memory only); a run configured differently (learning rate, dataset
+size...) resumes with the journaled values and one ``ResumeMismatch`` warning naming each
+difference. Each save's copy runs beside the next forward and backward: only the optimizer's
+next step waits for it, on the GPU.
 """
 
 from __future__ import annotations
@@ -30,14 +37,16 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from typing import Any, Dict, Optional, Union
 
 from transformers import TrainerCallback
 
 from kvj.errors import FormatError
 from kvj.fileio import atomic_write
-from kvj.integrations.training import (RecoveredState, StateJournal, load_trainable, recover_training, rng_state,
-                                       set_rng_state, trainable_state_dict)
+from kvj.integrations.training import (RecoveredState, ResumeMismatch, StateJournal, changed_settings,
+                                       check_optimizer_state, load_scaler, load_trainable, optimizer_shapes,
+                                       recover_training, rng_state, scaler_state, set_rng_state, trainable_state_dict)
 from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 
@@ -67,6 +76,7 @@ class KvjCallback(TrainerCallback):
         self._journal: Optional[Journal] = None
         self._saver: Optional[StateJournal] = None
         self._trainable: Optional[Dict[str, Any]] = None  # the model's trainable parameters, found once
+        self._samples: Optional[int] = None  # the training dataset's size, journaled with the position
         self._rng_pending = False
         self._deferred = False
 
@@ -122,21 +132,40 @@ class KvjCallback(TrainerCallback):
             self._journal = self.journal_arg
         else:
             self._journal = Journal.open(self.journal_path)
+        dataset = getattr(kwargs.get("train_dataloader"), "dataset", None)
+        self._samples = len(dataset) if hasattr(dataset, "__len__") else None
         rec = self.recovered
         if rec is not None:
             if state.global_step != rec.step:
                 raise FormatError(f"Trainer resumed at step {state.global_step}, the journal holds step {rec.step}: "
                                   "pass cb.resume(trainer) as resume_from_checkpoint")
+            check_optimizer_state(optimizer, rec.state["optimizer"], rec.state.get("optimizer_shapes"), model)
+            self._warn_changes(optimizer, rec)
             optimizer.load_state_dict(rec.state["optimizer"])
             if lr_scheduler is not None and rec.state["scheduler"] is not None:
                 lr_scheduler.load_state_dict(rec.state["scheduler"])
             scaler = self._scaler()
             if scaler is not None and rec.state["scaler"] is not None:
-                scaler.load_state_dict(rec.state["scaler"])
+                load_scaler(scaler, rec.state["scaler"])
             self._rng_pending = True
         self._trainable = trainable_state_dict(model)
+        # The optimizer's next step waits for each save's copy to have read the state (on the GPU).
         self._saver = StateJournal(self._journal, self.full_every, model=self.model_id, resume=rec,
-                                   max_pending=self.max_pending)
+                                   max_pending=self.max_pending, optimizer=optimizer)
+
+    def _warn_changes(self, optimizer: Any, rec: RecoveredState) -> None:
+        """One warning naming what this run sets differently from the journaled one (optimizer
+        settings such as the learning rate, the dataset's size): the journaled optimizer and
+        scheduler state and data position are what continues."""
+        changed = changed_settings(optimizer, rec.state["optimizer"])
+        journaled = (rec.state["data"].get("dataset") or {}).get("samples")
+        if journaled is not None and self._samples is not None and journaled != self._samples:
+            changed.append(f"dataset size: journaled {journaled} samples, this run {self._samples} (the journaled "
+                           f"position, step {rec.step}, is kept: the batches after it are not the ones the "
+                           "journaled run would have seen)")
+        if changed:
+            warnings.warn(f"resuming a run configured differently from the journaled one; the journaled values are "
+                          f"kept: {'; '.join(changed)}", ResumeMismatch, stacklevel=2)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Resumed at an epoch's end: Trainer would restore RNG before the new epoch's iterator.
@@ -189,12 +218,12 @@ class KvjCallback(TrainerCallback):
               **kwargs: Any) -> None:
         self._deferred = False
         assert self._saver is not None, "on_train_begin did not run"
-        scaler = self._scaler()
         self._saver.save(state.global_step, {
             "step": state.global_step, "model": self._trainable, "optimizer": optimizer.state_dict(),
+            "optimizer_shapes": optimizer_shapes(optimizer),
             "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None, "rng": rng_state(),
-            "data": {"trainer_state": _resume_fields(state)}})
+            "scaler": scaler_state(self._scaler()), "rng": rng_state(),
+            "data": {"trainer_state": _resume_fields(state), "dataset": {"samples": self._samples}}})
 
 
 def _resume_fields(state: Any) -> str:

@@ -7,11 +7,13 @@ fused or capturable variants), the LR scheduler, the gradient scaler, the RNG st
 (Python, NumPy, torch CPU and CUDA), the step and the caller's data position. Any nested
 structure of tensors and plain values works, in any mix of dtypes.
 
-``capture`` takes it off the device: each tensor is copied once, straight into its slice of
-a host buffer (pinned for CUDA), through ``kvj.segments.device`` (the flusher's copy: kvj's
-side stream, after the work that produced the state; the loop's next step waits for it on
-the GPU, not on the host), and the tensors of one role and dtype share a buffer (a *stream*:
-the model's float32 weights, Adam's ``exp_avg``...). Everything else (the structure, numbers,
+``StateBuffers.capture`` takes it off the device without the host waiting for the GPU.
+The tensors of one role and dtype share a *stream* (the model's float32 weights, Adam's
+``exp_avg``...); on a GPU each stream's tensors are gathered, on kvj's side stream, into one
+device buffer kept for the run, and copied with one device-to-host copy into host buffers
+kept for the run (pinned, one per save in flight), all through ``kvj.segments.device``; only
+the optimizer's next step waits for the gather, on the GPU (a step pre-hook). On the CPU the
+tensors are stacked straight into the host buffers. Everything else (the structure, numbers,
 the RNG tuples) is one msgpack document, which also carries the streams of at most
 ``INLINE_BYTES`` (a file and an fsync each would cost more than they hold). Every
 ``full_every`` steps each other stream is stored as a segment and the save is journaled as
@@ -21,7 +23,8 @@ little keeps its sign and exponent, so the XOR's high planes are nearly all zero
 otherwise. Deltas are against the last full state, not chained: recovery reads one
 checkpoint and one delta, and a damaged delta falls back to the one before it.
 
-``StateJournal`` saves on a background thread, so the loop waits only for the copy.
+``StateJournal`` stores on a background thread: the loop waits neither for the disk nor
+for the copy.
 ``kvj.integrations.hf_trainer`` (Hugging Face ``Trainer``) and the demo's trainer use it.
 """
 
@@ -29,9 +32,11 @@ from __future__ import annotations
 
 import random
 import threading
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
 import msgpack
@@ -41,7 +46,7 @@ import torch
 from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState
 from kvj.segments import device as cuda
-from kvj.segments.tensors import DTYPES, dtype_name
+from kvj.segments.tensors import DTYPE_NAMES, DTYPES, dtype_name
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal
@@ -99,68 +104,242 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     """Install an ``rng_state()``."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    # A copy of its own: torch.set_rng_state crashes (SIGSEGV, torch 2.13) on a tensor at a
+    # storage offset, which is what a view of a snapshot's stream is.
+    torch.set_rng_state(state["torch"].clone())
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def optimizer_shapes(optimizer: torch.optim.Optimizer) -> List[List[List[int]]]:
+    """The shapes of the parameters ``optimizer`` holds, group by group (each group as
+    ``[ranks, dims]``: every parameter's number of dimensions, then all dimensions in one
+    list, which costs the save next to nothing): what its state was made for. Journaled
+    beside that state, so a resume can refuse state made for parameters of other shapes
+    (``load_state_dict`` takes it, and a fused kernel reads and writes past its end)."""
+    return [[[p.dim() for p in group["params"]], list(chain.from_iterable(p.shape for p in group["params"]))]
+            for group in optimizer.param_groups]
+
+
+def _journaled_shapes(record: Any) -> List[List[Tuple[int, ...]]]:
+    """``optimizer_shapes``' record back as one shape per parameter, group by group."""
+    if not isinstance(record, list):
+        raise FormatError("the journaled optimizer state does not say which parameter shapes it was made for "
+                          "(optimizer_shapes, as training_state journals it)")
+    groups = []
+    for entry in record:
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, list) for x in entry)
+                and sum(entry[0]) == len(entry[1])):
+            raise FormatError(f"bad optimizer_shapes entry in the journaled state: {entry!r:.80}")
+        ranks, dims = entry
+        at, shapes = 0, []
+        for rank in ranks:
+            shapes.append(tuple(dims[at:at + rank]))
+            at += rank
+        groups.append(shapes)
+    return groups
+
+
+def scaler_state(scaler: Any) -> Optional[Dict[str, Any]]:
+    """``scaler.state_dict()`` without its host synchronisation: ``state_dict()`` reads the
+    scale and the growth tracker with ``.item()``, which waits for the GPU at every save.
+    Here they are the scaler's own tensors (as a model's ``state_dict()`` holds its
+    parameters); ``StateBuffers`` reads them before the caller's stream goes on, and
+    ``load_scaler`` installs the result."""
+    if scaler is None:
+        return None
+    if not scaler.is_enabled() or scaler._scale is None:  # disabled, or before its first scale(): no tensors
+        return scaler.state_dict()
+    return {"scale": scaler._scale, "growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
+            "growth_interval": scaler._growth_interval, "_growth_tracker": scaler._growth_tracker}
+
+
+def load_scaler(scaler: Any, state: Mapping[str, Any]) -> None:
+    """Install a ``scaler_state()`` (or a ``state_dict()``) into ``scaler``."""
+    scaler.load_state_dict({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
                    scheduler: Any = None, scaler: Any = None, data: Any = None, rng: bool = True) -> Dict[str, Any]:
     """What training needs to continue after ``step``, for ``StateJournal.save``: trainable
-    parameters, the optimizer's ``state_dict()``, the scheduler's and scaler's, the RNG
-    states and ``data`` (the caller's data position: epoch, sampler state, samples seen)."""
+    parameters, the optimizer's ``state_dict()`` (and the shapes of the parameters it is
+    for), the scheduler's and scaler's state, the RNG states and ``data`` (the caller's data
+    position: epoch, sampler state, samples seen). Nothing here waits for the GPU."""
     return {"step": step, "model": trainable_state_dict(model), "optimizer": optimizer.state_dict(),
+            "optimizer_shapes": optimizer_shapes(optimizer),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rng_state() if rng else None, "data": data}
+            "scaler": scaler_state(scaler), "rng": rng_state() if rng else None, "data": data}
 
 
 def restore_training_state(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                            scheduler: Any = None, scaler: Any = None, rng: bool = True) -> int:
     """Install a recovered ``training_state`` (``RecoveredState.state``); returns its step.
 
+    Everything is checked before anything is copied: a parameter or optimizer state that
+    does not fit (a changed LoRA rank, target modules, dtype or parameter grouping) is a
+    ``FormatError`` naming it. Optimizer settings that differ from the journaled ones (a new
+    learning rate...) are named in one warning: the journaled ones are what continues.
     Optimizer state goes in through ``optimizer.load_state_dict``, so each value lands where
     that optimizer keeps it (for fused or capturable AdamW, ``step`` on the parameter's device)."""
-    load_trainable(model, state["model"])
+    check_trainable(model, state.get("model"))
+    check_optimizer_state(optimizer, state.get("optimizer"), state.get("optimizer_shapes"), model)
+    warn_changed_settings(optimizer, state["optimizer"])
+    _copy_trainable(model, state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
+        load_scaler(scaler, state["scaler"])
     if rng and state.get("rng") is not None:
         set_rng_state(state["rng"])
     return int(state["step"])
 
 
 def load_trainable(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy saved trainable parameters into ``model`` (every trainable one must be there)."""
-    params = trainable_state_dict(model)
-    if set(params) != set(tensors):
-        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-        raise FormatError(f"saved trainable parameters do not match the model: missing {missing[:5]}, "
-                          f"unexpected {extra[:5]}")
+    """Copy saved trainable parameters into ``model``: every trainable one must be there, of
+    its shape and dtype (``check_trainable``), or nothing is copied."""
+    check_trainable(model, tensors)
+    _copy_trainable(model, tensors)
+
+
+def _copy_trainable(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
-        for name, p in params.items():
+        for name, p in trainable_state_dict(model).items():
             p.copy_(tensors[name])
+
+
+def _described(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def _refuse(what: str, problems: List[str]) -> None:
+    if problems:
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise FormatError(f"{what}: {'; '.join(problems[:8])}{more}")
+
+
+def check_trainable(model: torch.nn.Module, tensors: Any) -> None:
+    """``FormatError`` unless ``tensors`` holds exactly ``model``'s trainable parameters, each
+    a tensor of the parameter's shape and dtype (``copy_`` would broadcast a smaller one and
+    convert another dtype without a word)."""
+    if not isinstance(tensors, Mapping):
+        raise FormatError(f"the journaled trainable parameters are a {type(tensors).__name__}, not a mapping")
+    params = trainable_state_dict(model)
+    problems = [f"{name} is missing from the journal" for name in params if name not in tensors]
+    problems += [f"{name} is journaled but is not a trainable parameter of this model" for name in tensors
+                 if name not in params]
+    for name, p in params.items():
+        t = tensors.get(name)
+        if name in tensors and not isinstance(t, torch.Tensor):
+            problems.append(f"{name} is journaled as a {type(t).__name__}")
+        elif t is not None and (t.shape != p.shape or t.dtype != p.dtype):
+            problems.append(f"{name} is journaled as {_described(t)}, the model's is {_described(p)}")
+    _refuse("the journaled trainable parameters do not fit this model (a changed LoRA rank, target modules "
+            "or dtype?), nothing was copied", problems)
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, shapes: Any,
+                          model: Optional[torch.nn.Module] = None) -> None:
+    """``FormatError`` unless the journaled optimizer ``state_dict`` ``saved`` was made for
+    parameters of the shapes ``optimizer`` holds, group by group (``shapes``: what
+    ``optimizer_shapes`` journaled beside it). ``load_state_dict`` checks only the counts,
+    and a fused kernel given state of another size writes past its end. ``model`` names
+    the parameters in the message."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("param_groups"), list) \
+            or not isinstance(saved.get("state"), Mapping):
+        raise FormatError("the journaled optimizer state is not an optimizer state_dict")
+    journaled = _journaled_shapes(shapes)
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    groups, live = saved["param_groups"], optimizer.param_groups
+    problems = []
+    if not len(groups) == len(journaled) == len(live):
+        problems.append(f"the journal holds {len(groups)} parameter groups ({len(journaled)} with shapes), "
+                        f"this optimizer {len(live)}")
+    for g, (group, was, here) in enumerate(zip(groups, journaled, live)):
+        ids = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(ids, list) or not len(ids) == len(was) == len(here["params"]):
+            count = len(ids) if isinstance(ids, list) else "no"
+            problems.append(f"group {g} holds {count} parameters in the journal ({len(was)} with shapes), "
+                            f"{len(here['params'])} in this optimizer")
+            continue
+        for i, (shape, p) in enumerate(zip(was, here["params"])):
+            if shape != tuple(p.shape):
+                name = names.get(id(p), f"parameter {i}")
+                problems.append(f"{name} (group {g}): the journaled state is for {shape}, "
+                                f"the parameter is {_described(p)}")
+    known = {i for group in groups if isinstance(group, Mapping) for i in group.get("params") or []}
+    problems += [f"the journal holds state for parameter {k}, which no group lists" for k in saved["state"]
+                 if k not in known]
+    _refuse("the journaled optimizer state does not fit this optimizer, nothing was copied", problems)
+
+
+class ResumeMismatch(UserWarning):
+    """A resumed run was configured differently from the journaled one (learning rate,
+    dataset size...); the journaled values are what continues."""
+
+
+#: Param group entries that are not settings. (With a scheduler attached, ``lr`` is not one
+#: either: it is where the schedule has taken the learning rate, ``initial_lr`` the setting.)
+_NOT_SETTINGS = ("params", "param_names")
+
+
+def changed_settings(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> List[str]:
+    """The optimizer settings (learning rate, betas, weight decay, ``fused``...) in which
+    ``optimizer`` differs from the journaled ``state_dict`` ``saved``, one line each."""
+    out = []
+    for g, (journaled, here) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
+        scheduled = "initial_lr" in journaled and "initial_lr" in here
+        for key in sorted(set(journaled) | set(here), key=str):
+            if key in _NOT_SETTINGS or (key == "lr" and scheduled):
+                continue
+            a, b = _plain(journaled.get(key)), _plain(here.get(key))
+            if a != b:
+                what = f"learning rate ({key}, group {g})" if key in ("lr", "initial_lr") else f"{key} (group {g})"
+                out.append(f"{what}: journaled {a!r}, this run {b!r}")
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A setting as a comparable value (a tensor learning rate as its number)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def warn_changed_settings(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """One warning naming every optimizer setting this run changed against the journal: the
+    journaled values are what ``load_state_dict`` keeps."""
+    changed = changed_settings(optimizer, saved)
+    if changed:
+        warnings.warn(f"resuming with optimizer settings that differ from the journal's; the journaled ones are "
+                      f"kept: {'; '.join(changed)}", ResumeMismatch, stacklevel=3)
 
 
 # -- capture: off the device, into host streams and one document ------------------------------
 
 
 class Snapshot:
-    """Host copies of a training state: ``streams`` (one flat tensor per role and dtype),
-    ``document`` (the structure and plain values) and the CUDA events after which the
-    copies hold their values (none when every tensor was on the CPU).
+    """Host copies of a training state: ``streams`` (one flat tensor per role and dtype) and
+    ``document`` (the structure and plain values).
 
-    The copies are ``kvj.segments.device`` downloads: they run after the work queued so far
-    (they read the state as the step left it), and the caller's later work (the next step's
-    in-place updates) waits for them on the GPU. The saver thread waits for ``ready``.
+    Device tensors reach ``streams`` through ``kvj.segments.device`` copies that may still
+    be running: ``wait`` before reading them (the saver thread does), then ``release`` them,
+    so the next capture can reuse their buffer (``StateBuffers``). Until ``wait`` returns,
+    the snapshot keeps the device tensors the copies read referenced, so their memory is not
+    handed out again while kvj's stream still reads it (what ``record_stream`` would buy,
+    without an allocator call per tensor).
     """
 
-    def __init__(self, streams: Dict[str, torch.Tensor], document: Dict[str, Any], ready: Tuple[Any, ...] = ()):
+    def __init__(self, streams: Dict[str, torch.Tensor], document: Dict[str, Any],
+                 ready: Tuple[Tuple[Any, Any], ...] = (), *, sources: Tuple[torch.Tensor, ...] = (),
+                 owner: Optional["StateBuffers"] = None, buffer: Optional[torch.Tensor] = None):
         self.streams = streams
         self.document = document  #: the parsed document: format, tree, leaves (and "inline" when stored)
-        self.ready = ready
+        self._ready = ready  # (event, stream): the copies into ``streams`` are done after each event
+        self._sources = sources
+        self._owner, self._buffer = owner, buffer
 
     @property
     def doc(self) -> bytes:
@@ -168,9 +347,18 @@ class Snapshot:
         return msgpack.packb(self.document, use_bin_type=True)
 
     def wait(self) -> None:
-        """Block until the copies have landed (blocking events: no core spins meanwhile)."""
-        for event in self.ready:
-            cuda.CUDA.wait(event)
+        """Block until the copies have landed (blocking events: no core spins meanwhile); if
+        waiting fails, their stream is settled before the error goes up (``Cuda.finish``)."""
+        for event, stream in self._ready:
+            cuda.CUDA.finish(event, stream)
+        self._ready, self._sources = (), ()
+
+    def release(self, landed: bool = True) -> None:
+        """Give the host buffer back for the next capture; with ``landed`` False (``wait``
+        failed: a copy may still write into it) it is dropped instead."""
+        owner, buffer, self._owner, self._buffer = self._owner, self._buffer, None, None
+        if owner is not None and buffer is not None and landed:
+            owner.give_back(buffer)
 
     def signature(self) -> Dict[str, Tuple[str, int]]:
         """Stream name -> (dtype, numel): a delta needs the same as its base."""
@@ -180,10 +368,11 @@ class Snapshot:
 def _stream_name(path: Tuple[Any, ...], dtype: torch.dtype) -> str:
     """Tensors of one role share a stream: the optimizer's per-parameter state by its key
     (``exp_avg``, ``momentum_buffer``...), anything else by its top-level part."""
-    role = str(path[0]) if path else "state"
     if len(path) >= 4 and path[0] == "optimizer" and path[1] == "state":
         role = f"optimizer.{path[3]}"
-    return f"{role}.{str(dtype).replace('torch.', '')}"
+    else:
+        role = str(path[0]) if path else "state"
+    return f"{role}.{DTYPE_NAMES.get(dtype) or str(dtype).replace('torch.', '')}"
 
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
@@ -194,6 +383,9 @@ def _encode(value: Any, path: Tuple[Any, ...], leaves: List[Tuple[Tuple[Any, ...
     kind = type(value)
     if kind in _PLAIN:
         return value
+    if kind is dict:  # the common case first: a save walks thousands of nodes on the training thread
+        return {"d": [[k if type(k) in _PLAIN else _encode(k, path, leaves), _encode(v, path + (k,), leaves)]
+                      for k, v in value.items()]}
     if isinstance(value, torch.Tensor):
         leaves.append((path, value))
         return {"t": len(leaves) - 1}
@@ -206,7 +398,7 @@ def _encode(value: Any, path: Tuple[Any, ...], leaves: List[Tuple[Tuple[Any, ...
     if isinstance(value, np.ndarray):
         leaves.append((path, value))
         return {"n": len(leaves) - 1}
-    if kind is dict or isinstance(value, Mapping):
+    if isinstance(value, Mapping):
         return {"d": [[_encode(k, path, leaves), _encode(v, path + (k,), leaves)] for k, v in value.items()]}
     if isinstance(value, (tuple, list)):
         tag = "u" if isinstance(value, tuple) else "l"
@@ -231,56 +423,221 @@ def _decode(node: Any, leaves: List[Any]) -> Any:
     return node
 
 
+#: Byte alignment of each stream's slice of a buffer (every dtype's element size divides it).
+ALIGN = 64
+
+#: Where a stream's members live: None for the CPU, else their device.
+_Where = Optional[torch.device]
+#: The parts of a ``training_state`` that nothing but the optimizer's step changes in place.
+_STEP_GUARDED = ("model", "optimizer")
+#: A stream's members in one place: runs of same-shaped tensors (shape, leaf indices).
+_Groups = List[Tuple[torch.Size, List[int]]]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose ``step`` runs, inside wrappers such as accelerate's
+    ``AcceleratedOptimizer`` (which runs no step hooks of its own)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _stack_into(flat: torch.Tensor, groups: _Groups, tensors: List[torch.Tensor]) -> None:
+    """Fill the front of ``flat`` with the tensors of ``groups``, in order: one
+    ``torch.stack`` per run of same-shaped tensors."""
+    at = 0
+    for shape, members in groups:
+        numel = shape.numel() * len(members)
+        if numel:
+            torch.stack([tensors[i] for i in members], out=flat[at:at + numel].view(len(members), *shape))
+        at += numel
+
+
+class StateBuffers:
+    """The memory training state leaves the device through, allocated once and reused.
+
+    Per device one gather buffer, on the device; on the host up to ``sets`` buffers (pinned
+    when the state has device tensors) that consecutive captures take turns in, so a
+    snapshot still being stored is never overwritten (``StateJournal`` holds at most
+    ``max_pending`` snapshots and keeps that many). A capture gathers each stream's device
+    tensors into its slice of the gather buffer on kvj's side stream (one ``torch.stack``
+    per run of same-shaped tensors, not a copy per tensor) and copies each slice to the host
+    with one device-to-host copy. The gather buffer is allocated on that side stream and used
+    only there, so it needs no ``record_stream``.
+
+    The live tensors may change again once the gather has read them. With ``optimizer``,
+    its next ``step`` waits for that on the GPU (a step pre-hook): the next forward and
+    backward run alongside the gather and the copy; only the step, which updates the state in
+    place, waits. That holds for the state's ``model`` and ``optimizer`` parts (as
+    ``training_state`` makes them), which nothing but that step may change in place; the
+    rest (the scaler's scale, the caller's data...) is gathered first and the caller's stream
+    waits for that small gather at once, as it waits for the whole gather without ``optimizer``.
+    """
+
+    def __init__(self, sets: int = 2, optimizer: Optional[torch.optim.Optimizer] = None):
+        self.sets = sets
+        self._lock = threading.Lock()
+        self._free: List[torch.Tensor] = []  # host buffers no snapshot holds
+        self._gather: Dict[torch.device, torch.Tensor] = {}
+        self._guard: Dict[torch.device, Any] = {}  # the gathers the next optimizer step waits for
+        self._hook = (_innermost(optimizer).register_step_pre_hook(self._before_step)
+                      if optimizer is not None else None)
+
+    def close(self) -> None:
+        """Remove the optimizer step pre-hook. (The snapshots' ``wait`` is what orders later
+        changes to the tensors they read: ``StateJournal.close`` returns after every save's.)"""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        guard, self._guard = self._guard, {}
+        for device, gathered in guard.items():
+            cuda.CUDA.gpu_wait(cuda.CUDA.current_stream(device), gathered)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """A host buffer no copy writes into any more and no reader holds: free for reuse."""
+        with self._lock:
+            if len(self._free) < self.sets:
+                self._free.append(buffer)
+
+    def _host(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A free host buffer of at least ``nbytes``; one too small or of the other kind is
+        dropped, so at most ``sets`` stay allocated."""
+        with self._lock:
+            while self._free:
+                buf = self._free.pop()
+                if buf.numel() >= nbytes and cuda.CUDA.is_pinned(buf) == pinned:
+                    return buf
+        return cuda.CUDA.pinned(nbytes) if pinned else torch.empty(nbytes, dtype=torch.uint8)
+
+    def _gather_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """``device``'s gather buffer, grown to ``nbytes``; called on kvj's side stream."""
+        buf = self._gather.get(device)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._gather[device] = cuda.CUDA.empty((nbytes,), torch.uint8, device)
+        return buf
+
+    def capture(self, state: Mapping[str, Any]) -> Snapshot:
+        """Host copies of ``state`` (any nested mapping of tensors, arrays and plain
+        values), queued on the caller's thread without waiting for the GPU; see ``Snapshot``."""
+        leaves: List[Tuple[Tuple[Any, ...], Any]] = []
+        tree = _encode(state, (), leaves)
+        tensors: List[torch.Tensor] = []
+        # stream -> where -> shape -> leaf indices. A stream holds its CPU members first, then
+        # each device's, so that each device's part is one slice; same shapes run together.
+        runs: Dict[Tuple[str, _Where, torch.Size], List[int]] = {}
+        dtypes: Dict[str, torch.dtype] = {}
+        guarded = set()  # the streams the optimizer step guards
+        is_device = cuda.CUDA.is_device_tensor
+        for i, (path, value) in enumerate(leaves):
+            t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+            name = _stream_name(path, t.dtype)
+            key = (name, cuda.CUDA.device_of(t) if is_device(t) else None, t.shape)
+            run = runs.get(key)
+            if run is None:
+                run = runs[key] = []
+                dtypes[name] = t.dtype
+                if path and path[0] in _STEP_GUARDED:
+                    guarded.add(name)
+            run.append(i)
+            tensors.append(t)
+        plan: Dict[str, Dict[_Where, Dict[torch.Size, List[int]]]] = {}
+        for (name, where, shape), run in runs.items():
+            plan.setdefault(name, {}).setdefault(where, {})[shape] = run
+        places: List[Any] = [None] * len(leaves)
+        parts: Dict[_Where, List[Tuple[str, int, int, _Groups]]] = {}  # where -> (stream, start, numel, groups)
+        on_device: Dict[str, int] = {}  # stream -> where its device part starts
+        numels: Dict[str, int] = {}
+        for name, by_where in plan.items():
+            offset = 0
+            for where in sorted(by_where, key=lambda w: -1 if w is None else w.index or 0):
+                start = offset
+                for shape, members in by_where[where].items():
+                    numel, dims = shape.numel(), list(shape)
+                    for i in members:
+                        places[i] = [name, offset, dims, "n" if isinstance(leaves[i][1], np.ndarray) else "t"]
+                        offset += numel
+                parts.setdefault(where, []).append((name, start, offset - start, list(by_where[where].items())))
+                if where is not None:
+                    on_device.setdefault(name, start)
+            numels[name] = offset
+        host = self._host(sum(_aligned(numels[n] * dtypes[n].itemsize) for n in plan),
+                          pinned=any(where is not None for where in parts))
+        streams: Dict[str, torch.Tensor] = {}
+        at = 0
+        for name in plan:
+            nbytes = numels[name] * dtypes[name].itemsize
+            streams[name] = host[at:at + nbytes].view(dtypes[name])
+            at += _aligned(nbytes)
+        with torch.no_grad():  # parameters are stacked as they are, not detached one by one
+            for name, start, _, groups in parts.get(None, []):
+                _stack_into(streams[name][start:], groups, tensors)
+            # A failure from here on drops ``host`` with the snapshot never made: a copy may run into it.
+            ready = tuple(self._download(where, device_parts, streams, tensors, guarded)
+                          for where, device_parts in parts.items() if where is not None)
+        document = {"format": FORMAT, "tree": tree, "leaves": places}
+        if on_device:
+            document["device"] = on_device
+        return Snapshot(streams, document, ready, sources=tuple(tensors) if ready else (), owner=self, buffer=host)
+
+    def _download(self, device: torch.device, parts: List[Tuple[str, int, int, _Groups]],
+                  streams: Dict[str, torch.Tensor], tensors: List[torch.Tensor], guarded: set) -> Tuple[Any, Any]:
+        """Gather ``device``'s part of each stream into its gather buffer and queue one copy
+        of each part to the host, on kvj's side stream after the caller's queued work (the
+        streams the optimizer step does not guard first). Returns (the copies' event, the
+        side stream)."""
+        if self._hook is not None:
+            parts = sorted(parts, key=lambda part: part[0] in guarded)
+        # The parts before ``first`` are read before the caller's stream goes on; the rest
+        # before the optimizer's next step.
+        first = next((k for k, part in enumerate(parts) if self._hook is not None and part[0] in guarded), len(parts))
+        side, current = cuda.CUDA.side_stream(device, "d2h"), cuda.CUDA.current_stream(device)
+        cuda.CUDA.gpu_wait_stream(side, current)  # the gather reads the state as the queued step leaves it
+        with cuda.CUDA.enqueue_on(side):
+            spans, total = [], 0
+            for name, _, numel, _ in parts:
+                spans.append(total)
+                total += _aligned(numel * streams[name].element_size())
+            gather = self._gather_buffer(device, total)
+            slices, early = [], None
+            for k, ((name, start, numel, groups), span) in enumerate(zip(parts, spans)):
+                if k == first and k:
+                    early = cuda.CUDA.record(side)
+                dtype = streams[name].dtype
+                region = gather[span:span + numel * dtype.itemsize].view(dtype)
+                _stack_into(region, groups, tensors)
+                slices.append((streams[name][start:start + numel], region))
+            gathered = cuda.CUDA.record(side)
+            for dest, region in slices:
+                if region.numel():
+                    cuda.CUDA.copy(dest, region)
+            landed = cuda.CUDA.record(side)
+        if first == len(parts):
+            cuda.CUDA.gpu_wait(current, gathered)
+        else:
+            if early is not None:
+                cuda.CUDA.gpu_wait(current, early)
+            self._guard[device] = gathered
+        return landed, side
+
+
 def capture(state: Mapping[str, Any]) -> Snapshot:
-    """Host copies of ``state`` (any nested mapping of tensors, arrays and plain values),
-    queued on the caller's thread; see ``Snapshot``. No device memory is allocated.
-
-    A stream whose tensors are all on the CPU is filled by one concatenation into its
-    buffer; device tensors are downloaded one by one into their slices."""
-    leaves: List[Tuple[Tuple[Any, ...], Any]] = []
-    tree = _encode(state, (), leaves)
-    groups: Dict[str, List[torch.Tensor]] = {}
-    places = []
-    sizes: Dict[str, int] = {}
-    on_device = set()  # the streams with a device tensor
-    for path, value in leaves:
-        t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value.detach()
-        name = _stream_name(path, t.dtype)
-        if cuda.CUDA.is_device_tensor(t):
-            on_device.add(name)
-        offset = sizes.get(name, 0)
-        places.append([name, offset, list(t.shape), "n" if isinstance(value, np.ndarray) else "t"])
-        sizes[name] = offset + t.numel()
-        groups.setdefault(name, []).append(t)
-    streams: Dict[str, torch.Tensor] = {}
-    events: Dict[torch.device, Any] = {}
-    for name, members in groups.items():
-        buf = streams[name] = _host_buffer(sizes[name], members[0].dtype, bool(on_device))
-        if name not in on_device:
-            torch.cat([t.reshape(-1) for t in members], out=buf)
-            continue
-        offset = 0
-        for t in members:
-            dest = buf[offset:offset + t.numel()].view(t.shape)
-            offset += t.numel()
-            if not cuda.CUDA.is_device_tensor(t):
-                dest.copy_(t)
-            elif t.numel():
-                # One d2h stream per device runs its copies in order: the last event covers them all.
-                events[cuda.CUDA.device_of(t)] = cuda.CUDA.download(t, dest)
-    return Snapshot(streams, {"format": FORMAT, "tree": tree, "leaves": places}, tuple(events.values()))
+    """``StateBuffers(1).capture(state)``: host copies in fresh buffers, for a one-off save
+    (a loop that saves every step keeps its buffers: ``StateJournal`` does)."""
+    return StateBuffers(1).capture(state)
 
 
-def _host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """A flat host tensor for one stream; page-locked when device copies land in it."""
-    if not pinned:
-        return torch.empty(numel, dtype=dtype)
-    return cuda.CUDA.pinned(numel * dtype.itemsize).view(dtype)
-
-
-def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torch.Tensor],
+                on_device: Optional[Mapping[str, Tuple[int, torch.Tensor]]] = None) -> Dict[str, Any]:
     """The nested state a ``Snapshot``'s document (encoded or parsed) and streams describe
-    (CPU tensors that are views of ``streams``; NumPy arrays copied)."""
+    (tensors that are views of ``streams``; NumPy arrays copied). ``on_device`` maps a
+    stream to (offset, its part from that offset on, on a device): the leaves in that part
+    are views of it instead."""
     try:
         parsed = _parse(doc) if isinstance(doc, (bytes, bytearray)) else doc
         if parsed.get("format") != FORMAT:
@@ -288,7 +645,11 @@ def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torc
         leaves: List[Any] = []
         for name, offset, shape, kind in parsed["leaves"]:
             numel = int(np.prod(shape)) if shape else 1
-            t = streams[name][offset:offset + numel].view(shape)
+            part = on_device.get(name) if on_device else None
+            if part is not None and offset >= part[0]:
+                t = part[1][offset - part[0]:offset - part[0] + numel].view(shape)
+            else:
+                t = streams[name][offset:offset + numel].view(shape)
             leaves.append(t.numpy().copy() if kind == "n" else t)
         return _decode(parsed["tree"], leaves)
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
@@ -350,19 +711,29 @@ class StateJournal:
     delta stores it whole); deltas between repeat that choice. A save whose streams differ
     from the base's (the optimizer's state appears at its first step) is a full one. ``close``
     (or leaving a ``with`` block) waits for every save. Resuming, pass the ``RecoveredState``
-    so the next deltas are taken against its base.
+    so the next deltas are taken against its base. Pass the ``optimizer`` whose state is
+    saved, and on a GPU only its next step waits for a save's gather (``StateBuffers``).
     """
 
     def __init__(self, journal: "Journal", full_every: int, *, model: str,
-                 resume: Optional["RecoveredState"] = None, max_pending: int = 2):
+                 resume: Optional["RecoveredState"] = None, max_pending: int = 2,
+                 optimizer: Optional[torch.optim.Optimizer] = None):
         if full_every < 1:
             raise FormatError("full_every must be at least 1")
+        if max_pending < 1:
+            raise FormatError("max_pending must be at least 1")
         self.journal = journal
         self.full_every = full_every
         self.model = model
         self.stats = SaveStats()
-        self._base: Optional[Tuple[int, Snapshot]] = (resume.base_step, resume.base) if resume is not None else None
-        self._base_signature = self._base[1].signature() if self._base is not None else None
+        self._buffers = StateBuffers(max_pending, optimizer)
+        # The last full save's streams, in host memory of the journal's own (the snapshot's
+        # buffer goes back to the next capture): what deltas are XORed against.
+        self._base: Optional[Tuple[int, Dict[str, torch.Tensor]]] = None
+        self._base_owned = False  # whether the base's buffers are ours to overwrite
+        if resume is not None:
+            self._base = (resume.base_step, dict(resume.base.streams))
+        self._base_signature = resume.base.signature() if resume is not None else None
         # Whether a stream's XOR paid, and the deltas taken against the current base: the
         # choice is tried again at the 1st, 2nd, 4th, 8th... delta (as values drift), against
         # the stream's stored size when last stored whole (unknown after a resume: XOR).
@@ -376,13 +747,19 @@ class StateJournal:
         self._lock = threading.Lock()
         self._durable: Optional[int] = resume.step if resume is not None else None
         self._appended: Deque[Tuple[int, int]] = deque()  # (step, LSN) of records maybe not yet durable
+        self._failure: Optional[BaseException] = None  # the first save that failed
 
     def save(self, step: int, state: Union[Mapping[str, Any], Snapshot]) -> "Future[None]":
         """Journal ``state`` (e.g. ``training_state(...)``) as the state after ``step``. The
-        host copy is queued before this returns, so the caller may update its tensors at once."""
+        host copy is queued before this returns, so the caller may go on at once: the next
+        ``optimizer.step`` (given an ``optimizer``), or else any later work on the caller's
+        stream, waits on the GPU until the copy has read the state (``StateBuffers``). After
+        a save failed, every later one raises that failure: nothing after it is durable."""
         self._slots.acquire()
         try:
-            snap = state if isinstance(state, Snapshot) else capture(state)
+            if self._failure is not None:
+                raise self._failure
+            snap = state if isinstance(state, Snapshot) else self._buffers.capture(state)
         except BaseException:
             self._slots.release()
             raise
@@ -403,11 +780,12 @@ class StateJournal:
         """Store one stream of a save; (its SegmentInfo, whether a delta stored it whole)."""
         store = self.journal.store
         n = self._deltas_on_base
-        trial = not full and (n & (n - 1) == 0 or name not in self._xor_pays)
-        if not full and (trial or self._xor_pays[name]):
+        xorable = t.element_size() in _INT_OF_SIZE  # 16-byte elements (complex128) have no integer to XOR as
+        trial = not full and xorable and (n & (n - 1) == 0 or name not in self._xor_pays)
+        if trial or (not full and xorable and self._xor_pays[name]):
             base_step, base = self._base  # type: ignore[misc]
             layout = self._layout(DELTA_FORMAT, name, t, base_step=base_step)
-            info = store.put(xor(t, base.streams[name]), layout=layout)
+            info = store.put(xor(t, base[name]), layout=layout)
             if trial:
                 whole = self._whole_size.get(name)
                 self._xor_pays[name] = whole is None or info.stored_size < whole
@@ -417,7 +795,19 @@ class StateJournal:
         return info, not full
 
     def _write(self, step: int, snap: Snapshot, full: bool) -> None:
-        snap.wait()  # the device-to-host copies may still be running
+        landed = False
+        try:
+            snap.wait()  # the device-to-host copies may still be running
+            landed = True
+            self._store(step, snap, full)
+        except BaseException as exc:
+            with self._lock:
+                self._failure = self._failure or exc
+            raise
+        finally:
+            snap.release(landed)
+
+    def _store(self, step: int, snap: Snapshot, full: bool) -> None:
         self._deltas_on_base = 0 if full else self._deltas_on_base + 1
         names = [n for n, t in snap.streams.items() if t.numel() * t.element_size() > INLINE_BYTES]
         inline = {n: [dtype_name(t.dtype), t.view(torch.uint8).numpy().tobytes()]
@@ -437,7 +827,7 @@ class StateJournal:
         # Durable at once (not after the group-commit delay): a crash loses only what is queued.
         if full:
             lsn = self.journal.checkpoint(step, keys, {"format": FORMAT, "model": self.model}, durable=True)
-            self._base = (step, snap)
+            self._keep_base(step, snap)
             self.stats.fulls += 1
         else:
             lsn = self.journal.delta(step, self._base[0], keys,  # type: ignore[index]
@@ -445,6 +835,18 @@ class StateJournal:
             self.stats.deltas += 1
         with self._lock:
             self._appended.append((step, lsn))
+
+    def _keep_base(self, step: int, snap: Snapshot) -> None:
+        """Copy the full save ``snap`` into the base buffers (reused while the streams keep
+        their sizes; a resumed base is the caller's, never overwritten)."""
+        old = self._base[1] if self._base is not None and self._base_owned else {}
+        base = {}
+        for name, t in snap.streams.items():
+            keep = old.get(name)
+            if keep is None or keep.dtype != t.dtype or keep.numel() != t.numel():
+                keep = torch.empty(t.numel(), dtype=t.dtype)
+            base[name] = keep.copy_(t)
+        self._base, self._base_owned = (step, base), True
 
     @property
     def durable_step(self) -> Optional[int]:
@@ -467,8 +869,11 @@ class StateJournal:
         """Wait for every save (re-raising the first failure) and stop the threads."""
         try:
             for fut in self._pending:
-                fut.result()
+                fut.exception()
+            if self._failure is not None:
+                raise self._failure
         finally:
+            self._buffers.close()
             self._pool.shutdown(wait=True)
             self._io.shutdown(wait=True)
 
@@ -476,7 +881,8 @@ class StateJournal:
 @dataclass
 class RecoveredState:
     """Training state rebuilt from the journal: ``state`` is what was saved (the nested
-    structure, CPU tensors) after ``step``; ``base`` the full save the deltas are against."""
+    structure, its tensors on the device recovery was asked for) after ``step``; ``base``
+    the full save the deltas are against (on the CPU)."""
 
     step: int
     state: Dict[str, Any]
@@ -494,23 +900,47 @@ def _inline_streams(parsed: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         raise FormatError(f"bad training state document: {exc}") from None
 
 
-def _load(store: "SegmentStore", keys: Mapping[str, str],
-          device: Union[str, torch.device]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """A save's document (parsed), its streams stored as segments, and those inside the document."""
+def _load(store: "SegmentStore", keys: Mapping[str, str]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor],
+                                                                   Dict[str, torch.Tensor]]:
+    """A save's document (parsed), its streams stored as segments, and those inside the
+    document, all on the CPU."""
     if TREE not in keys:
         raise FormatError("training record has no state document: written by kvj 0.1.0's flat format, "
                           "which this kvj does not resume (finish that run with kvj 0.1.0)")
     doc = _parse(store.get(keys[TREE]).numpy().tobytes())
-    streams = {k[len(STREAM_PREFIX):]: store.get(v, device=device) for k, v in keys.items() if k.startswith(STREAM_PREFIX)}
-    inline = {n: t.to(device) for n, t in _inline_streams(doc).items()}
-    return doc, streams, inline
+    streams = {k[len(STREAM_PREFIX):]: store.get(v) for k, v in keys.items() if k.startswith(STREAM_PREFIX)}
+    return doc, streams, _inline_streams(doc)
+
+
+def _placed(doc: Mapping[str, Any], streams: Mapping[str, torch.Tensor],
+            device: Union[str, torch.device]) -> Dict[str, Any]:
+    """The state ``doc`` describes, from host ``streams``: the leaves captured on a device on
+    ``device`` (one upload per stream, through kvj's h2d copies, done when this returns), the
+    others (RNG states, a CPU ``step``...) on the CPU, as views of ``streams``."""
+    target = cuda.CUDA.resolve(device)
+    starts = (doc.get("device") or {}) if target.type != "cpu" else {}
+    if not (isinstance(starts, dict) and all(n in streams and isinstance(s, int) for n, s in starts.items())):
+        raise FormatError(f"bad training state document: device {starts!r:.80}")
+    on_device: Dict[str, Tuple[int, torch.Tensor]] = {}
+    last = None
+    for name, start in starts.items():
+        part = streams[name][start:]
+        if target.type != "cuda":
+            on_device[name] = (start, part.to(target))
+            continue
+        uploaded, last = cuda.CUDA.upload(part, target)
+        on_device[name] = (start, uploaded)
+    if last is not None:  # one h2d stream runs the uploads in order: the last event covers them all
+        cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))
+    return materialize(doc, streams, on_device)
 
 
 def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "SegmentStore",
                      device: Union[str, torch.device] = "cpu") -> Optional[RecoveredState]:
     """The newest training state the journal can rebuild: its checkpoint XOR its newest
-    readable delta. ``source`` is ``kvj.replay`` state or the ``training`` part of a recovery
-    manifest (``{"checkpoint": {...}, "deltas": [...]}``). None when nothing was checkpointed."""
+    readable delta, with its tensors on ``device`` (the base stays on the CPU). ``source`` is
+    ``kvj.replay`` state or the ``training`` part of a recovery manifest (``{"checkpoint":
+    {...}, "deltas": [...]}``). None when nothing was checkpointed."""
     if isinstance(source, JournalState):
         checkpoint, deltas = source.checkpoint, source.deltas
     else:
@@ -518,13 +948,13 @@ def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "Seg
     if not checkpoint:
         return None
     base_step = checkpoint["step"]
-    base_doc, base_stored, base_inline = _load(store, checkpoint["keys"], device)
+    base_doc, base_stored, base_inline = _load(store, checkpoint["keys"])
     base_streams = {**base_stored, **base_inline}
     base = Snapshot(base_streams, base_doc)
     fallback = None
     for delta in sorted((d for d in deltas if d["base_step"] == base_step), key=lambda d: -d["step"]):
         try:
-            doc, stored, inline = _load(store, delta["keys"], device)
+            doc, stored, inline = _load(store, delta["keys"])
         except (SegmentMissing, SegmentCorrupt) as exc:
             fallback = f"delta of step {delta['step']} unreadable ({exc})"
             continue
@@ -533,6 +963,8 @@ def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "Seg
             raise FormatError(f"delta of step {delta['step']} holds streams {sorted({*stored, *inline})}, "
                               f"its base {sorted(base_streams)}")
         streams = {n: t if n in whole else unxor(base_streams[n], t) for n, t in stored.items()}
-        return RecoveredState(delta["step"], materialize(doc, {**streams, **inline}), base_step, base, fallback)
+        return RecoveredState(delta["step"], _placed(doc, {**streams, **inline}, device), base_step, base, fallback)
+    # The state gets copies: a restored optimizer may keep the tensors it is given, and its
+    # steps must not change the base the next deltas are XORed against.
     streams = {n: t.clone() for n, t in base_streams.items()}
-    return RecoveredState(base_step, materialize(base_doc, streams), base_step, base, fallback)
+    return RecoveredState(base_step, _placed(base_doc, streams, device), base_step, base, fallback)

@@ -20,7 +20,9 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List
 
 from kvj.errors import CorruptionError, FormatError, JournalClosed, JournalFailed, KvjError
 from kvj.fileio import FS, REAL_FS, DurabilityError, atomic_write, fsync_path, makedirs_durable, open_read
+from kvj.journal.config import STORE_DIR, config_policy, config_store
 from kvj.journal.framing import FORMAT_VERSION
+from kvj.journal.inflight import InFlight
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.mirror import DEGRADE, FAIL, check_policy, copies, log, mirror_of, resolve
 from kvj.journal.reader import TORN, Damage, Scan, TornTail, log_seq, raise_on_damage
@@ -34,12 +36,13 @@ if TYPE_CHECKING:  # the store pulls in torch; the journal alone does not need i
     from kvj.segments.flusher import Flusher
     from kvj.segments.store import SegmentInfo, SegmentStore
 
-STORE_DIR = "segments"
 TORN_DIR = "torn"
 
 
 def default_store_path(journal_path: str) -> str:
-    return os.path.join(journal_path, STORE_DIR)
+    """The journal's segment store when none is given: the one its ``kvj.conf`` names
+    (``kvj init --store``), else ``segments/`` inside it."""
+    return config_store(journal_path) or os.path.join(journal_path, STORE_DIR)
 
 
 def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
@@ -281,6 +284,8 @@ class Journal:
         #: Per request id, the last of its records still waiting to be appended (see ``_in_order``).
         self._waiting: Dict[str, "Future[int]"] = {}
         self._deferred: "set[Future[int]]" = set()
+        #: the requests in flight and their segments' tokens, so that ``flush`` refuses at the call
+        self._inflight = InFlight(self._in_flight_on_disk)
 
     @classmethod
     def open(cls, path: Union[str, "os.PathLike[str]"], *, store: Union[None, str, "SegmentStore"] = None,
@@ -292,6 +297,11 @@ class Journal:
         pid), cuts a torn tail left by a crash (the bytes are kept in ``torn/``), and
         continues the newest log file when its tail is clean (else starts a new one).
         Mid-log corruption raises ``CorruptionError``: run fsck.
+
+        ``store`` and ``policy`` default to what the journal's ``kvj.conf`` records (``kvj
+        init --store``, ``--max-delay``, ...; see ``kvj.journal.config``), else to
+        ``segments/`` inside the journal and ``CommitPolicy()``; given here, they win over
+        the file. A ``kvj.conf`` that is not a valid configuration is ``FormatError``.
 
         ``mirror``: a directory (ideally on another device) that keeps a second copy of the
         log, written and fdatasynced with every group before it is acknowledged; the journal
@@ -308,7 +318,7 @@ class Journal:
             makedirs_durable(path, fs)
         locks = [DirLock(path, LOCK_NAME, "writer").acquire()]
         try:
-            policy = policy or CommitPolicy()
+            policy = policy or config_policy(path) or CommitPolicy()
             chosen: Optional[str] = None
             try:
                 with _mirror_side(os.fspath(mirror) if mirror is not None else mirror_of(path)):
@@ -347,7 +357,17 @@ class Journal:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # the block's own exception is what the caller sees; a failing close() is noted on it
+            self.close()
+        except Exception as close_error:
+            note = f"closing the journal failed too: {type(close_error).__name__}: {close_error}"
+            if hasattr(exc, "add_note"):  # Python 3.11
+                exc.add_note(note)
+            else:
+                log.warning("journal %s: %s", self.path, note)
 
     # -- records -------------------------------------------------------------------------
 
@@ -375,6 +395,7 @@ class Journal:
     def _request_record(self, request_id: str, rtype: int, payload: Mapping[str, Any],
                         durable: bool) -> Union[int, "Future[int]"]:
         body = encode(rtype, payload)  # a bad argument raises here, before anything is queued
+        self._track(rtype, payload)
         if not self._waiting:  # no record of any request waits (entries leave only once appended)
             return self.writer.append(rtype, body, durable)
         later = self._in_order(request_id, [], lambda: self.writer.append(rtype, body))
@@ -418,12 +439,39 @@ class Journal:
     def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
         """Append a record given as a plain payload, validated against its type's schema
         (``FormatError`` at the call, nothing appended)."""
-        return self.writer.append(rtype, encode(rtype, payload), durable)
+        body = encode(rtype, payload)
+        self._track(rtype, payload)
+        return self.writer.append(rtype, body, durable)
 
     def append_many(self, records: Iterable[Tuple[int, Mapping[str, Any]]], durable: bool = False) -> List[int]:
         """Append (type, payload) records in order, as ``append`` does each, and return their LSNs.
         All are checked first: one bad record raises ``FormatError`` and none is appended."""
-        return self.writer.append_many([(rtype, encode(rtype, payload)) for rtype, payload in records], durable)
+        records = list(records)
+        encoded = [(rtype, encode(rtype, payload)) for rtype, payload in records]
+        for rtype, payload in records:
+            self._track(rtype, payload)
+        return self.writer.append_many(encoded, durable)
+
+    def _track(self, rtype: int, payload: Mapping[str, Any]) -> None:
+        """Keep ``InFlight`` current with a request record about to be appended (already checked)."""
+        if rtype == RecordType.START:
+            self._inflight.started(payload["id"])
+        elif rtype == RecordType.END:
+            self._inflight.ended(payload["id"])
+        elif rtype == RecordType.SEGMENT:
+            self._inflight.segment(payload["id"], payload["seg"], tuple(payload["tokens"]))  # type: ignore[arg-type]
+
+    def _in_flight_on_disk(self) -> Dict[str, Dict[int, Tuple[int, int]]]:
+        """The requests in flight in the journal as written so far, with their segments' tokens:
+        what ``flush`` looks up for a request this writer does not know (one being resumed)."""
+        from kvj.journal.replay import replay
+
+        self.writer.sync()
+        with self._order:
+            pending = set(self._waiting)  # an end among their records is not in the log yet
+        state = replay(self.path)
+        return {rid: {seg: ref.tokens for seg, ref in req.segments.items() if ref.tokens is not None}
+                for rid, req in state.requests.items() if not req.ended and rid not in pending}
 
     def _append(self, rtype: int, payload: Mapping[str, Any], durable: bool) -> int:
         """Check ``payload`` against the schema (``FormatError`` at the call, nothing appended), then append."""
@@ -433,7 +481,8 @@ class Journal:
 
     @property
     def store(self) -> "SegmentStore":
-        """The segment store (``segments/`` inside the journal unless given at open)."""
+        """The segment store: the one given at open, else the one ``kvj.conf`` names, else
+        ``segments/`` inside the journal."""
         if self._store is None:
             from kvj.segments.store import SegmentStore
             arg = self._store_arg
@@ -451,6 +500,14 @@ class Journal:
         to journal a segment already in the store. A failed write or fsync of the segment
         is final: its future, and every later ``flush``, ``sync`` and ``close``, raise
         ``JournalFailed`` (chained from the ``OSError``).
+
+        Refused at the call, nothing stored or appended: a negative ``segment`` or a bad
+        token range (``FormatError``, as every malformed argument); a request that is not in
+        flight (never started, or ended) and a token range overlapping another segment of
+        the request (``InvalidArgument``; flushing a segment number again replaces that
+        segment). A request this writer did not start (one in flight before the journal
+        was opened, being resumed) is looked up in the journal itself: one replay, which
+        finds every resumed request at once.
         """
         if self._closed:
             raise JournalClosed("journal is closed")
@@ -468,6 +525,7 @@ class Journal:
         payload = {"id": request_id, "seg": _integer(segment, "segment"), "key": "0" * 64, "tokens": [start, end],
                    "layout": dict(layout or {}), "raw_size": 0, "stored_size": 0, "digest": "", "codec": ""}
         encode(RecordType.SEGMENT, payload)
+        self._inflight.claim(request_id, payload["seg"], (start, end))
 
         def record(seg_info: "SegmentInfo") -> int:
             return self._append(RecordType.SEGMENT, {

@@ -6,8 +6,11 @@ One JSON object per line, fsynced per line::
     {"op": "seg_flush", "id": ..., "seg": ..., "ptr": ..., "size": ...}
     {"op": "end", "id": ...}
 
-Line numbers serve as LSNs. An incomplete or unparsable last line is a torn tail; a bad
-line before the last one is corruption.
+Line numbers serve as LSNs. A last line without its newline is a torn tail (the write
+that was cut short), and so are zeros to the end of the file; a complete line that is not a valid record is corruption, the last
+one too: its newline says it was written whole. NaN and Infinity are not JSON, and a
+number too large for a float (1e309) is no prompt hash: both are refused, never turned
+into the strings "nan" and "inf".
 """
 
 from __future__ import annotations
@@ -24,6 +27,21 @@ from kvj.names import check_request_id
 MAX_LINE = 1 << 20
 
 
+def _text(obj: Dict[str, Any], name: str, default: Optional[str]) -> Optional[str]:
+    """A text field: a string, or an integer written as one (a hash); anything else, a float
+    above all (1e309 reads as inf), is ``FormatError``."""
+    value = obj.get(name, default)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise FormatError(f"{name!r} must be a string, not {value!r}")
+
+
+def _no_constant(name: str) -> Any:
+    raise FormatError(f"{name} is not JSON")
+
+
 def convert_legacy(obj: Any) -> Tuple[int, Dict[str, Any]]:
     """Map one legacy object to (record type, kvj payload); ``FormatError`` if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
@@ -31,8 +49,7 @@ def convert_legacy(obj: Any) -> Tuple[int, Dict[str, Any]]:
     op = obj["op"]
     rid = check_request_id(obj.get("id"))
     if op == "start":
-        ph = obj.get("prompt_hash")
-        return RecordType.START, {"id": rid, "prompt_hash": None if ph is None else str(ph),
+        return RecordType.START, {"id": rid, "prompt_hash": _text(obj, "prompt_hash", None),
                                   "tokens": None, "meta": {"legacy": True}}
     if op == "seg_flush":
         seg, ptr, size = obj.get("seg"), obj.get("ptr"), obj.get("size")
@@ -43,16 +60,18 @@ def convert_legacy(obj: Any) -> Tuple[int, Dict[str, Any]]:
                                     "raw_size": size, "stored_size": size, "digest": None, "codec": "raw",
                                     "ptr": ptr}
     if op == "end":
-        return RecordType.END, {"id": rid, "status": str(obj.get("status", "ok"))}
+        return RecordType.END, {"id": rid, "status": _text(obj, "status", "ok")}
     raise FormatError(f"unknown op {op!r}")
 
 
 class LegacyScan:
-    """One pass over a JSON-lines journal; ``tail`` is set when the last line is torn."""
+    """One pass over a JSON-lines journal; ``tail`` is set when the last line is torn (no
+    newline), ``tail_reason`` says what it held."""
 
     def __init__(self, path: str, *, strict: bool = False):
         self.path, self.strict = path, strict
         self.tail: Optional[TornTail] = None
+        self.tail_reason: Optional[str] = None
         self.last_lsn = 0
 
     def __iter__(self) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
@@ -65,20 +84,23 @@ class LegacyScan:
             end = len(data) if nl == -1 else nl
             line = data[offset:end]
             lineno += 1
-            is_last = nl == -1 or data[nl + 1:].strip(b"\0 \n\r\t") == b""
+            # A line written whole ends with its newline; zeros to the end of the file are space
+            # a crash left unwritten, with or without a newline among them.
+            torn = nl == -1 or (not line.strip(b"\0") and not data[offset:].strip(b"\0 \n\r\t"))
             try:
                 if len(line) > MAX_LINE:
                     raise FormatError(f"line longer than {MAX_LINE} bytes")
-                if nl == -1:
-                    raise FormatError("line has no newline (torn write)")
                 text = line.decode("utf-8").strip()
-                if not text:
+                if not text and not torn:
                     offset = end + 1
                     continue
-                rtype, payload = convert_legacy(json.loads(text))
+                rtype, payload = convert_legacy(json.loads(text, parse_constant=_no_constant))
+                if torn:  # the record reads whole, but its write never finished
+                    raise FormatError("the record reads whole, but its write was cut short")
             except (ValueError, RecursionError, KvjError) as exc:  # deep nesting: RecursionError
-                if is_last and not self.strict:
+                if torn and not self.strict:
                     self.tail = TornTail(self.path, offset, len(data) - offset)
+                    self.tail_reason = str(exc)
                     return
                 raise CorruptionError(self.path, offset, f"line {lineno}: {exc}") from None
             self.last_lsn = lineno

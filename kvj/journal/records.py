@@ -18,7 +18,8 @@ from typing import Annotated, Any, Dict, List, Mapping, Optional, Tuple, Type
 import msgspec
 
 from kvj.errors import FormatError, InvalidName
-from kvj.names import check_key, check_request_id
+from kvj.journal.framing import MAX_RECORD_PAYLOAD
+from kvj.names import ID_RE, KEY_RE, check_key, check_request_id
 
 
 class RecordType(IntEnum):
@@ -61,6 +62,12 @@ class Schema(msgspec.Struct, gc=False, omit_defaults=True):
         ``new``: a record about to be appended, whose maps must also hold only finite numbers."""
 
 
+#: The tests of ``check_request_id`` and ``check_key``, called directly on the hot path (a record
+#: a call): the checker functions run only to raise, saying why.
+_id_ok = ID_RE.fullmatch
+_key_ok = KEY_RE.fullmatch
+
+
 class Start(Schema):
     id: str
     prompt_hash: Optional[str]
@@ -68,8 +75,10 @@ class Start(Schema):
     meta: Dict[str, Any]
 
     def check(self, new: bool) -> None:
-        check_request_id(self.id)
-        _plain(self.meta, "meta", new)
+        if _id_ok(self.id) is None:
+            check_request_id(self.id)
+        if not (_FLAT_NEW if new else _FLAT_READ).issuperset(map(type, self.meta.values())):
+            _walk(self.meta, "meta", new)
 
 
 class Segment(Schema):
@@ -84,11 +93,16 @@ class Segment(Schema):
     codec: str
 
     def check(self, new: bool) -> None:
-        check_request_id(self.id)
-        check_key(self.key)
+        if _id_ok(self.id) is None:
+            check_request_id(self.id)
+        if _key_ok(self.key) is None:
+            check_key(self.key)
+        if new and self.seg < 0:  # read back, a negative number is kept: kvj before 0.2 wrote what it was given
+            raise FormatError(f"segment record has negative segment number {self.seg}")
         if self.tokens[0] > self.tokens[1]:
             raise FormatError(f"segment record has bad token range {self.tokens!r}")
-        _plain(self.layout, "layout", new)
+        if not (_FLAT_NEW if new else _FLAT_READ).issuperset(map(type, self.layout.values())):
+            _walk(self.layout, "layout", new)
 
 
 class End(Schema):
@@ -96,7 +110,8 @@ class End(Schema):
     status: str
 
     def check(self, new: bool) -> None:
-        check_request_id(self.id)
+        if _id_ok(self.id) is None:
+            check_request_id(self.id)
 
 
 class Alloc(Schema):
@@ -171,8 +186,8 @@ def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
     One conversion in C builds the typed struct and checks every field's type; the struct's
     ``check`` adds names, token order and plain, finite data in nested maps (stricter than
     reading, so that what is journaled stays valid JSON for ``kvj inspect --json``); the
-    struct is what is encoded. Raises ``FormatError``, or ``InvalidName`` for a request id
-    or key that is unsafe as a path component.
+    struct is what is encoded, and must fit ``MAX_RECORD_PAYLOAD``. Raises ``FormatError``,
+    or ``InvalidName`` for a request id or key that is unsafe as a path component.
     """
     struct = _STRUCTS.get(rtype)
     if struct is None:
@@ -187,11 +202,15 @@ def encode(rtype: int, payload: Mapping[str, Any]) -> bytes:
             raise FormatError(f"{NAMES[RecordType(rtype)]} record: unknown field {unknown}")
     try:
         rec.check(True)
-        return _encode(rec)
+        data = _encode(rec)
     except (TypeError, ValueError, OverflowError) as exc:
         raise FormatError(f"{NAMES[RecordType(rtype)]} record cannot be encoded: {exc}") from None
     except RecursionError:
         raise FormatError(f"{NAMES[RecordType(rtype)]} record: a map is nested too deeply (or holds itself)") from None
+    if len(data) > MAX_RECORD_PAYLOAD:  # a reader would take it for damage: refused here, never acknowledged
+        raise FormatError(f"{NAMES[RecordType(rtype)]} record is {len(data)} bytes, more than the "
+                          f"{MAX_RECORD_PAYLOAD >> 20} MiB a record may hold: keep large data in segments")
+    return data
 
 
 def decode_payload(rtype: int, data: bytes) -> Dict[str, Any]:
@@ -232,7 +251,8 @@ _FLAT_READ = frozenset(_READ_LEAVES)
 
 def _plain(value: Dict[str, Any], where: str, new: bool) -> None:
     """Check a map whose keys msgspec already checked are strings: one pass in C over the
-    types of its values for the usual flat map of scalars, else the walk of ``_walk``."""
+    types of its values for the usual flat map of scalars, else the walk of ``_walk``
+    (written out in the checks of start and segment records, the most frequent)."""
     if not (_FLAT_NEW if new else _FLAT_READ).issuperset(map(type, value.values())):
         _walk(value, where, new)
 

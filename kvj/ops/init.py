@@ -2,8 +2,8 @@
 into a new one (``kvj migrate``).
 
 ``init`` makes the directory, writes ``kvj.conf`` (JSON: the commit policy writers use and
-the segment store, so that every later command finds them) durably, and opens the journal
-once, which writes its first log file. Commands that write (``kvj record``, ``kvj flush``)
+the segment store, so that every later command and ``Journal.open`` find them; see
+``kvj.journal.config``) durably, and opens the journal once, which writes its first log file. Commands that write (``kvj record``, ``kvj flush``)
 refuse a directory that is not a journal instead of creating one at a mistyped path.
 """
 
@@ -12,42 +12,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 from kvj.errors import FormatError, InvalidArgument, NotFound
-from kvj.fileio import atomic_write, makedirs_durable, open_read
+from kvj.fileio import atomic_write, makedirs_durable
+from kvj.journal.config import CONFIG, CONFIG_VERSION
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.records import RecordType
 from kvj.journal.writer import CommitPolicy
-
-CONFIG = "kvj.conf"
-CONFIG_VERSION = 1
-
-
-def read_config(journal: str) -> Optional[Dict[str, Any]]:
-    """The journal's ``kvj.conf``, or None for a journal made without ``kvj init``."""
-    path = os.path.join(journal, CONFIG)
-    try:
-        with open_read(path) as f:
-            config = json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        return None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: not a kvj configuration ({exc})") from None
-    if not isinstance(config, dict) or config.get("kvj_config") != CONFIG_VERSION:
-        raise FormatError(f"{path}: not a kvj configuration of version {CONFIG_VERSION}")
-    return config
-
-
-def policy_of(config: Optional[Dict[str, Any]]) -> Optional[CommitPolicy]:
-    """The commit policy a journal was created with (None: the default)."""
-    if not config or not config.get("policy"):
-        return None
-    known = {f.name for f in fields(CommitPolicy)}
-    return CommitPolicy(**{k: v for k, v in config["policy"].items() if k in known})
-
 
 def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPolicy] = None,
          migrated_from: Optional[str] = None, mirror: Optional[str] = None) -> Dict[str, Any]:
@@ -72,7 +46,8 @@ def migrate(seed: str, journal: str, *, store: Optional[str] = None, drop_segmen
     which a kvj journal cannot refer to (its segments are content-addressed and verified):
     with such records the migration is refused unless ``drop_segments``, and then each
     request they belonged to resumes at token 0 (the result counts them per request). A
-    torn last line is left out and reported.
+    torn last line (no newline) is left out and reported; a complete line that is not a
+    valid record is ``CorruptionError``, the last one too, and nothing is created.
     """
     seed = os.path.abspath(seed)
     if not os.path.isfile(seed):
@@ -80,7 +55,8 @@ def migrate(seed: str, journal: str, *, store: Optional[str] = None, drop_segmen
     scan = LegacyScan(seed)
     records = list(scan)
     if not records:
-        raise FormatError(f"{seed} holds no seed-era journal record")
+        why = f": its only line is torn (no newline; {scan.tail_reason})" if scan.tail else ""
+        raise FormatError(f"{seed} holds no seed-era journal record{why}")
     pointers: Dict[str, int] = {}
     for _lsn, rtype, payload in records:
         if rtype == RecordType.SEGMENT:

@@ -138,6 +138,15 @@ def human_size(n: float) -> str:
     return str(n)  # pragma: no cover
 
 
+#: Hex digits of a segment key that every listing shows (kvj inspect --segment and kvj dump take such a prefix).
+SHORT_KEY = 12
+
+
+def short_key(key: str) -> str:
+    """A segment key as listings show it: its first ``SHORT_KEY`` hex digits."""
+    return key[:SHORT_KEY]
+
+
 def describe(rec: Record) -> str:
     """One line in the spirit of pg_waldump: the fields that matter for this type."""
     p = rec.payload
@@ -154,7 +163,7 @@ def describe(rec: Record) -> str:
             return f"id={p['id']} seg={p['seg']} ptr={p.get('ptr')} size={p['raw_size']}"
         ratio = p["raw_size"] / p["stored_size"] if p["stored_size"] else 0.0
         tokens = p["tokens"] or [None, None]
-        return (f"id={p['id']} seg={p['seg']} tokens={tokens[0]}..{tokens[1]} key={p['key'][:12]} "
+        return (f"id={p['id']} seg={p['seg']} tokens={tokens[0]}..{tokens[1]} key={short_key(p['key'])} "
                 f"{human_size(p['raw_size'])}->{human_size(p['stored_size'])} ({ratio:.2f}x {p['codec']})")
     if t == RecordType.END:
         return f"id={p['id']} status={p['status']}"

@@ -16,9 +16,11 @@ from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, Se
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR
+from kvj.journal.config import config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
+from kvj.journal.records import RecordType
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import list_snapshots
 from kvj.ops.recover import RECOVERY_DIR
@@ -63,12 +65,27 @@ def _disk(path: str) -> Dict[str, int]:
     return {"free": st.f_bavail * st.f_frsize, "size": st.f_blocks * st.f_frsize, "device": os.stat(path).st_dev}
 
 
+def _writer_opened(directory: str) -> Optional[float]:
+    """When the journal's newest writer took its lock (the lock file's mtime: it writes its pid
+    there), or None."""
+    try:
+        return os.stat(os.path.join(directory, LOCK_NAME), follow_symlinks=False).st_mtime
+    except OSError:
+        return None
+
+
 def _last_minute(directory: str, logs: List[str], now: float) -> Dict[str, Any]:
     """Records, bytes and commit groups written in the last ``WINDOW`` seconds, from the newest
-    log files back. The commit lag is the longest interval between consecutive groups in the
-    window: a record appended between two of them waited at most that long to be written."""
+    log files back.
+
+    The commit lag is the longest interval between consecutive groups of one writer in the
+    window: a record appended right after the first of two waited at most that long to be
+    written. An interval across a change of writer is no wait and is left out: the one
+    around a recovery's epoch group (a writer of its own, which a dead writer's last group
+    precedes and the next writer's first group follows) and the one in which the newest
+    writer opened the journal (its lock file's mtime)."""
     records = nbytes = 0
-    groups: set = set()
+    groups: Dict[float, bool] = {}  # group time -> whether it holds a recovery epoch record
     for path in reversed(logs):
         header = read_header(path)
         if header is None:
@@ -80,11 +97,14 @@ def _last_minute(directory: str, logs: List[str], now: float) -> Dict[str, Any]:
                 continue
             records += 1
             nbytes += RECORD_HEADER_SIZE + len(raw.payload)
-            groups.add(raw.time)  # every record of a group carries the group's time
+            # every record of a group carries the group's time
+            groups[raw.time] = groups.get(raw.time, False) or raw.rtype == RecordType.EPOCH
         if seen_old:  # this file reaches back past the window: older files cannot add to it
             break
     times = sorted(groups)
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    opened = _writer_opened(directory)
+    gaps = [b - a for a, b in zip(times, times[1:])
+            if not (groups[a] or groups[b] or (opened is not None and a < opened <= b))]
     return {"seconds": WINDOW, "records": records, "bytes": nbytes,
             "records_per_s": records / WINDOW, "bytes_per_s": nbytes / WINDOW,
             "groups": len(times), "records_per_group": records / len(times) if times else None,
@@ -111,6 +131,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "disk": _disk(journal),
         "mirror": _mirror(journal, snapshot_lsn),
         "salvage_pending": os.path.lexists(os.path.join(journal, PENDING_NAME)),
+        "config_error": _config_error(journal),
     }
     try:
         state = replay(journal)
@@ -124,6 +145,15 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                    training_step=state.training_step())
     out["store"] = _store(store_root)
     return out
+
+
+def _config_error(journal: str) -> Optional[str]:
+    """Why the journal's kvj.conf cannot be used, or None (none, or a valid one)."""
+    try:
+        config_policy(journal)
+    except FormatError as exc:
+        return str(exc)
+    return None
 
 
 def _mirror(journal: str, snapshot_lsn: int) -> Optional[Dict[str, Any]]:

@@ -15,6 +15,8 @@ lost its lease (the manifest then carries a newer generation) can never commit.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,11 +24,20 @@ import blake3
 
 from kvj.errors import CorruptionError, FormatError
 from kvj.replica.remote import Remote
+from kvj.untrusted import MAX_INT, load_json, printable
 
 MANIFEST_OBJECT = "manifest.json"
 FORMAT = "kvj-replica"
 VERSION = 1
 HISTORY_LIMIT = 1000
+#: Far more than a manifest of thousands of log files takes; a larger one is refused unread.
+MAX_MANIFEST_BYTES = 64 << 20
+#: S3's limit for one upload: every object kvj writes is a single PUT, so none is larger.
+MAX_OBJECT_BYTES = 5 << 30
+
+_PART_RE = re.compile(r"logs/([0-9]{16,19})/([0-9]{16,19})-([0-9]{16,19})\.g([0-9]{1,19})\.part")
+_SNAP_RE = re.compile(r"snapshots/([0-9]{16,19})\.g([0-9]{1,19})\.snap")
+_SEG_RE = re.compile(r"segments/([0-9a-f]{2})/([0-9a-f]{64})\.kvjseg")
 
 
 def digest(data: Any) -> str:
@@ -46,12 +57,31 @@ def segment_object(key: str) -> str:
     return f"segments/{key[:2]}/{key}.kvjseg"
 
 
+def parse_part(name: str) -> Optional[Tuple[int, int, int, int]]:
+    """(seq, start, end, generation) of a log part's object name, or None for any other name."""
+    m = _PART_RE.fullmatch(name)
+    if m is None:
+        return None
+    seq, start, end, generation = (int(g) for g in m.groups())
+    return (seq, start, end, generation) if name == part_object(seq, start, end, generation) else None
+
+
+def is_object_name(name: str) -> bool:
+    """Whether ``name`` is one kvj writes (a log part, a snapshot or a segment object). A
+    manifest naming anything else (``..``, an absolute path, a NUL) is refused before the
+    name reaches the object store."""
+    if parse_part(name) is not None:
+        return True
+    m = _SNAP_RE.fullmatch(name)
+    if m is not None:
+        return name == snapshot_object(int(m[1]), int(m[2]))
+    return segment_key(name) is not None
+
+
 def segment_key(path: str) -> Optional[str]:
-    """The key of a ``segments/`` object path, or None for anything else."""
-    name = path.rsplit("/", 1)[-1]
-    if path.startswith("segments/") and name.endswith(".kvjseg"):
-        return name[:-len(".kvjseg")]
-    return None
+    """The key of a segment object's path, or None for any other path (one kvj did not write)."""
+    m = _SEG_RE.fullmatch(path)
+    return m[2] if m is not None and m[1] == m[2][:2] else None
 
 
 @dataclass
@@ -101,28 +131,64 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "Manifest":
+        """Parse and check a manifest read from a replica: every field of the right type and
+        range, every object name one kvj writes; ``CorruptionError`` or ``FormatError`` else."""
         try:
-            doc = json.loads(data)
-        except ValueError as exc:
-            raise CorruptionError(where, None, f"manifest is not JSON: {exc}") from None
+            doc = load_json(data, "manifest", max_bytes=MAX_MANIFEST_BYTES)
+        except FormatError as exc:
+            raise CorruptionError(where, None, str(exc)) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise FormatError(f"{where} is not a kvj replica manifest")
         if doc.get("version") != VERSION:
-            raise FormatError(f"{where}: replica manifest version {doc.get('version')} is not supported")
+            raise FormatError(f"{where}: replica manifest version {printable(doc.get('version'))} is not supported")
         try:
-            snap = doc["snapshot"]
-            return cls(generation=int(doc["generation"]), updated=float(doc["updated"]),
-                       last_lsn=int(doc["last_lsn"]),
-                       snapshot=SnapshotEntry(int(snap["lsn"]), str(snap["object"]), int(snap["size"]),
-                                              str(snap["blake3"])) if snap else None,
-                       logs=[LogEntry(int(e["seq"]), int(e["base_lsn"]), int(e["salt"]), int(e["size"]),
-                                      int(e["last_lsn"]), bool(e["sealed"]),
-                                      [Part(str(p["object"]), int(p["start"]), int(p["end"]), str(p["blake3"]))
-                                       for p in e["parts"]]) for e in doc["logs"]],
-                       history=[[float(t), int(lsn)] for t, lsn in doc["history"]],
-                       garbage={str(k): float(v) for k, v in doc["garbage"].items()})
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptionError(where, None, f"malformed replica manifest: {exc!r}") from None
+            return cls._parse(doc)
+        except KeyError as exc:
+            raise CorruptionError(where, None, f"malformed replica manifest: no field {printable(exc)}") from None
+        except (TypeError, FormatError) as exc:
+            raise CorruptionError(where, None, f"malformed replica manifest: {printable(exc)}") from None
+
+    @classmethod
+    def _parse(cls, doc: Dict[str, Any]) -> "Manifest":
+        snap, snapshot = doc["snapshot"], None
+        if snap is not None:
+            snapshot = SnapshotEntry(_int(snap["lsn"], "snapshot lsn"), _str(snap["object"], "snapshot object"),
+                                     _int(snap["size"], "snapshot size", MAX_OBJECT_BYTES),
+                                     _str(snap["blake3"], "snapshot blake3"))
+            named = _SNAP_RE.fullmatch(snapshot.object)
+            if named is None or int(named[1]) != snapshot.lsn or not is_object_name(snapshot.object):
+                raise FormatError(f"'{printable(snapshot.object)}' is not the name of a snapshot at LSN {snapshot.lsn}")
+        logs = []
+        for e in _list(doc["logs"], "logs"):
+            entry = LogEntry(_int(e["seq"], "seq"), _int(e["base_lsn"], "base_lsn"),
+                             _int(e["salt"], "salt", 0xFFFFFFFF), _int(e["size"], "size"),
+                             _int(e["last_lsn"], "last_lsn"), _bool(e["sealed"], "sealed"))
+            for p in _list(e["parts"], "parts"):
+                part = Part(_str(p["object"], "part object"), _int(p["start"], "part start"),
+                            _int(p["end"], "part end"), _str(p["blake3"], "part blake3"))
+                named = parse_part(part.object)
+                if named is None or named[:3] != (entry.seq, part.start, part.end):
+                    raise FormatError(f"log {entry.name}: '{printable(part.object)}' is not the name of its part "
+                                      f"{part.start}-{part.end}")
+                if part.end - part.start > MAX_OBJECT_BYTES:
+                    raise FormatError(f"log {entry.name}: part {part.object} declares {part.end - part.start} bytes, "
+                                      f"more than one upload can hold ({MAX_OBJECT_BYTES})")
+                entry.parts.append(part)
+            logs.append(entry)
+        history = []
+        for pair in _list(doc["history"], "history"):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise FormatError(f"history entry {printable(pair, 40)} is not [time, LSN]")
+            history.append([_time(pair[0], "history time"), _int(pair[1], "history LSN")])
+        garbage = doc["garbage"]
+        if not isinstance(garbage, dict):
+            raise FormatError("garbage is not an object")
+        for name in garbage:
+            if not is_object_name(name):
+                raise FormatError(f"garbage entry '{printable(name)}' is not the name of an object kvj writes")
+        return cls(generation=_int(doc["generation"], "generation"), updated=_time(doc["updated"], "updated"),
+                   last_lsn=_int(doc["last_lsn"], "last_lsn"), snapshot=snapshot, logs=logs, history=history,
+                   garbage={name: _time(since, "garbage time") for name, since in garbage.items()})
 
     def objects(self) -> Dict[str, str]:
         """Every log part and snapshot object the manifest needs -> its BLAKE3."""
@@ -170,15 +236,46 @@ class Manifest:
         return best
 
 
+def _int(value: Any, what: str, hi: int = MAX_INT) -> int:
+    if type(value) is not int or not 0 <= value <= hi:
+        raise FormatError(f"{what} {printable(value, 40)} is not an integer in 0..{hi}")
+    return value
+
+
+def _time(value: Any, what: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise FormatError(f"{what} {printable(value, 40)} is not a time")
+    return float(value)
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise FormatError(f"{what} {printable(value, 40)} is not a string")
+    return value
+
+
+def _bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise FormatError(f"{what} {printable(value, 40)} is not true or false")
+    return value
+
+
+def _list(value: Any, what: str) -> List[Any]:
+    if not isinstance(value, list):
+        raise FormatError(f"{what} is not a list")
+    return value
+
+
 def load(remote: Remote) -> Tuple[Optional[Manifest], Optional[str]]:
     """The replica's manifest and its ETag, or (None, None) for an empty replica."""
-    found = remote.get(MANIFEST_OBJECT)
+    found = remote.get(MANIFEST_OBJECT, MAX_MANIFEST_BYTES)
     if found is None:
         return None, None
-    data, etag = found
-    return Manifest.from_json(data, f"{remote.url}/{MANIFEST_OBJECT}"), etag
+    return Manifest.from_json(found.data, f"{remote.url}/{MANIFEST_OBJECT}"), found.etag
 
 
-def commit(remote: Remote, manifest: Manifest, etag: Optional[str]) -> Optional[str]:
-    """Compare-and-swap the manifest; its new ETag (LostRace if it changed since ``etag``)."""
-    return remote.put_if_match(MANIFEST_OBJECT, manifest.to_json(), etag)
+def commit(remote: Remote, manifest: Manifest, etag: Optional[str], unacked: Optional[bytes] = None) -> Optional[str]:
+    """Compare-and-swap the manifest; its new ETag (LostRace if it changed since ``etag``).
+    ``unacked``: a manifest this writer sent over ``etag`` whose answer was lost (see
+    ``Remote.put_if_match``)."""
+    return remote.put_if_match(MANIFEST_OBJECT, manifest.to_json(), etag, unacked)

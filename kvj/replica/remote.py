@@ -13,15 +13,28 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
+from obstore.exceptions import AlreadyExistsError, BaseError, InvalidPathError, NotFoundError, PreconditionError
 
-from kvj.errors import FormatError, KvjError
+from kvj.errors import CorruptionError, FormatError, KvjError
+from kvj.untrusted import printable
+
+#: Every request may take this long, plus the time its bytes take at ``MIN_RATE``; a
+#: download also fails once this long passes without a byte arriving.
+DEFAULT_TIMEOUT = 30.0
+#: An upload slower than this (bytes/s) counts as stalled. S3 clients' time limits are per
+#: request, so a fixed one would fail every upload of an object too large to send in it,
+#: round after round: a replica that never catches up.
+MIN_RATE = 256 << 10
+#: Requests moving up to this many bytes get the plain ``timeout``; reads are streamed in
+#: pieces of this size, so no more than the bytes expected (plus one piece) is ever read.
+CHUNK = 1 << 20
 
 
 class LostRace(KvjError):
@@ -32,11 +45,29 @@ class RemoteUnavailable(OSError):
     """The object store could not be reached or refused the request (retry later)."""
 
 
+class UnexpectedSize(CorruptionError):
+    """An object is larger than it may be, or of another size than declared: refused before
+    its body is read. ``etag`` is its ETag, for a conditional replacement."""
+
+    def __init__(self, path: str, reason: str, etag: Optional[str]):
+        super().__init__(path, None, reason)
+        self.etag = etag
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     path: str
     size: int
     mtime: float  # last modified, Unix seconds
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """An object's bytes, ETag and last-modified time (Unix seconds), as one GET returned them."""
+
+    data: bytes
+    etag: Optional[str]
+    mtime: float
 
 
 def _conflict(exc: BaseException) -> bool:
@@ -55,38 +86,83 @@ def md5_etag(data: Any) -> str:
 
 
 class Remote:
-    """A replica's objects, addressed by paths relative to the replica's prefix."""
+    """A replica's objects, addressed by paths relative to the replica's prefix.
 
-    def __init__(self, store: Any, url: str):
-        self.store = store
+    ``make_store(total, idle)`` makes an obstore store whose requests fail after ``total``
+    seconds, and (``idle`` not None) once ``idle`` seconds pass without a byte of the answer
+    arriving. A request moving ``n`` bytes gets ``timeout`` plus ``n / MIN_RATE`` in all (``n``
+    rounded up to a power of two, so a few clients serve every size); a download also fails
+    after ``timeout`` without a byte, which tells a stalled connection from a slow one.
+    """
+
+    def __init__(self, url: str, make_store: Callable[[float, Optional[float]], Any],
+                 timeout: float = DEFAULT_TIMEOUT):
         self.url = url
+        self.timeout = timeout
+        self._make_store = make_store
+        self._stores: Dict[Tuple[int, bool], Any] = {}
+        self._lock = threading.Lock()
+
+    def store(self, nbytes: int = 0, download: bool = False) -> Any:
+        """The store to use for a request that moves ``nbytes`` (or downloads at most that)."""
+        key = (1 << (nbytes - 1).bit_length() if nbytes > CHUNK else 0, download)
+        with self._lock:
+            if key not in self._stores:
+                self._stores[key] = self._make_store(self.timeout + key[0] / MIN_RATE,
+                                                     self.timeout if download else None)
+            return self._stores[key]
 
     # -- reads ------------------------------------------------------------------------
 
-    def get(self, path: str) -> Optional[Tuple[bytes, Optional[str]]]:
-        """(bytes, ETag) of ``path``, or None when it does not exist."""
+    def get(self, path: str, limit: int, exact: bool = False) -> Optional[Fetched]:
+        """``path`` as one GET returns it, or None when it does not exist.
+
+        At most ``limit`` bytes are read: an object the store says is larger (or, with
+        ``exact``, of any other size than ``limit``) is ``UnexpectedSize`` before its body
+        is read, and a body that runs past ``limit`` is cut off there.
+        """
+        where = f"{self.url}/{path}"
         try:
-            result = obstore.get(self.store, path)
-            data = bytes(result.bytes())
+            result = obstore.get(self.store(limit, download=True), path)
+            size = int(result.meta["size"])
+            if (size != limit) if exact else (size > limit):
+                raise UnexpectedSize(where, f"the object holds {size} bytes, " +
+                                     (f"{limit} are declared" if exact else f"more than the {limit} it may hold") +
+                                     " (not read)", result.meta.get("e_tag"))
+            pieces: List[Any] = []
+            got = 0
+            for piece in result.stream(min_chunk_size=min(limit + 1, CHUNK)):
+                got += len(piece)
+                if got > limit:
+                    raise CorruptionError(where, None, f"the object sends more than the {size} bytes the store "
+                                          f"says it holds (cut off after {got})")
+                pieces.append(piece)
         except (NotFoundError, FileNotFoundError):
             return None
         except BaseError as exc:
             raise _unavailable(exc, f"reading {path}") from None
-        return data, result.meta.get("e_tag")
+        if got != size:
+            raise RemoteUnavailable(errno.EIO, f"object store: reading {path}: {got} of {size} bytes arrived")
+        return Fetched(b"".join(pieces), result.meta.get("e_tag"), result.meta["last_modified"].timestamp())
 
-    def read(self, path: str) -> bytes:
-        """The bytes of ``path``; a missing object is an error naming it."""
-        found = self.get(path)
+    def read(self, path: str, size: int) -> bytes:
+        """The ``size`` bytes of ``path``, as a manifest or journal declares them; a missing
+        object, or one of another size, is an error naming it (and is not read)."""
+        found = self.get(path, size, exact=True)
         if found is None:
             raise FileNotFoundError(errno.ENOENT, "missing object in the replica", f"{self.url}/{path}")
-        return found[0]
+        return found.data
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (a folder such as ``segments/``)."""
         try:
-            for batch in obstore.list(self.store, prefix):
+            for batch in obstore.list(self.store(), prefix):
                 for meta in batch:
                     yield ObjectInfo(meta["path"], meta["size"], meta["last_modified"].timestamp())
+        except InvalidPathError as exc:  # a name with "..": nothing kvj writes, and the listing stops at it
+            reason = " ".join(str(exc).split("Debug source")[0].split())
+            raise CorruptionError(f"{self.url}/{prefix}", None, f"holds an object kvj did not write, whose name "
+                                  f"is not a path ({printable(reason, 300)}); remove it") from None
         except BaseError as exc:
             raise _unavailable(exc, f"listing {prefix}") from None
 
@@ -95,7 +171,7 @@ class Remote:
     def put_create(self, path: str, data: Any) -> Optional[str]:
         """Create ``path`` only if absent (If-None-Match: *); its ETag, or None if it existed."""
         try:
-            return obstore.put(self.store, path, data, mode="create")["e_tag"]
+            return obstore.put(self.store(len(data)), path, data, mode="create")["e_tag"]
         except (AlreadyExistsError, PreconditionError):
             return None
         except BaseError as exc:
@@ -103,14 +179,34 @@ class Remote:
                 return None
             raise _unavailable(exc, f"writing {path}") from None
 
-    def put_if_match(self, path: str, data: bytes, etag: Optional[str]) -> Optional[str]:
+    def put_if_match(self, path: str, data: bytes, etag: Optional[str],
+                     unacked: Optional[bytes] = None) -> Optional[str]:
         """Replace ``path`` if its ETag is still ``etag`` (create it if ``etag`` is None); new ETag.
 
-        Raises ``LostRace`` when another writer changed (or created) it first.
+        A write whose answer was lost (the connection dropped after the store applied it, and
+        the client's retry then failed its precondition) is recognised by reading the object
+        back: holding ``data``, the write landed. ``unacked`` is an earlier body this writer
+        sent over ``etag`` without learning whether it landed: if the object holds that, the
+        object is still this writer's, and ``data`` replaces it. Else ``LostRace``: another
+        writer changed (or created) it first.
         """
+        try:
+            return self._put(path, data, etag)
+        except LostRace:
+            try:
+                found = self.get(path, max(len(data), len(unacked or b"")))
+            except UnexpectedSize:
+                found = None  # larger than anything this writer sent: another writer's
+            if found is not None and found.data == data:
+                return found.etag
+            if found is not None and unacked is not None and found.data == unacked:
+                return self._put(path, data, found.etag)
+            raise
+
+    def _put(self, path: str, data: bytes, etag: Optional[str]) -> Optional[str]:
         mode: Any = "create" if etag is None else {"e_tag": etag}
         try:
-            return obstore.put(self.store, path, data, mode=mode)["e_tag"]
+            return obstore.put(self.store(len(data)), path, data, mode=mode)["e_tag"]
         except (AlreadyExistsError, PreconditionError):
             raise LostRace(f"{self.url}/{path} changed under us") from None
         except BaseError as exc:
@@ -121,15 +217,16 @@ class Remote:
     def delete(self, path: str) -> None:
         """Remove ``path`` (no error when it is already gone)."""
         try:
-            obstore.delete(self.store, path)
+            obstore.delete(self.store(), path)
         except (NotFoundError, FileNotFoundError):
             return
         except BaseError as exc:
             raise _unavailable(exc, f"deleting {path}") from None
 
 
-def open_remote(url: str, *, retries: int = 3, timeout: float = 30.0) -> Remote:
-    """The replica at ``url`` (``s3://bucket/prefix``), configured from the environment."""
+def open_remote(url: str, *, retries: int = 3, timeout: float = DEFAULT_TIMEOUT) -> Remote:
+    """The replica at ``url`` (``s3://bucket/prefix``), configured from the environment;
+    ``timeout`` is what a request moving little data may take (see ``Remote``)."""
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
         raise FormatError(f"{url!r} is not a replica URL: use s3://bucket/prefix")
@@ -146,10 +243,16 @@ def open_remote(url: str, *, retries: int = 3, timeout: float = 30.0) -> Remote:
                 kwargs["credential_provider"] = Boto3CredentialProvider(session)
         except ImportError:
             pass
-    client: dict = {"timeout": timedelta(seconds=timeout), "connect_timeout": timedelta(seconds=min(timeout, 10))}
+    client: dict = {"connect_timeout": timedelta(seconds=min(timeout, 10))}
     if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
         client["allow_http"] = True
-    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=timeout)}
     prefix = parsed.path.strip("/") or None
-    store = S3Store(parsed.netloc, prefix=prefix, client_options=client, retry_config=retry, **kwargs)
-    return Remote(store, url.rstrip("/"))
+
+    def make_store(total: float, idle: Optional[float]) -> Any:
+        limits = {"timeout": timedelta(seconds=total)}
+        if idle is not None:
+            limits["read_timeout"] = timedelta(seconds=idle)
+        return S3Store(parsed.netloc, prefix=prefix, client_options={**client, **limits},
+                       retry_config={"max_retries": retries, "retry_timeout": timedelta(seconds=total)}, **kwargs)
+
+    return Remote(url.rstrip("/"), make_store, timeout)

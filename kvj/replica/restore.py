@@ -1,23 +1,33 @@
-"""Restore a journal from its replica onto a fresh directory, verifying every object.
+"""Restore a journal from its replica onto a new or empty directory, verifying every object.
 
-Each log part and the snapshot must match the BLAKE3 the manifest recorded, the log files
-are then read back strictly (every CRC, LSN continuity), and every segment the restored
-state needs is checked in full (chunk CRCs and the content digest) before it is stored.
-Everything is written durably into a staging directory that is renamed into place last,
-so an interrupted restore never leaves a half journal under the target name.
+Each log part and the snapshot must have the size and the BLAKE3 the manifest recorded
+(an object of another size is refused before it is read), the log files are then read
+back strictly (every CRC, LSN continuity), and every segment the restored state needs is
+checked in full (chunk CRCs and the content digest) before it is stored; no read goes
+past the size declared for it.
+
+The target may be a mount point (a fresh disk): everything is written durably into a
+staging directory *inside* it, then moved into place, so the target directory itself, its
+owner and mode, stays. What can fail without downloading fails first: the target is not
+empty, cannot be written, or has too little space. The move puts the segments first and
+the log files newest first, the oldest last, then the snapshot: a journal cut short by a
+crash mid-move lacks its first LSNs, which replay reports as a gap (never a silently
+shorter journal), and the staging directory left behind keeps the target from being
+taken as empty.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
-from kvj.errors import CorruptionError, FormatError
-from kvj.fileio import atomic_write, makedirs_durable, rename_durable
+from kvj.errors import CorruptionError, FormatError, InvalidArgument, UnsafePath
+from kvj.fileio import REAL_FS, atomic_write, makedirs_durable, rename_durable
 from kvj.journal.framing import (
     FILE_HEADER_SIZE,
     READABLE_VERSIONS,
@@ -27,14 +37,20 @@ from kvj.journal.framing import (
     group_header_at,
     parse_group,
 )
-from kvj.journal.journal import default_store_path
+from kvj.journal.journal import STORE_DIR, default_store_path
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import decode_snapshot, snapshot_name
 from kvj.journal.state import JournalState
 from kvj.replica import manifest as mf
 from kvj.replica.remote import Remote
+from kvj.segments import segfile as seg
 
 Progress = Callable[[str, int, int], None]
+
+#: The staging directory inside the target; its presence means a restore runs or was cut short.
+STAGING = ".kvj-restoring"
+#: A segment object is its stored bytes plus a preamble, a header and a trailer.
+SEGMENT_OVERHEAD = seg.PREAMBLE.size + seg.TRAILER.size + seg.MAX_HEADER
 
 
 @dataclass
@@ -53,8 +69,8 @@ class RestoreResult:
         return asdict(self)
 
 
-def _checked(remote: Remote, obj: str, blake: str) -> bytes:
-    data = remote.read(obj)
+def _checked(remote: Remote, obj: str, size: int, blake: str) -> bytes:
+    data = remote.read(obj, size)
     if mf.digest(data) != blake:
         raise CorruptionError(f"{remote.url}/{obj}", None, "object differs from the digest the manifest recorded")
     return data
@@ -95,13 +111,14 @@ def download_journal(remote: Remote, m: mf.Manifest, directory: str, at_lsn: Opt
     each checked against the manifest; returns the bytes written."""
     written = 0
     if m.snapshot is not None:
-        data = _checked(remote, m.snapshot.object, m.snapshot.blake3)
+        data = _checked(remote, m.snapshot.object, m.snapshot.size, m.snapshot.blake3)
         decode_snapshot(data, f"{remote.url}/{m.snapshot.object}")
         atomic_write(os.path.join(directory, snapshot_name(m.snapshot.lsn)), data)
         written += len(data)
-    entries = [e for e in m.logs if at_lsn is None or e.base_lsn <= at_lsn + 1]
+    entries = _needed_logs(m, at_lsn)
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        futures = [[pool.submit(_checked, remote, p.object, p.blake3) for p in e.parts] for e in entries]
+        futures = [[pool.submit(_checked, remote, p.object, p.end - p.start, p.blake3) for p in e.parts]
+                   for e in entries]
         for entry, parts in zip(entries, futures):
             data = b"".join(f.result() for f in parts)
             where = f"{remote.url} log {entry.name}"
@@ -113,6 +130,10 @@ def download_journal(remote: Remote, m: mf.Manifest, directory: str, at_lsn: Opt
             atomic_write(os.path.join(directory, entry.name), data)
             written += len(data)
     return written
+
+
+def _needed_logs(m: mf.Manifest, at_lsn: Optional[int]) -> List[mf.LogEntry]:
+    return [e for e in m.logs if at_lsn is None or e.base_lsn <= at_lsn + 1]
 
 
 def resolve_at(m: mf.Manifest, at_lsn: Optional[int], at_time: Optional[float]) -> Optional[int]:
@@ -137,18 +158,49 @@ def load_manifest(remote: Remote) -> mf.Manifest:
     return m
 
 
-def fetch_segments(remote: Remote, state: JournalState, store: Any, threads: int = 8,
+class SegmentSizes(NamedTuple):
+    """What one listing says of the segments a state needs, before any is read."""
+
+    sizes: Dict[str, int]  # key -> its object's size, for each present with a plausible size
+    problems: List[str]  # one per segment missing, or whose object's size the journal contradicts
+    missing: int
+
+
+def segment_sizes(remote: Remote, state: JournalState) -> SegmentSizes:
+    """The size of the replica's object of each segment ``state`` needs, checked against what
+    the journal declares (a request segment's stored size, plus at most a header)."""
+    listed = {k: o.size for o in remote.list("segments/") for k in [mf.segment_key(o.path)] if k}
+    declared: Dict[str, int] = {}
+    for req in state.in_flight():
+        for ref in req.segments.values():
+            if ref.key:
+                declared[ref.key] = max(declared.get(ref.key, 0), ref.stored_size)
+    found = SegmentSizes({}, [], 0)
+    for key, who in sorted(state.referenced_keys().items()):
+        if key not in listed:
+            found.problems.append(f"segment {key} ({who}) is missing from the replica")
+            found = found._replace(missing=found.missing + 1)
+            continue
+        low, high = (0, mf.MAX_OBJECT_BYTES)
+        if key in declared:
+            low, high = declared[key] + seg.PREAMBLE.size + seg.TRAILER.size, declared[key] + SEGMENT_OVERHEAD
+        if not low <= listed[key] <= high:
+            found.problems.append(f"segment {key} ({who}): its object holds {listed[key]} bytes, but the journal "
+                                  f"declares {declared.get(key)} stored bytes (not read)")
+            continue
+        found.sizes[key] = listed[key]
+    return found
+
+
+def fetch_segments(remote: Remote, sizes: Dict[str, int], store: Any, threads: int = 8,
                    progress: Optional[Progress] = None) -> int:
-    """Download, verify in full and store every segment ``state`` needs; returns the bytes."""
-    keys = sorted(state.referenced_keys())
+    """Download (each as large as ``sizes`` says, no more), verify in full and store the
+    segments of ``sizes``; returns the bytes downloaded."""
+    keys = sorted(sizes)
 
     def one(key: str) -> int:
-        data = remote.get(mf.segment_object(key))
-        if data is None:
-            raise CorruptionError(f"{remote.url}/{mf.segment_object(key)}", None,
-                                  f"segment {key} ({state.referenced_keys()[key]}) is missing from the replica")
-        store.ingest_stored(key, data[0])
-        return len(data[0])
+        store.ingest_stored(key, remote.read(mf.segment_object(key), sizes[key]))
+        return sizes[key]
 
     total = 0
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -159,40 +211,110 @@ def fetch_segments(remote: Remote, state: JournalState, store: Any, threads: int
     return total
 
 
+def _check_empty(target: str) -> None:
+    """Refuse a target that exists and is not an empty directory (an empty ``lost+found`` of
+    a fresh file system's root is allowed)."""
+    if not os.path.lexists(target):
+        return
+    if os.path.islink(target):
+        raise UnsafePath(f"{target} is a symbolic link: restore into the directory it points to")
+    if not os.path.isdir(target):
+        raise InvalidArgument(f"{target} exists and is not a directory: restore into a new or empty directory")
+    names = os.listdir(target)
+    if STAGING in names:
+        raise InvalidArgument(f"{target} holds {STAGING}: another restore is running there, or one was cut short "
+                              f"(then empty {target} and restore again)")
+    lost = os.path.join(target, "lost+found")
+    if names == ["lost+found"] and os.path.ismount(target) and os.path.isdir(lost) and not os.listdir(lost):
+        return
+    if names:
+        raise InvalidArgument(f"{target} is not empty: restore into a new or empty directory (nothing was changed)")
+
+
+def _check_space(path: str, nbytes: int, what: str) -> None:
+    """Refuse (ENOSPC) before writing when ``path``'s file system has less than ``nbytes`` free."""
+    from kvj.ops.inspection import human_size
+
+    while not os.path.isdir(path):  # a store's folders are made as segments arrive
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"{what} need {human_size(nbytes)} and {path} has {human_size(free)} free "
+                                    "(nothing was restored)", path)
+
+
+def _publish(staging: str, target: str, moved: List[str]) -> None:
+    """Move the staged journal into ``target``: segments first, then the log files newest
+    first, the snapshot last (see the module docstring); ``moved`` lists what is in place."""
+    names = os.listdir(staging)
+    logs = sorted((n for n in names if n.endswith(".log")), reverse=True)
+    order = [n for n in names if n not in logs and not n.endswith(".snap")] + logs + \
+        sorted(n for n in names if n.endswith(".snap"))
+    for name in order:
+        rename_durable(os.path.join(staging, name), os.path.join(target, name))
+        moved.append(name)
+    os.rmdir(staging)
+    REAL_FS.fsync_dir(target)
+
+
 def restore(remote: Remote, journal: str, *, store: Optional[str] = None, at_lsn: Optional[int] = None,
             at_time: Optional[float] = None, threads: int = 8, progress: Optional[Progress] = None) -> RestoreResult:
-    """Restore the replica at ``remote`` into the new directory ``journal`` (see the module docstring)."""
+    """Restore the replica at ``remote`` into ``journal``, a new or empty directory (a mount
+    point included: it is kept, with its owner and mode). See the module docstring."""
     from kvj.segments.store import SegmentStore
 
     t0 = time.perf_counter()
     target = os.path.abspath(journal)
-    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-        raise FileExistsError(17, "refusing to restore over an existing journal (give a new or empty directory)",
-                              target)
-    m = load_manifest(remote)
-    at = resolve_at(m, at_lsn, at_time)
-    staging = f"{target}.restoring.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    makedirs_durable(staging)
+    _check_empty(target)
+    created = not os.path.lexists(target)
+    makedirs_durable(target)
+    staging = os.path.join(target, STAGING)
+    moved: List[str] = []
     try:
-        result = RestoreResult(journal=target, snapshot_lsn=m.snapshot.lsn if m.snapshot else None)
-        result.bytes = download_journal(remote, m, staging, at, threads)
-        state = replay(staging, strict=True)
-        want = m.last_lsn if at is None else at
-        if state.last_lsn != want:
-            raise CorruptionError(remote.url, None, f"the replicated log ends at LSN {state.last_lsn}, the manifest "
-                                  f"says {want}")
+        REAL_FS.mkdir(staging)  # exclusive: a second restore into the same target stops here
+        REAL_FS.fsync_dir(target)
+    except BaseException:
+        if created:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    try:
+        m = load_manifest(remote)
+        at = resolve_at(m, at_lsn, at_time)
         root = os.path.abspath(store) if store else default_store_path(staging)
         with SegmentStore(root, threads=threads) as seg_store:
-            result.bytes += fetch_segments(remote, state, seg_store, threads, progress)
-            result.segments = len(state.referenced_keys())
+            logs = _needed_logs(m, at)
+            _check_space(staging, sum(e.size for e in logs) + (m.snapshot.size if m.snapshot else 0),
+                         f"the {len(logs)} log files and the snapshot")
+            result = RestoreResult(journal=target, snapshot_lsn=m.snapshot.lsn if m.snapshot else None)
+            result.bytes = download_journal(remote, m, staging, at, threads)
+            state = replay(staging, strict=True)
+            want = m.last_lsn if at is None else at
+            if state.last_lsn != want:
+                raise CorruptionError(remote.url, None, f"the replicated log ends at LSN {state.last_lsn}, the "
+                                      f"manifest says {want}")
+            segments = segment_sizes(remote, state)
+            if segments.problems:
+                more = len(segments.problems) - 1
+                raise CorruptionError(remote.url, None, segments.problems[0] + (f" (and {more} more)" if more else ""))
+            _check_space(root, sum(n for key, n in segments.sizes.items() if not seg_store.exists(key)),
+                         f"the {len(segments.sizes)} segments")
+            result.bytes += fetch_segments(remote, segments.sizes, seg_store, threads, progress)
+            result.segments = len(segments.sizes)
         result.logs = len([n for n in os.listdir(staging) if n.endswith(".log")])
         result.last_lsn = state.last_lsn
-        if os.path.isdir(target):
-            os.rmdir(target)
-        rename_durable(staging, target)
+        _publish(staging, target, moved)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            for name in moved:  # the segments directory, log files, the snapshot: all restore's own
+                path = os.path.join(target, name)
+                if name == STORE_DIR:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     result.seconds = time.perf_counter() - t0
     return result

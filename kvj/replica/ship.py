@@ -33,7 +33,7 @@ from kvj.journal.records import RecordType, decode_payload
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.replica import manifest as mf
 from kvj.replica.lease import DEFAULT_TTL, Lease
-from kvj.replica.remote import LostRace, Remote, RemoteUnavailable, md5_etag
+from kvj.replica.remote import LostRace, UnexpectedSize, Remote, RemoteUnavailable, md5_etag
 
 DEFAULT_INTERVAL = 1.0
 DEFAULT_GRACE = 3600.0
@@ -94,7 +94,7 @@ class Replicator:
 
     def __init__(self, journal: str, remote: Remote, *, store: Optional[str] = None, lease_ttl: float = DEFAULT_TTL,
                  grace: float = DEFAULT_GRACE, threads: int = 8, verify: bool = True, owner: Optional[str] = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, break_lease: Optional[str] = None):
         self.journal = os.path.abspath(journal)
         self.remote = remote
         self.store_root = store or default_store_path(self.journal)
@@ -102,9 +102,11 @@ class Replicator:
         self.verify = verify
         self.clock = clock
         self.lease = Lease(remote, owner, lease_ttl, clock)
+        self.break_lease = break_lease  # the holder whose live lease open() may take (see Lease.acquire)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvj-replica")
         self.manifest = mf.Manifest()
         self._etag: Optional[str] = None
+        self._unacked: Optional[bytes] = None  # a manifest sent whose answer was lost
         self._logs: Dict[int, _LocalLog] = {}
         self._remote_keys: Set[str] = set()
         self._snap_keys: Optional[Set[str]] = None
@@ -117,7 +119,7 @@ class Replicator:
         if not os.path.isdir(self.journal):
             raise FormatError(f"no journal at {self.journal}")
         current, _ = mf.load(self.remote)
-        self.lease.acquire(floor=current.generation if current else 0)
+        self.lease.acquire(floor=current.generation if current else 0, breaking=self.break_lease)
         try:
             self._fence()
             self._remote_keys = {k for k in (mf.segment_key(o.path) for o in self.remote.list("segments/")) if k}
@@ -152,7 +154,8 @@ class Replicator:
         changed = False
         for prefix in ("logs/", "snapshots/"):
             for obj in self.remote.list(prefix):
-                if obj.path not in needed and obj.path not in self.manifest.garbage and now - obj.mtime >= self.grace:
+                if obj.path not in needed and obj.path not in self.manifest.garbage and \
+                        now - obj.mtime >= self.grace and mf.is_object_name(obj.path):  # others are not kvj's
                     self.manifest.garbage[obj.path] = now
                     changed = True
         if changed:
@@ -225,15 +228,20 @@ class Replicator:
         return result
 
     def _commit(self, m: mf.Manifest) -> None:
+        mf.Manifest.from_json(m.to_json(), "the manifest about to be written")  # never one kvj would refuse
         self.lease.ensure()
         try:
-            self._etag = mf.commit(self.remote, m, self._etag)
+            self._etag = mf.commit(self.remote, m, self._etag, self._unacked)
+        except RemoteUnavailable:
+            self._unacked = m.to_json()  # it may have landed: the next commit recognises it
+            raise
         except LostRace:
             current, _ = mf.load(self.remote)
             if current is not None and current.generation > self.lease.generation:
                 raise self.lease.fenced() from None
             raise KvjError(f"{self.remote.url}: the manifest was changed by something other than this "
                            "replicator; stopping") from None
+        self._unacked = None
         self.manifest = m
 
     # -- logs ---------------------------------------------------------------------------
@@ -419,7 +427,11 @@ class Replicator:
         """Create-only upload; an existing object must hold the same bytes (else corruption)."""
         etag = self.remote.put_create(obj, data)
         if etag is None:
-            if self.remote.read(obj) != bytes(data):
+            try:
+                same = self.remote.read(obj, len(data)) == bytes(data)
+            except UnexpectedSize:
+                same = False
+            if not same:
                 raise CorruptionError(f"{self.remote.url}/{obj}", None, "the replica holds different bytes under "
                                       "this name")
             return

@@ -18,7 +18,7 @@ from kvj.errors import CorruptionError, FormatError
 from kvj.journal.replay import replay
 from kvj.replica import manifest as mf
 from kvj.replica.remote import Remote
-from kvj.replica.restore import download_journal, load_manifest
+from kvj.replica.restore import download_journal, load_manifest, segment_sizes
 
 Progress = Callable[[str, int, int], None]
 
@@ -47,15 +47,14 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def _read_segment(remote: Remote, key: str) -> Optional[str]:
+def _read_segment(remote: Remote, key: str, size: int) -> Optional[str]:
     from kvj.segments import segfile
 
     obj = mf.segment_object(key)
-    found = remote.get(obj)
-    if found is None:
-        return f"segment {key}: missing"
     try:
-        header, _ = segfile.decode(found[0], name=f"{remote.url}/{obj}")
+        header, _ = segfile.decode(remote.read(obj, size), name=f"{remote.url}/{obj}")
+    except FileNotFoundError:
+        return f"segment {key}: missing"
     except (CorruptionError, FormatError) as exc:
         return f"segment {key}: {exc}"
     if header.digest.hex() != key:
@@ -86,16 +85,15 @@ def verify_remote(remote: Remote, *, sample: float = 1.0, seed: Optional[int] = 
             return report
     if state.last_lsn != m.last_lsn:
         report.problems.append(f"the replicated log ends at LSN {state.last_lsn}, the manifest says {m.last_lsn}")
-    needed = state.referenced_keys()
-    sizes = {k: o.size for o in remote.list("segments/") for k in [mf.segment_key(o.path)] if k}
-    report.segments_needed = len(needed)
-    present = sorted(k for k in needed if k in sizes)
-    report.segments_present = len(present)
-    for key in sorted(set(needed) - set(present)):
-        report.problems.append(f"segment {key} ({needed[key]}) is missing from the replica")
+    segments = segment_sizes(remote, state)
+    report.segments_needed = len(state.referenced_keys())
+    report.segments_present = report.segments_needed - segments.missing
+    report.problems += segments.problems
+    sizes = segments.sizes
+    present = sorted(sizes)
     chosen = random.Random(report.seed).sample(present, math.ceil(len(present) * sample)) if present else []
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for done, problem in enumerate(pool.map(lambda k: _read_segment(remote, k), chosen), 1):
+        for done, problem in enumerate(pool.map(lambda k: _read_segment(remote, k, sizes[k]), chosen), 1):
             report.segments_read += 1
             if problem:
                 report.problems.append(problem)

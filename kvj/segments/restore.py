@@ -55,24 +55,6 @@ def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
     return first
 
 
-def _scatter_cpu(kv_caches: Sequence[torch.Tensor], host: torch.Tensor, index: torch.Tensor) -> None:
-    """``cache[index[i]] = host[i, layer]`` for every layer, on CPU.
-
-    Contiguous caches take one numpy fancy-index assignment per layer (a row copy per block,
-    about 6x faster than ``index_copy_``, which copies element by element here); others fall
-    back to ``index_copy_``.
-    """
-    idx = index.numpy()
-    src = None
-    for layer, cache in enumerate(kv_caches):
-        if cache.is_contiguous() and not cache.requires_grad and cache.numel():
-            if src is None:
-                src = host.contiguous().view(torch.uint8).numpy()
-            cache.view(torch.uint8).numpy()[idx] = src[:, layer]
-        else:
-            cache.index_copy_(0, index, host[:, layer])
-
-
 def gather_block(kv_caches: Sequence[torch.Tensor], block_id: int) -> torch.Tensor:
     """One block of every layer, ``[num_layers, 2, block_size, heads, head_dim]`` (to flush)."""
     _check_caches(kv_caches)
@@ -121,11 +103,21 @@ def load_many(store: SegmentStore, keys: Sequence[str], device: Device = "cpu",
     """Several segments, decoded concurrently (small segments are one chunk each).
 
     ``device`` is resolved here, in the caller's thread: a bare ``"cuda"`` means the caller's
-    current device, not the worker threads' default (device 0).
+    current device, not the worker threads' default (device 0); and the workers load with the
+    caller's current stream as theirs, so the tensors are marked as used by the stream that
+    will use them (not the workers' default stream), lest the allocator reuse them early.
     """
     target = cuda.CUDA.resolve(device)
+    stream = cuda.CUDA.current_stream(target) if target.type == "cuda" else None
+
+    def one(key: str) -> torch.Tensor:
+        if stream is None:
+            return load(store, key, target, expect_layout)
+        with cuda.CUDA.use(stream):
+            return load(store, key, target, expect_layout)
+
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        return list(pool.map(lambda k: load(store, k, target, expect_layout), keys))
+        return list(pool.map(one, keys))
 
 
 def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[torch.Tensor],
@@ -137,8 +129,9 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     Blocks are decoded in parallel into one staging buffer (pinned when the cache is on CUDA),
     each checked against the cache's layout before it is decoded and its shape after; only
     when all are in does anything reach the cache (a segment of another model or layout raises
-    LayoutMismatch with every slot untouched): on the CPU one row copy per layer, on a GPU one
-    non-blocking transfer on a side stream, then one ``index_copy_`` per layer.
+    LayoutMismatch with every slot untouched), then ``kvj.segments.device.scatter_blocks`` puts
+    them in: on the CPU one row copy per layer, on a GPU one non-blocking transfer on a side
+    stream and one ``index_copy_`` per layer, which the host waits for (its event, not a stream).
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):
@@ -153,8 +146,9 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
     total = block_bytes * len(keys)
+    ids_at = -(-total // 8) * 8  # the block ids go up from the same pinned buffer, 8-aligned
     pool = staging or (default_staging() if is_cuda else StagingPool(total))
-    buf = pool.acquire(total, pinned=is_cuda)
+    buf = pool.acquire(ids_at + 8 * len(keys), pinned=is_cuda)
     try:
         # A key that recurs (a shared prefix block) is decoded once and its bytes copied.
         first_of: Dict[str, int] = {}
@@ -177,34 +171,9 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
             if first_of[key] != i:
                 np.copyto(slot[i].numpy(), slot[first_of[key]].numpy())
         host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
-        index = torch.tensor(ids, dtype=torch.long)
-        if is_cuda:
-            _scatter_device(kv_caches, host, index)
-        else:
-            _scatter_cpu(kv_caches, host, index)
+        bufs = cuda.block_buffers(kv_caches, len(ids), buf[ids_at:ids_at + 8 * len(ids)].view(torch.long))
+        moved = cuda.scatter_blocks(kv_caches, ids, host, bufs)
+        moved.wait()  # the staging buffer is reused once the copy from it is done (and, the host
+        # having waited, the caller's later work on any stream comes after the scatter)
     finally:
-        pool.release(buf)  # _scatter_device returns (or raises) only once its copy is done
-
-
-def _scatter_device(kv_caches: Sequence[torch.Tensor], host: torch.Tensor, index: torch.Tensor) -> None:
-    """``cache[index[i]] = host[i, layer]`` on the GPU: one copy of the pinned blocks, then one
-    ``index_copy_`` per layer, on kvj's h2d stream after the caller's queued work (which may
-    still read the old slots). Returns once the copy is done (an event, not the whole stream);
-    the caller's stream waits for the scatter on the GPU."""
-    cu = cuda.CUDA
-    dev = cu.device_of(kv_caches[0])
-    side = cu.side_stream(dev, "h2d")
-    current = cu.current_stream(dev)
-    cu.gpu_wait_stream(side, current)
-    with cu.enqueue_on(side):
-        blocks = cu.empty(tuple(host.shape), host.dtype, dev)
-        cu.copy(blocks, host)
-        dev_index = cu.empty(tuple(index.shape), index.dtype, dev)
-        cu.copy(dev_index, index)
-        for layer, cache in enumerate(kv_caches):
-            cache.index_copy_(0, dev_index, blocks[:, layer])
-        done = cu.record(side)
-    for cache in kv_caches:
-        cu.keep_alive(cache, side)
-    cu.gpu_wait(current, done)
-    cu.finish(done, side)
+        pool.release(buf)  # scatter_blocks raises only once nothing reads the buffer

@@ -456,11 +456,13 @@ def check_stored(data: Buffer, name: str = "<segment>") -> Header:
     filt = _stored_filter(header, name)
     if filt is not None:
         if crc32c.crc32c(view[pos:pos + filt.side_size]) != filt.side_crc:
-            raise _corrupt(name, pos, f"{filt.side_name} CRC mismatch")
+            raise _corrupt(name, pos, f"{filt.side_name} CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{pos}..{pos + filt.side_size}")
         pos += filt.side_size
     for i, (stored, crc) in enumerate(header.chunks):
         if crc32c.crc32c(view[pos:pos + stored]) != crc:
-            raise _corrupt(name, pos, f"chunk {i} CRC mismatch")
+            raise _corrupt(name, pos, f"chunk {i} CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{pos}..{pos + stored}")
         pos += stored
     return header
 
@@ -496,7 +498,8 @@ def decode_into(data: Union[Buffer, Source], out: memoryview, *, name: str = "<s
     if filt is not None:
         side = bytes(source.read(pos, filt.side_size))
         if crc32c.crc32c(side) != filt.side_crc:
-            raise _corrupt(name, pos, f"{filt.side_name} CRC mismatch")
+            raise _corrupt(name, pos, f"{filt.side_name} CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{pos}..{pos + filt.side_size}")
         try:
             unfilter = filt.decoder(side, header.payload_size)
         except FormatError as exc:
@@ -523,7 +526,8 @@ def decode_into(data: Union[Buffer, Source], out: memoryview, *, name: str = "<s
         else:
             body = source.read(off, stored)
         if crc32c.crc32c(body) != crc:
-            raise _corrupt(name, off, f"chunk {i} CRC mismatch")
+            raise _corrupt(name, off, f"chunk {i} CRC mismatch: the damage is somewhere in its bytes "
+                                      f"{off}..{off + stored}")
         if body is not dest:
             try:
                 codec.decode_into(body, dest, wsize)

@@ -103,3 +103,42 @@ def test_inspect_segment_json_and_orphans(tmp_path, journal, cli):
         stray = j.store.put(torch.ones(3)).key
     proc = cli("inspect", "-j", path, "--segment", stray)
     assert proc.returncode == 0 and "no live record (an orphan" in proc.stdout
+
+
+@pytest.mark.parametrize("step", ["open", "write"])
+def test_a_failed_write_names_the_file_asked_for_not_its_temporary(tmp_path, journal, cli, monkeypatch, step):
+    import errno
+
+    from kvj.fileio import FS
+
+    real_open = FS.open
+
+    def open_tmp_refused(self, path, flags, mode=0o600):
+        if ".tmp." in os.fspath(path):
+            raise OSError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(self, path, flags, mode)
+
+    def write_disk_full(self, fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FS, step, open_tmp_refused if step == "open" else write_disk_full)
+    target = tmp_path / "x.pt"
+    line = assert_fails(cli("dump", "-j", journal[0], "-r", "req-0", "--segment", "0", "-o", target),
+                        77 if step == "open" else 74, f"{target}: ")
+    assert ".tmp." not in line and os.listdir(tmp_path) == []
+
+
+def test_damage_inside_a_chunk_is_reported_with_the_chunk_s_bytes(tmp_path, cli):
+    path = tmp_path / "j"
+    with kvj_lib.Journal.open(path) as j:  # one raw chunk of 64 KiB
+        key = j.store.put(torch.arange(16384, dtype=torch.float32), codec="raw").key
+        j.checkpoint(1, {"w": key})
+    seg = segment_file(str(path), key)
+    with open(seg, "r+b") as f:
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    line = assert_fails(cli("dump", key, "-j", path, "-o", tmp_path / "w.pt"), DATAERR, "chunk 0 CRC mismatch")
+    start, end = (int(n) for n in line.rsplit("its bytes ", 1)[1].split(".."))
+    assert f"at offset {start}:" in line and start <= 5000 < end  # where the chunk is, and that the damage is in it

@@ -64,3 +64,70 @@ def test_migrate_a_seed_era_journal(tmp_path, cli):
     assert state.requests["a"].prompt_hash == "p" and not state.requests["a"].ended and state.requests["b"].ended
     assert seed.read_bytes() == before  # only read
     assert cli("record", "end", "a", "-j", tmp_path / "new").returncode == 0  # a kvj journal now
+
+
+def test_kvj_conf_is_the_one_configuration_the_library_and_every_command_read(tmp_path):
+    journal, store = tmp_path / "cs", tmp_path / "cs-store"
+    proc = kvj("init", "-j", journal, "--store", store, "--max-delay", "20ms", "--max-records", "7",
+               "--file-size", "64KiB")
+    assert proc.returncode == 0, proc.stderr
+    with kvj_lib.Journal.open(str(journal)) as j:  # the README's call, without repeating the settings
+        assert (j.writer.policy.max_delay, j.writer.policy.max_records, j.writer.policy.file_size_limit) == (
+            0.02, 7, 64 << 10)
+        j.start("r1")
+        j.flush("r1", 0, torch.ones(2, 16, 2, 8), token_range=(0, 16)).result()
+    assert os.listdir(store / "objects") and not (journal / "segments").exists()
+    proc = kvj("fsck", "-j", journal)
+    assert proc.returncode == 0 and "1 segments checked" in proc.stdout, proc.stdout + proc.stderr
+    proc = kvj("recover", "-j", journal)
+    assert proc.returncode == 0 and "1 verified, 0 unusable" in proc.stdout, proc.stderr
+    # what is given explicitly wins over the file
+    other = tmp_path / "other-store"
+    with kvj_lib.Journal.open(str(journal), store=str(other),
+                              policy=kvj_lib.CommitPolicy(max_records=3)) as j:
+        assert j.writer.policy.max_records == 3
+        j.start("r2")
+        j.flush("r2", 0, torch.zeros(2, 16, 2, 8), token_range=(0, 16)).result()
+    assert os.listdir(other / "objects")
+    assert kvj("fsck", "-j", journal, "--store", other).returncode == 4  # r1's segment is not in that store
+
+
+def test_commit_policy_values_that_cannot_work_are_refused(tmp_path, cli):
+    for args in (["--file-size", "0"], ["--file-size", "1"], ["--file-size", "4KiB"], ["--max-records", "0"],
+                 ["--max-delay", "-1s"]):
+        assert_fails(cli("init", "-j", tmp_path / "j", *args), USAGE, args[0])
+        assert not (tmp_path / "j").exists()
+    assert_fails(cli("init", "-j", ""), USAGE, "give the journal directory")
+    journal = tmp_path / "j"
+    assert cli("init", "-j", journal).returncode == 0
+    config = json.loads((journal / "kvj.conf").read_text())
+    config["policy"]["max_buffer_bytes"] = 0  # by hand: a policy that would block the first record for ever
+    (journal / "kvj.conf").write_text(json.dumps(config))
+    proc = kvj("record", "start", "r1", "-j", journal, timeout=60)
+    assert_fails(proc, 65, "kvj.conf", "max_buffer_bytes must be an integer >= 1")
+    with pytest.raises(kvj_lib.FormatError, match="max_buffer_bytes"):
+        kvj_lib.Journal.open(str(journal))
+
+
+@pytest.mark.parametrize("content, needles", [
+    (b'{"op": "start", "id": "a"}\n{"op": "sta"}\n', ["line 2", "invalid request id None"]),  # complete: not torn
+    (b'{"op": "start", "id": "../../etc/x"}\n', ["line 1", "invalid request id '../../etc/x'"]),
+    (b'{"op": "start", "id": "../../etc/x"}', ["its only line is torn", "invalid request id '../../etc/x'"]),
+    (b'{"op": "start", "id": "a", "prompt_hash": NaN}\n{"op": "end", "id": "a"}\n', ["line 1", "NaN is not JSON"]),
+    (b'{"op": "start", "id": "a", "prompt_hash": 1e309}\n{"op": "end", "id": "a"}\n', ["line 1", "not inf"]),
+    (b'{"op": "end", "id": "a", "status": Infinity}\n', ["line 1", "Infinity is not JSON"]),
+], ids=["complete bad last line", "bad id", "bad id, torn", "NaN", "1e309", "Infinity"])
+def test_migrate_refuses_what_is_not_a_seed_record_and_names_it(tmp_path, cli, content, needles):
+    seed = tmp_path / "seed.jsonl"
+    seed.write_bytes(content)
+    assert_fails(cli("migrate", seed, "-j", tmp_path / "new"), 65, str(seed), *needles)
+    assert not (tmp_path / "new").exists() and seed.read_bytes() == content
+
+
+def test_migrate_keeps_integer_hashes_and_leaves_out_zeros_a_crash_left(tmp_path, cli):
+    seed = tmp_path / "seed.jsonl"
+    seed.write_bytes(b'{"op": "start", "id": "a", "prompt_hash": 12345}\n\0\0\0\n\0\0')
+    proc = cli("migrate", seed, "-j", tmp_path / "new", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["torn_last_line"]["length"] == 6
+    assert kvj_lib.replay(str(tmp_path / "new")).requests["a"].prompt_hash == "12345"

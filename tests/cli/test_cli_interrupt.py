@@ -57,11 +57,46 @@ def _interrupt(proc: subprocess.Popen, when, what: str):  # type: ignore[no-unty
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to see what the child is doing")
-def test_ctrl_c_while_kvj_is_still_importing(big_journal):
-    # msgpack's C extension loads while kvj.cli.main is imported, after the handler is in place
-    proc = _start("recover", "-j", big_journal, "--dry-run")
+@pytest.mark.parametrize("args, status", [(["recover", "--dry-run"], 130), (["fsck"], 32)],
+                         ids=["recover --dry-run", "fsck"])
+def test_ctrl_c_while_kvj_is_still_importing(big_journal, args, status):
+    # msgpack's C extension loads while kvj.cli.main is imported, after the handler is in place;
+    # fsck's own status holds from then on too (it used to be 130 until fsck itself began)
+    proc = _start(*args, "-j", big_journal)
     out, err = _interrupt(proc, lambda pid: "_cmsgpack" in _maps(pid), "the child to import msgpack")
-    assert proc.returncode == 130 and err == INTERRUPTED_LINE and out == ""
+    assert proc.returncode == status and err == INTERRUPTED_LINE and out == "", (proc.returncode, err)
+
+
+#: The console script as pip writes it, run once the interpreter has started, with the first
+#: import kvj's code asks for (beyond its own files and modules built into the interpreter)
+#: held until Ctrl-C arrives: whatever kvj imports before its handler is in place is a moment
+#: in which Ctrl-C printed a KeyboardInterrupt traceback.
+FIRST_IMPORT = textwrap.dedent("""
+    import os, signal, sys
+    marker, sys.argv = sys.argv[1], ["kvj", *sys.argv[2:]]
+
+    class HoldFirstImport:
+        held = False
+
+        def find_spec(self, name, path=None, target=None):
+            if not self.held and name not in sys.builtin_module_names and not name.startswith("kvj"):
+                self.held = True
+                open(marker, "w").close()
+                signal.pause()  # Ctrl-C arrives here
+            return None
+
+    sys.meta_path.insert(0, HoldFirstImport())
+    from kvj.cli.launch import kvj
+    sys.exit(kvj())
+""")
+
+
+def test_ctrl_c_at_the_first_import_kvj_makes_is_one_line_not_a_traceback(tmp_path, big_journal):
+    marker = tmp_path / "importing"
+    proc = interruptible([sys.executable, "-c", FIRST_IMPORT, str(marker), "fsck", "-j", str(big_journal)])
+    out, err = _interrupt(proc, lambda _pid: marker.exists(), "the child's first import")
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 32 and err == INTERRUPTED_LINE and out == "", (proc.returncode, err)
 
 
 #: The real launcher, with every segment verification stuck for good once it starts (it writes

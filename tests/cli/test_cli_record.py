@@ -106,8 +106,8 @@ def test_inspect_filters(tmp_path, capsys):
         jj.start("late")
     times = {r["lsn"]: r["time"] for r in ndjson(run_cli(capsys, "inspect", "-j", j, "--json")[1])}
     assert all(times[lsn] <= times[lsn + 1] for lsn in range(1, 21)) and times[20] < times[21] <= time.time()
-    assert lsns("--since", repr(times[21])) == [(21, "start", "late")]  # same file as the rest
-    assert lsns("--until", repr(times[20])) == everything
+    assert lsns("--since", f"@{times[21]!r}") == [(21, "start", "late")]  # same file as the rest
+    assert lsns("--until", f"@{times[20]!r}") == everything
     assert lsns("--until", "2020-01-01") == [] and lsns("--since", "1h") == everything + [(21, "start", "late")]
     status, out, _ = run_cli(capsys, "inspect", "-j", j, "-r", "req-0", "-t", "segment")
     lines = out.splitlines()

@@ -3,9 +3,17 @@ refused before anything is written; what recovery prints and records."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
-from support.cli_helpers import JOURNAL_REPLAY, append_torn_tail, assert_fails, build, in_process, kvj, tree
+from support.cli_helpers import JOURNAL_REPLAY, append_torn_tail, assert_fails, block, build, in_process, kvj, tree
+
+from kvj.journal.journal import Journal
+from kvj.journal.reader import list_logs
+from kvj.journal.replay import replay
+from kvj.journal.writer import CommitPolicy
 
 USAGE, DATAERR, NOINPUT = 64, 65, 66
 
@@ -127,7 +135,7 @@ def test_tail_damage_is_called_damaged_or_torn_and_its_bytes_are_kept_where_name
     it names."""
     for args in (["replay"], ["fsck"], ["recover", "--dry-run"]):
         proc = kvj(*args, "-j", torn_journal)
-        assert proc.returncode == 0 and "damaged or torn tail" in proc.stdout, proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "torn tail" in proc.stdout, proc.stdout + proc.stderr
         assert "never acknowledged" not in proc.stdout and "torn/" in proc.stdout
     from kvj.journal.reader import list_logs
 
@@ -135,7 +143,7 @@ def test_tail_damage_is_called_damaged_or_torn_and_its_bytes_are_kept_where_name
     with open(last, "rb") as f:
         tail = f.read()[-30:]
     proc = kvj("recover", "-j", torn_journal)
-    kept = proc.stdout.split("damaged or torn tail: 30 bytes, kept at ")[1].split()[0]
+    kept = proc.stdout.split("torn tail: 30 bytes, kept at ")[1].split()[0]
     with open(kept, "rb") as f:
         assert f.read() == tail
 
@@ -169,3 +177,33 @@ def test_recover_tells_the_story(tmp_path):
     assert "  req-0: tokens 32..48 lost (1 segments unusable)" in lines
     assert "tokens: 48 restorable from segments, 16 lost" in second.stdout  # req-0 32 of 48, new 16
     assert lines[-1].startswith("next: start the server") and "kvj fsck -j" in lines[-1]
+
+
+def test_a_salvage_names_the_requests_that_lose_tokens_and_counts_the_rest(tmp_path, capsys):
+    path = str(tmp_path / "j")
+    build(path, requests=1, blocks=1, ended=0, training=False)
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=1)) as j:  # each group its own file
+        j.start("victim")
+        j.sync()
+        for i in range(14):  # in flight after the damage: each loses its 16 tokens
+            j.start(f"lost-{i}")
+            j.flush(f"lost-{i}", 0, block(7, i), token_range=(0, 16), layout={"model": "tiny"}).result()
+        for i in range(30):  # started and ended after the damage: delivered, nothing to resume
+            j.start(f"done-{i}")
+            j.end(f"done-{i}")
+        j.sync()
+    victim = next(p for p in list_logs(path) if b"victim" in open(p, "rb").read())
+    data = bytearray(open(victim, "rb").read())
+    data[-3] ^= 0xFF  # a sealed file: damage in the middle of the log
+    open(victim, "wb").write(data)
+    proc = in_process(capsys, "recover", "-j", path, "--until-damage")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    named = [line for line in lines if line.startswith("  lost-")]
+    assert len(named) == 10 and all("not recovered (16 tokens lost)" in line for line in named)
+    assert "  4 requests: lose tokens too (kvj recover --json lists each)" in lines
+    assert "  30 requests: started and ended after the damage: nothing to resume" in lines
+    assert not any(line.startswith("  done-") for line in lines) and len(lines) < 40
+    manifest = json.loads(open(os.path.join(path, replay(path).epochs[-1]["manifest"])).read())
+    salvage = manifest["salvage"]  # the manifest still names every request
+    assert sum(r["what"] == "started and ended after the damage: nothing to resume" for r in salvage["requests"]) == 30

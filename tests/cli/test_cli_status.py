@@ -131,3 +131,46 @@ def test_status_of_an_unmirrored_journal_has_no_mirror(tmp_path, capsys):
     build(str(path))
     assert json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)["mirror"] is None
     assert not re.search(r"^ *mirror ", kvj("status", "-j", path, extra_env={"COLUMNS": "300"}).stdout, re.M)
+
+
+def test_commit_lag_leaves_out_the_pauses_between_writers(tmp_path, capsys):
+    # A writer commits a few groups and dies; recovery writes its epoch group later, a new writer
+    # appends later still, and another after it: no interval between them is a record waiting.
+    path = tmp_path / "j"
+    with Journal.open(path) as j:
+        for i in range(4):
+            j.alloc("cuda:0", i, 64, durable=True)  # a group each
+    time.sleep(1.5)  # the pause must be visible next to the fsyncs between those groups, nothing more
+    recover(str(path))
+    time.sleep(1.5)
+    with Journal.open(path) as j:
+        for i in range(3):
+            j.alloc("cuda:1", i, 64, durable=True)
+    time.sleep(1.5)
+    opened = time.time()
+    with Journal.open(path) as j:  # the newest writer: its lock file says when it opened
+        for i in range(2):
+            j.alloc("cuda:2", i, 64, durable=True)
+    records = [json.loads(line) for line in in_process(capsys, "inspect", "-j", path, "--json").stdout.splitlines()]
+    times = sorted({r["time"] for r in records})
+    epoch_time = next(r["time"] for r in records if r["type"] == "epoch")
+    first = [t for t in times if t < epoch_time]
+    second = [t for t in times if epoch_time < t < opened]
+    third = [t for t in times if t >= opened]
+    assert (len(first), len(second), len(third)) == (4, 3, 2)
+    waits = [b - a for run in (first, second, third) for a, b in zip(run, run[1:])]
+    m = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)["last_minute"]
+    assert m["groups"] == 10 and m["commit_lag"] == max(waits)  # no pause between writers is a lag
+
+
+def test_status_shows_a_kvj_conf_it_cannot_use_instead_of_failing(tmp_path, capsys):
+    path = tmp_path / "j"
+    Journal.open(path).close()
+    for content, needle in (("[" * 20_000 + "]" * 20_000, "nested more than"),
+                            ('{"kvj_config": 1, "policy": {"max_buffer_bytes": 0}}', "max_buffer_bytes")):
+        (path / "kvj.conf").write_text(content)
+        proc = in_process(capsys, "status", "-j", path, "--json")
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert needle in json.loads(proc.stdout)["config_error"]
+        text = " ".join(in_process(capsys, "status", "-j", path).stdout.split())
+        assert "kvj.conf" in text and needle in text

@@ -7,6 +7,7 @@ bit for bit, and the journal holds no frozen base weight."""
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import pytest
@@ -158,11 +159,65 @@ def test_the_benchmark_runs_and_measures_crash_loss_as_it_says(tmp_path):
     from kvj.bench.training import METHODS, run
 
     with workload_threads():
-        result = run(str(tmp_path), steps=4, rounds=1, mib=1)
+        result = run(str(tmp_path), steps=4, rounds=1, mib=1, tensors=16)
     rows = {r["method"]: r for r in result["trainer"]}
     assert list(rows) == list(METHODS)
     assert rows["no checkpoints"]["crash loses (max, mean steps)"] == "3, 1.5"  # before steps 1..4: 0, 1, 2, 3
     assert rows["Trainer save_steps=1"]["crash loses (max, mean steps)"] == "0, 0.0"
     assert rows["kvj every step"]["KiB written/step"] > 0 and rows["no checkpoints"]["KiB written/step"] == 0
+    assert [(r["method"], r["tensors"]) for r in result["snapshot"]] == [("kvj StateBuffers.capture", 64),
+                                                                         ("clone every tensor", 64)]
     assert [(r["method"], r["bit-exact"]) for r in result["dcp"]] == [
         ("kvj JournalWriter", "yes"), ("kvj JournalWriter codec=raw", "yes"), ("DCP FileSystemWriter", "yes")]
+
+
+def _killed_after_a_durable_save(argv, journal: str) -> None:
+    """Run ``argv`` and SIGKILL it once a save is durable (a kill before the first durable
+    save is retried later in the run)."""
+    for n in (3, 6, 9):
+        killed = crashrun.kill_when(crashrun.start(argv), crashrun.nth_event("step", n))
+        assert not killed.finished
+        if kvj.replay(journal).checkpoint is not None:
+            return
+    raise AssertionError("no save was durable when the run was killed")
+
+
+def test_resuming_after_a_lora_rank_change_is_refused_and_changed_settings_are_named(tmp_path):
+    """Issue 26, item 4, as reported: a LoRA fine-tune at r=1 through Trainer's default fused
+    AdamW, SIGKILLed, resumed with r=4. Before, the resume went through (the adapter's saved
+    values broadcast into the larger one, the old moments loaded into the new parameters) and
+    the process died of heap corruption (SIGSEGV or SIGABRT) once fused AdamW had written past
+    the moments' end. Now it exits 1 with a FormatError naming the adapter matrices and both
+    shapes, and touches nothing: the journal is as the kill left it, no resume directory is
+    written. Resuming with r=1 but another learning rate and dataset size works and says, in
+    one warning, what differs and that the journaled values continue."""
+    import subprocess
+
+    r1 = LoraRun(rank=1, optim="adamw-fused", steps=12)
+    argv = _argv(r1, tmp_path, "rank")
+    journal = argv[argv.index("--journal") + 1]
+    _killed_after_a_durable_save(argv, journal)
+    before = kvj.replay(journal)
+
+    r4 = _argv(LoraRun(rank=4, optim="adamw-fused", steps=12), tmp_path, "rank") + ["--resume"]
+    proc = subprocess.run(r4, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, f"exited {proc.returncode}: {proc.stderr[-3000:]}"
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("kvj.errors.FormatError: the journaled trainable parameters do not fit this model")
+    for matrix, saved, model in (("lora_A", "(1, 64)", "(4, 64)"), ("lora_B", "(64, 1)", "(64, 4)")):
+        assert (f"base_model.model.model.layers.0.self_attn.q_proj.{matrix}.default.weight is journaled as "
+                f"{saved} float32, the model's is {model} float32") in error
+    after = kvj.replay(journal)
+    assert (after.counts, after.checkpoint, after.deltas) == (before.counts, before.checkpoint, before.deltas)
+    assert not (tmp_path / "rank-out" / "kvj-resume").exists()
+
+    changed = _argv(LoraRun(rank=1, optim="adamw-fused", steps=12, lr=1e-3, samples=96), tmp_path, "rank")
+    proc = subprocess.run(changed + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "ResumeMismatch" in line]
+    assert len(warned) == 1, proc.stderr[-3000:]
+    assert "learning rate (initial_lr, group 0): journaled 0.002, this run 0.001" in warned[0]
+    assert "dataset size: journaled 64 samples, this run 96" in warned[0]
+    assert "learning rate (initial_lr, group 1)" in warned[0]  # Trainer's no-decay group
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert events[0]["event"] == "resumed" and events[-1] == {**events[-1], "event": "done", "step": 12}

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from support.dcp_rank import digest, full_state
+from support.fakecuda import gpu  # noqa: F401 (the fixture)
 
 import kvj
 
@@ -126,3 +127,35 @@ def test_plain_values_round_trip_and_nothing_else_is_ever_unpickled(tmp_path, mo
     assert not os.path.exists(marker)
     with pytest.raises(FormatError, match="weights_only"):
         kvj_dcp.plain_value(b"not a torch.save", "x")
+
+
+def test_shards_on_a_gpu_leave_and_come_back_through_kvjs_device_copies(tmp_path, gpu):
+    """State on a GPU (the strict stand-in of tests/support/fakecuda.py: a download's pinned
+    destination holds poison until the host waits, streams that touch memory without a wait
+    between them raise): each shard leaves through pinned staging and kvj's device-to-host
+    copy and comes back through pinned staging and kvj's upload into device memory before it
+    is copied into its target, bit-exact both ways. (Before, loading copied the host tensor
+    straight into the device target, outside kvj's device path.)"""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from kvj.integrations.dcp import JournalReader, JournalWriter
+
+    gen = torch.Generator().manual_seed(3)
+    want = {"model": {"w": torch.randn(64, 48, generator=gen)},
+            "optim": {"m": torch.randn(96, 8, generator=gen).to(torch.bfloat16)}}
+    state = {k: {n: t.to("cuda") for n, t in v.items()} for k, v in want.items()}
+    gpu.copies.clear()
+    dcp.save(state, storage_writer=JournalWriter(str(tmp_path / "dcp"), step=5), no_dist=True)
+    assert [(c.kind, c.asynchronous, c.host.is_pinned()) for c in gpu.copies] == [("d2h", True, True)] * 2
+
+    gpu.copies.clear()
+    target = {"model": {"w": torch.zeros(64, 48, device="cuda")},
+              "optim": {"m": torch.zeros(96, 8, dtype=torch.bfloat16, device="cuda")}}
+    reader = JournalReader(str(tmp_path / "dcp"))
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert reader.step == 5
+    assert [(c.kind, c.asynchronous, c.host.is_pinned()) for c in gpu.copies] == [("h2d", True, True)] * 2
+    for part in want:
+        for name, t in want[part].items():
+            assert target[part][name].device.type == "cuda" and torch.equal(target[part][name].cpu(), t), name

@@ -1,6 +1,7 @@
-"""Taking training state off the device (issue 9, item 21): each tensor is copied once,
-straight into host memory, on the caller's thread; the saver never reads live tensors; and
-restored optimizer state lands where the optimizer keeps it. CUDA variants run where a GPU is."""
+"""Taking training state off the device (issue 9, item 21): on the CPU each tensor is copied
+once, straight into host memory, on the caller's thread; the saver never reads live tensors;
+restored optimizer state lands where the optimizer keeps it. CUDA variants run where a GPU is;
+the GPU path under the strict CUDA stand-in is tests/integrations/test_training_device.py."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import threading
 
 import pytest
 import torch
-from support.fakecuda import POISON, FakeCuda
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvj
-from kvj.segments import device
 from kvj.integrations.training import (StateJournal, capture, materialize, recover_training, restore_training_state,
                                        training_state)
 
@@ -62,9 +61,10 @@ def test_capture_copies_each_tensor_once_into_host_memory_without_a_device_conca
     with _OpLog(live) as log:
         snap = capture(training_state(model, opt, step=2, rng=False))
     reading = [(name, reads, dest) for name, reads, dest in log.ops if reads]
-    allocating = {name for name, _, _ in reading} - {"copy_", "cat", "detach", "view", "_reshape_alias", "alias"}
-    assert not allocating, f"ops that made device copies of the state: {allocating}"
-    copies = [(reads, dest) for name, reads, dest in reading if name in ("copy_", "cat")]
+    allocating = {name for name, _, _ in reading} - {"copy_", "cat", "stack", "detach", "view", "_reshape_alias",
+                                                     "alias", "unsqueeze"}
+    assert not allocating, f"ops that made copies of the state outside the host streams: {allocating}"
+    copies = [(reads, dest) for name, reads, dest in reading if name in ("copy_", "cat", "stack")]
     assert sum(reads for reads, _ in copies) == len(live)  # each tensor read by one copy
     streams = {t.untyped_storage().data_ptr() for t in snap.streams.values()}
     assert all(d.untyped_storage().data_ptr() in streams for _, d in copies)  # straight into a host stream
@@ -167,53 +167,6 @@ def test_whether_a_streams_xor_pays_is_learnt_from_stored_sizes_at_the_1st_2nd_4
         assert whole == {s: ["c.float32"] if s in (3, 5, 6, 7, 9) else [] for s in range(1, 10)}
         rec = recover_training(replayed, journal.store)
     assert rec.step == 9 and all(torch.equal(rec.state[k], states[9][k]) for k in "wc")
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    f = FakeCuda(devices=1)
-    monkeypatch.setattr(device, "CUDA", f)
-    return f
-
-
-def test_device_state_leaves_through_kvjs_download_and_is_read_only_after_it_lands(fake, tmp_path):
-    """On a GPU (here the CPU stand-in of tests/support/fakecuda.py, which leaves a download's
-    destination full of poison until the host waits on an event recorded after it), capture
-    copies each tensor once through kvj.segments.device into pinned host streams, and the
-    saver stores them only after their copies have landed."""
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for i in range(2):
-        _step(model, opt, i)
-    params = list(model.parameters())
-    live = params + [v for p in params for v in opt.state[p].values()]
-    for t in live:
-        fake.adopt(t, 0)
-    want_params = [p.detach().clone() for p in params]
-    want_opt = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-
-    snap = capture(training_state(model, opt, step=2, rng=False))
-    assert len(fake.copies) == len(live) and all(c.kind == "d2h" and fake.is_pinned(c.host) for c in fake.copies)
-    assert all(bool((s.view(torch.uint8) == POISON).all()) for s in snap.streams.values())  # still in flight
-    snap.wait()
-    assert not any(fake.in_flight(c.host) for c in fake.copies)
-
-    with kvj.Journal.open(tmp_path / "j") as journal:
-        with StateJournal(journal, full_every=4, model="m") as saver:
-            fut = saver.save(2, training_state(model, opt, step=2, rng=False))
-            with torch.no_grad():
-                for t in live:
-                    t.add_(1)  # the next step, which the GPU runs after the copies
-            fut.result()
-        journal.sync()
-        rec = recover_training(kvj.replay(str(tmp_path / "j")), journal.store)
-    assert len(fake.copies) == 2 * len(live) and not fake.violations
-    assert fake.stream_waits == 0  # the host waited on the copies' events, never on a stream
-    for name, want in zip(dict(model.named_parameters()), want_params):
-        assert torch.equal(rec.state["model"][name], want), name
-    for i, want in enumerate(want_opt):
-        for k, v in want.items():
-            assert torch.equal(rec.state["optimizer"]["state"][i][k], v), (i, k)
 
 
 def _adamw_variants(device: str):

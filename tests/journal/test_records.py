@@ -137,7 +137,7 @@ VALID = {
     RecordType.START: st.fixed_dictionaries({"id": ids, "prompt_hash": st.none() | st.text(max_size=8),
                                              "tokens": st.none() | st.lists(naturals, max_size=5), "meta": maps}),
     RecordType.SEGMENT: st.fixed_dictionaries({
-        "id": ids, "seg": ints, "key": keys, "tokens": st.tuples(naturals, naturals).map(sorted), "layout": maps,
+        "id": ids, "seg": naturals, "key": keys, "tokens": st.tuples(naturals, naturals).map(sorted), "layout": maps,
         "raw_size": ints, "stored_size": ints, "digest": st.text(max_size=8), "codec": st.text(max_size=8)}),
     RecordType.END: st.fixed_dictionaries({"id": ids, "status": st.text(max_size=8)}),
     RecordType.ALLOC: st.fixed_dictionaries({"device": st.text(max_size=8), "addr": ints, "size": ints,

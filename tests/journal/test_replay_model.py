@@ -4,6 +4,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -71,18 +72,30 @@ class Model:
 
 
 def run_ops(path, sequence):
+    """Apply ``sequence`` through the Journal; a flush of a request not in flight (never started,
+    or ended) is refused at the call and appends nothing (the model ignores it). Returns how
+    many records were appended."""
     policy = CommitPolicy(file_size_limit=600, max_delay=0.001)
     j = Journal.open(path, policy=policy)
+    live, refused = set(), 0
     try:
         for op in sequence:
             kind = op[0]
             if kind == "start":
                 j.start(op[1], "h", op[2])
+                live.add(op[1])
             elif kind == "flush":
-                j.flush(op[1], op[2], token_range=(op[2] * 16, op[2] * 16 + 16),
-                        info=Info(op[3], {"block": op[2]})).result()
+                flush = lambda: j.flush(op[1], op[2], token_range=(op[2] * 16, op[2] * 16 + 16),  # noqa: E731
+                                        info=Info(op[3], {"block": op[2]}))
+                if op[1] in live:
+                    flush().result()
+                else:
+                    with pytest.raises(kvj.InvalidArgument, match="not in flight"):
+                        flush()
+                    refused += 1
             elif kind == "end":
                 j.end(op[1], op[2])
+                live.discard(op[1])
             elif kind == "alloc":
                 j.alloc(op[1], op[2], op[3], "t")
             elif kind == "free":
@@ -98,6 +111,7 @@ def run_ops(path, sequence):
                 j = Journal.open(path, policy=policy)
     finally:
         j.close()
+    return sum(1 for op in sequence if op[0] not in ("sync", "reopen")) - refused
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,7 +119,7 @@ def run_ops(path, sequence):
 def test_replay_equals_the_model(sequence):
     path = tempfile.mkdtemp(prefix="kvj-model-")
     try:
-        run_ops(path, sequence)
+        n_records = run_ops(path, sequence)
         model = Model()
         for op in sequence:
             model.apply(op)
@@ -122,7 +136,6 @@ def test_replay_equals_the_model(sequence):
         cp = (state.checkpoint["step"], state.checkpoint["keys"]["w"]) if state.checkpoint else None
         assert cp == model.checkpoint
         assert [(d["step"], d["keys"]["w"]) for d in state.deltas] == model.deltas
-        n_records = sum(1 for op in sequence if op[0] not in ("sync", "reopen"))
         assert state.last_lsn == n_records
     finally:
         shutil.rmtree(path)

@@ -42,3 +42,34 @@ def test_the_spec_states_one_header_size_and_what_the_salt_guarantees():
         assert {int(a or b) for a, b in sizes} <= {framing.FILE_HEADER_SIZE}, sizes
         assert "never pass" not in text
     assert "2^-32" in PAGE and "2^-32" in framing.__doc__ and "2^-32" in readme
+
+
+def test_the_limits_are_the_ones_enforced():
+    """Issue 23: MAX_GROUP_BODY was enforced but not specified."""
+    limits = PAGE.split(".SS Limits")[1].split(".SH")[0]
+    assert "at most 16 MiB (2^24 bytes)" in limits and framing.MAX_RECORD_PAYLOAD == 1 << 24
+    assert "at most\n1 GiB (2^30 bytes)" in limits and framing.MAX_GROUP_BODY == 1 << 30
+    assert "(at most 2^30, see Limits)" in PAGE
+    assert "2^30 \\- 2^24 \\- 20 bytes already" in limits and framing.RECORD_HEADER_SIZE == 20
+
+
+def test_versions_and_the_version_1_group_header():
+    assert "format version: 2 (1 for files written by kvj 0.1.0" in PAGE and framing.FORMAT_VERSION == 2
+    assert framing.READABLE_VERSIONS == (1, 2)
+    assert "the group header is 24 bytes" in PAGE and framing.GROUP_HEADERS[1].size == 24
+    assert "8\t2\tversion: 1" in PAGE.split(".SH SNAPSHOTS")[1] and snapshot.SNAP_VERSION == 1
+
+
+def test_the_snapshot_body_names_the_fields_a_snapshot_holds():
+    from kvj.journal.state import JournalState, RequestState, SegmentRef
+
+    body = PAGE.split(".SS Snapshot body")[1].split(".SH")[0]
+    named = set()
+    for line in re.findall(r"^\.BR? (.+)$", body, re.M):
+        named |= set(re.findall(r"[a-z_]+", line.replace('", "', " ")))
+    assert named == set(JournalState().to_dict(include_ended=False))
+    request = body.split(".B requests")[1].split(".TP")[0]
+    for name in RequestState("r", None, None, {}, 1).to_dict():
+        assert name in request, name
+    for name in SegmentRef(0, None, None, {}, 0, 0, None, "", 0).to_dict():
+        assert name in request.split("segments is an array")[1], name

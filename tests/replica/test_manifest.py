@@ -19,11 +19,15 @@ from kvj.replica import manifest as mf
 from kvj.replica.restore import trim_log
 
 
+A, B, C = mf.part_object(1, 0, 60, 3), mf.part_object(1, 60, 100, 3), mf.part_object(2, 0, 50, 3)
+S, OLD = mf.snapshot_object(10, 3), mf.snapshot_object(5, 2)
+
+
 def _manifest() -> mf.Manifest:
-    log1 = mf.LogEntry(1, 11, 7, 100, 20, True, [mf.Part("a", 0, 60, "x"), mf.Part("b", 60, 100, "y")])
-    log2 = mf.LogEntry(2, 21, 9, 50, 30, False, [mf.Part("c", 0, 50, "z")])
-    return mf.Manifest(generation=3, updated=5.0, last_lsn=30, snapshot=mf.SnapshotEntry(10, "s", 9, "w"),
-                       logs=[log1, log2], history=[[100.0, 20], [200.0, 30]], garbage={"old": 1.0})
+    log1 = mf.LogEntry(1, 11, 7, 100, 20, True, [mf.Part(A, 0, 60, "x"), mf.Part(B, 60, 100, "y")])
+    log2 = mf.LogEntry(2, 21, 9, 50, 30, False, [mf.Part(C, 0, 50, "z")])
+    return mf.Manifest(generation=3, updated=5.0, last_lsn=30, snapshot=mf.SnapshotEntry(10, S, 9, "w"),
+                       logs=[log1, log2], history=[[100.0, 20], [200.0, 30]], garbage={OLD: 1.0})
 
 
 def test_json_round_trip_and_continuity():
@@ -31,7 +35,7 @@ def test_json_round_trip_and_continuity():
     back = mf.Manifest.from_json(m.to_json(), "m")
     assert back == m
     back.check("m")
-    assert back.objects() == {"a": "x", "b": "y", "c": "z", "s": "w"}
+    assert back.objects() == {A: "x", B: "y", C: "z", S: "w"}
 
 
 @pytest.mark.parametrize("damage, message", [

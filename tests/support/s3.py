@@ -8,6 +8,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Dict, List, Optional
 
 
@@ -44,15 +45,19 @@ def s3_env(endpoint: str) -> Dict[str, str]:
 
 
 class Relay:
-    """Forwards 127.0.0.1:<port> to ``target_port``; ``down()`` kills it, ``up()`` restarts it."""
+    """Forwards 127.0.0.1:<port> to ``target_port``; ``down()`` kills it, ``up()`` restarts it.
+    ``rate`` (bytes/s) slows each direction of each connection to that, as a slow link would;
+    ``received`` counts the bytes the endpoint sent back to clients."""
 
-    def __init__(self, target_port: int):
+    def __init__(self, target_port: int, rate: Optional[float] = None):
         self.target_port = target_port
+        self.rate = rate
         self.port = 0
         self._lock = threading.Lock()
         self._conns: List[socket.socket] = []
         self._listener: Optional[socket.socket] = None
         self.connections = 0
+        self.received = 0
         self.up()
 
     @property
@@ -101,15 +106,19 @@ class Relay:
                 self._conns += [client, server]
                 self.connections += 1
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, a is server), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, to_client: bool) -> None:
         try:
             while True:
-                data = src.recv(1 << 16)
+                data = src.recv(1 << 14 if self.rate else 1 << 16)
                 if not data:
                     break
+                if to_client:
+                    with self._lock:
+                        self.received += len(data)
+                if self.rate:
+                    time.sleep(len(data) / self.rate)
                 dst.sendall(data)
         except OSError:
             pass
