@@ -14,7 +14,7 @@ import time
 import crc32c
 import pytest
 import torch
-from support.fakecuda import FakeCuda
+from support.fakecuda import gpu  # noqa: F401
 
 from kvj.errors import InvalidArgument, SegmentCorrupt, SegmentMissing
 from kvj.segments import device, packfile
@@ -298,25 +298,22 @@ def test_flusher_submit_many_one_job_one_pack(tmp_path):
             fl.submit_many(kv[:, 0].transpose(1, 2), [{}] * 12)
 
 
-def test_flusher_submit_many_waits_for_the_copy_into_its_buffer(tmp_path, monkeypatch):
+def test_flusher_submit_many_waits_for_the_copy_into_its_buffer(gpu, tmp_path):
     """A step's blocks downloaded by one copy into a pinned buffer: the worker reads the
-    buffer only after the copy's event (the stand-in fills it with poison until then)."""
-    fake = FakeCuda()
-    monkeypatch.setattr(device, "CUDA", fake)
+    buffer only after the copy's event (the stand-in leaves poison there until then)."""
     kv = blocks(8, seed=12)
-    on_gpu = fake.adopt(kv.clone())
-    host = fake.pinned(kv.numel() * kv.element_size()).view(kv.dtype).view(kv.shape)
-    event = fake.download(on_gpu, host)
-    assert fake.in_flight(host)
+    on_gpu = gpu.fresh(kv.clone(), "cuda:0")
+    host = device.CUDA.pinned(kv.numel() * kv.element_size()).view(kv.dtype).view(kv.shape)
+    event = device.CUDA.download(on_gpu, host)
+    assert gpu.in_flight(host)
     with SegmentStore(tmp_path) as store, Flusher(store) as fl:
         infos = fl.submit_many(host, [{"b": i} for i in range(8)], ready=event).result(timeout=120)
         for i, info in enumerate(infos):
             assert torch.equal(store.get(info.key), kv[i])
-        many = [fake.adopt(b.clone()) for b in blocks(3, seed=13)]
+        many = [gpu.fresh(b.clone(), "cuda:0") for b in blocks(3, seed=13)]
         infos = fl.submit_many(many, [{"d": i} for i in range(3)]).result(timeout=120)
         for t, info in zip(blocks(3, seed=13), infos):
             assert torch.equal(store.get(info.key), t)
-    assert not fake.violations
 
 
 def test_compaction_fsck_recovery_and_replication_see_packed_members(tmp_path):
