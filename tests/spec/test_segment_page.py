@@ -55,7 +55,7 @@ def test_header_limits():
 def test_dtypes_in_the_order_the_page_lists_them():
     listed = section("HEADER").split(".B dtype\nString: one of ")[1].split(". Element bytes")[0]
     names = [n.strip() for n in listed.replace("\n", " ").split(",")]
-    assert names == list(seg.DTYPES)
+    assert names == list(seg.ELEMENTS)
 
 
 def test_digest():
