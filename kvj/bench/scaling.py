@@ -1,10 +1,16 @@
 """Scaling benchmark: time and peak memory of replay, recover, fsck, compact and
-``inspect --stats`` as a journal grows (records) and as a store grows (segments).
+``inspect --stats`` as a journal grows (records) and as a store grows (segments), and how
+long the commands an incident starts with (``status``, ``inspect --stats``, ``fsck -n``) take
+as whole processes.
 
 Each operation runs as ``kvj ...`` in a fresh child process: its time is measured inside
 the child around the command (interpreter start-up and imports excluded), its peak RSS is
-the child's ``ru_maxrss`` from ``wait4`` (imports included: the same child running
-``kvj --version`` is printed as the baseline). Per-record or per-segment cost and the growth
+the child's own high-water mark (``VmHWM``, imports included: the same child running
+``kvj --version`` is printed as the baseline; ``wait4``'s ``ru_maxrss``, used where there
+is no ``/proc``, also counts the pages the child shared with this process, torch's among them,
+before it ran ``kvj``). The start-up rows (``status (process)``...)
+are the wall time of a plain ``kvj`` process instead, everything included, and say whether
+it imported torch. Per-record or per-segment cost and the growth
 ratio to the previous size make linearity visible: for linear work the time grows by the
 size ratio (10x for 10x the records) and the cost per unit stays flat.
 
@@ -52,15 +58,38 @@ OPERATIONS: List[Tuple[str, List[str], bool]] = [
     ("compact", ["compact", "--grace", "0", "--json"], False),  # last: it changes the journal and store
 ]
 STORE_OPTION = {"replay": False, "inspect": False}
+#: (name, kvj arguments after the journal and store options): timed as whole processes.
+STARTUP: List[Tuple[str, List[str]]] = [
+    ("status (process)", ["status", "--json"]),
+    ("inspect --stats (process)", ["inspect", "--stats", "--json"]),
+    ("fsck -n (process)", ["fsck", "-n", "--json"]),
+]
 
+#: What a child reports when it is done: seconds, whether it imported torch, its peak RSS (kB).
+_REPORT = ("def report(t0):\n"
+           "    try:\n"
+           "        hwm = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+           "    except (OSError, IndexError):\n"
+           "        hwm = ''\n"
+           "    sys.stderr.write(f'\\nkvj-bench-seconds {time.perf_counter() - t0:.6f}\\n'\n"
+           "                     f'kvj-bench-torch {int(\"torch\" in sys.modules)}\\nkvj-bench-hwm {hwm}\\n')\n")
 #: The child imports what the commands import lazily before the clock starts.
-_CHILD = ("import sys, time\n"
+_CHILD = ("import sys, time\n" + _REPORT +
           "import torch, kvj.ops.compact, kvj.ops.fsck, kvj.ops.inspection, kvj.ops.recover, kvj.segments.check, kvj.segments.store\n"
           "from kvj.cli.main import app, run\n"
           "t0 = time.perf_counter()\n"
           "status = run(app, sys.argv[1:], 'kvj')\n"
-          "sys.stderr.write(f'\\nkvj-bench-seconds {time.perf_counter() - t0:.6f}\\n')\n"
+          "report(t0)\n"
           "sys.exit(status)\n")
+#: A plain ``kvj`` process, imports and all.
+_PLAIN_CHILD = ("import sys, time\n" + _REPORT +
+                "t0 = time.perf_counter()\n"
+                "from kvj.cli.main import app, run\n"
+                "try:\n"
+                "    status = run(app, sys.argv[1:], 'kvj')\n"
+                "finally:\n"
+                "    report(t0)\n"
+                "sys.exit(status)\n")
 
 
 class _NoSyncFS(FS):
@@ -136,40 +165,57 @@ def build_journal(path: str, store: str, infos: Sequence[Any], records: int, liv
         j.sync()
 
 
-def run_child(argv: List[str], cwd: Optional[str] = None) -> Dict[str, Any]:
-    """Run ``kvj argv`` in a fresh interpreter; its exit status, seconds (inside) and peak RSS."""
+def run_child(argv: List[str], cwd: Optional[str] = None, plain: bool = False) -> Dict[str, Any]:
+    """Run ``kvj argv`` in a fresh interpreter; its exit status, seconds (inside; with ``plain``
+    the whole process from its first line, and whether it imported torch) and peak RSS."""
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, *argv], stdout=subprocess.DEVNULL, stderr=err,
+        proc = subprocess.Popen([sys.executable, "-c", _PLAIN_CHILD if plain else _CHILD, *argv],
+                                stdout=subprocess.DEVNULL, stderr=err,
                                 cwd=cwd, env={**os.environ, "COLUMNS": "200"})
         _pid, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
         text = err.read().decode(errors="replace")
-    seconds = None
+    seconds = torch = None
+    rss_kb = usage.ru_maxrss
     for line in text.splitlines():
         if line.startswith("kvj-bench-seconds "):
             seconds = float(line.split()[1])
-    message = [line for line in text.splitlines() if line.strip() and not line.startswith("kvj-bench-seconds ")]
-    return {"status": proc.returncode, "seconds": seconds, "wall": wall, "rss_mib": usage.ru_maxrss / 1024,
-            "stderr": message[-1] if message else ""}
+        elif line.startswith("kvj-bench-torch "):
+            torch = line.split()[1] == "1"
+        elif line.startswith("kvj-bench-hwm ") and line.split()[1:]:
+            rss_kb = int(line.split()[1])
+    message = [line for line in text.splitlines() if line.strip() and not line.startswith("kvj-bench-")]
+    row = {"status": proc.returncode, "seconds": seconds, "wall": wall, "rss_mib": rss_kb / 1024,
+           "stderr": message[-1] if message else ""}
+    if plain:
+        row.update(seconds=wall if seconds is not None else None, torch=torch)
+    return row
 
 
 def measure(axis: str, size: int, unit: str, journal: str, store: str, work: str,
             log: Any = None) -> List[Dict[str, Any]]:
-    """Run every operation on ``journal`` and ``store`` (compact last: it changes both); one row each."""
+    """Run every operation on ``journal`` and ``store`` (the start-up rows first, compact last: it
+    changes both); one row each."""
     rows = []
+    def argv(args: List[str], target: str) -> List[str]:
+        return [args[0], "-j", target] + (["--store", store] if STORE_OPTION.get(args[0], True) else []) + args[1:]
+
+    for name, args in STARTUP:
+        child = run_child(argv(args, journal), plain=True)
+        rows.append({"axis": axis, "operation": name, "size": size, "unit": unit, **child})
+        if log:
+            torch = "imported" if child["torch"] else "not imported"
+            log(f"{name} on {size} {unit}s: {child['seconds'] or 0:.3f} s, torch {torch}, exit {child['status']}")
     for name, args, on_copy in OPERATIONS:
         target = journal
         if on_copy:
             target = os.path.join(work, "journal-copy")
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(journal, target)
-        argv = [args[0], "-j", target]
-        if STORE_OPTION.get(args[0], True):
-            argv += ["--store", store]
-        child = run_child(argv + args[1:])
+        child = run_child(argv(args, target))
         rows.append({"axis": axis, "operation": name, "size": size, "unit": unit, **child})
         if log:
             log(f"{name} on {size} {unit}s: {child['seconds'] or 0:.3f} s, {child['rss_mib']:.0f} MiB, "
@@ -231,6 +277,9 @@ def format_table(result: Dict[str, Any]) -> str:
         key = (r["axis"], r["operation"])
         size = f"{r['size']:,} {r['unit']}s"
         note = "" if r["status"] == 0 else f"exit {r['status']}: {r['stderr']}"
+        if "torch" in r:
+            whole = "whole process, imports torch" if r["torch"] else "whole process, no torch"
+            note = f"{whole}; {note}" if note else whole
         if r["seconds"] is None:
             lines.append(f"{r['operation']:<18} {size:>16} {'-':>9} {'-':>9} {'':>7} "
                          f"{r['rss_mib']:>7.0f} MiB {'':>6}  {note}")

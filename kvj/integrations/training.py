@@ -46,7 +46,7 @@ import torch
 from kvj.errors import FormatError, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState
 from kvj.segments import device as cuda
-from kvj.segments.format import DTYPE_NAMES, DTYPES, dtype_name
+from kvj.segments.tensors import DTYPE_NAMES, DTYPES, dtype_name
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal

@@ -73,7 +73,7 @@ import kvj
 from kvj.errors import InvalidArgument, InvalidName, KvjError
 from kvj.fileio import atomic_write, makedirs_durable
 from kvj.names import check_request_id
-from kvj.segments.format import dtype_name
+from kvj.segments.tensors import dtype_name
 from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
 from kvj.integrations.vllm_resume import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
 from kvj.integrations.vllm_worker import (

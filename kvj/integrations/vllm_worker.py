@@ -54,7 +54,7 @@ from kvj.errors import DeviceOutOfMemory, KvjError, LayoutMismatch, SegmentCorru
 from kvj.fileio import FS
 from kvj.journal.journal import default_store_path
 from kvj.segments import device
-from kvj.segments import format as seg
+from kvj.segments import tensors as seg
 from kvj.segments import kvblock
 from kvj.segments.flusher import Flusher
 from kvj.segments.kvblock import KVBlockLayout

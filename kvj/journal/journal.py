@@ -523,7 +523,7 @@ class Journal:
         if info is not None:
             layout = info.layout
         else:
-            from kvj.segments.format import canonical_layout
+            from kvj.segments.segfile import canonical_layout
 
             layout = canonical_layout(_mapped(layout, "layout"))  # what the store will record
         # The caller's part of the record is checked here, in the caller's thread: an input error

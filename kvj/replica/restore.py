@@ -43,7 +43,7 @@ from kvj.journal.snapshot import decode_snapshot, snapshot_name
 from kvj.journal.state import JournalState
 from kvj.replica import manifest as mf
 from kvj.replica.remote import Remote
-from kvj.segments import format as seg
+from kvj.segments import segfile as seg
 
 Progress = Callable[[str, int, int], None]
 

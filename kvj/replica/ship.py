@@ -412,7 +412,7 @@ class Replicator:
         return local
 
     def _upload_segment(self, store: Any, key: str) -> Optional[int]:
-        from kvj.segments.format import check_stored
+        from kvj.segments.segfile import check_stored
 
         try:
             data = store.read_stored(key)

@@ -48,11 +48,11 @@ class VerifyReport:
 
 
 def _read_segment(remote: Remote, key: str, size: int) -> Optional[str]:
-    from kvj.segments import format as seg
+    from kvj.segments import segfile
 
     obj = mf.segment_object(key)
     try:
-        header, _ = seg.decode_into(remote.read(obj, size), name=f"{remote.url}/{obj}")
+        header, _ = segfile.decode(remote.read(obj, size), name=f"{remote.url}/{obj}")
     except FileNotFoundError:
         return f"segment {key}: missing"
     except (CorruptionError, FormatError) as exc:

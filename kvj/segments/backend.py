@@ -3,7 +3,8 @@
 The content-addressed store above (``kvj.segments.store``) decides keys, dedup and
 verification; a backend only stores and returns bytes under keys it is given, durably.
 ``LocalDirBackend`` keeps one file per segment, written temp file -> fsync -> rename ->
-fsync directory (``man/kvj-segment.5``).
+fsync directory, and packs of many segments made durable together (``packs.py``); a key
+resolves to either the same way (``man/kvj-segment.5``).
 """
 
 from __future__ import annotations
@@ -18,18 +19,16 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Set, Union
-
-import numpy as np
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
-from kvj.fileio import (FS, REAL_FS, Buffer, DurabilityError, list_dir, makedirs_durable, open_regular,
-                        rename_durable)
+from kvj.fileio import (DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, FS, REAL_FS, Buffer, DurabilityError, PathLike,
+                        list_dir, makedirs_durable, open_regular, rename_durable)
 from kvj.names import KEY_RE
-from kvj.segments.format import BytesSource, Source
+from kvj.segments.packs import PackDir, PackWriter
 
 SEGMENT_SUFFIX = ".kvjseg"
-#: The store's collection lock (see ``LocalDirBackend._collection_lock``).
+#: The store's collection lock (see ``LocalDirBackend.collection_lock``).
 GC_LOCK = "gc.lock"
 #: Collection unlinks this many files per hold of the collection lock, on this many threads.
 UNLINK_BATCH = 64
@@ -55,6 +54,57 @@ class ObjectStat:
     used: float
 
 
+class Source(ABC):
+    """A segment's stored bytes, read by offset: held in memory (:class:`BytesSource`) or read
+    from a file chunk by chunk as the decoder needs them (``StorageBackend.open``), so a load
+    neither copies the whole file into a buffer first nor waits for it before decoding."""
+
+    name: str
+    size: int
+
+    @abstractmethod
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; ``SegmentCorrupt`` if the file ends first."""
+
+    def read(self, offset: int, n: int) -> memoryview:
+        """``n`` bytes at ``offset``, in this thread's scratch buffer: valid until the thread's
+        next read."""
+        buf = _thread_buffer(n)
+        self.read_into(offset, buf)
+        return buf
+
+
+class BytesSource(Source):
+    """A whole segment file held in memory (reads are zero-copy slices)."""
+
+    def __init__(self, data: Buffer, name: str = "<segment>"):
+        self.view = memoryview(data).cast("B")
+        self.name, self.size = name, len(self.view)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        if offset + len(out) > self.size:
+            raise SegmentCorrupt(self.name, offset, "segment ends inside a chunk")
+        out[:] = self.view[offset:offset + len(out)]
+
+    def read(self, offset: int, n: int) -> memoryview:
+        if offset + n > self.size:
+            raise SegmentCorrupt(self.name, offset, "segment ends inside a chunk")
+        return self.view[offset:offset + n]
+
+
+_local = threading.local()
+
+
+def _thread_buffer(n: int) -> memoryview:
+    """This thread's reusable read buffer, at least ``n`` bytes (reused, so no page faults)."""
+    import numpy as np  # here, not at the top: listing and stat-ing a store needs none
+
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = np.empty(max(n, 1 << 20), np.uint8)
+    return memoryview(buf)[:n]
+
+
 class Upload(ABC):
     """One segment being written: ``write`` parts, then ``commit`` it under its key (or ``abort``).
 
@@ -73,12 +123,67 @@ class Upload(ABC):
         """Drop what was written (best effort, never raises)."""
 
 
+class ManyUpload(ABC):
+    """Several segments written together: ``add`` each (its key and its bytes), then
+    ``commit`` them all, durable when it returns (or ``abort``)."""
+
+    @abstractmethod
+    def add(self, key: str, parts: Iterable[Buffer]) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> object:
+        """Make every object added durable."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was written (best effort, never raises)."""
+
+
+ManyUpload.register(PackWriter)
+
+
+class _EachOnItsOwn(ManyUpload):
+    """``begin_many`` of a backend without packs: one upload per object, committed in turn."""
+
+    def __init__(self, backend: "StorageBackend"):
+        self.backend = backend
+        self.uploads: List[tuple] = []
+
+    def add(self, key: str, parts: Iterable[Buffer]) -> None:
+        upload = self.backend.begin()
+        self.uploads.append((upload, key))
+        for part in parts:
+            upload.write(part)
+
+    def commit(self) -> None:
+        for upload, key in self.uploads:
+            upload.commit(key)
+
+    def abort(self) -> None:
+        for upload, _key in self.uploads:
+            upload.abort()
+
+
 class StorageBackend(ABC):
     """Where segment bytes live. Keys reaching a backend are already validated."""
 
     @abstractmethod
     def begin(self) -> Upload:
         """Start writing a new object."""
+
+    def begin_many(self) -> ManyUpload:
+        """Start writing several objects to be made durable together (this default writes
+        each as :meth:`begin` does; a file backend writes one pack)."""
+        return _EachOnItsOwn(self)
+
+    def exists_many(self, keys: Iterable[str]) -> Set[str]:
+        """Which of ``keys`` are stored."""
+        return {key for key in keys if self.exists(key)}
+
+    def io_counts(self) -> Dict[str, int]:
+        """What this backend has asked of the disk: ``file_syncs`` (fsync and fdatasync),
+        ``dir_syncs`` and ``bytes_written`` (empty for a backend that does not count)."""
+        return {}
 
     @abstractmethod
     def get(self, key: str) -> Buffer:
@@ -152,13 +257,68 @@ def _read_into(fd: int, out: memoryview, offset: int, path: str) -> None:
 
 
 class _FileSource(Source):
-    """A segment file read by offset (thread-safe: ``pread``); reads are errors, never SIGBUS."""
+    """A segment file, or a member of a pack from ``base``, read by offset (thread-safe:
+    ``pread``); reads are errors, never SIGBUS."""
 
-    def __init__(self, fd: int, size: int, path: str):
-        self.fd, self.size, self.name = fd, size, path
+    def __init__(self, fd: int, size: int, path: str, base: int = 0):
+        self.fd, self.size, self.name, self.base = fd, size, path, base
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        _read_into(self.fd, out, offset, self.name)
+        if offset + len(out) > self.size:
+            raise SegmentCorrupt(self.name, offset, "segment ends inside a chunk")
+        _read_into(self.fd, out, self.base + offset, self.name)
+
+
+class _CountedFS(FS):
+    """A backend's file layer: ``inner``'s operations, counted (the benchmark's fsyncs per
+    step and bytes written)."""
+
+    def __init__(self, inner: FS):
+        self.inner = inner
+        self._lock = threading.Lock()
+        self.counts = {"file_syncs": 0, "dir_syncs": 0, "bytes_written": 0}
+
+    def _add(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[what] += n
+
+    def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
+        return self.inner.open(path, flags, mode)
+
+    def write(self, fd: int, data: Buffer) -> None:
+        self.inner.write(fd, data)
+        self._add("bytes_written", len(memoryview(data).cast("B")))
+
+    def writev(self, fd: int, parts: "list[Buffer]") -> None:
+        for part in parts:
+            self.write(fd, part)
+
+    def fsync(self, fd: int) -> None:
+        self.inner.fsync(fd)
+        self._add("file_syncs")
+
+    def fdatasync(self, fd: int) -> None:
+        self.inner.fdatasync(fd)
+        self._add("file_syncs")
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        self.inner.ftruncate(fd, length)
+
+    def close(self, fd: int) -> None:
+        self.inner.close(fd)
+
+    def rename(self, src: PathLike, dst: PathLike) -> None:
+        self.inner.rename(src, dst)
+
+    def unlink(self, path: PathLike) -> None:
+        self.inner.unlink(path)
+
+    def mkdir(self, path: PathLike, mode: int = DEFAULT_DIR_MODE) -> None:
+        self.inner.mkdir(path, mode)
+
+    def fsync_dir(self, path: PathLike) -> None:
+        self.inner.fsync_dir(path)
+        self._add("dir_syncs")
 
 
 class _LocalUpload(Upload):
@@ -169,19 +329,11 @@ class _LocalUpload(Upload):
 
     def __init__(self, backend: "LocalDirBackend"):
         self.backend = backend
-        self.fs = backend.fs
+        self.fs = backend.counted_fs
         self.size = 0
         self.unsynced = 0
-        while True:
-            self.tmp = os.path.join(backend.tmp_dir, f"{os.getpid()}.{secrets.token_hex(6)}.tmp")
-            self.fd: Optional[int] = self.fs.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-            # The lock says "a live writer owns this file" (across PID namespaces too). A
-            # cleaner that locked and unlinked the file before this lock was taken has taken
-            # the name away: start over with a new one.
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-            if _same_file(self.tmp, self.fd):
-                return
-            self.fs.close(self.fd)
+        self.tmp, fd = backend.new_temp()
+        self.fd: Optional[int] = fd
 
     def _failed(self, exc: OSError, what: str) -> DurabilityError:
         self.abort()
@@ -230,7 +382,8 @@ class _LocalUpload(Upload):
 
 
 class LocalDirBackend(StorageBackend):
-    """One file per segment under ``root/objects/<k[:2]>/<key>.kvjseg``.
+    """Segment files under ``root/objects/<k[:2]>/<key>.kvjseg`` and packs of them under
+    ``root/packs/`` (``packs.py``); a key resolves to its loose file first, then to a pack.
 
     New files are written in ``root/tmp/<pid>.<random>.tmp`` (flocked by their writer while it
     writes), fsynced, renamed into place and the target directory fsynced. Quarantined files
@@ -242,28 +395,61 @@ class LocalDirBackend(StorageBackend):
     def __init__(self, root: Union[str, os.PathLike], fs: FS = REAL_FS):
         self.root = os.path.abspath(os.fspath(root))
         self.fs = fs
+        #: Every operation of this backend goes through it (counted: ``io_counts``).
+        self.counted_fs = _CountedFS(fs)
         self.objects = os.path.join(self.root, "objects")
         self.tmp_dir = os.path.join(self.root, "tmp")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
+        self.packs = PackDir(self)
         self._writing = False
         self._writing_lock = threading.Lock()
 
     def path(self, key: str) -> str:
+        """Where ``key``'s loose file is (or would be)."""
         return os.path.join(self.objects, key[:2], key + SEGMENT_SUFFIX)
 
     def describe(self, key: str) -> str:
+        if not os.path.lexists(self.path(key)):
+            hit = self.packs.locate(key)
+            if hit is not None:
+                return f"{hit[0].path}@{hit[1].offset}"
         return self.path(key)
 
-    def begin(self) -> Upload:
+    def io_counts(self) -> Dict[str, int]:
+        return dict(self.counted_fs.counts)
+
+    def _start_writing(self) -> None:
         with self._writing_lock:
             if not self._writing:
-                makedirs_durable(self.tmp_dir, self.fs)
+                makedirs_durable(self.tmp_dir, self.counted_fs)
                 self.clean_temps()
                 self._writing = True
+
+    def begin(self) -> Upload:
+        self._start_writing()
         return _LocalUpload(self)
 
+    def begin_many(self) -> ManyUpload:
+        """One pack for all the segments added (``packs.PackWriter``)."""
+        self._start_writing()
+        return self.packs.begin()
+
+    def new_temp(self) -> Tuple[str, int]:
+        """A new temp file in ``tmp/``, open for writing and flocked; (its path, its descriptor)."""
+        fs = self.counted_fs
+        while True:
+            tmp = os.path.join(self.tmp_dir, f"{os.getpid()}.{secrets.token_hex(6)}.tmp")
+            fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            # The lock says "a live writer owns this file" (across PID namespaces too). A
+            # cleaner that locked and unlinked the file before this lock was taken has taken
+            # the name away: start over with a new one.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(tmp, fd):
+                return tmp, fd
+            fs.close(fd)
+
     def clean_temps(self) -> int:
-        """Remove temp files that no writer holds; returns how many.
+        """Remove temp files that no writer holds (a torn pack among them); returns how many.
 
         A writer holds an flock on its temp file until it renames or removes it, and the kernel
         drops the lock when the writer dies, so "not locked" means "abandoned" whatever PID
@@ -289,7 +475,7 @@ class LocalDirBackend(StorageBackend):
                 continue
             try:
                 if _same_file(path, fd):
-                    self.fs.unlink(path)
+                    self.counted_fs.unlink(path)
                     removed += 1
             except FileNotFoundError:
                 pass
@@ -298,61 +484,92 @@ class LocalDirBackend(StorageBackend):
         return removed
 
     def _missing(self, key: str) -> SegmentMissing:
-        return SegmentMissing(f"segment {key} not in store ({self.path(key)})")
+        damaged = self.packs.damaged
+        note = f"; {len(damaged)} damaged pack(s) whose members cannot be listed: " + \
+            ", ".join(f"{p} ({why})" for p, why in sorted(damaged.items())) if damaged else ""
+        return SegmentMissing(f"segment {key} not in store ({self.path(key)}){note}")
 
     @contextmanager
-    def _open(self, key: str) -> Iterator[int]:
+    def _open(self, key: str) -> Iterator[Tuple[int, int, int, str]]:
+        """(descriptor, offset, length, path) of ``key``'s bytes: its loose file, else its pack."""
         try:
             fd = open_regular(self.path(key))
         except FileNotFoundError:
-            raise self._missing(key) from None
+            fd = None
         except UnsafePath as exc:  # a link, FIFO or device where a segment should be: a damaged segment
             raise SegmentCorrupt(self.path(key), None, str(exc)) from None
+        if fd is not None:
+            try:
+                yield fd, 0, os.fstat(fd).st_size, self.path(key)
+            finally:
+                os.close(fd)
+            return
         try:
-            yield fd
-        finally:
-            os.close(fd)
+            with self.packs.open(key) as (pack_fd, member, path):
+                yield pack_fd, member.offset, member.length, f"{path}@{member.offset}"
+        except SegmentMissing:
+            raise self._missing(key) from None
 
     @contextmanager
     def open(self, key: str) -> Iterator[Source]:
-        """The file, read chunk by chunk by whoever decodes it (one descriptor, ``pread``)."""
-        with self._open(key) as fd:
-            yield _FileSource(fd, os.fstat(fd).st_size, self.path(key))
+        """The file (or pack member), read chunk by chunk by whoever decodes it (``pread``)."""
+        with self._open(key) as (fd, base, size, name):
+            yield _FileSource(fd, size, name, base)
 
     def get(self, key: str) -> Buffer:
-        """All bytes of the file, read into memory.
+        """All bytes of the segment, read into memory.
 
         Not memory-mapped: through a map, a media error or a file truncated under the reader
         is a SIGBUS that kills the process; read, either is a ``SegmentCorrupt`` naming the file.
         """
-        with self._open(key) as fd:
-            size = os.fstat(fd).st_size
+        import numpy as np
+
+        with self._open(key) as (fd, base, size, name):
             data = memoryview(np.empty(size, np.uint8)) if size else memoryview(b"")
-            _read_into(fd, data, 0, self.path(key))
+            _read_into(fd, data, base, name)
             return data
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        with self._open(key) as fd:
+        with self._open(key) as (fd, base, size, name):
+            length = max(0, min(length, size - offset))
             try:
-                return os.pread(fd, length, offset)
+                return os.pread(fd, length, base + offset)
             except OSError as exc:
-                raise SegmentCorrupt(self.path(key), offset, f"read failed: {exc.strerror or exc}") from None
+                raise SegmentCorrupt(name, offset, f"read failed: {exc.strerror or exc}") from None
 
     def stat(self, key: str) -> ObjectStat:
         try:
             st = os.stat(self.path(key), follow_symlinks=False)
         except FileNotFoundError:
-            raise self._missing(key) from None
-        return ObjectStat(st.st_size, st.st_mtime)
+            pass
+        else:
+            return ObjectStat(st.st_size, st.st_mtime)
+        for _ in range(3):
+            hit = self.packs.locate(key)
+            if hit is None:
+                break
+            try:
+                return ObjectStat(hit[1].length, os.stat(hit[0].path, follow_symlinks=False).st_mtime)
+            except FileNotFoundError:
+                self.packs.forget(hit[0].name)
+        raise self._missing(key)
 
-    def exists(self, key: str) -> bool:
+    def _is_loose(self, key: str) -> bool:
         try:
             return stat.S_ISREG(os.stat(self.path(key), follow_symlinks=False).st_mode)
         except FileNotFoundError:
             return False
 
+    def exists(self, key: str) -> bool:
+        return self._is_loose(key) or self.packs.locate(key) is not None
+
+    def exists_many(self, keys: Iterable[str]) -> Set[str]:
+        keys = set(keys)
+        loose = {key for key in keys if self._is_loose(key)}
+        return loose | self.packs.holding(keys - loose)
+
     @contextmanager
-    def _collection_lock(self, exclusive: bool) -> Iterator[None]:
+    def collection_lock(self, exclusive: bool) -> Iterator[None]:
         """``flock`` on ``root/gc.lock``: shared for a dedup hit's touch, exclusive for a
         collector's age check and unlink, so neither can fall between the other's steps.
         Each use opens its own descriptor, so threads and stores in one process exclude
@@ -368,37 +585,49 @@ class LocalDirBackend(StorageBackend):
         return bool(self.delete_many([key], older_than))
 
     def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None) -> List[str]:
-        """Unlink the keys, then fsync each directory that lost a file once.
+        """Remove every copy of the keys (loose files unlinked, packed members named dead),
+        then make it durable: each directory that lost a file fsynced once, each dead list
+        fdatasynced once; packs left with no live member are unlinked and mostly dead ones
+        repacked. A key counts as removed when no copy of it is left.
 
         Unlinks run on a few threads (an unlink that frees blocks takes ~1 ms on a busy disk and
         they overlap), ``UNLINK_BATCH`` keys per hold of the collection lock, so a writer's
         dedup touch waits for at most one batch.
         """
         keys = list(keys)
-        gone: List[bool] = []
+        loose: List[str] = []
+        packed: Set[str] = set()
+        kept: Set[str] = set()
+        grew: Set[str] = set()
         with ThreadPoolExecutor(max_workers=max(1, min(UNLINK_THREADS, len(keys)))) as pool:
             for start in range(0, len(keys), UNLINK_BATCH):
                 batch = keys[start:start + UNLINK_BATCH]
-                with self._collection_lock(exclusive=True):
-                    gone += pool.map(lambda key: self._unlink(key, older_than), batch)
-        removed = [key for key, ok in zip(keys, gone) if ok]
-        for directory in sorted({os.path.dirname(self.path(key)) for key in removed}):
-            self.fs.fsync_dir(directory)
-        return removed
+                with self.collection_lock(exclusive=True):
+                    fates = list(pool.map(lambda key: self._unlink(key, older_than), batch))
+                    dead, young, packs = self.packs.mark_dead(batch, older_than)
+                loose += [key for key, fate in zip(batch, fates) if fate == "removed"]
+                kept |= {key for key, fate in zip(batch, fates) if fate == "kept"} | young
+                packed |= dead
+                grew |= packs
+        for directory in sorted({os.path.dirname(self.path(key)) for key in loose}):
+            self.counted_fs.fsync_dir(directory)
+        self.packs.finish(grew)
+        gone = set(loose) | packed
+        return [key for key in dict.fromkeys(keys) if key in gone and key not in kept]
 
-    def _unlink(self, key: str, older_than: Optional[float]) -> bool:
-        """Unlink one key's file, unless it was used after ``older_than``; the caller holds the
-        collection lock."""
+    def _unlink(self, key: str, older_than: Optional[float]) -> str:
+        """Unlink one key's loose file unless it was used after ``older_than`` (the caller holds
+        the collection lock): "removed", "kept" or "absent"."""
         path = self.path(key)
         try:
             if older_than is not None and os.stat(path, follow_symlinks=False).st_mtime > older_than:
-                return False
-            self.fs.unlink(path)
+                return "kept"
+            self.counted_fs.unlink(path)
         except FileNotFoundError:
-            return False
-        return True
+            return "absent"
+        return "removed"
 
-    def keys(self) -> Iterator[str]:
+    def _loose_keys(self) -> Iterator[str]:
         try:
             fans = sorted(os.listdir(self.objects))
         except FileNotFoundError:
@@ -415,24 +644,37 @@ class LocalDirBackend(StorageBackend):
                 if name.endswith(SEGMENT_SUFFIX) and KEY_RE.fullmatch(key) and key[:2] == fan:
                     yield key
 
+    def keys(self) -> Iterator[str]:
+        """Every key once: the loose ones in order, then those only in packs, in order."""
+        loose = set()
+        for key in self._loose_keys():
+            loose.add(key)
+            yield key
+        yield from sorted(self.packs.live_keys() - loose)
+
     def touch(self, key: str) -> bool:
         path = self.path(key)
-        if not os.path.lexists(path):
-            return False
-        with self._collection_lock(exclusive=False):
-            try:
-                os.utime(path, follow_symlinks=False)
-            except FileNotFoundError:
-                return False
-        return True
+        with self.collection_lock(exclusive=False):
+            if os.path.lexists(path):
+                try:
+                    os.utime(path, follow_symlinks=False)
+                    return True
+                except FileNotFoundError:
+                    pass
+            return self.packs.touch(key)
 
     def quarantine(self, key: str) -> str:
-        makedirs_durable(self.quarantine_dir, self.fs)
+        makedirs_durable(self.quarantine_dir, self.counted_fs)
         src = self.path(key)
         dst = os.path.join(self.quarantine_dir, f"{key}.{time.time_ns()}{SEGMENT_SUFFIX}")
         try:
-            rename_durable(src, dst, self.fs)
+            rename_durable(src, dst, self.counted_fs)
+            return dst
         except FileNotFoundError:
+            pass
+        try:
+            self.packs.quarantine(key, dst)  # a member: its bytes set aside, the others kept
+        except SegmentMissing:
             raise SegmentMissing(f"segment {key} not in store ({src})") from None
         return dst
 

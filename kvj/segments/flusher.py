@@ -13,19 +13,22 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kvj.errors import JournalClosed
+from kvj.errors import InvalidArgument, JournalClosed
 from kvj.segments import device
 from kvj.segments.codecs import Codec
 from kvj.segments.codecs.auto import Backpressure
-from kvj.segments.format import copy_into, dtype_name
+from kvj.segments.tensors import copy_into, dtype_name
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentInfo, SegmentStore
 
 OnDurable = Callable[[SegmentInfo], None]
+OnDurableMany = Callable[[List[SegmentInfo]], None]
+#: Blocks copied into one staging buffer start at multiples of this (any dtype may view them).
+_ALIGN = 64
 
 
 class Flusher:
@@ -86,6 +89,74 @@ class Flusher:
             self._update_pressure()
         meta = (tensor.dtype, tuple(tensor.shape), layout, codec or self.codec)
         future = self._pool.submit(self._work, buf, nbytes, event, meta, on_durable)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def submit_many(self, blocks: Union[torch.Tensor, Sequence[torch.Tensor]],
+                    layouts: Sequence[Optional[Dict[str, Any]]], on_durable: Optional[OnDurableMany] = None,
+                    codec: Optional[Union[str, Codec]] = None,
+                    ready: Optional[Any] = None) -> "Future[List[SegmentInfo]]":
+        """Store several blocks as one job: one pack, so one fdatasync and one directory fsync
+        cover them all (``SegmentStore.put_many``); ``on_durable(infos)`` runs once every one is
+        durable, and the future gives the infos, in order.
+
+        ``blocks`` is a sequence of tensors, each copied into staging as :meth:`submit` does
+        (the caller may modify them once this returns), or one contiguous host tensor whose
+        first dimension indexes the blocks (block ``i`` is ``blocks[i]``): a step's blocks
+        brought to the host by one copy. That buffer is read where it is, by the worker, after
+        ``ready`` (the event of the copy filling it) has completed when given: keep it
+        unchanged until the future is done. ``layouts`` has one entry per block. Raises as
+        :meth:`submit`.
+        """
+        with self._lock:
+            if self._closed:
+                raise JournalClosed("submit_many() on a closed Flusher")
+            if self._error is not None:
+                raise self._error
+        buf: Optional[torch.Tensor] = None
+        events: List[Any] = []
+        if isinstance(blocks, torch.Tensor):
+            if blocks.dim() == 0 or device.CUDA.is_device_tensor(blocks) or not blocks.is_contiguous():
+                raise InvalidArgument("submit_many takes one contiguous host tensor of blocks, or a sequence "
+                                      "of tensors")
+            dtype_name(blocks.dtype)
+            n, size = blocks.shape[0], blocks[0].numel() * blocks.element_size() if blocks.shape[0] else 0
+            source = blocks.reshape(-1).view(torch.uint8) if blocks.numel() else torch.empty(0, dtype=torch.uint8)
+            spans = [(i * size, size) for i in range(n)]
+            kinds = [(blocks.dtype, tuple(blocks.shape[1:]))] * n
+            events = [ready] if ready is not None else []
+        else:
+            tensors = list(blocks)
+            if ready is not None:
+                raise InvalidArgument("ready is the copy event of one host buffer of blocks")
+            for t in tensors:
+                dtype_name(t.dtype)
+            spans, end = [], 0
+            for t in tensors:
+                spans.append((end, t.numel() * t.element_size()))
+                end += -(-spans[-1][1] // _ALIGN) * _ALIGN  # every block starts aligned for its dtype
+            kinds = [(t.dtype, tuple(t.shape)) for t in tensors]
+            buf = source = self.staging.acquire(end, pinned=any(device.CUDA.is_device_tensor(t) for t in tensors))
+            try:
+                for t, (off, nbytes) in zip(tensors, spans):
+                    event = self._copy_in(t, buf[off:off + nbytes], device.CUDA.is_device_tensor(t))
+                    if event is not None:
+                        events.append(event)
+            except BaseException:
+                self.staging.release(buf)  # a failed download has settled its stream first
+                raise
+        layouts = list(layouts)
+        if len(layouts) != len(spans):
+            if buf is not None:
+                self.staging.release(buf, reuse=not events)
+            raise InvalidArgument(f"{len(spans)} blocks but {len(layouts)} layouts")
+        with self._lock:
+            self._pending += 1
+            self._update_pressure()
+        job = (buf, source, spans, kinds, layouts, events, codec or self.codec)
+        future = self._pool.submit(self._work_many, job, on_durable)
         with self._lock:
             self._futures.add(future)
         future.add_done_callback(self._forget)
@@ -157,6 +228,35 @@ class Flusher:
             raise
         finally:
             self.staging.release(buf, reuse=landed)  # a copy that may still run keeps its buffer
+            with self._lock:
+                self._pending -= 1
+                self._update_pressure()
+
+    def _work_many(self, job: Tuple[Any, ...], on_durable: Optional[OnDurableMany]) -> List[SegmentInfo]:
+        buf, source, spans, kinds, layouts, events, codec = job
+        landed = not events
+        try:
+            for event in events:
+                device.CUDA.wait(event)
+            landed = True
+            items = [(memoryview(source[off:off + n].numpy()).cast("B") if n else memoryview(b""), dtype, shape, layout)
+                     for (off, n), (dtype, shape), layout in zip(spans, kinds, layouts)]
+            timings: Dict[str, float] = {}
+            infos = self.store.put_many(items, codec=codec, pressure=self.pressure.level, timings=timings)
+            with self._lock:
+                self._observe(timings)
+            if on_durable is not None:
+                on_durable(infos)
+            return infos
+        except BaseException as exc:
+            if isinstance(exc, OSError):  # a failed write or fsync is final; a refused input is not
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
+            raise
+        finally:
+            if buf is not None:
+                self.staging.release(buf, reuse=landed)  # a copy that may still run keeps its buffer
             with self._lock:
                 self._pending -= 1
                 self._update_pressure()

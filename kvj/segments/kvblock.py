@@ -36,7 +36,7 @@ import torch
 
 from kvj.errors import InvalidArgument, LayoutMismatch
 from kvj.segments import device as cuda
-from kvj.segments.format import dtype_name
+from kvj.segments.tensors import dtype_name
 
 #: Layout ``format`` of a KV block segment written now.
 FORMAT = "kvj-kv-block/2"

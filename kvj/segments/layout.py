@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable, List, Optional
 
 from kvj.errors import LayoutMismatch
-from kvj.segments.format import Layout, canonical_layout
+from kvj.segments.segfile import Layout, canonical_layout
 
 _ABSENT = object()
 

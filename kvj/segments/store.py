@@ -1,10 +1,11 @@
 """Content-addressed segment store: durable puts, verified gets, behind a small backend.
 
-A segment's key is the lowercase hex BLAKE3 tree digest defined in ``segment.py`` (raw bytes,
+A segment's key is the lowercase hex BLAKE3 tree digest defined in ``segfile.py`` (raw bytes,
 dtype, shape and layout), so identical blocks are stored once and a key can only ever name the
 bytes it was computed from. Keys are validated before they touch a path. The bytes live
 behind :class:`StorageBackend`; :class:`LocalDirBackend` (the default) keeps one file per
-segment, written temp file -> fsync -> rename -> fsync directory (``man/kvj-segment.5``).
+segment, written temp file -> fsync -> rename -> fsync directory, and ``put_many`` writes
+many into one pack made durable by one fdatasync and one directory fsync (``man/kvj-segment.5``).
 """
 
 from __future__ import annotations
@@ -12,22 +13,25 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from kvj.errors import FormatError, InvalidArgument, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
 from kvj.names import check_key
-from kvj.segments import device as cuda
-from kvj.segments import format as seg
+from kvj.segments import segfile as seg
 from kvj.segments.backend import LocalDirBackend, ObjectStat, StorageBackend, Upload
-from kvj.segments.codecs import Codec
-from kvj.segments.codecs.auto import AutoChoices, Backpressure
+from kvj.segments.codecs import auto
+from kvj.segments.codecs.base import Backpressure, Codec
 from kvj.segments.layout import check_layout
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so header-only users start without it
+    import torch
+
+#: One segment for ``put_many``: (C-order bytes, dtype or its header name, shape, layout).
+Item = Tuple[Buffer, Union[str, "torch.dtype"], Sequence[int], Optional[Dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,15 @@ class SegmentInfo:
         return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "codec": self.codec,
                 "raw_size": self.raw_size, "stored_size": self.stored_size, "digest": self.digest,
                 "layout": self.layout}
+
+
+def _dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
+    """The header name of ``dtype``; torch is imported only for a torch dtype."""
+    if isinstance(dtype, str):
+        return seg.element(dtype).name
+    from kvj.segments import tensors
+
+    return tensors.dtype_name(dtype)
 
 
 def _timed_parts(parts: Iterator[Buffer], waited: List[float]) -> Iterator[Buffer]:
@@ -97,7 +110,10 @@ class SegmentStore:
         self._failed: Optional[BaseException] = None
         #: Puts answered by a stored copy (nothing written).
         self.dedup_hits = 0
-        self._auto = AutoChoices()
+        self._auto = auto.AutoChoices()
+        #: Keys a ``put_many`` of this store is writing now -> set once that put is over.
+        self._in_flight: Dict[str, threading.Event] = {}
+        self._in_flight_lock = threading.Lock()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -111,13 +127,15 @@ class SegmentStore:
     def _key_lock(self, key: str) -> threading.Lock:
         return self._locks[int(key[:2], 16) % len(self._locks)]
 
-    def key_for(self, tensor: torch.Tensor, layout: Optional[Dict[str, Any]] = None) -> str:
+    def key_for(self, tensor: "torch.Tensor", layout: Optional[Dict[str, Any]] = None) -> str:
         """The key ``put`` would give ``tensor`` (a CPU tensor) under ``layout``."""
-        raw = seg.tensor_bytes(tensor)
-        return seg.compute_digest(raw, seg.dtype_name(tensor.dtype), tensor.shape,
+        from kvj.segments import tensors
+
+        raw = tensors.tensor_bytes(tensor)
+        return seg.compute_digest(raw, tensors.dtype_name(tensor.dtype), tensor.shape,
                                   seg.canonical_layout(layout), self.pool).hex()
 
-    def put(self, tensor: torch.Tensor, *, layout: Optional[Dict[str, Any]] = None,
+    def put(self, tensor: "torch.Tensor", *, layout: Optional[Dict[str, Any]] = None,
             codec: Union[str, Codec] = "auto", pressure: int = Backpressure.NORMAL) -> SegmentInfo:
         """Store a CPU tensor; durable when this returns.
 
@@ -125,16 +143,19 @@ class SegmentStore:
         (a stored block is never rewritten); a damaged copy is quarantined and written anew.
         After a failed write or fsync the store refuses further puts (fsync is never retried).
         """
+        from kvj.segments import tensors
+
         if tensor.device.type != "cpu":
             raise InvalidArgument("SegmentStore.put takes CPU tensors; use Flusher for device tensors")
-        return self.put_bytes(seg.tensor_bytes(tensor), dtype=tensor.dtype, shape=tuple(tensor.shape),
+        return self.put_bytes(tensors.tensor_bytes(tensor), dtype=tensor.dtype, shape=tuple(tensor.shape),
                               layout=layout, codec=codec, pressure=pressure)
 
-    def put_bytes(self, raw: memoryview, *, dtype: torch.dtype, shape: Tuple[int, ...],
+    def put_bytes(self, raw: memoryview, *, dtype: Union[str, "torch.dtype"], shape: Tuple[int, ...],
                   layout: Optional[Dict[str, Any]] = None, codec: Union[str, Codec] = "auto",
                   pressure: int = Backpressure.NORMAL,
                   timings: Optional[Dict[str, float]] = None) -> SegmentInfo:
-        """``put`` for the C-order bytes of a tensor (the flusher's staging buffers).
+        """``put`` for the C-order bytes of a tensor (the flusher's staging buffers) of ``dtype``
+        (a torch dtype or its header name).
 
         ``timings``, when given, receives the seconds spent waiting for ``compression`` (and
         hashing) and the rest, ``io``: the flusher uses them to tell a CPU-bound queue (step
@@ -142,9 +163,9 @@ class SegmentStore:
         """
         self._check_alive()
         layout = seg.canonical_layout(layout)
-        name = seg.dtype_name(dtype)
-        if codec == "auto":
-            codec = self._auto.choose(raw, seg.word_size(dtype), seg.is_float(dtype), pressure, (name, shape))
+        name = _dtype_name(dtype)
+        shape = tuple(int(d) for d in shape)
+        pipeline = auto.choose(raw, seg.element(name), shape, codec=codec, pressure=pressure, memo=self._auto)
         waited = [0.0]
         t0 = time.perf_counter()
         if len(raw) <= self.HASH_FIRST_BYTES:
@@ -153,14 +174,14 @@ class SegmentStore:
             with self._key_lock(key):
                 info = self._existing(key)
                 if info is None:
-                    enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=bytes.fromhex(key),
-                                     codec=codec, pool=self.pool, pressure=pressure)
+                    enc = seg.encode(raw, dtype=name, shape=shape, layout=layout, digest=bytes.fromhex(key),
+                                     pipeline=pipeline, pool=self.pool)
                     self._commit(self._write(_timed_parts(enc.parts(), waited)), key)
                     info = SegmentInfo.from_header(enc.header)
         else:
             # Large: hash while compressing and writing; the key is known at the end.
-            enc = seg.encode(raw, dtype=dtype, shape=shape, layout=layout, digest=None,
-                             codec=codec, pool=self.pool, pressure=pressure)
+            enc = seg.encode(raw, dtype=name, shape=shape, layout=layout, digest=None,
+                             pipeline=pipeline, pool=self.pool)
             upload = self._write(_timed_parts(enc.parts(), waited))
             key = enc.header.digest.hex()
             with self._key_lock(key):
@@ -174,6 +195,112 @@ class SegmentStore:
             total = time.perf_counter() - t0
             timings.update(compression=waited[0], io=max(0.0, total - waited[0]))
         return info
+
+    def put_many(self, items: Sequence[Item], *, codec: Union[str, Codec] = "auto",
+                 pressure: int = Backpressure.NORMAL,
+                 timings: Optional[Dict[str, float]] = None) -> List[SegmentInfo]:
+        """Store several tensors' bytes as segments made durable together; their infos, in order.
+
+        Each item is (C-order bytes, dtype (torch or header name), shape, layout). Each member
+        is encoded, keyed and checked exactly as by :meth:`put_bytes` (every item is hashed
+        first); members already stored are dedup hits (claimed, not written again), a member
+        repeated within ``items`` is written once, and the new ones go into one pack: one file,
+        one fdatasync, one directory fsync (kvj-segment(5), PACKS). Durable when this returns;
+        on an error none of the new members may be relied on. Items are encoded in parallel
+        on the store's pool. ``timings`` as for :meth:`put_bytes`.
+        """
+        self._check_alive()
+        t0 = time.perf_counter()
+        jobs = []
+        for raw, dtype, shape, layout in items:
+            raw = memoryview(raw).cast("B")
+            name, shape = _dtype_name(dtype), tuple(int(d) for d in shape)
+            pipeline = auto.choose(raw, seg.element(name), shape, codec=codec, pressure=pressure, memo=self._auto)
+            jobs.append((raw, name, shape, seg.canonical_layout(layout), pipeline))
+        keys = list(self.pool.map(lambda job: seg.compute_digest(job[0], job[1], job[2], job[3]).hex(), jobs))
+        found: Dict[str, SegmentInfo] = {}
+        for key in sorted(self.backend.exists_many(keys)):
+            with self._key_lock(key):
+                info = self._existing(key)
+            if info is not None:
+                found[key] = info
+        new = {key: job for key, job in zip(keys, jobs) if key not in found}
+        mine, theirs = self._claim(new)
+        waited = 0.0
+        try:
+            if mine:
+                waited = self._write_pack(mine, found)
+        finally:
+            self._release(mine)
+        for key, done in theirs.items():  # written by a concurrent put_many: a dedup hit once it is durable
+            done.wait()
+            with self._key_lock(key):
+                info = self._existing(key)
+            if info is None:  # that put failed: store this one on its own
+                raw, name, shape, layout, pipeline = new[key]
+                info = self.put_bytes(raw, dtype=name, shape=shape, layout=layout, codec=pipeline.codec,
+                                      pressure=pressure)
+            found[key] = info
+        if timings is not None:
+            total = time.perf_counter() - t0
+            timings.update(compression=waited, io=max(0.0, total - waited))
+        return [found[key] for key in keys]
+
+    def _claim(self, new: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, threading.Event]]:
+        """Split ``new`` into the keys this call writes (claimed) and those a concurrent
+        ``put_many`` of this store is writing already (with the event it sets when done), so
+        that blocks shared by concurrent steps are written once."""
+        mine: Dict[str, Any] = {}
+        theirs: Dict[str, threading.Event] = {}
+        with self._in_flight_lock:
+            for key, job in new.items():
+                if key in self._in_flight:
+                    theirs[key] = self._in_flight[key]
+                else:
+                    self._in_flight[key] = threading.Event()
+                    mine[key] = job
+        return mine, theirs
+
+    def _release(self, mine: Dict[str, Any]) -> None:
+        with self._in_flight_lock:
+            for key in mine:
+                self._in_flight.pop(key).set()
+
+    def _write_pack(self, new: Dict[str, Any], found: Dict[str, "SegmentInfo"]) -> float:
+        """Encode ``new`` (key -> job) in parallel and write it as one pack, durable on return;
+        the seconds spent waiting for the encoding."""
+        waited = 0.0
+        with self._failing():
+            upload = self.backend.begin_many()
+        futures = [self.pool.submit(self._encode_whole, job, key) for key, job in new.items()]
+        try:
+            with self._failing(upload):
+                for key, fut in zip(new, futures):
+                    t = time.perf_counter()
+                    parts, header = fut.result()
+                    waited += time.perf_counter() - t
+                    upload.add(key, parts)
+                    found[key] = SegmentInfo.from_header(header)
+                upload.commit()
+        finally:
+            for fut in futures:
+                fut.cancel()
+            wait(futures)  # none still reads a caller's buffer once this returns
+        return waited
+
+    @staticmethod
+    def _encode_whole(job: Tuple[memoryview, str, Tuple[int, ...], Any, Any],
+                      key: str) -> Tuple[List[Buffer], seg.Header]:
+        """One segment's file bytes and header (a pool task: its chunks are encoded in turn)."""
+        raw, name, shape, layout, pipeline = job
+        enc = seg.encode(raw, dtype=name, shape=shape, layout=layout, digest=bytes.fromhex(key), pipeline=pipeline)
+        parts = list(enc.parts())
+        assert enc.header is not None
+        return parts, enc.header
+
+    def io_counts(self) -> Dict[str, int]:
+        """The backend's disk work so far: ``file_syncs``, ``dir_syncs``, ``bytes_written``."""
+        return self.backend.io_counts()
 
     def _existing(self, key: str) -> Optional[SegmentInfo]:
         """The stored copy of ``key`` if it checks out, claimed against collection; else None.
@@ -242,7 +369,7 @@ class SegmentStore:
         check_key(key)
         self._check_alive()
         name = f"ingested segment {key}"
-        header, _ = seg.decode_into(data, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
+        header, _ = seg.decode(data, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
         with self._key_lock(key):
@@ -255,7 +382,7 @@ class SegmentStore:
     def read_stored(self, key: str) -> Buffer:
         """A segment's stored bytes, as they are on disk (what a replica ships per key, and
         :meth:`ingest_stored` takes on another node). Nothing is checked here: use
-        ``format.check_stored`` (cheap) before shipping them as good."""
+        ``segfile.check_stored`` (cheap) before shipping them as good."""
         return self.backend.get(check_key(key))
 
     def stat(self, key: str) -> ObjectStat:
@@ -280,8 +407,8 @@ class SegmentStore:
         """Header-only look-up (the chunks are not read)."""
         return SegmentInfo.from_header(self._header(check_key(key)))
 
-    def get(self, key: str, device: Union[str, torch.device] = "cpu",
-            expect_layout: Optional[Dict[str, Any]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def get(self, key: str, device: Union[str, "torch.device"] = "cpu",
+            expect_layout: Optional[Dict[str, Any]] = None, out: Optional["torch.Tensor"] = None) -> "torch.Tensor":
         """Read, verify (every chunk CRC and the digest) and return the tensor on ``device``.
 
         ``expect_layout``, when given, must equal the segment's layout (LayoutMismatch
@@ -289,13 +416,16 @@ class SegmentStore:
         decoded into; for a CUDA ``device`` this returns only once the copy from ``out`` is
         done, so the caller may reuse ``out`` at once. A bare ``"cuda"`` is the current device.
         """
+        from kvj.segments import device as cuda
+        from kvj.segments import tensors
+
         check_key(key)
         with self.backend.open(key) as src:
             name = src.name
             header = seg.read_header(src)
             if expect_layout is not None:
                 check_layout(header.layout, expect_layout, f"segment {name}")
-            header, tensor = seg.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
+            header, tensor = tensors.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
                                              header=header)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
@@ -313,7 +443,7 @@ class SegmentStore:
         check_key(key)
         with self.backend.open(key) as src:
             name = src.name
-            header, _ = seg.decode_into(src, pool=self.pool, max_raw=self.max_segment_bytes)
+            header, _ = seg.decode(src, pool=self.pool, max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
         return SegmentInfo.from_header(header)

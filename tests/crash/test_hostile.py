@@ -293,16 +293,20 @@ def test_snapshot_body_with_wrong_types_is_corruption(tmp_path, body):
 # -- segments ---------------------------------------------------------------------------------
 
 def make_segment(tensor, codec: str = "zstd", layout=None) -> bytes:
-    from kvj.segments import format as seg
-    raw = seg.tensor_bytes(tensor)
-    digest = seg.compute_digest(raw, seg.dtype_name(tensor.dtype), tensor.shape, seg.canonical_layout(layout))
-    enc = seg.encode(raw, dtype=tensor.dtype, shape=tensor.shape, layout=layout, digest=digest, codec=codec)
+    from kvj.segments import segfile as seg
+    from kvj.segments import tensors
+    from kvj.segments.codecs import auto
+    raw = tensors.tensor_bytes(tensor)
+    name = tensors.dtype_name(tensor.dtype)
+    digest = seg.compute_digest(raw, name, tensor.shape, seg.canonical_layout(layout))
+    pipeline = auto.choose(raw, seg.element(name), tuple(tensor.shape), codec=codec)
+    enc = seg.encode(raw, dtype=name, shape=tensor.shape, layout=layout, digest=digest, pipeline=pipeline)
     return b"".join(bytes(p) for p in enc.parts())
 
 
 def resign_segment(data: bytes, header_map: Dict[str, Any], body: bytes = None) -> bytes:
     """Rebuild a segment file around a (modified) header map with a valid header CRC."""
-    from kvj.segments import format as seg
+    from kvj.segments import segfile as seg
     hlen, _crc, _end = seg.TRAILER.unpack(data[-seg.TRAILER.size:])
     pre = data[:seg.PREAMBLE.size]
     if body is None:
@@ -312,7 +316,7 @@ def resign_segment(data: bytes, header_map: Dict[str, Any], body: bytes = None) 
 
 
 def header_map(data: bytes) -> Dict[str, Any]:
-    from kvj.segments import format as seg
+    from kvj.segments import segfile as seg
     hlen = seg.TRAILER.unpack(data[-seg.TRAILER.size:])[0]
     return msgpack.unpackb(data[len(data) - seg.TRAILER.size - hlen:-seg.TRAILER.size], raw=False)
 
@@ -331,10 +335,10 @@ def decode_clean(data: bytes, want=None) -> None:
     """Decode a segment: a KvjError, or (when ``want`` is given) exactly ``want``."""
     import torch
 
-    from kvj.segments import format as seg
+    from kvj.segments import segfile, tensors
     try:
-        seg.check_stored(data, "fuzz")
-        header, tensor = seg.decode_into(data, name="fuzz")
+        segfile.check_stored(data, "fuzz")
+        header, tensor = tensors.decode_into(data, name="fuzz")
     except KvjError:
         return
     if want is not None:
@@ -396,7 +400,7 @@ def test_hostile_segment_declaring_a_huge_size_is_refused_cheaply(tmp_path):
     declared size. Run in a process capped at 2 GiB of address space."""
     import zstandard
 
-    from kvj.segments import format as seg
+    from kvj.segments import segfile as seg
     from kvj.segments.store import SegmentStore
     frame = zstandard.ZstdCompressor(level=3).compress(bytes(seg.MAX_CHUNK_SIZE))
     n = 256

@@ -195,7 +195,7 @@ def test_staging_pool_reuses_buffers():
 
 
 def test_every_dtype_strided_and_scalar(tmp_path):
-    from kvj.segments.format import DTYPES
+    from kvj.segments.tensors import DTYPES
 
     with SegmentStore(tmp_path) as store, Flusher(store) as fl:
         for dt in DTYPES.values():

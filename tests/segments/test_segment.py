@@ -11,9 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvj.errors import FormatError, SegmentCorrupt
-from kvj.segments import format as seg
+from kvj.segments import segfile as seg
+from kvj.segments import tensors
+from kvj.segments.codecs import auto, get_codec
+from kvj.segments.codecs.base import Filter, Filtered, Pipeline, Unfilter
 
-DTYPES = list(seg.DTYPES.values())
+DTYPES = list(tensors.DTYPES.values())
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
@@ -31,10 +34,11 @@ def _random_tensor(dtype, shape, seed):
 
 
 def encode_tensor(t, codec="auto", layout=None, dedup=None):
-    raw = seg.tensor_bytes(t)
-    name = seg.dtype_name(t.dtype)
+    raw = tensors.tensor_bytes(t)
+    name = tensors.dtype_name(t.dtype)
     digest = seg.compute_digest(raw, name, t.shape, seg.canonical_layout(layout))
-    enc = seg.encode(raw, dtype=t.dtype, shape=t.shape, layout=layout, digest=digest, codec=codec, dedup=dedup)
+    pipeline = auto.choose(raw, seg.element(name), tuple(t.shape), codec=codec, dedup=dedup)
+    enc = seg.encode(raw, dtype=name, shape=t.shape, layout=layout, digest=digest, pipeline=pipeline)
     data = b"".join(bytes(p) for p in enc.parts())
     assert len(data) == enc.file_size
     return data, enc.header
@@ -50,7 +54,7 @@ def test_round_trip_is_bit_exact(dtype, shape, codec, transpose, seed):
     if transpose and t.dim() >= 2:
         t = t.transpose(0, -1)  # non-contiguous input
     data, header = encode_tensor(t, codec=codec, layout={"model": "m", "n": 3})
-    got_header, out = seg.decode_into(data)
+    got_header, out = tensors.decode_into(data)
     assert got_header == header
     assert out.dtype == dtype and tuple(out.shape) == tuple(t.shape)
     assert _bytes_of(out) == _bytes_of(t)
@@ -68,7 +72,7 @@ def test_special_values_round_trip(dtype):
         t = _random_tensor(dtype, (3, 5), 7)
     t = t.reshape(-1)[::2]  # strided view
     data, _ = encode_tensor(t, codec="byteplane" if dtype.itemsize > 1 else "zstd")
-    _, out = seg.decode_into(data)
+    _, out = tensors.decode_into(data)
     assert _bytes_of(out) == _bytes_of(t)
 
 
@@ -76,10 +80,10 @@ def test_large_multi_chunk_and_zero_size():
     x = torch.randn(3 * seg.CHUNK_SIZE // 4 + 11, dtype=torch.float32)
     data, header = encode_tensor(x)
     assert len(header.chunks) == 4  # 3 MiB + 44 bytes
-    assert torch.equal(seg.decode_into(data)[1], x)
+    assert torch.equal(tensors.decode_into(data)[1], x)
     for shape in [(0,), (4, 0, 3), ()]:
         t = torch.zeros(shape, dtype=torch.bfloat16) if shape != () else torch.tensor(2.5)
-        _, out = seg.decode_into(encode_tensor(t)[0])
+        _, out = tensors.decode_into(encode_tensor(t)[0])
         assert out.shape == t.shape and _bytes_of(out) == _bytes_of(t)
 
 
@@ -87,7 +91,7 @@ def test_decode_into_given_buffer():
     x = torch.randn(1000, dtype=torch.float64)
     data, header = encode_tensor(x)
     buf = torch.empty(header.raw_size + 100, dtype=torch.uint8)
-    _, out = seg.decode_into(data, buf)
+    _, out = tensors.decode_into(data, buf)
     assert torch.equal(out, x) and out.data_ptr() == buf.data_ptr()
 
 
@@ -103,10 +107,10 @@ def _kv_with_shared_prefix():
 def test_row_dedup_captures_shared_prefixes():
     kv = _kv_with_shared_prefix()
     data, header = encode_tensor(kv)
-    assert header.dedup is not None
+    assert header.filter == "dedup"
     plain, _ = encode_tensor(kv, dedup=False)
     assert len(plain) / len(data) > 1.8
-    _, out = seg.decode_into(data)
+    _, out = tensors.decode_into(data)
     assert _bytes_of(out) == _bytes_of(kv)
 
 
@@ -116,7 +120,7 @@ def _flip_everywhere(data, positions):
             bad = bytearray(data)
             bad[pos] ^= mask
             with pytest.raises((SegmentCorrupt, FormatError)):
-                seg.decode_into(bytes(bad))
+                tensors.decode_into(bytes(bad))
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd", "byteplane"])
@@ -128,7 +132,7 @@ def test_every_flipped_byte_is_detected_small(codec):
 
 def test_flipped_bytes_are_detected_sampled_large():
     data, header = encode_tensor(_kv_with_shared_prefix())
-    assert header.dedup is not None and len(header.chunks) >= 1
+    assert header.filter == "dedup" and len(header.chunks) >= 1
     rng = np.random.default_rng(5)
     positions = list(rng.choice(len(data), 150, replace=False)) + list(range(40)) + list(range(len(data) - 300, len(data)))
     _flip_everywhere(data, sorted(set(int(p) for p in positions)))
@@ -138,9 +142,9 @@ def test_every_truncation_is_detected():
     data, _ = encode_tensor(torch.arange(200, dtype=torch.int32), codec="zstd")
     for n in range(len(data)):
         with pytest.raises(SegmentCorrupt):
-            seg.decode_into(data[:n])
+            tensors.decode_into(data[:n])
     with pytest.raises(SegmentCorrupt):
-        seg.decode_into(data + b"\x00")
+        tensors.decode_into(data + b"\x00")
 
 
 def _forge(data, mutate):
@@ -183,7 +187,7 @@ HOSTILE = [
 def test_hostile_headers_are_clean_errors(mutate):
     data, _ = encode_tensor(torch.arange(64, dtype=torch.int16), codec="zstd")
     with pytest.raises((SegmentCorrupt, FormatError)):
-        seg.decode_into(_forge(data, mutate))
+        tensors.decode_into(_forge(data, mutate))
 
 
 def test_hostile_trailer_and_header_bytes():
@@ -191,27 +195,27 @@ def test_hostile_trailer_and_header_bytes():
     hlen, crc, end = seg.TRAILER.unpack(data[-16:])
     for bad_len in (0xFFFFFFFF, len(data), hlen + 1):
         with pytest.raises(SegmentCorrupt):
-            seg.decode_into(data[:-16] + seg.TRAILER.pack(bad_len, crc, end))
+            tensors.decode_into(data[:-16] + seg.TRAILER.pack(bad_len, crc, end))
     # garbage that passes the CRC but is not msgpack, and a deeply nested map
     for head in (b"\xc1\xc1\xc1", b"\x91" * 5000 + b"\xc0", msgpack.packb([1, 2, 3])):
         pre = data[:16]
         forged = pre + head + seg.TRAILER.pack(len(head), crc32c.crc32c(head, crc32c.crc32c(pre)), end)
         with pytest.raises(SegmentCorrupt):
-            seg.decode_into(forged)
+            tensors.decode_into(forged)
 
 
 def test_forged_digest_is_detected():
     data, _ = encode_tensor(torch.arange(64, dtype=torch.int16))
     forged = _forge(data, lambda m: m.update(digest=bytes(32)))
     with pytest.raises(SegmentCorrupt, match="digest"):
-        seg.decode_into(forged)
+        tensors.decode_into(forged)
 
 
 def test_forged_layout_changes_the_digest():
     data, _ = encode_tensor(torch.arange(64, dtype=torch.int16), layout={"model": "a"})
     forged = _forge(data, lambda m: m.update(layout={"model": "b"}))
     with pytest.raises(SegmentCorrupt, match="digest"):
-        seg.decode_into(forged)
+        tensors.decode_into(forged)
 
 
 def test_unsupported_version_is_a_format_error():
@@ -221,7 +225,7 @@ def test_unsupported_version_is_a_format_error():
     head = data[-16 - hlen:-16]
     forged = pre + data[16:-16] + seg.TRAILER.pack(hlen, crc32c.crc32c(head, crc32c.crc32c(pre)), end)
     with pytest.raises(FormatError, match="version"):
-        seg.decode_into(forged)
+        tensors.decode_into(forged)
 
 
 def test_digest_depends_on_dtype_shape_layout_and_bytes():
@@ -246,8 +250,106 @@ def test_check_stored_finds_chunk_damage_without_decoding():
 
 def test_unsupported_dtype_and_bad_layout_rejected():
     with pytest.raises(FormatError):
-        seg.dtype_name(torch.quint8)
+        tensors.dtype_name(torch.quint8)
     with pytest.raises(FormatError):
         seg.canonical_layout({"x": object()})
     with pytest.raises(FormatError):
         seg.canonical_layout({"x": float("nan")})
+
+
+class _Halves(Filter):
+    """A test filter with side data: stores the second half of the bytes, then the first,
+    and the split point as side data (a stand-in for a third-party filter)."""
+
+    name = "halves"
+    side_name = "halves split"
+
+    def __init__(self, split=0, side_size=0, side_crc=0):
+        self.split, self.side_size, self.side_crc = split, side_size, side_crc
+
+    def encode(self, raw, pool):
+        split = len(raw) // 2
+        raw_bytes = bytes(raw)
+
+        class Out(Filtered):
+            out_size = len(raw_bytes)
+            side = split.to_bytes(8, "little")
+
+            def chunk(self, offset, n):
+                return memoryview(raw_bytes[split:] + raw_bytes[:split])[offset:offset + n]
+
+            def field(self, side_crc):
+                return {"split": split, "side_size": 8, "side_crc": side_crc}
+        return Out()
+
+    @classmethod
+    def from_field(cls, field, in_size, out_size, stored_size):
+        if not isinstance(field, dict) or in_size != out_size or field.get("side_size") != 8:
+            raise FormatError("bad halves field")
+        return cls(field["split"], 8, field["side_crc"])
+
+    def field(self):
+        return {"split": self.split, "side_size": self.side_size, "side_crc": self.side_crc}
+
+    def decoder(self, side, out_size):
+        split = int.from_bytes(bytes(side), "little")
+        if split != self.split or split > out_size:
+            raise FormatError("halves split disagrees")
+
+        class Undo(Unfilter):
+            def prepare(self, payload, out, pool):
+                data = bytes(payload)
+                self.whole, self.out = data[out_size - split:] + data[:out_size - split], out
+
+            def fill(self, offset, n):
+                self.out[offset:offset + n] = self.whole[offset:offset + n]
+        return Undo()
+
+
+def test_any_registered_filter_runs_through_the_pipeline(monkeypatch):
+    """Filters run generically: a filter kvj does not know, once registered, is written with
+    its side data and header field and read back, CRC and digest checked."""
+    from kvj.segments.codecs import registry
+
+    monkeypatch.setitem(registry._FILTERS, "halves", _Halves)
+    t = torch.arange(3 << 18, dtype=torch.int32)  # 3 MiB: several chunks
+    raw = tensors.tensor_bytes(t)
+    enc = seg.encode(raw, dtype="int32", shape=t.shape, layout=None, digest=None,
+                     pipeline=Pipeline(get_codec("zstd", {"level": 1}), _Halves()))
+    data = b"".join(bytes(p) for p in enc.parts())
+    m = msgpack.unpackb(data[-16 - seg.TRAILER.unpack(data[-16:])[0]:-16], raw=False)
+    assert m["halves"]["split"] == len(raw) // 2 and m["dedup"] is None
+    header, out = tensors.decode_into(data)
+    assert header.filter == "halves" and torch.equal(out, t)
+    assert seg.check_stored(data).filter == "halves"
+    bad = bytearray(data)
+    bad[16] ^= 1  # the side data
+    with pytest.raises(SegmentCorrupt, match="halves split CRC mismatch"):
+        tensors.decode_into(bytes(bad))
+    both = _forge(data, lambda m: m.update(dedup={"row_bytes": 8, "rows": 1, "map_raw": 4, "map_stored": 1,
+                                                  "map_crc": 0}))
+    with pytest.raises(SegmentCorrupt, match="more than one filter"):
+        tensors.decode_into(both)
+
+
+def test_xor_delta_filter_matches_the_training_delta():
+    """The XOR filter's bytes are the bits training stores for a delta stream, and undo it."""
+    from kvj.integrations.training import unxor, xor
+    from kvj.segments.codecs.xordelta import XorDelta
+
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(4096, generator=g)
+    now = base + 1e-3 * torch.randn(4096, generator=g)
+    filt = XorDelta(tensors.tensor_bytes(base))
+    bits = tensors.tensor_bytes(xor(now, base))
+    assert filt.apply(tensors.tensor_bytes(now)) == bytes(bits)
+    filtered = filt.encode(tensors.tensor_bytes(now), None)
+    assert b"".join(bytes(filtered.chunk(o, 1000)) for o in range(0, len(bits), 1000)) == bytes(bits)
+    out = bytearray(len(bits))
+    undo = filt.decoder(b"", len(bits))
+    undo.prepare(memoryview(bits), memoryview(out), None)
+    for o in range(0, len(bits), 4096):
+        undo.fill(o, 4096)
+    assert bytes(out) == bytes(tensors.tensor_bytes(unxor(base, xor(now, base))))
+    with pytest.raises(FormatError):
+        filt.encode(memoryview(bytes(8)), None)

@@ -425,7 +425,7 @@ def test_a_dedup_hit_restarts_the_grace_period(tmp_path):
 TRUNCATE_AFTER_GET = textwrap.dedent("""
     import os, sys
     import torch
-    from kvj.segments import format as seg
+    from kvj.segments import tensors
     from kvj.segments.store import SegmentStore
 
     with SegmentStore(sys.argv[1]) as store:
@@ -433,7 +433,7 @@ TRUNCATE_AFTER_GET = textwrap.dedent("""
         key = store.put(x, codec="raw").key
         data = store.backend.get(key)
         os.truncate(store.backend.path(key), 4096)  # another process cuts the file under the reader
-        _, got = seg.decode_into(data, name=key)
+        _, got = tensors.decode_into(data, name=key)
         assert torch.equal(got, x)
     print("survived")
 """)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvj.integrations import dcp, training
-from kvj.segments import format as seg
 from kvj.segments import kvblock
+from kvj.segments import segfile as seg
 from kvj.segments.codecs import auto, registry, rowdedup, zstd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_header_limits():
 def test_dtypes_in_the_order_the_page_lists_them():
     listed = section("HEADER").split(".B dtype\nString: one of ")[1].split(". Element bytes")[0]
     names = [n.strip() for n in listed.replace("\n", " ").split(",")]
-    assert names == list(seg.DTYPES)
+    assert names == list(seg.ELEMENTS)
 
 
 def test_digest():

@@ -1,17 +1,21 @@
-"""Chunk codecs for segment payloads, one small module per codec behind one interface.
+"""How segment bytes are encoded: filters, then a chunk codec, behind one interface each.
 
-A codec (``base.Codec``) turns one chunk of raw tensor bytes into stored bytes and back. Its
-``name`` and ``params`` go into the segment header, and ``registry.get_codec`` rebuilds the
-exact codec from them (zarr-v3 style). Codecs are stateless and thread-safe: chunks of one
-segment are encoded and decoded in parallel threads (zstandard and numpy release the GIL).
+A chunk codec (``base.Codec``) turns one chunk of raw tensor bytes into stored bytes and back.
+A filter (``base.Filter``) transforms a segment's whole raw bytes before they are chunked
+(zarr v3's filters are codecs too). Their names and parameters go into the segment header,
+and ``registry`` rebuilds the exact codec and filter from them. Codecs are stateless and
+thread-safe: chunks of one segment are encoded and decoded in parallel threads (zstandard and
+numpy release the GIL).
 
 * ``raw``       (``raw.py``)       the bytes as they are;
 * ``zstd``      (``zstd.py``)      zstandard at ``level``; ``long`` turns on long-distance matching;
-* ``byteplane`` (``byteplane.py``) byte planes of floating-point elements, each coded on its own.
+* ``byteplane`` (``byteplane.py``) byte planes of floating-point elements, each coded on its own;
+* filter ``dedup`` (``rowdedup.py``) stores each distinct row of a tensor once;
+* filter ``xor``   (``xordelta.py``) XOR against a base of the same size (its caller keeps the base).
 
-``rowdedup.py`` is a segment-level filter, not a chunk codec: it stores each distinct row of a
-tensor once. ``auto.py`` picks a codec per segment from a cheap sample and steps down to
-faster choices under backpressure. Codec names live in one place, ``registry.BUILTIN``.
+``auto.choose`` picks a segment's pipeline (``base.Pipeline``): the filter from a cheap sample,
+the codec by name or (``auto``) from a sample, stepping down to faster choices under
+backpressure. Names live in one place, ``registry.BUILTIN`` and ``registry.FILTERS``.
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvj.segments.codecs.base import Codec
-from kvj.segments.codecs.registry import codec_names, get_codec, register
+from kvj.segments.codecs.base import Backpressure, Codec, Element, Filter, Pipeline
+from kvj.segments.codecs.registry import codec_names, filter_class, get_codec, register, register_filter
 
-__all__ = ["Codec", "codec_names", "get_codec", "register", "Backpressure", "auto_codec", "RawCodec",
-           "ZstdCodec", "BytePlaneCodec", "RowDedup", "ScatterPlan", "split_planes", "merge_planes",
+__all__ = ["Backpressure", "Codec", "Element", "Filter", "Pipeline", "codec_names", "filter_class", "get_codec",
+           "register", "register_filter", "choose", "auto_codec", "RawCodec", "ZstdCodec", "BytePlaneCodec",
+           "RowDedup", "RowDedupFilter", "ScatterPlan", "XorDelta", "split_planes", "merge_planes",
            "zstd_decompress"]
 
 #: Names served from their modules on first use (so ``codec_names`` imports no numpy).
-_LAZY = {"Backpressure": "auto", "auto_codec": "auto", "RawCodec": "raw", "ZstdCodec": "zstd",
+_LAZY = {"choose": "auto", "auto_codec": "auto", "RawCodec": "raw", "ZstdCodec": "zstd",
          "zstd_decompress": "zstd", "BytePlaneCodec": "byteplane", "split_planes": "byteplane",
-         "merge_planes": "byteplane", "RowDedup": "rowdedup", "ScatterPlan": "rowdedup"}
+         "merge_planes": "byteplane", "RowDedup": "rowdedup", "RowDedupFilter": "rowdedup",
+         "ScatterPlan": "rowdedup", "XorDelta": "xordelta"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,34 +1,18 @@
-"""``auto``: a codec chosen per segment from a cheap sample, stepping down under backpressure."""
+"""How a segment is encoded: :func:`choose` picks its pipeline (the row-dedup filter or none,
+then the chunk codec), ``auto`` from a cheap sample, stepping down under backpressure.
+
+The codecs are imported by the functions that try them, so a store that only reads headers
+(``kvj status``, ``fsck``) does not load numpy for them.
+"""
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Hashable, List
+from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
-from kvj.segments.codecs.base import Codec
-from kvj.segments.codecs.byteplane import BytePlaneCodec, split_planes
+from kvj.segments.codecs.base import Backpressure, Codec, Element, Pipeline
 from kvj.segments.codecs.raw import RawCodec
-from kvj.segments.codecs.zstd import ZstdCodec, compressor
-
-
-class Backpressure:
-    """Shared hint from the flush path to :func:`auto_codec`: 0 normal, 1 busy, 2 saturated.
-
-    At 1 only codecs that save a lot are kept (and no row dedup search); at 2 everything is
-    stored raw so that compression can never be what holds the queue up.
-    """
-
-    NORMAL, BUSY, SATURATED = 0, 1, 2
-
-    def __init__(self) -> None:
-        self._level = self.NORMAL
-
-    @property
-    def level(self) -> int:
-        return self._level
-
-    def set(self, level: int) -> None:
-        self._level = max(self.NORMAL, min(self.SATURATED, int(level)))
+from kvj.segments.codecs.registry import AUTO, get_codec
 
 
 #: Minimum sampled ratio for compression to be worth its CPU, by pressure level.
@@ -52,6 +36,9 @@ def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0
     Float data gets byte planes with a per-plane choice; everything is compared against plain
     zstd and raw. Returns raw when nothing saves ``_MIN_GAIN`` (more under pressure).
     """
+    from kvj.segments.codecs.byteplane import BytePlaneCodec, split_planes
+    from kvj.segments.codecs.zstd import ZstdCodec, compressor
+
     if pressure >= Backpressure.SATURATED or len(buf) < 4096:
         return RawCodec()
     sample = _sample(buf, itemsize)
@@ -77,6 +64,41 @@ def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0
     return best
 
 
+def choose(raw: memoryview, element: Element, shape: Tuple[int, ...], *, codec: Union[str, Codec] = AUTO,
+           pressure: int = Backpressure.NORMAL, dedup: Optional[bool] = None,
+           memo: Optional["AutoChoices"] = None) -> Pipeline:
+    """The pipeline for one segment's raw bytes.
+
+    ``codec`` is a registered name (with the defaults for ``element``), a :class:`Codec`, or
+    ``auto`` (:func:`auto_codec`, remembered for like segments in ``memo``). The row-dedup
+    filter runs when ``dedup`` says so, by default when the segment is large enough, the flush
+    path not backed up, and a sample of its rows repeats; whatever the codec.
+    """
+    from kvj.segments.codecs.rowdedup import RowDedupFilter
+
+    if isinstance(codec, Codec):
+        chosen = codec
+    elif codec == AUTO:
+        chosen = memo.choose(raw, element.word, element.is_float, pressure, (element.name, shape)) \
+            if memo is not None else auto_codec(raw, element.word, element.is_float, pressure)
+    else:
+        chosen = get_codec(codec, default_params(codec, element))
+    rows = None
+    if dedup is None and pressure == Backpressure.NORMAL:
+        rows = RowDedupFilter.for_segment(raw, shape, element.itemsize, sample=True)
+    elif dedup:
+        rows = RowDedupFilter.for_segment(raw, shape, element.itemsize, sample=False)
+    return Pipeline(chosen, rows)
+
+
+def default_params(name: str, element: Element) -> Dict[str, Any]:
+    """Parameters of codec ``name`` when only its name is given (byte planes by element)."""
+    if name == "byteplane":
+        top = "e" if element.is_float else "z"
+        return {"planes": "r" * (element.word - 1) + top, "fp": element.is_float}
+    return {}
+
+
 class AutoChoices:
     """``auto`` for a stream of small segments: one sample serves the next ``REUSE`` segments
     of the same kind (dtype and shape) at the same backpressure level.
@@ -96,6 +118,7 @@ class AutoChoices:
         self._chosen: Dict[Hashable, List[Any]] = {}  # key -> [codec, uses left]
 
     def choose(self, buf: memoryview, itemsize: int, is_float: bool, pressure: int, kind: Hashable) -> Codec:
+        """:func:`auto_codec` of ``buf``, or the choice made for a like segment recently."""
         if len(buf) > self.SMALL:
             return auto_codec(buf, itemsize, is_float, pressure)
         key = (kind, pressure)

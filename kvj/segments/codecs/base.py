@@ -1,11 +1,56 @@
-"""The chunk codec interface: what every codec in this package implements."""
+"""The codec interfaces: chunk codecs, filters, and the pipeline of the two a segment is
+written with (zarr v3's model: filters are codecs too, run before the chunk codec)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Mapping, NamedTuple, Optional
 
+from kvj.errors import FormatError
 from kvj.fileio import Buffer
+
+#: No valid stored piece expands more than this (a zstd RLE block is 4 bytes for 128 KiB).
+MAX_EXPANSION = 1 << 15
+
+
+def field_int(m: Mapping, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    """Header field ``key`` of ``m``: an integer in ``lo..hi``; FormatError otherwise."""
+    v = m.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise FormatError(f"header field {key!r} missing or out of range")
+    return v
+
+
+class Backpressure:
+    """Shared hint from the flush path to ``auto.choose``: 0 normal, 1 busy, 2 saturated.
+
+    At 1 only codecs that save a lot are kept (and no row dedup search); at 2 everything is
+    stored raw so that compression can never be what holds the queue up.
+    """
+
+    NORMAL, BUSY, SATURATED = 0, 1, 2
+
+    def __init__(self) -> None:
+        self._level = self.NORMAL
+
+    @property
+    def level(self) -> int:
+        return self._level
+
+    def set(self, level: int) -> None:
+        self._level = max(self.NORMAL, min(self.SATURATED, int(level)))
+
+
+class Element(NamedTuple):
+    """What the codecs need to know of a dtype: its header name, bytes per element, bytes per
+    word the codecs see (half the element for complex types: two floats), floating or not."""
+
+    name: str
+    itemsize: int
+    word: int
+    is_float: bool
 
 
 class Codec(ABC):
@@ -38,3 +83,80 @@ class Codec(ABC):
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.params.items()))))
+
+
+class Filtered(ABC):
+    """One segment's raw bytes through a filter: the payload the chunk codec sees, produced a
+    chunk at a time by the task that compresses it (so it is never built whole), and the side
+    data the filter stores before the chunks."""
+
+    #: Bytes of the filtered payload.
+    out_size: int
+    #: Stored before the chunks (empty for a filter that needs none).
+    side: Buffer
+
+    @abstractmethod
+    def chunk(self, offset: int, n: int) -> memoryview:
+        """Payload bytes ``offset .. offset + n``."""
+
+    def field(self, side_crc: int) -> Dict[str, Any]:
+        """The header field that describes this filter, once its side data's CRC is known."""
+        raise FormatError(f"filter {type(self).__name__} is not stored in segment headers")
+
+
+class Unfilter(ABC):
+    """Undoing a filter on one segment: ``prepare`` once the payload is decoded, then ``fill``
+    every range of the output; ranges are independent, so they run in parallel (each is hashed
+    as soon as it is filled, while it is in cache)."""
+
+    @abstractmethod
+    def prepare(self, payload: memoryview, out: memoryview, pool: Optional[Executor]) -> None:
+        """Start rebuilding ``out`` (all of the raw bytes) from ``payload``."""
+
+    @abstractmethod
+    def fill(self, offset: int, n: int) -> None:
+        """Finish ``out[offset:offset + n]``."""
+
+
+class Filter(ABC):
+    """A transform of a segment's whole raw bytes that runs before the chunk codec.
+
+    A filter stored in segment headers (``registry.register_filter``) is rebuilt from its
+    header field by :meth:`from_field`; one whose reference lies outside the segment (the XOR
+    delta's base) is applied by its caller and named in the segment's layout instead.
+    """
+
+    name: ClassVar[str]
+    #: Stored bytes of side data before the chunks, and their CRC32C (from a header field).
+    side_size: int = 0
+    side_crc: int = 0
+    #: What the side data is, for error messages.
+    side_name: ClassVar[str] = "filter side data"
+
+    @abstractmethod
+    def encode(self, raw: memoryview, pool: Optional[Executor]) -> Optional[Filtered]:
+        """``raw`` through this filter, or None when the filter would not pay for these bytes."""
+
+    @abstractmethod
+    def decoder(self, side: Buffer, out_size: int) -> Unfilter:
+        """How to undo this filter given its side data (CRC checked) and the payload size;
+        FormatError when they do not fit together."""
+
+    @classmethod
+    def from_field(cls, field: Any, in_size: int, out_size: int, stored_size: int) -> "Filter":
+        """The filter a header field describes, checked against the segment's sizes (raw bytes
+        in, payload bytes out, stored bytes in all); FormatError when they do not fit."""
+        raise FormatError(f"filter {cls.name} is not stored in segment headers")
+
+    def field(self) -> Dict[str, Any]:
+        """The header field that describes this filter (:meth:`from_field`'s inverse)."""
+        raise FormatError(f"filter {self.name} is not stored in segment headers")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How one segment is encoded: an optional filter over its raw bytes, then the chunk codec
+    on each chunk of what comes out (``codecs.auto.choose`` picks both)."""
+
+    codec: Codec
+    filter: Optional[Filter] = None

@@ -1,9 +1,11 @@
-"""The codec registry: codec names, in one place, and the classes behind them (zarr-v3 style).
+"""The codec and filter registries: names, in one place, and the classes behind them (zarr-v3 style).
 
 A segment header records a codec's ``name`` and ``params``; :func:`get_codec` rebuilds the
-exact codec from them. kvj's own codecs are listed in ``BUILTIN`` by name and imported on
-first use, so listing the names (the CLI's ``--codec`` choices) costs no numpy or zstd
-import; :func:`register` adds others.
+exact codec from them. A filter stored in a segment has a header field of its own name;
+:func:`filter_class` finds the class that reads it. kvj's own codecs and filters are listed
+in ``BUILTIN`` and ``FILTERS`` by name and imported on first use, so listing the names (the
+CLI's ``--codec`` choices) or reading a header without a filter costs no numpy or zstd
+import; :func:`register` and :func:`register_filter` add others.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib
 from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
 from kvj.errors import FormatError
-from kvj.segments.codecs.base import Codec
+from kvj.segments.codecs.base import Codec, Filter
 
 #: kvj's codecs: name -> the module that defines (and registers) it.
 BUILTIN: Dict[str, str] = {
@@ -23,7 +25,13 @@ BUILTIN: Dict[str, str] = {
 #: Not a codec: resolves to one of the others per segment (``kvj.segments.codecs.auto``).
 AUTO = "auto"
 
+#: kvj's filters stored in segment headers: name (its header field) -> the module that defines it.
+FILTERS: Dict[str, str] = {
+    "dedup": "kvj.segments.codecs.rowdedup",
+}
+
 _REGISTRY: Dict[str, Type[Codec]] = {}
+_FILTERS: Dict[str, Type[Filter]] = {}
 
 
 def register(cls: Type[Codec]) -> Type[Codec]:
@@ -57,3 +65,25 @@ def get_codec(name: Any, params: Optional[Mapping[str, Any]] = None) -> Codec:
 def codec_names() -> Tuple[str, ...]:
     """Every name a caller may ask for: ``auto`` first, then each codec."""
     return (AUTO,) + tuple(dict.fromkeys([*BUILTIN, *_REGISTRY]))
+
+
+def register_filter(cls: Type[Filter]) -> Type[Filter]:
+    """Add a filter class stored in segment headers under its ``name`` (a class decorator)."""
+    _FILTERS[cls.name] = cls
+    return cls
+
+
+def filter_class(name: str) -> Type[Filter]:
+    """The filter class whose header field is ``name``; FormatError for unknown names."""
+    cls = _FILTERS.get(name)
+    if cls is None and name in FILTERS:
+        importlib.import_module(FILTERS[name])
+        cls = _FILTERS.get(name)
+    if cls is None:
+        raise FormatError(f"unknown filter {name!r}")
+    return cls
+
+
+def filter_names() -> Tuple[str, ...]:
+    """The header fields that name a filter: kvj's own first (in ``FILTERS`` order), then others."""
+    return tuple(dict.fromkeys([*FILTERS, *_FILTERS]))

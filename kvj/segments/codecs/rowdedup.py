@@ -1,17 +1,29 @@
-"""Row dedup: a segment-level filter (not a chunk codec) that stores each distinct row once.
+"""Row dedup: a segment filter (``dedup``) that stores each distinct row once.
 
 It finds rows repeated anywhere in a tensor, as prompts sharing a prefix produce in a KV cache.
+``RowDedup`` holds the search and the map; ``RowDedupFilter`` is the filter the codec pipeline
+runs (``man/kvj-segment.5``, ROW DEDUP).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from kvj.errors import FormatError
-from kvj.segments.codecs.base import Buffer
+from kvj.segments.codecs.base import MAX_EXPANSION, Buffer, Filter, Filtered, Unfilter, field_int
+from kvj.segments.codecs.registry import register_filter
+from kvj.segments.codecs.zstd import ZstdCodec, zstd_decompress
+
+#: Smaller segments are not searched (two chunks: closer repeats are per-chunk zstd's job).
+MIN_SEGMENT_BYTES = 2 << 20
+#: Repeated share of a 1/16 row sample above which the full search runs (see
+#: ``RowDedup.sample_dup_fraction``).
+MIN_SAMPLED_DUPS = 0.004
+_MAP_LEVEL = 3
+_FIELDS = ("row_bytes", "rows", "map_raw", "map_stored", "map_crc")
 
 
 class RowDedup:
@@ -228,3 +240,105 @@ class ScatterPlan:
         idx = self._within(self.short_repeats, lo, hi)
         if len(idx):
             rows[idx] = rows[self.src[idx]]
+
+
+@register_filter
+class RowDedupFilter(Filter):
+    """The ``dedup`` filter: the payload is the first-of-kind rows of ``row_bytes`` bytes, the
+    side data the map (one zstd frame of ``i - src[i]`` per row) that rebuilds the others."""
+
+    name = "dedup"
+    side_name = "dedup map"
+
+    def __init__(self, row_bytes: int, rows: int = 0, map_raw: int = 0, map_stored: int = 0,
+                 map_crc: int = 0) -> None:
+        self.row_bytes, self.rows, self.map_raw = row_bytes, rows, map_raw
+        self.side_size, self.side_crc = map_stored, map_crc
+
+    @staticmethod
+    def for_segment(raw: memoryview, shape: Tuple[int, ...], itemsize: int, sample: bool) -> Optional["RowDedupFilter"]:
+        """The filter for a segment whose rows may repeat (at least ``MIN_SEGMENT_BYTES`` with a
+        row of at least ``RowDedup.MIN_ROW_BYTES``), else None; with ``sample`` only when a
+        sample of its rows shows repeats."""
+        row_bytes = RowDedup.row_bytes_for(shape, itemsize) if len(raw) >= MIN_SEGMENT_BYTES else 0
+        if not row_bytes or (sample and RowDedup.sample_dup_fraction(raw, row_bytes) < MIN_SAMPLED_DUPS):
+            return None
+        return RowDedupFilter(row_bytes)
+
+    def encode(self, raw: memoryview, pool: Optional[Executor]) -> Optional[Filtered]:
+        keys = RowDedup.row_keys(raw, self.row_bytes, pool)
+        src = RowDedup.find(raw, self.row_bytes, keys)
+        if np.count_nonzero(src == np.arange(len(src))) == len(src):
+            return None  # no repeated rows after all
+        return _Rows(raw, self.row_bytes, src)
+
+    @classmethod
+    def from_field(cls, field: Any, in_size: int, out_size: int, stored_size: int) -> "RowDedupFilter":
+        if not isinstance(field, dict):
+            raise FormatError("bad dedup field")
+        row_bytes = field_int(field, "row_bytes", 8, in_size or 8)
+        rows = field_int(field, "rows", 1, in_size)
+        map_stored = field_int(field, "map_stored", 1, stored_size)
+        map_crc = field_int(field, "map_crc", 0, 0xFFFFFFFF)
+        map_raw = field_int(field, "map_raw")
+        if row_bytes % 8 or rows * row_bytes != in_size or map_raw != 4 * rows \
+                or out_size % row_bytes or 4 * rows > map_stored * MAX_EXPANSION:
+            raise FormatError("dedup fields are inconsistent")
+        return cls(row_bytes, rows, map_raw, map_stored, map_crc)
+
+    def field(self) -> Dict[str, Any]:
+        """The header field (``from_field``'s inverse)."""
+        return dict(zip(_FIELDS, (self.row_bytes, self.rows, self.map_raw, self.side_size, self.side_crc)))
+
+    def decoder(self, side: Buffer, out_size: int) -> Unfilter:
+        src, firsts = RowDedup.decode_map(zstd_decompress(side, self.map_raw), self.rows)
+        if len(firsts) * self.row_bytes != out_size:
+            raise FormatError("dedup map disagrees with the payload size")
+        return _Scatter(src, self.row_bytes)
+
+
+class _Rows(Filtered):
+    """A tensor's first-of-kind rows, gathered by the task that needs them, and the map."""
+
+    def __init__(self, raw: memoryview, row_bytes: int, src: np.ndarray):
+        self.row_bytes = row_bytes
+        self.rows = np.frombuffer(raw, np.uint8).reshape(-1, row_bytes)
+        self.firsts = np.flatnonzero(src == np.arange(len(src)))
+        self.out_size = len(self.firsts) * row_bytes
+        map_raw = RowDedup.encode_map(src)
+        self.side = ZstdCodec(level=_MAP_LEVEL).encode(memoryview(map_raw), 4)
+        self.n_rows, self.map_raw = len(src), len(map_raw)
+
+    def chunk(self, offset: int, n: int) -> memoryview:
+        r0, r1 = offset // self.row_bytes, -(-(offset + n) // self.row_bytes)
+        block = self.rows[self.firsts[r0:r1]].reshape(-1)
+        skip = offset - r0 * self.row_bytes
+        return memoryview(block[skip:skip + n])
+
+    def field(self, side_crc: int) -> Dict[str, Any]:
+        return RowDedupFilter(self.row_bytes, self.n_rows, self.map_raw, len(self.side), side_crc).field()
+
+
+class _Scatter(Unfilter):
+    """Rebuilding rows: first-of-kind rows in two halves (``prepare``), then per range the
+    repeated rows it covers (``fill``; a row straddling two ranges is written by both, with
+    the same bytes)."""
+
+    def __init__(self, src: np.ndarray, row_bytes: int):
+        self.src, self.row_bytes = src, row_bytes
+
+    def prepare(self, payload: memoryview, out: memoryview, pool: Optional[Executor]) -> None:
+        self.rows = np.frombuffer(out, np.uint8).reshape(-1, self.row_bytes)
+        unique = np.frombuffer(payload, np.uint8).reshape(-1, self.row_bytes)
+        self.plan = ScatterPlan(self.src)
+        n = len(self.src)
+        halves = [(0, n // 2), (n // 2, n)]
+        if pool is None:
+            for lo, hi in halves:
+                self.plan.firsts(self.rows, unique, lo, hi)
+        else:
+            list(pool.map(lambda r: self.plan.firsts(self.rows, unique, r[0], r[1]), halves))
+
+    def fill(self, offset: int, n: int) -> None:
+        self.plan.repeats(self.rows, offset // self.row_bytes,
+                          min(len(self.src), -(-(offset + n) // self.row_bytes)))
