@@ -385,10 +385,10 @@ class WorkerJournal:
         try:
             moved.wait()
             landed = True
-            futures = []
-            for i, save in enumerate(saves):
-                layout = self.layout.segment_layout(save.token_ids, save.chain)
-                futures.append(self._flusher.submit(host[i], layout, lambda info, s=save: self._saved(s, info)))
+            layouts = [self.layout.segment_layout(save.token_ids, save.chain) for save in saves]
+            # one pack: one fdatasync makes the step's blocks durable together, each its own segment
+            futures = [self._flusher.submit_many([host[i] for i in range(len(saves))], layouts,
+                                                 lambda infos: self._saved_many(saves, infos))]
         except BaseException as exc:
             self._fail(exc)
             done.set_exception(exc)
@@ -397,6 +397,10 @@ class WorkerJournal:
             self._save_staging.release(slot, reuse=landed)
         self.stats["blocks_saved"] += len(saves)
         when_all(futures).add_done_callback(lambda f: _settle(done, f))
+
+    def _saved_many(self, saves: List[Save], infos: List[SegmentInfo]) -> None:
+        for save, info in zip(saves, infos):
+            self._saved(save, info)
 
     def _saved(self, save: Save, info: SegmentInfo) -> None:
         """On a flusher thread, once the block's segment is durable: its record, and tell the scheduler."""

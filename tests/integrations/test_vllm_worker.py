@@ -24,6 +24,7 @@ import kvj
 from kvj.integrations.vllm_worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
+from kvj.segments.store import SegmentStore
 
 L, H, BS, D, NB = 2, 2, 4, 8, 12
 LAYOUT = KVBlockLayout("test-model", "bfloat16", L, H, D, BS, LHNC)
@@ -140,11 +141,15 @@ def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
     worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})], saves=saves_for("e-r0", tokens, [1, 2, 3])))
     worker.close()
     state = kvj.replay(journal)
-    victim = state.requests["e-r0"].segments[1].key
-    path = os.path.join(journal, "segments", "objects", victim[:2], victim + ".kvjseg")
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 3] ^= 0x40
-    open(path, "wb").write(bytes(data))
+    victim = state.requests["e-r0"].segments[1]
+    with SegmentStore(os.path.join(journal, "segments")) as store:
+        where = store.backend.describe(victim.key)  # the step's blocks went into one pack: PATH@OFFSET
+    path, offset = where.rsplit("@", 1)
+    with open(path, "r+b") as f:  # flip a bit inside the victim's bytes only
+        f.seek(int(offset) + victim.stored_size // 3)
+        byte = f.read(1)[0]
+        f.seek(int(offset) + victim.stored_size // 3)
+        f.write(bytes([byte ^ 0x40]))
 
     dst = [torch.zeros_like(c) for c in src]
     again = WorkerJournal(journal, LAYOUT, threads=2)
@@ -206,6 +211,7 @@ import sys, torch
 from kvj.integrations.vllm_worker import Finish, Save, Start, StepPlan, WorkerJournal
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
+from kvj.segments.store import SegmentStore
 layout = KVBlockLayout("test-model", "float32", 2, 2, 8, 4, LHNC)
 caches = [torch.randn(8, 2, 4, 16) for _ in range(2)]
 tokens = list(range(13))
