@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -30,12 +29,11 @@ from kvj.journal.config import STORE_DIR, config_store
 from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
+from kvj.trust import check_owner, trusted
 
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"
 MIRROR_ENV = "KVJ_MIRROR"
-#: Set to 1 to let kvj run as root on a journal or store another user owns.
-TRUST_ENV = "KVJ_TRUST_OWNER"
 
 JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=True, metavar="DIR",
                           help="Journal directory.")
@@ -356,36 +354,12 @@ def store_path(journal: str, store: Optional[str]) -> str:
         path = os.path.abspath(os.fspath(store))
     else:  # segments/ inside the journal (beside a seed-era journal file, which has no kvj.conf)
         path = os.path.join(journal if os.path.isdir(journal) else os.path.dirname(journal), STORE_DIR)
-        if os.path.islink(path) and os.environ.get(TRUST_ENV) != "1":
+        if os.path.islink(path) and not trusted():
             raise UnsafePath(f"{path} is a symbolic link: refused (name a store elsewhere with --store or "
                              f"{STORE_ENV})")
     if os.path.isdir(path):
         check_owner(path)
     return path
-
-
-def check_owner(path: str) -> None:
-    """As root, refuse a journal or store directory that another user owns, or that a group
-    other than root's or everyone may write, as git's safe.directory and logrotate do: whoever
-    can write it could plant links there to turn a privileged kvj against its machine. Run kvj
-    as that user, or set KVJ_TRUST_OWNER=1."""
-    if os.geteuid() != 0 or os.environ.get(TRUST_ENV) == "1":
-        return
-    st = os.stat(path)
-    owner = st.st_uid
-    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != 0):
-        who = "everyone" if st.st_mode & stat.S_IWOTH else f"group gid {st.st_gid}"
-        raise UnsafePath(f"{path} is writable by {who} and kvj runs as root: refused (chmod go-w {path}, run kvj "
-                         f"as the user who writes it, or set {TRUST_ENV}=1 to trust it)")
-    if owner != 0:
-        try:
-            import pwd
-
-            who = f"uid {owner} ({pwd.getpwuid(owner).pw_name})"
-        except KeyError:
-            who = f"uid {owner}"
-        raise UnsafePath(f"{path} belongs to {who} and kvj runs as root: refused (run kvj as that user, e.g. "
-                         f"User= in the unit, or set {TRUST_ENV}=1 to trust it)")
 
 
 # -- units -------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ ENVIRONMENT = [
     ("NO_COLOR", "When set, output has no colour. Colour and progress bars appear only when standard output "
                  "and standard error are terminals."),
     ("KVJ_DEBUG", "When set to 1, an internal error prints its Python traceback before the one-line message."),
-    ("KVJ_TRUST_OWNER", "When set to 1, kvj run as root works on a journal or store directory another user owns, "
+    ("KVJ_TRUST_OWNER", "When set to 1, kvj run as root (every command, and kvj.Journal.open and SegmentStore in "
+                        "the library) works on a journal or store directory another user owns, "
                         "or that everyone or a group other than root's may write (refused otherwise, with status 77: "
                         "whoever can write it could plant links there to turn a privileged kvj against the machine; "
                         "as git's safe.directory and logrotate). Better: run kvj as that user."),

@@ -28,6 +28,7 @@ from kvj.segments.backend import LocalDirBackend, ObjectStat, StorageBackend, Up
 from kvj.segments.codecs import Codec
 from kvj.segments.codecs.auto import AutoChoices, Backpressure
 from kvj.segments.layout import check_layout
+from kvj.trust import check_owner
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class SegmentStore:
         if backend is None:
             if root is None:
                 raise InvalidArgument("SegmentStore needs a root directory or a backend")
+            check_owner(root)  # as root, a store another user owns is refused (kvj.trust)
             backend = LocalDirBackend(root, fs)
         self.backend = backend
         self.max_segment_bytes = max_segment_bytes
