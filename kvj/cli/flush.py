@@ -95,7 +95,7 @@ def flush(
     from kvj.ops.flush import flush_request, flush_training, load_tensors, ordered
 
     token_range = parse_range(tokens, "token range") if tokens else None
-    path = journal_path(journal, legacy_ok=False, writing=True)
+    path = journal_path(journal, writing=True)
     tensors = ordered([item for f in files for item in load_tensors(f)],
                       order.split(",") if order is not None else None)
     layout_map = parse_pairs(layout, "--layout")

@@ -95,8 +95,8 @@ EXAMPLES: Dict[str, List[Tuple[str, str]]] = {
               ("kvj against SQLite and the fsync floor, three interleaved rounds",
                "kvj bench journal --dir /var/lib/kvj --repeat 3")],
     "demo": [("Replay a run's kill points", "kvj demo --seed 766060")],
-    "journal_replay": [("Recover a legacy JSON-lines journal",
-                        "journal_replay --log /var/lib/kvjournal --kv-store /var/lib/kvstore --recover")],
+    "journal_replay": [("Recover a journal after a reboot, as the KVJournal write-up's script does",
+                        "journal_replay --log /var/lib/kvj --kv-store /var/lib/kvj/segments --recover")],
 }
 
 

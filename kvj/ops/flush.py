@@ -1,6 +1,6 @@
 """Flushing tensors from files into a journal as segments (``kvj flush``).
 
-``load_tensors`` reads a .safetensors, .npy or .pt file (no pickle). ``plan_request`` says
+``load_tensors`` reads a .safetensors, .npy or .pt file (no pickle). ``plan_segments`` says
 which tensor becomes which segment of a request in flight and which tokens it covers,
 refusing a plan that does not fit the request (``InvalidArgument``) before anything is
 stored; ``flush_request`` and ``flush_training`` store each tensor durably, then journal
@@ -125,7 +125,7 @@ class PlannedSegment:
     tokens: Tuple[int, int]
 
 
-def plan_request(req: RequestState, tensors: Tensors, *, token_range: Optional[Tuple[int, int]] = None,
+def plan_segments(req: RequestState, tensors: Tensors, *, token_range: Optional[Tuple[int, int]] = None,
                  block_tokens: Optional[int] = None, start: Optional[int] = None, segment: Optional[int] = None,
                  token_dim: Optional[int] = None) -> List[PlannedSegment]:
     """Which segment of request ``req`` each tensor becomes, covering which tokens.
@@ -237,13 +237,13 @@ def flush_request(journal: Journal, request_id: str, tensors: Tensors, *, token_
                   token_dim: Optional[int] = None, layout: Optional[Mapping[str, Any]] = None, codec: str = "auto",
                   progress: Progress = _ignore) -> List[Flushed]:
     """Store ``tensors`` as the next segments of request ``request_id`` (in flight in
-    ``journal``) as ``plan_request`` places them, in ``journal.store``; returns once they
+    ``journal``) as ``plan_segments`` places them, in ``journal.store``; returns once they
     and their records are durable. A plan that does not fit, or a layout, dtype or shape
     other than the request's segments', is refused before anything is stored."""
     req = replay(journal.path).requests.get(request_id)
     if req is None or req.ended:
         raise InvalidArgument(f"request {request_id} is not in flight: record its start first (kvj record start)")
-    plan = plan_request(req, tensors, token_range=token_range, block_tokens=block_tokens, start=start,
+    plan = plan_segments(req, tensors, token_range=token_range, block_tokens=block_tokens, start=start,
                         segment=segment, token_dim=token_dim)
     layout = dict(layout or {})
     check_layout(req, layout, journal.store, plan[0].tensor)

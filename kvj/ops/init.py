@@ -68,8 +68,8 @@ def migrate(seed: str, journal: str, *, store: Optional[str] = None, drop_segmen
     if pointers and not drop_segments:
         raise InvalidArgument(f"{seed} has {sum(pointers.values())} seg_flush records pointing into the seed's KV "
                               "file, which a kvj journal cannot refer to: pass --drop-segments to migrate without "
-                              "them (those requests resume at token 0), or go on recovering the seed journal as it "
-                              "is (kvj recover and journal_replay read it)")
+                              "them (those requests resume at token 0; the seed journal and its KV file are only "
+                              "read)")
     init(journal, store=store, migrated_from=seed)
     written: List[int] = []
     with Journal.open(journal) as j:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kvj
 from kvj.errors import InvalidArgument
 from kvj.journal.state import RequestState, SegmentRef
-from kvj.ops.flush import flush_request, flush_training, ordered, plan_request
+from kvj.ops.flush import flush_request, flush_training, ordered, plan_segments
 
 
 def blk(i: int, tokens: int = 16) -> torch.Tensor:
@@ -31,14 +31,14 @@ def request(*ranges) -> RequestState:
 
 
 def test_blocks_follow_the_last_segment_from_the_resume_position():
-    plan = plan_request(request((0, 16), (16, 32)), [("a", blk(0)), ("b", blk(1)), ("c", blk(2))], block_tokens=16)
+    plan = plan_segments(request((0, 16), (16, 32)), [("a", blk(0)), ("b", blk(1)), ("c", blk(2))], block_tokens=16)
     assert [(p.name, p.segment, p.tokens) for p in plan] == [("a", 2, (32, 48)), ("b", 3, (48, 64)),
                                                             ("c", 4, (64, 80))]
 
 
 def test_replaced_segments_do_not_count_towards_the_resume_position():
     """Segments 1 and 2 are replaced: the blocks start where segment 0 ends, not after segment 2."""
-    plan = plan_request(request((0, 16), (16, 32), (32, 48)), [("a", blk(0)), ("b", blk(1))], block_tokens=16,
+    plan = plan_segments(request((0, 16), (16, 32), (32, 48)), [("a", blk(0)), ("b", blk(1))], block_tokens=16,
                         segment=1)
     assert [(p.segment, p.tokens) for p in plan] == [(1, (16, 32)), (2, (32, 48))]
 
@@ -55,17 +55,17 @@ def test_replaced_segments_do_not_count_towards_the_resume_position():
 def test_a_plan_that_does_not_fit_is_refused(case, kwargs, needle):
     tensors = [("a", blk(0))] if case == "overlap" else [("a", blk(0)), ("b", blk(1))]
     with pytest.raises(InvalidArgument, match=re.escape(needle)):
-        plan_request(request((0, 16)), tensors, **kwargs)
+        plan_segments(request((0, 16)), tensors, **kwargs)
 
 
 def test_blocks_of_different_dtypes_shapes_or_none_are_refused():
     for tensors in ([("a", blk(0)), ("b", blk(1).to(torch.float16))], [("a", blk(0)), ("b", torch.zeros(2, 16, 8))]):
         with pytest.raises(InvalidArgument, match="share dtype and shape"):
-            plan_request(request(), tensors, block_tokens=16)
+            plan_segments(request(), tensors, block_tokens=16)
     with pytest.raises(InvalidArgument, match="empty tensor"):
-        plan_request(request(), [("a", torch.zeros(2, 0, 4))], token_range=(0, 0))
+        plan_segments(request(), [("a", torch.zeros(2, 0, 4))], token_range=(0, 0))
     with pytest.raises(InvalidArgument, match="no tensor"):
-        plan_request(request(), [], block_tokens=16)
+        plan_segments(request(), [], block_tokens=16)
 
 
 def test_order_names_each_tensor_once():
@@ -99,9 +99,9 @@ def test_a_plan_starts_at_the_kept_resume_position_and_never_overlaps(ends, hole
     tensors = [(f"blk{i}", blk(i, 4)) for i in range(blocks)]
     if clash:
         with pytest.raises(InvalidArgument, match="overlap segment"):
-            plan_request(req, tensors, block_tokens=4, segment=first)
+            plan_segments(req, tensors, block_tokens=4, segment=first)
         return
-    plan = plan_request(req, tensors, block_tokens=4, segment=first)
+    plan = plan_segments(req, tensors, block_tokens=4, segment=first)
     assert [(p.segment, p.tokens) for p in plan] == list(zip(range(first, first + blocks), expected))
     for p in plan:
         after.segments[p.segment] = SegmentRef(p.segment, None, p.tokens, {}, 0, 0, None, "raw", 99)
