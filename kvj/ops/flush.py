@@ -126,8 +126,8 @@ class PlannedSegment:
 
 
 def plan_segments(req: RequestState, tensors: Tensors, *, token_range: Optional[Tuple[int, int]] = None,
-                 block_tokens: Optional[int] = None, start: Optional[int] = None, segment: Optional[int] = None,
-                 token_dim: Optional[int] = None) -> List[PlannedSegment]:
+                  block_tokens: Optional[int] = None, start: Optional[int] = None, segment: Optional[int] = None,
+                  token_dim: Optional[int] = None) -> List[PlannedSegment]:
     """Which segment of request ``req`` each tensor becomes, covering which tokens.
 
     The tensors become segments ``segment``, ``segment + 1``, ... (default: after the

@@ -39,7 +39,7 @@ def test_blocks_follow_the_last_segment_from_the_resume_position():
 def test_replaced_segments_do_not_count_towards_the_resume_position():
     """Segments 1 and 2 are replaced: the blocks start where segment 0 ends, not after segment 2."""
     plan = plan_segments(request((0, 16), (16, 32), (32, 48)), [("a", blk(0)), ("b", blk(1))], block_tokens=16,
-                        segment=1)
+                         segment=1)
     assert [(p.segment, p.tokens) for p in plan] == [(1, (16, 32)), (2, (32, 48))]
 
 
