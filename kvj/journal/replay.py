@@ -46,28 +46,6 @@ def check_journal(path: str) -> None:
                     raise refused(os.path.join(path, name))
 
 
-# Used by ops.recover and ops.fsck until their seed-era branches go (issue 23 item 5): replay
-# itself refuses seed-era journals (check_journal).
-def is_legacy(path: str) -> bool:
-    """True when ``path`` is a JSON-lines journal (a file, or a directory without kvj logs)."""
-    if os.path.isfile(path):
-        return True
-    if os.path.isdir(path):
-        names = os.listdir(path)
-        return not any(LOG_RE.match(n) for n in names) and any(n.endswith(SEED_SUFFIXES) for n in names)
-    return False
-
-
-def legacy_file(path: str) -> str:
-    """The .jsonl file of a legacy journal: ``path`` itself, or the only one in that directory."""
-    if os.path.isfile(path):
-        return path
-    files = sorted(n for n in os.listdir(path) if n.endswith(SEED_SUFFIXES))
-    if len(files) != 1:
-        raise FormatError(f"{path}: expected one .jsonl journal, found {len(files)}")
-    return os.path.join(path, files[0])
-
-
 class RecordStream:
     """Decoded records of a kvj journal after ``after_lsn``; ``tail`` is known once exhausted."""
 

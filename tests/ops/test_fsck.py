@@ -152,6 +152,19 @@ def test_a_seed_era_journal_is_refused_pointing_at_kvj_migrate(tmp_path, capsys)
     assert log.read_text() == content and os.listdir(tmp_path) == ["old.jsonl"]
 
 
+def test_the_library_refuses_a_seed_era_journal_too(tmp_path):
+    """Before issue 23 item 5, ``kvj.ops.fsck.fsck`` read a seed-era journal (the file, or a
+    directory holding it) and, with ``repair``, cut its torn last line."""
+    log = tmp_path / "old.jsonl"
+    content = '{"op": "start", "id": "a"}\n{"op": "sta'
+    log.write_text(content)
+    for path in (log, tmp_path):
+        for repair in (False, True):
+            with pytest.raises(kvj.LegacyJournal, match=f"{log} is a seed-era JSON-lines journal.*kvj migrate"):
+                fsck(str(path), repair=repair)
+    assert log.read_text() == content and os.listdir(tmp_path) == ["old.jsonl"]
+
+
 def test_newest_file_without_a_header(journal):
     with Journal.open(journal) as j:
         j.start("x")

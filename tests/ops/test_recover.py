@@ -178,8 +178,9 @@ def test_a_seed_era_journal_is_refused_pointing_at_kvj_migrate(tmp_path):
     assert_fails(proc, 65, f"{seed} is a seed-era JSON-lines journal", f"kvj migrate {seed} -j NEWDIR",
                  prog="journal_replay")
     for path in (str(log), str(seed)):
-        with pytest.raises(kvj.LegacyJournal, match="kvj migrate"):
-            recover(path)
+        for dry_run in (False, True):
+            with pytest.raises(kvj.LegacyJournal, match="kvj migrate"):
+                recover(path, dry_run=dry_run)
     assert seed.read_bytes() == before and os.listdir(log) == ["journal.jsonl"] and not (tmp_path / "kv").exists()
 def test_load_reports_segments_that_fail_after_planning(tmp_path):
     j = str(tmp_path / "j")
