@@ -11,13 +11,13 @@ from typing import Any
 
 from kvj.errors import InvalidName
 
-_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
+ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
 KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def check_request_id(request_id: Any) -> str:
     """Validate a request id: 1-256 safe characters, never a path component like '..'."""
-    if not isinstance(request_id, str) or not _ID_RE.fullmatch(request_id):
+    if not isinstance(request_id, str) or not ID_RE.fullmatch(request_id):
         raise InvalidName(f"invalid request id {request_id!r}: use 1-256 of [A-Za-z0-9._:@+=-], "
                           "the first a letter, digit or '_'")
     return request_id

@@ -45,6 +45,11 @@ MirrorOpt = typer.Option("--mirror", envvar=MIRROR_ENV, show_envvar=True, metava
 MirrorPolicyOpt = typer.Option("--mirror-policy", metavar="fail|degrade",
                                help="When the mirror fails: fail the writer (the default), or go on with the "
                                     "journal's copy alone after a warning.")
+RecoveryModeOpt = typer.Option("--recovery-mode", metavar="MODE",
+                               help="What ends the log (kvj-journal(5), RECOVERY MODES): tolerate-torn-tail (the "
+                                    "default: a torn tail is cut, a damaged tail is an error), absolute-consistency "
+                                    "(both are errors), point-in-time (recovery stops before the first damage and "
+                                    "records the loss).")
 JsonOpt = typer.Option("--json", help="Print JSON (one object, or NDJSON for record streams) for scripts and jq.")
 
 #: Paths are plain strings, so an unreadable one fails in the command with the OS's error
@@ -54,6 +59,7 @@ StoreArg = Annotated[Optional[str], StoreOpt]
 JsonArg = Annotated[bool, JsonOpt]
 MirrorArg = Annotated[Optional[str], MirrorOpt]
 MirrorPolicyArg = Annotated[str, MirrorPolicyOpt]
+RecoveryModeArg = Annotated[str, RecoveryModeOpt]
 
 #: NO_COLOR (no-color.org) turns off every escape sequence, bold included, not just colours.
 _STYLES = None if os.environ.get("NO_COLOR") else "auto"

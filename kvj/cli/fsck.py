@@ -13,6 +13,7 @@ from kvj.cli.common import (
     JsonArg,
     OutputClosed,
     OutputFailed,
+    RecoveryModeArg,
     StoreArg,
     click,
     emit_json,
@@ -45,6 +46,7 @@ def fsck(journal: JournalArg = None,
                                                        help="Read only this share of the segments in full (e.g. "
                                                        "10%), chosen at random; check the others' headers.")]
          = None,
+         mode: RecoveryModeArg = "tolerate-torn-tail",
          as_json: JsonArg = False) -> None:
     """Check framing and CRCs, LSN order, snapshots and every segment; list orphans.
 
@@ -58,9 +60,16 @@ def fsck(journal: JournalArg = None,
     store's quarantine.
 
     What recovery handles by itself is a warning, not an error, so that `kvj fsck && kvj
-    recover` recovers after a crash: a damaged or torn tail (recovery cuts it and keeps
-    the bytes in torn/), an empty newest log file, a needed segment an earlier --repair
-    quarantined (recovery falls back to the segments before it).
+    recover` recovers after a crash: a torn tail (the bytes a crash while writing the last
+    group leaves; recovery cuts it and keeps the bytes in torn/), an empty newest log
+    file, a needed segment an earlier --repair quarantined (recovery falls back to the
+    segments before it). A damaged tail, a last group a torn write cannot leave (one
+    flipped bit, a record failing its CRC where its sectors verify, bytes after it), is
+    an error (status 4) that --repair leaves, since its records may have been
+    acknowledged: the finding says how many; kvj recover --recovery-mode point-in-time
+    sets it aside and records the loss. --recovery-mode judges the end of the log as
+    recovery in that mode would: point-in-time makes a damaged tail a warning,
+    absolute-consistency makes a torn tail an error (--repair cuts it).
 
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
@@ -84,7 +93,7 @@ def fsck(journal: JournalArg = None,
         path = journal_path(journal)
         with progress() as update:
             result = check_journal(path, store_path(path, store), repair=repair, preen=preen, sample=sample,
-                                   progress=update)
+                                   progress=update, mode=mode)
     except (typer.Exit, click.exceptions.ClickException):
         raise
     except KeyboardInterrupt:

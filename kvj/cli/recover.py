@@ -10,8 +10,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, ago, done, emit_json,
-                            journal_path, out, progress, rate, store_path)
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, ago,
+                            done, emit_json, journal_path, out, progress, rate, store_path)
 from kvj.cli.errors import FAILURE
 from kvj.errors import CorruptionError
 from kvj.ops.inspection import human_size
@@ -23,9 +23,9 @@ DeviceOpt = typer.Option("--device", metavar="DEVICE",
                          help="Also load every planned segment onto DEVICE (cpu, cuda:0, ...) and report "
                               "time and GB/s.")
 DryRunOpt = typer.Option("--dry-run", "-n", help="Change nothing: no tail cut, no manifest, no epoch record.")
-UntilDamageOpt = typer.Option("--until-damage", help="Salvage a journal damaged in the middle of its log: recover "
-                              "it as of the last record before the damage, set the damage and everything after it "
-                              "aside in torn/, and say exactly what is lost (recorded in the epoch record).")
+UntilDamageOpt = typer.Option("--until-damage", help="Salvage a damaged journal (--recovery-mode point-in-time): "
+                              "recover it as of the last record before the damage, set the damage and everything "
+                              "after it aside in torn/, and say exactly what is lost (recorded in the epoch record).")
 
 
 def recover(journal: JournalArg = None,
@@ -33,13 +33,14 @@ def recover(journal: JournalArg = None,
             device: Annotated[Optional[str], DeviceOpt] = None,
             dry_run: Annotated[bool, DryRunOpt] = False,
             until_damage: Annotated[bool, UntilDamageOpt] = False,
+            mode: RecoveryModeArg = "tolerate-torn-tail",
             as_json: JsonArg = False,
             mirror: MirrorArg = None,
             mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Recover after a crash: verify, plan, and write the recovery manifest.
 
-    Takes the writer lock (fails with status 75 while a writer runs), cuts a damaged or
-    torn tail (the cut bytes are kept in JOURNAL/torn/), replays the journal, verifies the digest of
+    Takes the writer lock (fails with status 75 while a writer runs), cuts a torn tail
+    (the cut bytes are kept in JOURNAL/torn/), replays the journal, verifies the digest of
     every segment the live state needs, and writes JOURNAL/recovery/manifest-EPOCH.json:
     the requests to resume with their prompt, tokens, resume positions and segment keys,
     and the training state to restore (checkpoint and deltas). A request whose newest
@@ -50,18 +51,24 @@ def recover(journal: JournalArg = None,
 
     Arguments that cannot work are refused before anything is written: a --device that
     cannot be used here is status 64, a missing or empty store while the journal needs
-    segments (a mistyped --store or KVJ_STORE) is status 66. Exit status 1 when --device
-    could not load everything.
+    segments (a mistyped --store or KVJ_STORE; not one that quarantined a needed segment)
+    is status 66. Exit status 1 when --device could not load everything.
 
     It tells the story: per request the tokens restorable and lost, the totals, what the
     journal recorded since the previous recovery, and the next step. A journal damaged in
-    the middle of its log is refused (status 65); --until-damage is the explicit way
-    forward (as pg_resetwal): recovery as of the last record before the damage, the
-    damage and everything after it kept in torn/, and the LSNs, requests, tokens and
-    training steps lost stated and recorded in the recovery-epoch record.
+    the middle of its log is refused (status 65), and so is a damaged tail: a last group
+    that a torn write cannot leave (one flipped bit, a record failing its CRC where its
+    sectors verify, bytes after it), whose records may have been acknowledged; the error
+    says how many it held. --recovery-mode point-in-time (or --until-damage) is the
+    explicit way forward (as pg_resetwal): recovery as of the last record before the
+    damage, the damage and everything after it kept in torn/, and the LSNs, requests,
+    tokens and training steps lost stated and recorded in the recovery-epoch record.
+    --recovery-mode absolute-consistency refuses a torn tail too (status 65), for a
+    journal that was shut down cleanly.
     """
     path = journal_path(journal)
-    _run(path, store_path(path, store), device, dry_run, as_json, mirror, mirror_policy, until_damage)
+    _run(path, store_path(path, store), device, dry_run, as_json, mirror, mirror_policy,
+         "point-in-time" if until_damage else mode)
 
 
 def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
@@ -85,18 +92,19 @@ def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="
 
 
 def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: bool, mirror: Optional[str],
-         mirror_policy: str, until_damage: bool = False) -> None:
+         mirror_policy: str, mode: str = "tolerate-torn-tail") -> None:
     if device is not None:
         check_device(device)  # before anything is written: a device that cannot work is a usage error
     with progress() as update:
         try:
-            result = recover_journal(path, store, dry_run=dry_run, until_damage=until_damage, progress=update,
+            result = recover_journal(path, store, dry_run=dry_run, mode=mode, progress=update,
                                      mirror=mirror, mirror_policy=mirror_policy)
         except CorruptionError as exc:
-            if until_damage:
+            if mode == "point-in-time":
                 raise
             raise CorruptionError(exc.path, exc.offset, f"{exc.reason}; nothing was changed (kvj recover "
-                                  "--until-damage recovers what precedes the damage, see kvj-recover(1))") from None
+                                  "--until-damage recovers what precedes the damage: recovery mode point-in-time, "
+                                  "see kvj-recover(1))") from None
         if not result.dry_run:
             epoch = f", epoch record at LSN {result.epoch_lsn}" if result.epoch_lsn is not None else ""
             done(f"recovery is done: manifest {result.manifest_path}{epoch}")
@@ -123,7 +131,7 @@ def summary(result: RecoveryResult) -> Group:
     tail = m.get("torn_tail")
     if tail:
         kept = f", kept at {tail['kept_at']}" if tail.get("kept_at") else "; recovery cuts it and keeps the bytes in torn/"
-        parts.append(Text(f"damaged or torn tail: {tail['length']} bytes{kept}", style="yellow"))
+        parts.append(Text(f"torn tail: {tail['length']} bytes{kept}", style="yellow"))
     salvage = m.get("salvage")
     if salvage:
         parts += _salvage(salvage, result.dry_run)

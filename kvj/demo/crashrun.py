@@ -1,10 +1,10 @@
 """Crash experiments: run a journaled workload process, SIGKILL it, recover, compare.
 
-Shared by the demo, the end-to-end tests and ``scripts/gpu_e2e.py``: ``start`` launches
-``python -m kvj.demo.worker ...``, ``kill_when`` reads its JSON-lines progress until a
-predicate says "now", sends SIGKILL and collects every line the process wrote before it
-died; ``finish`` runs one to completion; ``kvj`` runs the installed ``kvj`` console script
-(or its entry point when no script is on disk), exactly as an operator would;
+Shared by the demo, the end-to-end tests and ``scripts/gpu_check.py``: ``start`` launches
+a workload process (``python -m kvj.demo.worker ...``), ``kill_when`` reads its JSON-lines
+progress until a predicate says "now", sends SIGKILL and collects every line the process
+wrote before it died; ``finish`` runs one to completion; ``kvj`` runs the installed ``kvj``
+console script (or its entry point when no script is on disk), exactly as an operator would;
 ``generation_kill_cycles`` chains kills and recoveries; ``uninterrupted_generation`` and
 ``uninterrupted_training`` compute what a run without a crash produces, for comparison.
 """

@@ -3,10 +3,13 @@
 ``Scan`` yields framed records in LSN order. What it finds wrong it hands to a reporter,
 as LevelDB's ``log::Reader`` hands corruption to its ``Reporter``: the default raises,
 so replay, compaction and the writer stop at the first damage; fsck passes one that
-records each finding and returns, and the walk goes on past the damage. A damaged or
-incomplete group at the end of the newest log file is a torn tail: the end of the log
-(``Scan.tail``). Damage anywhere else, or damage followed by a valid later group, is
-corruption. ``decode`` turns a framed record into a ``Record`` or raises
+records each finding and returns, and the walk goes on past the damage. An invalid group
+at the end of the newest log file, with no valid group after it, is the end of the log
+(``Scan.tail``): a torn tail when its bytes can be a torn write (kind ``torn``), a damaged
+tail when they cannot (kind ``damaged-tail``, an error: ``framing.tail_evidence``). Damage
+anywhere else, or damage followed by a valid later group, is corruption. The recovery
+modes (``RECOVERY_MODES``) say which of these end the log and which are errors, for
+recovery and fsck. ``decode`` turns a framed record into a ``Record`` or raises
 ``CorruptionError``; every reader uses it.
 
 A mirrored journal (``kvj.journal.mirror``) has a second copy of each log file, byte for
@@ -24,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tuple, Union
 
-from kvj.errors import CorruptionError, FormatError
+from kvj.errors import CorruptionError, FormatError, InvalidArgument
 from kvj.fileio import open_read
 from kvj.journal.framing import (
     FILE_HEADER_SIZE,
@@ -36,17 +39,37 @@ from kvj.journal.framing import (
     header_torn,
     later_group_exists,
     parse_group,
+    tail_evidence,
 )
 from kvj.journal.mirror import mirror_of
 from kvj.journal.records import decode_payload
 
 LOG_RE = re.compile(r"^(\d{16})\.log$")
 
-#: Kinds of ``Damage``. Only ``corruption``, ``lsn-gap``, ``lsn-order`` and ``format`` are errors
-#: in themselves; a torn tail ends the log, a gap a snapshot covers is expected after compaction,
-#: and ``copy`` is one copy of a mirrored journal lacking or damaging what the other holds intact.
-CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, TORN, COVERED_GAP, COPY = (
-    "corruption", "lsn-gap", "lsn-order", "format", "torn", "covered-gap", "copy")
+#: Kinds of ``Damage``. ``corruption``, ``lsn-gap``, ``lsn-order``, ``format`` and ``damaged-tail``
+#: are errors in themselves; a torn tail ends the log, a gap a snapshot covers is expected after
+#: compaction, and ``copy`` is one copy of a mirrored journal lacking or damaging what the other
+#: holds intact. A damaged tail is a last group whose bytes a torn write cannot leave: it was
+#: durable, so its records may have been acknowledged (see ``RECOVERY_MODES``).
+CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, TORN, COVERED_GAP, COPY, DAMAGED_TAIL = (
+    "corruption", "lsn-gap", "lsn-order", "format", "torn", "covered-gap", "copy", "damaged-tail")
+
+#: Recovery modes, after RocksDB's ``WALRecoveryMode`` (man/kvj-journal.5, RECOVERY MODES):
+#: what ends the log and what is an error, for ``kvj recover`` and ``kvj fsck``.
+#: tolerate-torn-tail (the default): a torn tail is the end of the log (cut, its bytes kept);
+#: a damaged tail is an error. absolute-consistency: both are errors (a journal shut down
+#: cleanly has neither). point-in-time: recovery stops just before the first damage, wherever
+#: it is, and says what is lost (``kvj.ops.salvage``). RocksDB's fourth mode, skipping
+#: corrupted records, is not offered: damage is never skipped.
+TOLERATE_TORN_TAIL, ABSOLUTE_CONSISTENCY, POINT_IN_TIME = "tolerate-torn-tail", "absolute-consistency", "point-in-time"
+RECOVERY_MODES = (TOLERATE_TORN_TAIL, ABSOLUTE_CONSISTENCY, POINT_IN_TIME)
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is one of ``RECOVERY_MODES``, else ``InvalidArgument``."""
+    if mode not in RECOVERY_MODES:
+        raise InvalidArgument(f"unknown recovery mode {mode!r}: expected one of {', '.join(RECOVERY_MODES)}")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -72,17 +95,23 @@ def decode(raw: RawRecord) -> Record:
 
 @dataclass
 class TornTail:
-    """Bytes at the end of the newest log file that do not form a complete group.
+    """Bytes at the end of the newest log file that do not form a valid group.
 
     ``offset`` 0 means the file's header itself is incomplete (a crash while creating it).
+    ``damaged``: the bytes cannot be a torn write (``framing.tail_evidence``; ``why`` says what
+    was found); ``records``: how many records the group there declares, when known.
     """
 
     path: str
     offset: int
     length: int
+    damaged: bool = False
+    records: Optional[int] = None
+    why: str = ""
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "offset": self.offset, "length": self.length}
+        return {"path": self.path, "offset": self.offset, "length": self.length, "damaged": self.damaged,
+                "records": self.records, "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -93,7 +122,8 @@ class Damage:
     path: str
     offset: Optional[int]
     reason: str
-    length: int = 0  # bytes affected, for a torn tail
+    length: int = 0  # bytes affected, for a torn or damaged tail
+    records: Optional[int] = None  # records the group there declares, for a torn or damaged tail (when known)
 
 
 #: Called with each ``Damage``; raising stops the scan, returning lets it go on past the damage.
@@ -326,8 +356,12 @@ class Scan:
                               if off is not None), None)
                 if later is None and is_last:
                     self.end_offset = origin + pos
-                    for i, d in datas:
-                        self._torn(copies.paths[i], origin + pos, len(d) - pos)
+                    # torn unless every copy holding bytes here shows damage: a group is acknowledged
+                    # only once written in every copy, so one copy's torn write proves it was not
+                    evidence = [(i, d, tail_evidence(d, pos, header.salt, header.version, origin)) for i, d in datas]
+                    damaged = all(e.damaged for _i, _d, e in evidence)
+                    for i, d, e in evidence:
+                        self._torn(copies.paths[i], origin + pos, len(d) - pos, e.why, e.records, damaged)
                     self.next_lsn = self._expected
                     return True
                 where = (f"followed by a valid one at offset {origin + later}" if later is not None
@@ -429,14 +463,23 @@ class Scan:
             self.report(Damage(kind, path, 0, f"log file begins at LSN {base}, expected {expected} "
                                "(missing or extra log file)"))
 
-    def _torn(self, path: str, offset: int, length: int) -> None:
-        self.report(Damage(TORN, path, offset, f"torn tail of {length} bytes", length))
+    def _torn(self, path: str, offset: int, length: int, why: str = "", records: Optional[int] = None,
+              damaged: bool = False) -> None:
+        """The end of the log: a torn tail (or, ``damaged``, a damaged one, an error) of ``length``
+        bytes; ``why`` says what its bytes are, ``records`` how many records its group declares."""
+        said = f": {why}" if why else ""
+        if damaged:
+            self.tail = self.tail or TornTail(path, offset, length, True, records, why)
+            self.report(Damage(DAMAGED_TAIL, path, offset, f"damaged last commit group, {length} bytes{said}",
+                               length, records))
+            return
+        self.report(Damage(TORN, path, offset, f"torn tail of {length} bytes{said}", length, records))
         if length == 0:
             return
         if self.tail is None:
-            self.tail = TornTail(path, offset, length)
+            self.tail = TornTail(path, offset, length, False, records, why)
         if self.strict:
-            raise CorruptionError(path, offset, f"torn tail of {length} bytes (strict mode)")
+            raise CorruptionError(path, offset, f"torn tail of {length} bytes{said} (strict mode)")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import msgspec
 
 from kvj.errors import FormatError, InvalidName
 from kvj.journal.framing import MAX_RECORD_PAYLOAD
-from kvj.names import check_key, check_request_id
+from kvj.names import ID_RE, KEY_RE, check_key, check_request_id
 
 
 class RecordType(IntEnum):
@@ -62,6 +62,12 @@ class Schema(msgspec.Struct, gc=False, omit_defaults=True):
         ``new``: a record about to be appended, whose maps must also hold only finite numbers."""
 
 
+#: The tests of ``check_request_id`` and ``check_key``, called directly on the hot path (a record
+#: a call): the checker functions run only to raise, saying why.
+_id_ok = ID_RE.fullmatch
+_key_ok = KEY_RE.fullmatch
+
+
 class Start(Schema):
     id: str
     prompt_hash: Optional[str]
@@ -69,8 +75,10 @@ class Start(Schema):
     meta: Dict[str, Any]
 
     def check(self, new: bool) -> None:
-        check_request_id(self.id)
-        _plain(self.meta, "meta", new)
+        if _id_ok(self.id) is None:
+            check_request_id(self.id)
+        if not (_FLAT_NEW if new else _FLAT_READ).issuperset(map(type, self.meta.values())):
+            _walk(self.meta, "meta", new)
 
 
 class Segment(Schema):
@@ -85,13 +93,16 @@ class Segment(Schema):
     codec: str
 
     def check(self, new: bool) -> None:
-        check_request_id(self.id)
-        check_key(self.key)
+        if _id_ok(self.id) is None:
+            check_request_id(self.id)
+        if _key_ok(self.key) is None:
+            check_key(self.key)
         if new and self.seg < 0:  # read back, a negative number is kept: kvj before 0.2 wrote what it was given
             raise FormatError(f"segment record has negative segment number {self.seg}")
         if self.tokens[0] > self.tokens[1]:
             raise FormatError(f"segment record has bad token range {self.tokens!r}")
-        _plain(self.layout, "layout", new)
+        if not (_FLAT_NEW if new else _FLAT_READ).issuperset(map(type, self.layout.values())):
+            _walk(self.layout, "layout", new)
 
 
 class End(Schema):
@@ -99,7 +110,8 @@ class End(Schema):
     status: str
 
     def check(self, new: bool) -> None:
-        check_request_id(self.id)
+        if _id_ok(self.id) is None:
+            check_request_id(self.id)
 
 
 class Alloc(Schema):
@@ -239,7 +251,8 @@ _FLAT_READ = frozenset(_READ_LEAVES)
 
 def _plain(value: Dict[str, Any], where: str, new: bool) -> None:
     """Check a map whose keys msgspec already checked are strings: one pass in C over the
-    types of its values for the usual flat map of scalars, else the walk of ``_walk``."""
+    types of its values for the usual flat map of scalars, else the walk of ``_walk``
+    (written out in the checks of start and segment records, the most frequent)."""
     if not (_FLAT_NEW if new else _FLAT_READ).issuperset(map(type, value.values())):
         _walk(value, where, new)
 

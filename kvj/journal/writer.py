@@ -5,7 +5,9 @@ syscall. The committer thread takes whatever accumulated while the previous fdat
 ran, writes it as one commit group and fdatasyncs it. A group is written ``max_delay``
 seconds after its first record, or once ``max_records`` are pending, as soon as the
 fdatasync in flight returns: a record is durable within ``max_delay`` plus two
-fdatasync times. At most ``max_pending_records`` records are ever appended but not
+fdatasync times. With ``max_group_records`` a group holds at most that many records:
+``append`` seals the buffer when it is full and starts the next, which fills while the
+committer writes and fdatasyncs the sealed one. At most ``max_pending_records`` records are ever appended but not
 durable (``append`` blocks beyond that), so that is the most a crash can lose. A failed write or fsync is final: the
 writer enters the failed state, every waiter gets the error, fsync is never retried.
 
@@ -23,9 +25,10 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Iterable, List, Mapping, Optional, Tuple, Union
 
 from crc32c import crc32c
 
@@ -56,6 +59,9 @@ class CommitPolicy:
     #: can lose, however slow the disk's fsync gets (groups never grow past it)
     max_pending_records: int = 10_000
     file_size_limit: int = 64 << 20  # rotate to a new log file after this many bytes
+    #: at most this many records per commit group (None: a group takes all that is pending), so
+    #: that records per fdatasync stay fixed under bulk load while the next group fills
+    max_group_records: Optional[int] = None
 
     def __post_init__(self) -> None:
         """Refuse, where the policy is made, a value the writer cannot work with (a zero
@@ -67,6 +73,9 @@ class CommitPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"commit policy: {name} must be an integer >= 1, not {value!r}")
+        cap = self.max_group_records
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise InvalidArgument(f"commit policy: max_group_records must be None or an integer >= 1, not {cap!r}")
 
 
 class LogWriter:
@@ -94,7 +103,11 @@ class LogWriter:
         # reader accepts (kvj-journal(5), Limits), whatever the policy allows.
         self._max_buffer = min(policy.max_buffer_bytes, MAX_GROUP_BODY - MAX_RECORD_PAYLOAD - RECORD_HEADER_SIZE)
         self._max_pending = policy.max_pending_records
-        self._max_records = policy.max_records
+        #: a full group (``max_group_records``) is sealed for the committer: see ``_seal``
+        self._group_cap = policy.max_group_records or 0  # 0: no cap
+        self._max_records = min(policy.max_records, self._group_cap) if self._group_cap else policy.max_records
+        self._sealed: Deque[Tuple[bytearray, int, int]] = deque()
+        self._sealed_bytes = 0
         self._buf = bytearray()
         self._count = 0
         self._first_lsn = next_lsn
@@ -167,10 +180,23 @@ class LogWriter:
 
     def _group_due(self, count: int) -> None:
         """(Lock held) wake the committer for a group's first record (its max_delay starts)
-        or once max_records are pending."""
+        or once max_records are pending; seal the group once it holds max_group_records."""
         if count == 1:
             self._first_time = time.monotonic()
+        if count == self._group_cap:
+            self._seal()
         self._wake.notify()
+
+    def _seal(self) -> None:
+        """(Lock held) queue the full buffer as a group for the committer and start the next.
+        ``_max_buffer`` shrinks by the sealed bytes, so ``max_buffer_bytes`` bounds them all."""
+        buf = self._buf
+        self._sealed.append((buf, self._count, self._first_lsn))
+        self._sealed_bytes += len(buf)
+        self._max_buffer = self.policy.max_buffer_bytes - self._sealed_bytes
+        self._first_lsn += self._count
+        self._buf = bytearray()
+        self._count = 0
 
     def _wait_for_room(self) -> Tuple[int, bytearray]:
         """Block (lock held) while the buffer is full or too many records are not yet durable:
@@ -311,6 +337,12 @@ class LogWriter:
         policy = self.policy
         with self._lock:
             while True:
+                if self._sealed:  # full groups come first: they are older than the buffer
+                    data, count, first = self._sealed.popleft()
+                    self._sealed_bytes -= len(data)
+                    self._max_buffer = policy.max_buffer_bytes - self._sealed_bytes
+                    self._done.notify_all()  # room in the buffer again
+                    return data, count, first
                 if self._count:
                     due = (self._closing or self._count >= policy.max_records
                            or self._sync_target >= self._first_lsn)

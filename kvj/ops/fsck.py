@@ -5,12 +5,20 @@ every snapshot (checksum, position in the log, and agreement with the log it was
 compacted from while that log still exists), that every segment the live state needs
 exists with a matching digest, and lists orphan segments.
 
-``repair=True`` cuts a damaged or torn tail (its bytes kept in ``torn/``), sets a damaged
-or disagreeing snapshot aside when the log can replace it, and quarantines damaged
-segments. Nothing is deleted: whatever a repair removes from the live journal is kept.
-``preen=True`` (e2fsck's -p) repairs only what needs no decision: what recovery would
-cut anyway (a damaged or torn tail, an incomplete newest log header) and damaged segments
-no record refers to; anything else is left as an error for ``--repair`` and a person.
+``repair=True`` cuts a torn tail (its bytes kept in ``torn/``), sets a damaged or
+disagreeing snapshot aside when the log can replace it, and quarantines damaged segments.
+Nothing is deleted: whatever a repair removes from the live journal is kept. ``preen=True``
+(e2fsck's -p) repairs only what needs no decision: what recovery would cut anyway (a torn
+tail, an incomplete newest log header) and damaged segments no record refers to; anything
+else is left as an error for ``--repair`` and a person.
+
+The end of the log is judged by the recovery ``mode`` (``kvj.journal.reader.RECOVERY_MODES``),
+as recovery in that mode would: by default a torn tail (bytes a crash during the last
+write can leave) is a warning and a damaged tail (a last group that was whole on disk:
+one flipped bit, bytes after it, ...) is an error that neither repair touches, since its
+records may have been acknowledged: ``kvj recover --recovery-mode point-in-time`` sets it
+aside and records the loss, and in that mode fsck calls it a warning. Under
+absolute-consistency a torn tail is an error too (``--repair`` cuts it).
 
 Without either nothing is written, not even a lock file: the locks are held shared,
 through lock files opened read-only, and every write goes to ``READ_ONLY_FS``, which
@@ -23,10 +31,10 @@ the record claims).
 
 The result's ``exit_code`` follows e2fsck: 0 clean, 1 errors corrected, 4 errors left
 uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned). What
-recovery handles by itself is a warning, not an error, so ``kvj fsck && kvj recover``
-recovers after a crash: a damaged or torn tail (recovery cuts it and keeps the bytes), an
-empty newest log file (a crash while rotating), and a needed segment that an earlier
-repair quarantined (recovery falls back to the segments before it).
+recovery (in the same mode) handles by itself is a warning, not an error, so ``kvj fsck
+&& kvj recover`` recovers after a crash: a torn tail (recovery cuts it and keeps the
+bytes), an empty newest log file (a crash while rotating), and a needed segment that an
+earlier repair quarantined (recovery falls back to the segments before it).
 """
 
 from __future__ import annotations
@@ -44,7 +52,22 @@ from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLoc
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
 from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
 from kvj.journal.locks import LOCK_NAME, DirLock
-from kvj.journal.reader import COPY, COVERED_GAP, TORN, Damage, Scan, TornTail, decode, list_logs, read_header
+from kvj.journal.reader import (
+    ABSOLUTE_CONSISTENCY,
+    COPY,
+    COVERED_GAP,
+    DAMAGED_TAIL,
+    POINT_IN_TIME,
+    TOLERATE_TORN_TAIL,
+    TORN,
+    Damage,
+    Scan,
+    TornTail,
+    check_mode,
+    decode,
+    list_logs,
+    read_header,
+)
 from kvj.journal.replay import check_journal
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
@@ -79,6 +102,7 @@ class FsckResult:
     path: str
     repair: bool
     preen: bool = False
+    mode: str = TOLERATE_TORN_TAIL  # the recovery mode the end of the log is judged by
     findings: List[Finding] = field(default_factory=list)
     logs: int = 0
     records: int = 0
@@ -106,7 +130,8 @@ class FsckResult:
         return code
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"path": self.path, "repair": self.repair, "preen": self.preen, "exit_code": self.exit_code,
+        return {"path": self.path, "repair": self.repair, "preen": self.preen, "mode": self.mode,
+                "exit_code": self.exit_code,
                 "logs": self.logs, "records": self.records, "snapshots": self.snapshots,
                 "first_lsn": self.first_lsn, "last_lsn": self.last_lsn,
                 "segments_checked": self.segments_checked, "data_verified": self.data_verified,
@@ -138,10 +163,10 @@ def set_aside(path: str, fs: FS = REAL_FS) -> str:
 
 class _Checker:
     def __init__(self, path: str, store: Any, repair: bool, preen: bool, sample: Optional[float], fs: FS,
-                 progress: Optional[Progress]):
+                 progress: Optional[Progress], mode: str = TOLERATE_TORN_TAIL):
         self.path, self.store_arg, self.fs, self.progress = path, store, fs, progress
-        self.repair, self.preen, self.sample = repair, preen, sample
-        self.result = FsckResult(path, repair, preen)
+        self.repair, self.preen, self.sample, self.mode = repair, preen, sample, mode
+        self.result = FsckResult(path, repair, preen, mode)
 
     def add(self, severity: str, kind: str, message: str, path: Optional[str] = None,
             offset: Optional[int] = None) -> Finding:
@@ -235,6 +260,8 @@ class _Checker:
             self.add("note", "covered-gap", f"{damage.reason}: compacted into the snapshot", damage.path, 0)
         elif damage.kind == COPY:  # one copy of a mirrored journal is bad; the other was read
             self.add("warning", "mirror-copy", damage.reason, damage.path, damage.offset)
+        elif damage.kind == DAMAGED_TAIL:
+            self._damaged_tail(damage)
         elif damage.kind != TORN:
             self.add("error", damage.kind, damage.reason, damage.path, damage.offset)
         elif damage.offset == 0 and self.result.writer_live:
@@ -243,20 +270,47 @@ class _Checker:
             self.add("note", "empty-log", "the newest log file is empty (a crash while starting it): harmless, "
                      "the next writer replaces it", damage.path, 0)
         elif damage.offset == 0:
-            finding = self.add("warning", "torn-header", f"the newest log file has an incomplete header "
+            finding = self.add(self._torn_severity(), "torn-header", f"the newest log file has an incomplete header "
                                f"({damage.length} bytes: a crash while creating it, or damage); no record is in it. "
-                               f"Recovery (or fsck --repair) moves its bytes to {TORN_DIR}/", damage.path, 0)
-            self.fix(finding, lambda: self._drop_file(damage.path, damage.length), preen=True)
+                               f"{self._cut_by()} moves its bytes to {TORN_DIR}/", damage.path, 0)
+            self.fix(finding, lambda: self._drop_file(damage.path, damage.length),
+                     preen=self.mode != ABSOLUTE_CONSISTENCY)
         elif self.result.writer_live:
             self.add("note", "tail-in-progress", f"{damage.length} bytes after the last complete group: "
                      "the live writer may be writing them", damage.path, damage.offset)
         else:
             tail = TornTail(damage.path, damage.offset or 0, damage.length)
-            finding = self.add("warning", "torn-tail", f"damaged or torn tail of {damage.length} bytes: the end of "
-                               "the log (a crash while writing it, or damage to its last group, whose records may "
-                               "have been acknowledged). Recovery (or fsck --repair) cuts it and keeps the bytes in "
-                               f"{TORN_DIR}/", damage.path, damage.offset)
-            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}", preen=True)
+            finding = self.add(self._torn_severity(), "torn-tail", f"{damage.reason}. The end of the log: its "
+                               f"bytes are what a crash while writing it leaves. {self._cut_by()} cuts it and keeps "
+                               f"the bytes in {TORN_DIR}/", damage.path, damage.offset)
+            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}",
+                     preen=self.mode != ABSOLUTE_CONSISTENCY)
+
+    def _torn_severity(self) -> str:
+        """A torn tail is what recovery cuts by itself, except under absolute-consistency."""
+        return "error" if self.mode == ABSOLUTE_CONSISTENCY else "warning"
+
+    def _cut_by(self) -> str:
+        if self.mode == ABSOLUTE_CONSISTENCY:
+            return "Recovery in this mode refuses it; kvj fsck --repair"
+        return "Recovery (or fsck --repair)"
+
+    def _damaged_tail(self, damage: Damage) -> None:
+        """A last group that cannot be a torn write: an error that no repair touches (its
+        records may have been acknowledged), unless point-in-time recovery is what is asked
+        for, which sets it aside and records the loss."""
+        held = f"{damage.records} records" if damage.records is not None else "records"
+        if self.mode == POINT_IN_TIME:
+            self.add("warning", "damaged-tail", f"{damage.reason}. Recovery in point-in-time mode ends the log "
+                     f"before it, sets it aside in {TORN_DIR}/ and records the loss of its {held}",
+                     damage.path, damage.offset)
+            return
+        finding = self.add("error", "damaged-tail", f"{damage.reason}. Its {held} may have been acknowledged as "
+                           "durable: kvj recover refuses the journal; kvj recover --recovery-mode point-in-time ends "
+                           f"the log before it, sets it aside in {TORN_DIR}/ and records the loss", damage.path,
+                           damage.offset)
+        if self.repair or self.preen:
+            finding.action = "left: cutting it loses records that may have been acknowledged (see above)"
 
     def _drop_file(self, path: str, size: int) -> str:
         aside = cut_torn_tail(TornTail(path, 0, size), self.fs) if size else None
@@ -397,15 +451,18 @@ def _writer_live(path: str) -> bool:
 
 
 def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = False,
-         sample: Optional[float] = None, fs: FS = REAL_FS, progress: Optional[Progress] = None) -> FsckResult:
+         sample: Optional[float] = None, fs: FS = REAL_FS, progress: Optional[Progress] = None,
+         mode: str = TOLERATE_TORN_TAIL) -> FsckResult:
     """Check (with ``repair`` or ``preen``, repair) the journal at ``path``; see the module docstring.
 
-    ``sample`` in (0, 1]: read only that fraction of the segments in full. Raises
+    ``sample`` in (0, 1]: read only that fraction of the segments in full. ``mode``: the
+    recovery mode the end of the log is judged by (``InvalidArgument`` if unknown). Raises
     ``JournalLocked`` when repairing while a writer runs, or while a compactor runs;
     ``NotFound`` when there is no journal at ``path``.
     """
     from kvj.journal.locks import COMPACT_LOCK
 
+    check_mode(mode)
     if repair and preen:
         raise InvalidArgument("repair and preen exclude each other")
     if sample is not None and not 0 < sample <= 1:
@@ -414,7 +471,7 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
     if not os.path.exists(path):
         raise NotFound(f"no journal at {path}")
     writes = repair or preen
-    checker = _Checker(path, store, repair, preen, sample, fs if writes else READ_ONLY_FS, progress)
+    checker = _Checker(path, store, repair, preen, sample, fs if writes else READ_ONLY_FS, progress, mode)
     check_journal(path)  # a seed-era journal: LegacyJournal, nothing read or written
     if not os.path.isdir(path):
         raise NotFound(f"no journal at {path}")

@@ -2,9 +2,15 @@
 
 ``recover(path)``:
 
-1. takes the writer and compactor locks (so nothing changes underneath), which cuts a
-   torn tail left by the crash, keeping the cut bytes in ``torn/``;
-2. replays the journal to its last consistent point;
+1. takes the writer and compactor locks (so nothing changes underneath) and replays the
+   journal to its last consistent point, before anything is changed; what ends the log is
+   the recovery ``mode``'s decision (``kvj.journal.reader.RECOVERY_MODES``): by default a
+   torn tail does and a damaged tail (a last group a torn write cannot leave) is refused
+   like damage in the middle of the log, absolute-consistency refuses a torn tail too, and
+   point-in-time recovers as of the last record before the first damage, setting the
+   damage and everything after it aside and recording what is lost (``kvj.ops.salvage``);
+2. opens the journal as its writer, which cuts a torn tail left by the crash, keeping
+   the cut bytes in ``torn/``;
 3. verifies the digest of every segment the live state needs;
 4. plans each request in flight: its durable segments, contiguous from token 0, that
    verified. A request whose newest segment is missing or damaged falls back to its
@@ -31,6 +37,7 @@ from kvj.errors import InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
+from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, check_mode
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.state import JournalState, RequestState, SegmentRef
 from kvj.ops.salvage import Salvage, clear_pending, find_damage, load_pending
@@ -198,19 +205,23 @@ def _next_epoch(state: JournalState, recovery_dir: str) -> int:
     return max(known, default=0) + 1
 
 
-def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage: bool = False,
+def recover(path: str, store: Any = None, *, dry_run: bool = False, mode: str = TOLERATE_TORN_TAIL,
             fs: FS = REAL_FS, progress: Optional[Progress] = None, mirror: Optional[str] = None,
             mirror_policy: str = "fail") -> RecoveryResult:
     """Recover the kvj journal directory at ``path``; a seed-era JSON-lines journal is
     ``LegacyJournal`` (``kvj migrate`` converts it), refused before anything is written.
 
     ``store`` is a ``SegmentStore`` or its root (default ``<journal>/segments``). Raises
-    ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` on mid-log damage
-    unless ``until_damage``: then the journal is recovered as of the last record before the
-    first damage, which and everything after it is set aside into ``torn/`` (``kvj.ops.salvage``);
-    the manifest and the recovery-epoch record say what was lost. ``mirror`` and
-    ``mirror_policy`` are passed to ``Journal.open`` (a journal's recorded mirror is used anyway).
+    ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` (nothing changed)
+    on damage in the middle of the log or a damaged tail, and under ``mode``
+    absolute-consistency on a torn tail too. With ``mode`` point-in-time the journal is
+    recovered as of the last record before the first damage, which and everything after it is
+    set aside into ``torn/`` (``kvj.ops.salvage``); the manifest and the recovery-epoch record
+    say what was lost. ``mirror`` and ``mirror_policy`` are passed to ``Journal.open`` (a
+    journal's recorded mirror is used anyway).
     """
+    check_mode(mode)
+    until_damage = mode == POINT_IN_TIME
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise NotFound(f"no journal at {path}")
@@ -223,23 +234,30 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, until_damage
     else:
         store_root = getattr(getattr(store, "backend", None), "root", None)
     found = find_damage(path) if until_damage else None
+    if mode == ABSOLUTE_CONSISTENCY:
+        replay(path, strict=True)  # a torn tail is an error too: refused before anything (a lock file) is written
     _require_store(path, store, store_root, found.kept_state if found else None)
     if dry_run:
         return _recover(path, store, store_root, recovery_dir, dry_run, fs, None, progress, _with_pending(path, found))
     compactor = DirLock(path, COMPACT_LOCK, "compactor").acquire()
     try:
         salvage = _with_pending(path, None)
-        if found is not None:
-            writer = DirLock(path, LOCK_NAME, "writer").acquire()
-            try:
+        writer = DirLock(path, LOCK_NAME, "writer").acquire()
+        try:
+            if found is not None:
                 found = find_damage(path)  # again, under the locks: what is set aside is what was found
                 if found is not None:
                     salvage = _with_pending(path, found)
                     set_aside_damage(path, found, fs, report=salvage)
-            finally:
-                writer.release()
+            # Replayed before the writer opens the journal and cuts its torn tail: damage is refused
+            # here with nothing changed, and the state keeps what the tail was (its records, its bytes).
+            state: Optional[JournalState] = replay(path, strict=mode == ABSOLUTE_CONSISTENCY)
+        finally:
+            writer.release()
         with Journal.open(path, create=False, fs=fs, mirror=mirror, mirror_policy=mirror_policy) as journal:
-            result = _recover(path, store, store_root, recovery_dir, dry_run, fs, journal, progress, salvage)
+            if state is not None and journal.writer.last_lsn != state.last_lsn:
+                state = None  # a writer came and went between the locks: replay what it left
+            result = _recover(path, store, store_root, recovery_dir, dry_run, fs, journal, progress, salvage, state)
         clear_pending(path, fs)  # the epoch record that carries the report is durable
         return result
     finally:
@@ -266,11 +284,16 @@ def _recorded(state: Optional[JournalState], salvage: Salvage) -> bool:
 def _require_store(path: str, store: Any, store_root: Optional[str], state: Optional[JournalState]) -> None:
     """Refuse (``NotFound``, before anything is written) a missing or empty store when the
     journal needs segments: a mistyped ``--store`` or ``KVJ_STORE`` must not turn into a
-    manifest in which every request resumes at token 0."""
+    manifest in which every request resumes at token 0. An empty store that quarantined one
+    of the needed segments (``kvj fsck --repair``) is this journal's store: those are known
+    losses, and recovery falls back past them as fsck said it would."""
+    needed: Optional[set] = None
     with opened_store(store, store_root or "") as seg_store:
         if seg_store is not None and next(iter(seg_store.keys()), None) is not None:
             return
-    needed = {key for key, _digest in _needed(state if state is not None else replay(path))}
+        needed = {key for key, _digest in _needed(state if state is not None else replay(path))}
+        if seg_store is not None and any(seg_store.quarantined_copies(key) for key in needed):
+            return
     if needed:
         state = "holds no segments" if seg_store is not None else "does not exist"
         raise NotFound(f"segment store {store_root} {state}, but the journal needs {len(needed)} segments: "
@@ -279,9 +302,10 @@ def _require_store(path: str, store: Any, store_root: Optional[str], state: Opti
 
 def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str, dry_run: bool,
              fs: FS, journal: Optional[Journal], progress: Optional[Progress],
-             salvage: Optional[Salvage] = None) -> RecoveryResult:
-    state = salvage.kept_state if salvage is not None and dry_run and salvage.kept_state is not None else replay(path)
-    assert state is not None
+             salvage: Optional[Salvage] = None, state: Optional[JournalState] = None) -> RecoveryResult:
+    if state is None:
+        state = (salvage.kept_state if salvage is not None and dry_run and salvage.kept_state is not None
+                 else replay(path))
     if salvage is not None and _recorded(state, salvage):
         salvage = None  # a pending report whose epoch record is durable: only its file was left
     cut = journal.cut_tail if journal is not None else None
@@ -293,8 +317,7 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
     epoch = _next_epoch(state, recovery_dir)
     manifest = build_manifest(state, problems, journal=path, store=store_root, epoch=epoch)
     if cut is not None:
-        manifest["torn_tail"] = {**(manifest["torn_tail"] or {}), "kept_at": cut,
-                                 "length": os.path.getsize(cut)}
+        manifest["torn_tail"] = {**(manifest["torn_tail"] or {}), "kept_at": cut, "length": os.path.getsize(cut)}
     if salvage is not None:
         manifest["salvage"] = salvage.to_dict()
     result = RecoveryResult(manifest, dry_run=dry_run)

@@ -1,5 +1,7 @@
-"""Salvage: recover a journal damaged in the middle of its log as of the last record before
-the damage, in the spirit of ``pg_resetwal``: explicitly, loudly, and saying what is lost.
+"""Salvage: recover a journal damaged in the middle of its log, or at its end where the bytes
+cannot be a torn write (a damaged tail), as of the last record before the damage, in the
+spirit of ``pg_resetwal``: explicitly, loudly, and saying what is lost. This is recovery
+mode point-in-time (``kvj recover --recovery-mode point-in-time``, or ``--until-damage``).
 
 Replay refuses damage anywhere but the tail, because records after it cannot be trusted
 to follow from what came before. ``find_damage`` walks the whole log past the damage (the
@@ -56,7 +58,8 @@ PENDING_NAME = "SALVAGE.json"
 class Salvage:
     """What salvaging a damaged journal keeps, loses and sets aside."""
 
-    damage: List[Dict[str, Any]]  #: every damage found: kind, path, offset, reason
+    #: every damage found: kind, path, offset, reason, records (what a damaged tail's group declares)
+    damage: List[Dict[str, Any]]
     kept_lsn: int  #: the last LSN kept (recovery is as of it)
     lost_to: Optional[int]  #: the last LSN read after the damage (None: nothing intact after it)
     cut_file: str  #: the log file the journal is cut in
@@ -252,7 +255,8 @@ def find_damage(path: str) -> Optional[Salvage]:
     name = os.path.basename(first.path)
     later = [os.path.join(path, n) for n in logs[logs.index(name) + 1:]] if name in logs else []
     requests, tokens = _lost_requests(kept, full)
-    return Salvage(damage=[{"kind": d.kind, "path": d.path, "offset": d.offset, "reason": d.reason} for d in damages],
+    return Salvage(damage=[{"kind": d.kind, "path": d.path, "offset": d.offset, "reason": d.reason,
+                            "records": d.records} for d in damages],
                    kept_lsn=kept.last_lsn, lost_to=lost_to, cut_file=first.path, cut_offset=first.offset or 0,
                    later_files=later, requests=requests, training=_lost_training(kept, full), tokens_lost=tokens,
                    kept_state=kept)

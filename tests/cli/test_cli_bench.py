@@ -41,10 +41,14 @@ def test_kvj_bench_replica(tmp_path):
     proc = kvj("bench", "replica", "--dir", tmp_path, "--size", 2, "--segment", 1, "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = {r["what"]: r for r in json.loads(proc.stdout)}
-    assert set(rows) == {"boto3 upload_file, one file at a time", "kvj replicate (verified, 8 threads)",
-                         "kvj restore (every object verified)"}
+    load = rows.pop("load average")
+    assert set(rows) == {"boto3 upload_file, 8 threads", "kvj replicate (verified, 8 threads)",
+                         "kvj restore (every object verified, 8 threads)"}
     assert len({r["bytes"] for r in rows.values()}) == 1  # the same bytes shipped every way (2 MiB, compressed)
     assert all(r["bytes"] > 1 << 20 and r["seconds"] > 0 for r in rows.values())
+    assert all(r["threads"] == 8 and len(r["all_seconds"]) == 3 for r in rows.values())  # the same concurrency
+    assert all(sorted(r["all_seconds"])[1] == r["seconds"] for r in rows.values())  # medians of three rounds
+    assert load["before"] >= 0 and load["cpus"] >= 1
 
 
 def test_kvj_demo_and_python_m_kvj_demo_refuse_clearly(tmp_path):

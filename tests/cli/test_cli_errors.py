@@ -73,6 +73,7 @@ def _drop_dac_works() -> bool:
     return shutil.which("setpriv") is not None and subprocess.run(DROP_DAC + ["true"]).returncode == 0
 
 
+@pytest.mark.ci_required
 @pytest.mark.skipif(not _drop_dac_works(), reason="root without setpriv: cannot give up CAP_DAC_OVERRIDE")
 @pytest.mark.parametrize("args, status", [(["replay"], NOPERM), (["inspect"], NOPERM), (["recover"], NOPERM),
                                           (["record", "end", "req-1"], NOPERM), (["fsck"], 8)],

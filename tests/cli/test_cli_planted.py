@@ -163,6 +163,7 @@ PLANTINGS = ["log symlink", "log hard link", "log fifo", "snapshot symlink", "LO
 NEEDS_ROOT = {"log device", "segment device"}
 
 
+@pytest.mark.ci_required
 @pytest.mark.parametrize("what", PLANTINGS)
 def test_no_command_can_be_turned_against_what_a_planting_points_at(tmp_path, golden, clean, block, seed, moto, replica,
                                                                      monkeypatch, capsys, what):
@@ -243,6 +244,7 @@ def test_a_symlinked_recovery_folder_is_refused(tmp_path, clean):
     assert os.listdir(elsewhere) == []
 
 
+@pytest.mark.ci_required
 @pytest.mark.skipif(os.geteuid() != 0, reason="the owner check applies to a kvj run as root; this run is not root")
 def test_as_root_a_journal_another_user_owns_is_refused_unless_trusted(tmp_path, golden):
     journal = tmp_path / "j"
@@ -258,6 +260,7 @@ def test_as_root_a_journal_another_user_owns_is_refused_unless_trusted(tmp_path,
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.ci_required
 @pytest.mark.skipif(os.geteuid() != 0, reason="the permission check applies to a kvj run as root; this run is not root")
 @pytest.mark.parametrize("mode,gid,who", [(0o777, 0, "everyone"), (0o775, 4242, "group gid 4242")],
                          ids=["world-writable", "group-writable"])

@@ -46,6 +46,7 @@ def test_read_only_commands_write_nothing(journal, args):
     assert tree(journal) == before
 
 
+@pytest.mark.ci_required
 @pytest.mark.skipif(not _unshare_works(), reason="this machine allows no private mount namespace (unshare -rm)")
 @pytest.mark.parametrize("args", READERS, ids=" ".join)
 def test_read_only_commands_work_on_a_read_only_mount(tmp_path, journal, args):
@@ -60,6 +61,7 @@ def test_read_only_commands_work_on_a_read_only_mount(tmp_path, journal, args):
     assert proc.stdout
 
 
+@pytest.mark.ci_required
 @pytest.mark.skipif(not _unshare_works(), reason="this machine allows no private mount namespace (unshare -rm)")
 def test_a_writing_command_on_a_read_only_mount_is_refused_cleanly(tmp_path, journal):
     mount = tmp_path / "ro"

@@ -166,7 +166,7 @@ def test_commit_lag_leaves_out_the_pauses_between_writers(tmp_path, capsys):
 def test_status_shows_a_kvj_conf_it_cannot_use_instead_of_failing(tmp_path, capsys):
     path = tmp_path / "j"
     Journal.open(path).close()
-    for content, needle in (("[" * 20_000 + "]" * 20_000, "nested too deeply"),
+    for content, needle in (("[" * 20_000 + "]" * 20_000, "nested more than"),
                             ('{"kvj_config": 1, "policy": {"max_buffer_bytes": 0}}', "max_buffer_bytes")):
         (path / "kvj.conf").write_text(content)
         proc = in_process(capsys, "status", "-j", path, "--json")

@@ -100,6 +100,7 @@ def disk(tmp_path) -> Iterator[Disk]:
     d.close()
 
 
+@pytest.mark.ci_required
 def test_incident_walkthrough(disk):
     journal = os.path.join(disk.mountpoint, "kvj")
     here = disk.outside(journal)

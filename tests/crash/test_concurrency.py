@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import Callable, List
 
 import pytest
 from support.crashcheck import add_figure, read_records
@@ -54,6 +54,7 @@ class Seen:
 
     follower_records: int = 0
     follower_restarts: int = 0  # fell behind a compaction and started again after its snapshot
+    follower_skips: int = 0  # LSN ranges the follower jumped over and reported in ``skipped``
     rereads: int = 0
     reread_errors: List[str] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
@@ -68,40 +69,67 @@ def acked_so_far(child) -> int:
     return best
 
 
-def follow(journal: str, stop: threading.Event, seen: Seen) -> None:
-    """Tail the journal; every record must be the next LSN and exactly what was appended.
+class FollowCheck:
+    """One follower's view, checked poll by poll: every record is the next LSN and exactly what
+    was appended, and every LSN it jumps over is one its ``skipped`` reports, in a range a
+    snapshot covered when the poll returned (compaction deleted the log holding it). A
+    follower that silently drops records, or reports a skip no snapshot explains, is caught."""
 
-    A follower that falls behind a compaction (the log it needed was folded into a
-    snapshot and deleted) cannot see those records any more; it continues after the
-    snapshot (see test_follower_that_falls_behind_compaction_says_so)."""
-    follower = Follower(journal)
-    expected = 1
-    while not stop.is_set():
+    def __init__(self, journal: str, seen: Seen, make: Callable[..., Follower] = Follower):
+        self.journal, self.seen, self.make = journal, seen, make
+        self.follower = make(journal)
+        self.expected = 1
+
+    def poll(self) -> bool:
+        """One poll and its checks; False once a problem was found (it is in ``seen.problems``)."""
+        seen, follower = self.seen, self.follower
+        reported = len(follower.skipped)
         try:
             batch = follower.poll()
         except KvjError as exc:
-            snaps = list_snapshots(journal)
-            if snaps and snaps[0][0] >= expected:
-                seen.follower_restarts += 1
-                expected = snaps[0][0] + 1
-                follower = Follower(journal, after_lsn=snaps[0][0])
-                continue
+            snaps = list_snapshots(self.journal)
+            if snaps and snaps[0][0] >= self.expected:
+                seen.follower_restarts += 1  # fell behind: this test starts a new follower after the snapshot
+                self.expected = snaps[0][0] + 1
+                self.follower = self.make(self.journal, after_lsn=snaps[0][0])
+                return True
             seen.problems.append(f"follower: {type(exc).__name__}: {exc}")
-            return
+            return False
+        covered = max((lsn for lsn, _ in list_snapshots(self.journal)), default=0)
+        jumps = []
         for rec in batch:
-            if rec.lsn > expected and any(lsn >= rec.lsn - 1 for lsn, _ in list_snapshots(journal)):
-                seen.follower_restarts += 1  # the follower continued after the snapshot that absorbed the gap
-                expected = rec.lsn
-            if rec.lsn != expected:
-                seen.problems.append(f"follower: LSN {rec.lsn} where {expected} was due")
-                return
+            if rec.lsn > self.expected:
+                jumps.append((self.expected, rec.lsn - 1))
+                if rec.lsn - 1 > covered:
+                    seen.problems.append(f"follower: jumped over LSNs {self.expected}..{rec.lsn - 1}, but the "
+                                         f"newest snapshot covers only up to {covered}")
+                    return False
+                self.expected = rec.lsn
+            if rec.lsn != self.expected:
+                seen.problems.append(f"follower: LSN {rec.lsn} where {self.expected} was due")
+                return False
             if rec.rtype == RecordType.ALLOC:
                 run, tid = parse_device(rec.payload["device"])
                 if rec.payload != alloc_payload(run, tid, rec.payload["addr"]):
                     seen.problems.append(f"follower: LSN {rec.lsn} is not what was appended")
-                    return
-            expected += 1
+                    return False
+            self.expected += 1
             seen.follower_records += 1
+        if follower.skipped[reported:] != jumps:
+            seen.problems.append(f"follower: jumped over {jumps} but reported skipping {follower.skipped[reported:]}")
+            return False
+        seen.follower_skips += len(jumps)
+        return True
+
+
+def follow(journal: str, stop: threading.Event, seen: Seen) -> None:
+    """Tail the journal with a ``FollowCheck`` until ``stop`` (or a problem).
+
+    A follower that falls behind a compaction (the log it needed was folded into a
+    snapshot and deleted) cannot see those records any more; it continues after the
+    snapshot and says so in ``skipped`` (see test_follower_that_falls_behind_compaction_says_so)."""
+    check = FollowCheck(journal, seen)
+    while not stop.is_set() and check.poll():
         time.sleep(0.002)
 
 
@@ -154,7 +182,8 @@ def run_concurrent(tmp: str, seconds: float, run: int = 0, min_cycles: int = 3) 
     state, _records = read_records(journal)
     assert state.snapshot_lsn > 0, "compaction never produced a snapshot"
     print(f"\nconcurrency: {cycles} compactions, follower saw {seen.follower_records} records "
-          f"(restarted after a snapshot {seen.follower_restarts} times), "
+          f"(restarted after a snapshot {seen.follower_restarts} times, "
+          f"reported skipping {seen.follower_skips} compacted ranges), "
           f"{seen.rereads} full re-reads ({len(seen.reread_errors)} failed), acked {acked}, last LSN {last}")
     add_figure("compactions during live writing", cycles)
     seen.cycles = cycles  # type: ignore[attr-defined]
@@ -233,3 +262,30 @@ def test_follower_that_falls_behind_compaction_says_so(tmp_path):
             snap = list_snapshots(path)[0][0]
             assert batch and batch[0].lsn == snap + 1 and batch[-1].lsn == 110
             assert [r.lsn for r in batch] == list(range(snap + 1, 111))
+
+
+@pytest.mark.parametrize("broken", ["drops silently", "reports a skip no snapshot covers"])
+def test_follow_check_catches_a_follower_that_drops_records(tmp_path, broken):
+    """The check above must fail a follower that loses records. A snapshot covers LSN 20 while
+    the log still holds every record (a compaction that has not deleted its files yet): the
+    old check let a follower jump over any LSN such a snapshot covers without saying so."""
+    from kvj.journal.snapshot import write_snapshot
+
+    path = str(tmp_path / "j")
+    with Journal.open(path) as j:
+        for i in range(30):
+            j.append(RecordType.ALLOC, alloc_payload(0, 0, i), durable=i % 10 == 9)
+    write_snapshot(path, replay(path, at_lsn=20))
+    drop = 15 if broken == "drops silently" else 25
+
+    class Dropping(Follower):
+        def poll(self):
+            batch = super().poll()
+            if broken != "drops silently":
+                self.skipped += [(drop, drop)] if any(r.lsn == drop for r in batch) else []
+            return [r for r in batch if r.lsn != drop]
+
+    honest, lossy = Seen(), Seen()
+    assert FollowCheck(path, honest).poll() and honest.follower_records == 30 and not honest.problems
+    assert not FollowCheck(path, lossy, make=Dropping).poll()
+    assert lossy.problems and f"{drop}" in lossy.problems[0], lossy.problems

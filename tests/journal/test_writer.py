@@ -307,7 +307,8 @@ def test_append_many_waits_at_the_cap_on_what_a_crash_can_lose(tmp_path):
 @pytest.mark.parametrize("field, value", [
     ("max_buffer_bytes", 0), ("max_buffer_bytes", -1), ("max_records", 0), ("max_pending_records", 0),
     ("file_size_limit", 0), ("max_delay", -0.1), ("max_delay", float("nan")), ("max_delay", float("inf")),
-    ("max_records", 2.5), ("max_records", True), ("max_delay", "100ms"), ("file_size_limit", None)])
+    ("max_records", 2.5), ("max_records", True), ("max_delay", "100ms"), ("file_size_limit", None),
+    ("max_group_records", 0), ("max_group_records", 1.5)])
 def test_a_commit_policy_that_cannot_work_is_refused_where_it_is_made(tmp_path, field, value):
     # max_buffer_bytes=0 used to block the first start() for ever: refused when the policy is made
     with pytest.raises(kvj.InvalidArgument, match=field):
@@ -339,3 +340,54 @@ def test_an_exception_in_the_with_block_is_not_replaced_by_a_failing_close(tmp_p
     with pytest.raises(JournalFailed):  # without an exception in the block, close()'s failure is raised
         with Journal.open(tmp_path, fs=FailingSyncFS(fail_on_call=1)) as j:
             j.alloc("cuda:0", 2, 1)
+
+
+def test_max_group_records_caps_each_group_while_the_next_fills(tmp_path):
+    """``max_group_records``: under bulk load every group holds exactly that many records (the
+    last one the rest), fewer than the groups that take all that is pending, and the next
+    group fills while one is synced: appends go on during the fdatasync in flight."""
+    fs = SlowSyncFS()
+    policy = CommitPolicy(max_group_records=100, max_pending_records=250)
+    with Journal.open(tmp_path, policy=policy, fs=fs) as j:
+        fs.gate.clear()  # the first group's fdatasync is held
+        for i in range(150):
+            j.writer.append(RecordType.ALLOC, kvj.journal.records.encode(*alloc(i)))
+        wait_for(lambda: fs.calls >= 1, "the first group's fdatasync")
+        assert j.writer.durable_lsn == 0 and j.writer.last_lsn == 150  # appended while it is in flight
+        fs.gate.set()
+        for i in range(150, 1234):
+            j.append(*alloc(i))
+        assert j.sync() == 1234
+    sizes = group_sizes(tmp_path)
+    assert sizes == [100] * 12 + [34]
+    assert [r.payload["addr"] for r in Scan(str(tmp_path)).records()] == list(range(1234))
+
+
+def test_max_group_records_and_the_buffer_bound_hold_together(tmp_path):
+    """Sealed groups count toward ``max_buffer_bytes``: with the disk stalled, append blocks
+    once the sealed groups and the buffer reach it, and everything is written once it resumes."""
+    fs = SlowSyncFS()
+    policy = CommitPolicy(max_group_records=5, max_buffer_bytes=4096, max_pending_records=10_000)
+    j = Journal.open(tmp_path, fs=fs, policy=policy)
+    fs.gate.clear()
+    done = threading.Event()
+    appended = []
+
+    def producer():
+        for i in range(400):
+            j.alloc("cuda:0", i, 1, "x" * 40)
+            appended.append(i)
+        done.set()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    wait_for(lambda: len(appended) > 20, "the first groups to be sealed")
+    w = j.writer
+    wait_for(lambda: len(w._buf) >= w._max_buffer, "append to reach the buffer bound (its next call waits)")
+    assert not done.is_set()
+    assert w._sealed_bytes + len(w._buf) < 4096 + 400  # at most one record past the bound
+    fs.gate.set()
+    t.join(30)
+    assert done.is_set()
+    j.close()
+    assert kvj.replay(str(tmp_path)).last_lsn == 400 and max(group_sizes(tmp_path)) == 5

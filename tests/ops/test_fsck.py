@@ -1,5 +1,5 @@
 """kvj fsck: e2fsck's exit statuses on clean (0), repaired (1) and damaged (4) journals, and
-what --repair does and refuses to do. What recovery handles by itself (a damaged or torn tail,
+what --repair does and refuses to do. What recovery handles by itself (a torn tail,
 an empty newest log, a segment quarantined earlier) is a warning: such a journal is 0 or 1,
 so `kvj fsck && kvj recover` recovers it."""
 
@@ -41,7 +41,7 @@ def test_exit_statuses_clean_damaged_repaired_through_the_cli(journal):
     assert clean.returncode == 0 and clean.stdout.rstrip().endswith("clean")
     last, size, torn = append_torn_tail(journal)
     damaged = kvj_proc("fsck", "-j", journal)  # the end of the log after a crash: recovery cuts it
-    assert damaged.returncode == 0 and "warning: damaged or torn tail of 30 bytes" in damaged.stdout
+    assert damaged.returncode == 0 and "warning: torn tail of 30 bytes: an incomplete group header" in damaged.stdout
     assert "never acknowledged" not in damaged.stdout and "torn/" in damaged.stdout
     repaired = kvj_proc("fsck", "--repair", "-j", journal, "--json")
     assert repaired.returncode == 1

@@ -190,3 +190,63 @@ def test_load_reports_segments_that_fail_after_planning(tmp_path):
     load = load_manifest(manifest, os.path.join(j, "segments"), "cpu")
     assert load["segments"] == 1 and [f["key"] for f in load["failed"]] == [keys["req-0"][1]]
     assert load["bytes"] == block(0, 0).nbytes and load["gb_per_s"] > 0
+
+
+def test_fsck_repair_quarantining_the_only_segment_then_fsck_and_recover_resume_at_token_0(tmp_path):
+    """Regression (issue 26, item 2): after ``fsck --repair`` quarantined a request's only
+    segment, the store holds no segment, and recovery refused it as a mistyped store (66)
+    although fsck had just said "recovery handles them". The store that quarantined the
+    needed segment is the journal's own: recovery resumes the request at token 0."""
+    import numpy as np
+
+    j = tmp_path / "j"
+    blk = tmp_path / "blk0.npy"
+    np.save(blk, np.random.default_rng(0).standard_normal((2, 16, 4, 8)).astype("float32"))
+    assert kvj_proc("init", "-j", j).returncode == 0
+    assert kvj_proc("record", "start", "-j", j, "r1").returncode == 0
+    assert kvj_proc("flush", "-j", j, "-r", "r1", "--block-tokens", 16, blk).returncode == 0
+    key = kvj.replay(str(j)).requests["r1"].segments[0].key
+    path = segment_file(str(j), key)
+    with open(path, "r+b") as f:  # the repro's damage: a byte at offset 40 of the one segment file
+        f.seek(40)
+        byte = f.read(1)[0]
+        f.seek(40)
+        f.write(bytes([byte ^ 0xFF]))
+    repaired = kvj_proc("fsck", "-j", j, "--repair")
+    assert repaired.returncode == 1 and "quarantined" in repaired.stdout, repaired.stdout + repaired.stderr
+    again = kvj_proc("fsck", "-j", j)
+    assert again.returncode == 0, again.stdout + again.stderr
+    for args in (("--dry-run",), ()):
+        proc = kvj_proc("recover", "-j", j, "--json", *args)
+        assert proc.returncode == 0, proc.stderr
+        manifest = json.loads(proc.stdout)["manifest"]
+        (req,) = manifest["requests"]
+        assert (req["id"], req["resume_position"], req["recorded_position"], req["segments"]) == ("r1", 0, 16, [])
+        assert req["fallback"]["lost_tokens"] == [0, 16] and manifest["tokens"] == {"restorable": 0, "lost": 16}
+    assert kvj.replay(str(j)).epochs[-1]["epoch"] == 1
+
+
+def test_refusing_mid_log_damage_changes_nothing_even_with_an_empty_newest_log(tmp_path):
+    """Regression: a journal damaged in a sealed log file whose newest log is empty (the
+    writer was killed while rotating) was refused, "nothing was changed", after the writer
+    recovery opened had already moved the empty file into torn/ (the incident walkthrough
+    failed when its kill landed so). Recovery replays before the writer cuts anything."""
+    from support.cli_helpers import tree
+
+    path = tmp_path / "j"
+    with kvj.Journal.open(path, policy=kvj.CommitPolicy(file_size_limit=2000)) as j:
+        j.start("r1")
+        j.flush("r1", 0, block(0, 0), token_range=(0, BLOCK_TOKENS)).result()
+        for i in range(60):
+            j.alloc("cuda:0", i, 1, "x" * 50, durable=True)
+    logs = sorted(p for p in os.listdir(path) if p.endswith(".log"))
+    assert len(logs) >= 4
+    flip_byte(os.path.join(path, logs[1]), offset_from_end=os.path.getsize(os.path.join(path, logs[1])) - 200)
+    open(os.path.join(path, f"{len(logs) + 1:016d}.log"), "wb").close()  # killed while rotating
+    before = tree(path)
+    with pytest.raises(kvj.errors.CorruptionError, match="followed by a valid one"):
+        recover(str(path))
+    after = tree(path)
+    for lock in ("LOCK", "COMPACT"):  # recovery took the locks (its pid is written in them) before it stopped
+        before.pop(lock, None), after.pop(lock)
+    assert after == before

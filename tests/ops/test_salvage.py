@@ -63,7 +63,7 @@ def test_salvage_keeps_what_precedes_the_damage_and_sets_the_rest_aside(tmp_path
         before.pop(lock, None), after.pop(lock, None)
     assert after == before  # refused and dry runs change nothing
 
-    result = recover(path, until_damage=True)
+    result = recover(path, mode="point-in-time")
     s = result.manifest["salvage"]
     assert s["kept_lsn"] == 12 and result.manifest["recovered_lsn"] == 12
     lost = {r["id"]: r for r in s["requests"]}
@@ -99,7 +99,7 @@ def test_the_story_says_what_is_lost_and_the_epoch_record_keeps_it(tmp_path):
 def test_a_healthy_journal_needs_no_salvage(tmp_path):
     path = str(tmp_path / "j")
     build(path)
-    result = recover(path, until_damage=True)
+    result = recover(path, mode="point-in-time")
     assert "salvage" not in result.manifest and kvj_lib.replay(path).epochs[-1].get("salvage") is None
 
 
@@ -113,13 +113,13 @@ class _FullDisk(FS):
 def test_salvage_on_a_full_disk_leaves_the_log_as_it_was_and_a_retry_says_all_that_is_lost(tmp_path):
     path = str(tmp_path / "j")
     made = damaged_journal(path)
-    full = recover(path, dry_run=True, until_damage=True).manifest["salvage"]
+    full = recover(path, dry_run=True, mode="point-in-time").manifest["salvage"]
     with pytest.raises(OSError) as exc:
-        recover(path, until_damage=True, fs=_FullDisk())
+        recover(path, mode="point-in-time", fs=_FullDisk())
     assert exc.value.errno == errno.ENOSPC
     assert {p: open(p, "rb").read() for p in list_logs(path)} == made["bytes"]  # nothing moved or cut
     assert os.listdir(os.path.join(path, "torn")) == []
-    salvage = recover(path, until_damage=True).manifest["salvage"]
+    salvage = recover(path, mode="point-in-time").manifest["salvage"]
     for field in ("kept_lsn", "lost_to", "requests", "tokens_lost"):
         assert salvage[field] == full[field], field
     assert full["lost_to"] > full["kept_lsn"] and full["requests"]
@@ -164,10 +164,10 @@ LOSS = ("kept_lsn", "lost_to", "requests", "tokens_lost", "training", "damage")
 def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retry(tmp_path, capsys, where):
     path = str(tmp_path / "j")
     damaged_journal(path)
-    full = recover(path, dry_run=True, until_damage=True).manifest["salvage"]
+    full = recover(path, dry_run=True, mode="point-in-time").manifest["salvage"]
     crash = _CrashAt(*where)
     with pytest.raises(OSError):
-        recover(path, until_damage=True, fs=crash)
+        recover(path, mode="point-in-time", fs=crash)
     assert crash.fired and os.path.exists(os.path.join(path, "SALVAGE.json"))
     assert os.listdir(os.path.join(path, "torn"))  # the cut's copy at least was made before the crash
     if where[0] == "rename":  # the crash came between two moves
@@ -175,7 +175,7 @@ def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retr
     status = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)
     assert status["salvage_pending"]
 
-    dry = recover(path, dry_run=True, until_damage=True).manifest["salvage"]
+    dry = recover(path, dry_run=True, mode="point-in-time").manifest["salvage"]
     for field in LOSS:  # the retry's own walk no longer sees what was set aside; the report does
         assert dry[field] == full[field], field
     still_damaged = where[0] != "open"
@@ -198,7 +198,7 @@ def test_a_pending_report_whose_epoch_record_is_durable_is_not_reported_twice(tm
     path = str(tmp_path / "j")
     damaged_journal(path)
     with pytest.raises(OSError):  # the epoch record is durable; removing the report is not done
-        recover(path, until_damage=True, fs=_CrashAt("unlink", "SALVAGE.json"))
+        recover(path, mode="point-in-time", fs=_CrashAt("unlink", "SALVAGE.json"))
     assert os.path.exists(os.path.join(path, "SALVAGE.json"))
     assert kvj_lib.replay(path).epochs[-1]["salvage"]["tokens_lost"] == 48
     result = recover(path)
@@ -217,7 +217,7 @@ def test_no_space_for_the_report_leaves_the_journal_as_it_was(tmp_path):
     path = str(tmp_path / "j")
     made = damaged_journal(path)
     with pytest.raises(OSError) as exc:  # the copy of the cut fits; the report does not
-        recover(path, until_damage=True, fs=_NoSpaceForTheReport())
+        recover(path, mode="point-in-time", fs=_NoSpaceForTheReport())
     assert exc.value.errno == errno.ENOSPC
     assert os.listdir(os.path.join(path, "torn")) == [] and not os.path.exists(os.path.join(path, "SALVAGE.json"))
     assert {p: open(p, "rb").read() for p in list_logs(path)} == made["bytes"]
@@ -252,7 +252,7 @@ def test_a_new_damage_after_a_completed_salvage_is_reported_despite_a_stale_repo
     path = str(tmp_path / "j")
     damaged_journal(path)
     with pytest.raises(OSError):
-        recover(path, until_damage=True, fs=_CrashAt("unlink", "SALVAGE.json"))
+        recover(path, mode="point-in-time", fs=_CrashAt("unlink", "SALVAGE.json"))
     epoch = kvj_lib.replay(path).epochs[-1]
     first = epoch["salvage"]
     with Journal.open(path, policy=CommitPolicy(file_size_limit=300)) as j:  # more work, more log files
@@ -263,7 +263,7 @@ def test_a_new_damage_after_a_completed_salvage_is_reported_despite_a_stale_repo
     data = bytearray(open(victim, "rb").read())
     data[60] ^= 0xFF
     open(victim, "wb").write(data)
-    result = recover(path, until_damage=True)
+    result = recover(path, mode="point-in-time")
     s = result.manifest["salvage"]
     assert s["id"] != first["id"] and s["kept_lsn"] > first["kept_lsn"] and not s["resumed"]
     assert [e["salvage"]["id"] for e in kvj_lib.replay(path).epochs if e.get("salvage")] == [first["id"], s["id"]]
@@ -297,12 +297,12 @@ def test_a_second_damage_found_by_the_retry_adds_its_loss_to_the_pending_one(tmp
     for d in (path, twin):
         _flip_record_of(d, "f-8")
     with pytest.raises(OSError):  # the first salvage stopped after its report was written
-        recover(path, until_damage=True, fs=_CrashAt(*where))
+        recover(path, mode="point-in-time", fs=_CrashAt(*where))
     assert os.path.exists(os.path.join(path, "SALVAGE.json"))
     for d in (path, twin):  # a second damage, earlier in what the first salvage kept
         _flip_record_of(d, "f-3")
-    truth = recover(twin, dry_run=True, until_damage=True).manifest["salvage"]  # both damages, one walk
-    s = recover(path, until_damage=True).manifest["salvage"]
+    truth = recover(twin, dry_run=True, mode="point-in-time").manifest["salvage"]  # both damages, one walk
+    s = recover(path, mode="point-in-time").manifest["salvage"]
     assert s["resumed"] and (s["kept_lsn"], s["tokens_lost"]) == (truth["kept_lsn"], truth["tokens_lost"]) == (s["kept_lsn"], 128)
     assert [r["tokens_lost"] for r in s["requests"] if r["id"] == "r"] == [128]  # 192 -> 144 -> 64, once
     assert s["damage"][0]["path"] == s["cut_file"]  # the damage named first is where recovery is cut
@@ -321,7 +321,7 @@ def test_a_mirrored_journal_is_salvaged_in_both_copies(tmp_path):
         data = bytearray(open(os.path.join(root, victim), "rb").read())
         data[100] ^= 0xFF
         open(os.path.join(root, victim), "wb").write(data)
-    s = recover(path, until_damage=True).manifest["salvage"]
+    s = recover(path, mode="point-in-time").manifest["salvage"]
     for root in (path, mirror):
         assert sorted(n for n in os.listdir(root) if n.endswith(".log")) == [os.path.basename(p) for p in list_logs(path)]
         assert {os.path.join(root, "torn", n) for n in os.listdir(os.path.join(root, "torn"))} <= set(s["set_aside_to"])
@@ -344,7 +344,7 @@ def test_a_second_cut_at_the_same_place_keeps_the_first_cuts_bytes(tmp_path):
     data = bytearray(open(log, "rb").read())
     data[offsets[1] + 20] ^= 0xFF
     open(log, "wb").write(data)
-    first = recover(path, until_damage=True).manifest["salvage"]
+    first = recover(path, mode="point-in-time").manifest["salvage"]
     kept = first["set_aside_to"][0]
     kept_bytes = open(kept, "rb").read()
     with Journal.open(path) as j:  # the writer continues the cut file where it was cut
@@ -353,7 +353,7 @@ def test_a_second_cut_at_the_same_place_keeps_the_first_cuts_bytes(tmp_path):
     data = bytearray(open(log, "rb").read())
     data[first["cut_offset"] + 30] ^= 0xFF  # the group there rots too
     open(log, "wb").write(data)
-    second = recover(path, until_damage=True).manifest["salvage"]
+    second = recover(path, mode="point-in-time").manifest["salvage"]
     assert second["cut_offset"] == first["cut_offset"] and second["set_aside_to"][0] != kept
     assert open(kept, "rb").read() == kept_bytes  # the first salvage's bytes are still where its record says
 

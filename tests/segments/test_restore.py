@@ -1,9 +1,5 @@
 """Restore onto devices and into a paged KV cache."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -86,16 +82,6 @@ def test_load_and_load_many(store):
     assert torch.equal(load(store, keys[0], "cpu"), xs[0])
     for got, want in zip(load_many(store, keys), xs):
         assert torch.equal(got, want)
-
-
-def test_gpu_selfcheck_exits_cleanly_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present; run scripts/gpu_selfcheck.py directly")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_selfcheck.py")],
-                          capture_output=True, text=True, timeout=120, cwd=root)
-    assert proc.returncode == 0, proc.stderr
-    assert "no CUDA" in proc.stdout
 
 
 def test_a_recurring_block_is_read_and_decoded_once(store, monkeypatch):

@@ -13,9 +13,12 @@ with ``device="cuda"``, ``.to("cuda")``, ``.cuda()`` and C++ paths such as index
 work unpatched), with a do-nothing CUDA device guard compiled from ``fakecuda_guard.cpp`` (a
 C++ compiler, ``c++`` or ``$CXX``, is needed; torch ships the headers). ``pin_memory=True``, ``Tensor.is_pinned`` /
 ``.pin_memory`` and ``torch.cuda`` (``Stream``, ``Event``, ``current_stream``, ``stream()``,
-``synchronize``, ``set_device``...) are patched on the modules, not through a
-TorchFunctionMode: modes are per thread, and kvj copies from worker threads. Autograd's
-backward pass does not run on these tensors (torch's engine asks for a CUDA runtime).
+``synchronize``, ``set_device``, ``_sleep``, the RNG state functions...) are patched on the
+modules, not through a TorchFunctionMode: modes are per thread, and kvj copies from worker
+threads. Autograd's backward pass runs on these tensors only in a process started with
+:func:`autograd_env` (torch's engine asks CUDA hooks for the gradients' streams: that library
+registers some before torch starts), and then on each thread's current stream, not on the
+stream its forward op ran on as CUDA's engine does: run training on the default stream.
 
 What CUDA does that this enforces:
 
@@ -66,6 +69,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import pytest
 import torch
+import torch.utils._device
 
 POISON = 0xA5
 aten = torch.ops.aten
@@ -273,6 +277,11 @@ class FakeCudaTensor(torch.Tensor):
     def record_stream(self, stream: FakeStream) -> None:
         self._mem.sim._record_stream(self, stream)
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # the inner tensor's (a wrapper has none): code that tells tensors apart by storage
+        # pointer (safetensors, PEFT's save_pretrained) works; its device says cpu
+        return self._inner.untyped_storage()
+
     # torch turns a list index into a device tensor with the Python key masked, which a CPU
     # build cannot run; CUDA takes CPU index tensors, so the list becomes one
     def __getitem__(self, index: Any) -> Any:
@@ -302,24 +311,26 @@ def _cuda_empty_strided(size: Sequence[int], stride: Sequence[int], dtype: Optio
     return _sim()._empty(torch.empty_strided(size, stride, dtype=dtype), device)
 
 
-def _build_guard() -> str:
-    """The guard as a shared library, compiled with the system's C++ compiler against torch's
-    headers, cached per source and torch version (``$XDG_CACHE_HOME/kvj-fakecuda``)."""
+def _build_guard(path: str = _GUARD) -> str:
+    """The guard (or another of these C++ sources) as a shared library, compiled with the
+    system's C++ compiler against torch's headers, cached per source and torch version
+    (``$XDG_CACHE_HOME/kvj-fakecuda``)."""
     from torch.utils import cpp_extension
 
-    with open(_GUARD, "rb") as f:
+    with open(path, "rb") as f:
         source = f.read()
     tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvj-fakecuda")
-    lib = os.path.join(cache, f"guard-{tag}.so")
+    name = "guard" if path == _GUARD else os.path.splitext(os.path.basename(path))[0]
+    lib = os.path.join(cache, f"{name}-{tag}.so")
     if os.path.exists(lib):
         return lib
     os.makedirs(cache, exist_ok=True)
     tmp = f"{lib}.{os.getpid()}.tmp"
     cmd = [os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", "-std=c++17",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{d}" for d in cpp_extension.include_paths()), _GUARD, "-o", tmp,
-           *(f"-L{d}" for d in cpp_extension.library_paths()), "-lc10"]
+           *(f"-I{d}" for d in cpp_extension.include_paths()), path, "-o", tmp,
+           *(f"-L{d}" for d in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise StandInError(f"could not compile the CUDA stand-in's device guard ({' '.join(cmd)}):\n{done.stderr}")
@@ -342,6 +353,32 @@ def _register_backend() -> None:
     lib.impl("empty.memory_format", _cuda_empty, "CUDA")
     lib.impl("empty_strided", _cuda_empty_strided, "CUDA")
     _backend = lib
+
+
+_AUTOGRAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakecuda_autograd.cpp")
+
+
+def autograd_env(devices: int = 1) -> Dict[str, str]:
+    """Environment variables for a new process in which autograd's backward pass runs on device
+    tensors of a stand-in with ``devices`` devices (install it there as usual). torch's
+    autograd engine asks the CUDA hooks for the accelerator of a "cuda" gradient, and a CPU-only
+    build has none: ``fakecuda_autograd.cpp`` registers some, which works only before torch
+    first asks, so that library is preloaded into the process (``LD_PRELOAD``)."""
+    from torch.utils import cpp_extension
+
+    preload = [_build_guard(_AUTOGRAD), *filter(None, os.environ.get("LD_PRELOAD", "").split(":"))]
+    libraries = [*cpp_extension.library_paths(), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
+    return {"LD_PRELOAD": ":".join(preload), "LD_LIBRARY_PATH": ":".join(libraries),
+            "KVJ_FAKECUDA_AUTOGRAD": str(int(devices))}
+
+
+def _context_device() -> Optional[torch.device]:
+    """The device of an enclosing ``with torch.device(...)``, if any (not torch.get_default_device,
+    which makes a tensor to find out)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, torch.utils._device.DeviceContext)]
+    return modes[-1].device if modes else None
 
 
 def _flatten(obj: Any) -> Tuple[List[Any], Any]:
@@ -462,9 +499,11 @@ class FakeCuda:
             "current_stream": self.current_stream, "default_stream": self.default_stream,
             "stream": self.use, "synchronize": self.synchronize, "get_device_name": lambda d=None: "cuda stand-in",
             "memory_allocated": lambda d=None: self.allocated[self.resolve("cuda" if d is None else d).index],
-            "empty_cache": lambda: None,
+            "empty_cache": lambda: None, "_sleep": self.sleep, **self._rng_functions(),
         }.items():
             monkeypatch.setattr(cuda, name, value)
+        torch.utils._device._device_constructors()  # cached before the patches: "with torch.device(...)"
+        # adds the device to the real factories, which the patched ones call
         for name in ("empty", "zeros", "ones", "full", "empty_strided", "empty_like", "zeros_like", *_MADE_ON_CPU):
             monkeypatch.setattr(torch, name, self._factory(getattr(torch, name)))
         for name, method in self._tensor_methods().items():
@@ -474,6 +513,37 @@ class FakeCuda:
         monkeypatch.setattr(device, "CUDA", device.Cuda())
         monkeypatch.setattr(restore, "_default_staging", None)  # pinned memory of no other "machine"
         return self
+
+    def sleep(self, cycles: int) -> None:
+        """``torch.cuda._sleep``: a kernel that only takes time, on the current stream. Every op
+        here runs late anyway (when the host waits for something after it): it does nothing."""
+        self._enqueue(self.current_stream(), [], lambda: None, f"_sleep({int(cycles)})")
+
+    def _rng_functions(self) -> Dict[str, Callable[..., Any]]:
+        """``torch.cuda``'s RNG state functions, per device. Random ops on device tensors draw
+        from the CPU generator (they run on the inner CPU tensors), so these states are only
+        kept and given back, as a checkpoint of them would be (CUDA's: 16 bytes, seed and offset)."""
+        states: Dict[int, torch.Tensor] = {}
+
+        def seeded(seed: int) -> torch.Tensor:
+            return torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8)
+
+        def index(device: Any) -> int:
+            return self.resolve("cuda" if device is None else device).index
+
+        def get(device: Any = "cuda") -> torch.Tensor:
+            return states.get(index(device), seeded(0)).clone()
+
+        def put(state: torch.Tensor, device: Any = "cuda") -> None:
+            states[index(device)] = state.clone()
+
+        def seed_all(seed: int) -> None:
+            states.update({i: seeded(int(seed)) for i in range(self.n_devices)})
+
+        return {"get_rng_state": get, "set_rng_state": put,
+                "get_rng_state_all": lambda: [get(i) for i in range(self.n_devices)],
+                "set_rng_state_all": lambda all_states: [put(st, i) for i, st in enumerate(all_states)],
+                "manual_seed": lambda seed: put(seeded(int(seed)), "cuda"), "manual_seed_all": seed_all}
 
     def check(self) -> None:
         """At the end of a test: let the GPU finish and raise on any violation (allocations in
@@ -1008,6 +1078,8 @@ class FakeCuda:
         def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
             pin = kwargs.pop("pin_memory", False)
             device = kwargs.get("device")
+            if device is None and orig.__name__ in _MADE_ON_CPU:
+                device = _context_device()
             if orig.__name__ in _MADE_ON_CPU and device is not None and (
                     isinstance(device, int) or torch.device(device).type == "cuda"):
                 kwargs["device"] = "cpu"

@@ -61,17 +61,18 @@ def side_lines(child: Child) -> List[str]:
         return []
 
 
-def wait_ready(child: Child, timeout: float = 60.0) -> None:
-    """Wait until the child opened the journal; fail with its stderr if it died instead."""
+def wait_ready(child: Child, timeout: float = 60.0, what: str = "ready") -> None:
+    """Wait until the child wrote a side-channel line starting with ``what`` ("ready": it
+    opened the journal; "S ": a flush is durable); fail with its stderr if it died instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(line.startswith("ready") for line in side_lines(child)):
+        if any(line.startswith(what) for line in side_lines(child)):
             return
         if child.proc.poll() is not None:
-            raise AssertionError(f"writer run {child.run} exited with {child.proc.returncode} before it was "
-                                 f"ready:\n{child.proc.stderr.read().decode(errors='replace')}")
+            raise AssertionError(f"writer run {child.run} exited with {child.proc.returncode} before "
+                                 f"{what!r}:\n{child.proc.stderr.read().decode(errors='replace')}")
         time.sleep(0.005)
-    raise AssertionError(f"writer run {child.run} not ready after {timeout}s")
+    raise AssertionError(f"writer run {child.run}: no {what!r} after {timeout}s")
 
 
 def kill(child: Child) -> Tuple[int, int]:
@@ -192,18 +193,25 @@ class Compactor:
 
 def run_kills(tmp: str, n_kills: int, seed: int, flush_every: int = 0, compaction: bool = True) -> Tally:
     """``n_kills`` kill cycles on journals of ``KILLS_PER_JOURNAL`` kills each, with a
-    compactor process running concurrently (itself killed now and then)."""
+    compactor process running concurrently (itself killed now and then).
+
+    While no segment of the current journal has been checked, a flushing run is killed only
+    after its first flush is durable (a condition, not a time: on a loaded machine a random
+    delay can end every flushing run before its first flush), so that every journal's
+    segments are restored and compared, not only its records."""
     rng = random.Random(seed)
     tally = Tally()
     acked = 0
     journal = ""
     compactor: Optional[Compactor] = None
+    segments_before = 0  # tally.segments_checked when the current journal began
     for run in range(n_kills):
         if run % KILLS_PER_JOURNAL == 0:
             if compactor is not None:
                 compactor.kill()
             journal = os.path.join(tmp, f"journal-{run // KILLS_PER_JOURNAL}")
             acked = 0
+            segments_before = tally.segments_checked
             compactor = Compactor(journal) if compaction else None
         if compactor is not None and compactor.proc is None and run % KILLS_PER_JOURNAL != 0:
             compactor.start()  # once the journal exists
@@ -215,6 +223,8 @@ def run_kills(tmp: str, n_kills: int, seed: int, flush_every: int = 0, compactio
             tally.killed_in_recovery += 1
         else:
             wait_ready(child)
+            if flush and tally.segments_checked == segments_before:
+                wait_ready(child, what="S ")
             delay = rng.uniform(0.01, 0.5)
             tally.kill_times.append(delay)
             time.sleep(delay)
