@@ -23,6 +23,7 @@ if TYPE_CHECKING:
                             JournalLocked,
                             KvjError,
                             LayoutMismatch,
+                            LegacyJournal,
                             NotFound,
                             SegmentCorrupt,
                             SegmentMissing,
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _ERRORS = ("CacheFull", "CorruptionError", "FormatError", "InvalidArgument", "InvalidName", "JournalClosed",
-           "JournalFailed", "JournalLocked", "KvjError", "LayoutMismatch", "NotFound", "SegmentCorrupt",
-           "SegmentMissing")
+           "JournalFailed", "JournalLocked", "KvjError", "LayoutMismatch", "LegacyJournal", "NotFound",
+           "SegmentCorrupt", "SegmentMissing")
 
 #: Public name -> the module that defines it, imported when the name is first used.
 _LAZY = {

@@ -40,6 +40,11 @@ class FormatError(KvjError):
     """Input is not in a format kvj understands (bad magic, unsupported version, bad field)."""
 
 
+class LegacyJournal(FormatError):
+    """A seed-era JSON-lines journal where a kvj journal is expected: kvj reads that format only
+    to migrate it (``kvj migrate SEED -j NEWDIR``); nothing was changed."""
+
+
 class CorruptionError(KvjError):
     """Stored bytes fail their checks somewhere other than a torn tail."""
 

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -25,17 +24,14 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
     from click import get_current_context  # type: ignore[no-redef]
 
-from kvj.errors import CorruptionError, FormatError, NotFound, UnsafePath
+from kvj.errors import FormatError, NotFound, UnsafePath
 from kvj.journal.config import STORE_DIR, config_store
-from kvj.journal.mirror import mirror_of
-from kvj.journal.reader import LOG_RE
-from kvj.journal.snapshot import SNAP_RE
+from kvj.journal.replay import check_journal, holds_journal
+from kvj.trust import check_owner, trusted
 
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"
 MIRROR_ENV = "KVJ_MIRROR"
-#: Set to 1 to let kvj run as root on a journal or store another user owns.
-TRUST_ENV = "KVJ_TRUST_OWNER"
 
 JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=True, metavar="DIR",
                           help="Journal directory.")
@@ -290,64 +286,31 @@ def progress() -> Iterator[Callable[[str, int, int], None]]:
 # -- journal and store paths ---------------------------------------------------------------
 
 
-def _holds_journal(full: str, names: List[str]) -> bool:
-    """Whether directory ``full`` (listing ``names``) is a kvj journal: it has log files or a
-    snapshot, or a mirror that names it back (which holds them while its own copies are lost)."""
-    return any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names) or mirror_of(full) is not None
+def journal_path(path: Optional[str], *, writing: bool = False) -> str:
+    """Check that ``path`` names a kvj journal directory; returns it absolute.
 
-
-def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool = False) -> str:
-    """Check that ``path`` names a journal; returns it absolute.
-
-    Missing, not a directory, or holding no journal files are reported as missing input
-    (``FileNotFoundError``); unreadable ones as permission errors, by the OS itself. A
-    command that writes (``writing``) never creates a journal: a path that is not one is
-    ``NotFound``, pointing at ``kvj init``.
+    Missing, or a directory holding no journal files, is missing input (``FileNotFoundError``);
+    unreadable, a permission error, by the OS itself; a seed-era JSON-lines journal is
+    ``LegacyJournal`` (pointing at ``kvj migrate``, which alone reads it) and any other file
+    ``FormatError``. A command that writes (``writing``) never creates a journal: a path that
+    is not one is ``NotFound``, pointing at ``kvj init``.
     """
     if path is None or not os.fspath(path):  # an empty -j "" would otherwise name the current directory
         raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
     full = os.path.abspath(os.fspath(path))
-    if writing:
-        if os.path.isfile(full):
-            raise NotFound(f"{full} is a file, not a kvj journal: kvj migrate {path} -j NEWDIR makes a kvj journal "
-                           "of a seed-era one")
-        if not os.path.isdir(full) or not _holds_journal(full, os.listdir(full)):
+    if not writing:
+        os.stat(full)  # missing or unreachable: FileNotFoundError, PermissionError, NotADirectoryError
+    if os.path.isfile(full):
+        check_owner(os.path.dirname(os.path.realpath(full)))  # before a byte of it is read
+    elif os.path.isdir(full):
+        check_owner(full)
+    check_journal(full)
+    if not os.path.isdir(full) or not holds_journal(full):
+        if writing:
             raise NotFound(f"{full} is not a kvj journal: kvj writes only to a journal made on purpose "
                            f"(kvj init -j {path})")
-        check_owner(full)
-        return full
-    os.stat(full)  # missing or unreachable: FileNotFoundError, PermissionError, NotADirectoryError
-    if not os.path.isdir(full):
-        if legacy_ok:
-            full = os.path.realpath(full)  # a link the caller named: read the file it names, keep files beside that
-            check_owner(os.path.dirname(full))
-            _check_legacy(full)
-            return full
-        raise FileNotFoundError(2, "not a journal directory", full)
-    check_owner(full)
-    names = os.listdir(full)
-    if not _holds_journal(full, names):
-        legacy = sorted(n for n in names if n.endswith((".jsonl", ".ndjson")))
-        if legacy_ok and legacy:
-            if len(legacy) == 1:
-                _check_legacy(os.path.join(full, legacy[0]))
-            return full
         raise FileNotFoundError(2, "not a kvj journal (no log files)", full)
     return full
-
-
-def _check_legacy(path: str) -> None:
-    """Refuse a file that is not a seed-era JSON-lines journal (its first line is no such record):
-    a file without a kvj log header is read, and ever cut, only when it is one."""
-    from kvj.journal.legacy import LegacyScan
-
-    try:
-        first = next(iter(LegacyScan(path)), None)
-    except CorruptionError:
-        first = None
-    if first is None:
-        raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record "
-                          "on its first line (nothing was changed)")
 
 
 def store_path(journal: str, store: Optional[str]) -> str:
@@ -360,38 +323,14 @@ def store_path(journal: str, store: Optional[str]) -> str:
         store = config_store(journal)
     if store is not None:
         path = os.path.abspath(os.fspath(store))
-    else:  # segments/ inside the journal (beside a seed-era journal file, which has no kvj.conf)
-        path = os.path.join(journal if os.path.isdir(journal) else os.path.dirname(journal), STORE_DIR)
-        if os.path.islink(path) and os.environ.get(TRUST_ENV) != "1":
+    else:  # segments/ inside the journal
+        path = os.path.join(journal, STORE_DIR)
+        if os.path.islink(path) and not trusted():
             raise UnsafePath(f"{path} is a symbolic link: refused (name a store elsewhere with --store or "
                              f"{STORE_ENV})")
     if os.path.isdir(path):
         check_owner(path)
     return path
-
-
-def check_owner(path: str) -> None:
-    """As root, refuse a journal or store directory that another user owns, or that a group
-    other than root's or everyone may write, as git's safe.directory and logrotate do: whoever
-    can write it could plant links there to turn a privileged kvj against its machine. Run kvj
-    as that user, or set KVJ_TRUST_OWNER=1."""
-    if os.geteuid() != 0 or os.environ.get(TRUST_ENV) == "1":
-        return
-    st = os.stat(path)
-    owner = st.st_uid
-    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != 0):
-        who = "everyone" if st.st_mode & stat.S_IWOTH else f"group gid {st.st_gid}"
-        raise UnsafePath(f"{path} is writable by {who} and kvj runs as root: refused (chmod go-w {path}, run kvj "
-                         f"as the user who writes it, or set {TRUST_ENV}=1 to trust it)")
-    if owner != 0:
-        try:
-            import pwd
-
-            who = f"uid {owner} ({pwd.getpwuid(owner).pw_name})"
-        except KeyError:
-            who = f"uid {owner}"
-        raise UnsafePath(f"{path} belongs to {who} and kvj runs as root: refused (run kvj as that user, e.g. "
-                         f"User= in the unit, or set {TRUST_ENV}=1 to trust it)")
 
 
 # -- units -------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def compact(journal: JournalArg = None,
     says what it would do and changes nothing. Files kvj sets aside (torn/, recovery/,
     the store's quarantine) are kept until kvj prune removes them.
     """
-    path = journal_path(journal, legacy_ok=False)
+    path = journal_path(journal)
     with progress() as update:
         result = compact_journal(path, store_path(path, store), grace=parse_duration(grace, "--grace"), collect=segments,
                                  progress=update, dry_run=dry_run)

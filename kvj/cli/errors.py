@@ -44,7 +44,8 @@ EXIT_CODES: Dict[int, str] = {
     OK: "success",
     FAILURE: "the command ran but its check failed (e.g. recover --device could not load a segment)",
     USAGE: "usage error: unknown option, bad argument",
-    DATAERR: "corrupt or malformed input: damaged journal or segment, bad NDJSON or tensor file",
+    DATAERR: "corrupt or malformed input: damaged journal or segment, bad NDJSON or tensor file; or a seed-era "
+             "JSON-lines journal, which only kvj migrate reads (the message names the kvj migrate command)",
     NOINPUT: "missing or unreadable journal, store or input file",
     SOFTWARE: "internal error (a bug: set KVJ_DEBUG=1 for the traceback and report it)",
     DONE_UNREPORTED: "the work is done and durable, but its output could not be written (standard output closed, "
@@ -69,7 +70,8 @@ FSCK_CODES: Dict[int, str] = {
     FSCK_CORRECTED: "errors found and corrected (torn tail cut and kept aside, damaged unreferenced segment "
                     "quarantined, disagreeing snapshot set aside)",
     FSCK_UNCORRECTED: "errors left uncorrected (run with --repair, or the damage cannot be repaired)",
-    FSCK_OPERATIONAL: "operational error: missing or unreadable journal, locked, permission denied, I/O error",
+    FSCK_OPERATIONAL: "operational error: missing or unreadable journal, locked, permission denied, I/O error, "
+                      "a seed-era JSON-lines journal (kvj migrate converts it)",
     FSCK_USAGE: "usage error",
     FSCK_CANCELED: "interrupted (Ctrl-C)",
 }

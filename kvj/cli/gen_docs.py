@@ -34,7 +34,8 @@ ENVIRONMENT = [
     ("NO_COLOR", "When set, output has no colour. Colour and progress bars appear only when standard output "
                  "and standard error are terminals."),
     ("KVJ_DEBUG", "When set to 1, an internal error prints its Python traceback before the one-line message."),
-    ("KVJ_TRUST_OWNER", "When set to 1, kvj run as root works on a journal or store directory another user owns, "
+    ("KVJ_TRUST_OWNER", "When set to 1, kvj run as root (every command, and kvj.Journal.open and SegmentStore in "
+                        "the library) works on a journal or store directory another user owns, "
                         "or that everyone or a group other than root's may write (refused otherwise, with status 77: "
                         "whoever can write it could plant links there to turn a privileged kvj against the machine; "
                         "as git's safe.directory and logrotate). Better: run kvj as that user."),
@@ -94,8 +95,8 @@ EXAMPLES: Dict[str, List[Tuple[str, str]]] = {
               ("kvj against SQLite and the fsync floor, three interleaved rounds",
                "kvj bench journal --dir /var/lib/kvj --repeat 3")],
     "demo": [("Replay a run's kill points", "kvj demo --seed 766060")],
-    "journal_replay": [("Recover a legacy JSON-lines journal",
-                        "journal_replay --log /var/lib/kvjournal --kv-store /var/lib/kvstore --recover")],
+    "journal_replay": [("Recover a journal after a reboot, as the KVJournal write-up's script does",
+                        "journal_replay --log /var/lib/kvj --kv-store /var/lib/kvj/segments --recover")],
 }
 
 

@@ -84,7 +84,9 @@ def migrate(seed: Annotated[str, typer.Argument(metavar="SEED", help="The seed-e
     pointers left behind per request. A last line without its newline (a write cut short)
     is left out and reported; a complete line that is no seed-era record, the last one
     too (an unsafe id such as ../x, NaN or a number no float holds), is refused with
-    status 65 naming the line, and nothing is created. The seed file is only read.
+    status 65 naming the line, and nothing is created. The seed file is only read. This is
+    the one command that reads a seed-era journal: every other refuses it (status 65),
+    pointing here.
     """
     from kvj.ops.init import migrate as migrate_journal
 

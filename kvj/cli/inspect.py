@@ -39,7 +39,7 @@ from kvj.errors import NotFound
 from kvj.journal.follow import Follower
 from kvj.journal.reader import list_logs
 from kvj.journal.records import BY_NAME
-from kvj.journal.replay import is_legacy, replay
+from kvj.journal.replay import replay
 from kvj.ops.inspection import Entries, Filter, Stats, file_windows, record_json, record_time
 
 RecordTypeName = Enum("RecordTypeName", {name: name for name in BY_NAME}, type=str)  # type: ignore[misc]
@@ -105,8 +105,8 @@ def inspect(
         raise usage_error(f"{' and '.join(modes)} cannot be combined")
     if at is not None and not (layout or timeline):
         raise usage_error("--at applies to --layout and --timeline (use --to-lsn to cut a listing)")
-    if follow and (is_legacy(path) or export_to is not None):
-        raise usage_error("--follow needs a kvj journal directory and cannot --export")
+    if follow and export_to is not None:
+        raise usage_error("--follow cannot --export")
     if follow:
         on_interrupt(0, None)  # Ctrl-C is how one stops following, as with tail -f
     if segment is not None:
@@ -128,7 +128,7 @@ def inspect(
                  since=parse_time(since, "--since") if since else None,
                  until=parse_time(until, "--until") if until else None)
     entries = Entries(path)
-    windows = {} if entries.legacy else file_windows(list_logs(path))
+    windows = file_windows(list_logs(path))
     if stats:
         acc = Stats()
         for entry in entries:
@@ -172,7 +172,7 @@ def _segment(path: str, store: Optional[str], text: str, as_json: bool) -> None:
             raise NotFound(f"no segment store at {root}")
         key = resolve_key(seg_store, text)
         info = seg_store.info(key).to_dict()
-    info["users"] = segment_users(replay(path), key) if not is_legacy(path) else []
+    info["users"] = segment_users(replay(path), key)
     if as_json:
         emit_json(info)
         return
@@ -184,8 +184,6 @@ def lsn_times(path: str) -> Callable[[int], Optional[float]]:
     one pass that keeps only the LSNs where the time changes."""
     import bisect
 
-    if is_legacy(path):
-        return lambda _lsn: None
     firsts: List[int] = []
     stamps: List[Optional[float]] = []
     for entry in Entries(path):  # from the snapshot on: what it folded has no times left

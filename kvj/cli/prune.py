@@ -31,7 +31,7 @@ def prune(journal: JournalArg = None,
         raise usage_error("give --older-than DURATION (e.g. 7d)")
     from kvj.ops.prune import prune as prune_journal
 
-    path = journal_path(journal, legacy_ok=False)
+    path = journal_path(journal)
     result = prune_journal(path, store_path(path, store), older_than=parse_duration(older_than, "--older-than"),
                            dry_run=dry_run)
     if not dry_run:

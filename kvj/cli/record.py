@@ -24,9 +24,8 @@ from kvj.cli.common import (
     store_path,
     usage_and_exit,
 )
-from kvj.errors import FormatError, InvalidArgument, KvjError
+from kvj.errors import FormatError, InvalidArgument, KvjError, LegacyJournal
 from kvj.journal.journal import Journal
-from kvj.journal.legacy import convert_legacy
 from kvj.journal.records import BY_NAME, NAMES, RecordType, encode
 from kvj.names import check_request_id
 
@@ -58,7 +57,7 @@ def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[in
     """Validate, append and sync ``records``; print their LSNs."""
     from kvj.segments.check import require_segments
 
-    path = journal_path(journal, legacy_ok=False, writing=True)
+    path = journal_path(journal, writing=True)
     keys = [key for rtype, payload in records for key in _segment_keys(rtype, payload)]
     if keys:
         require_segments(store_path(path, store), keys)
@@ -237,10 +236,8 @@ def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON fi
 
 
 def parse_ndjson(lines: Any) -> Any:
-    """Yield (type, payload) from NDJSON lines; a bad line raises ``FormatError`` naming it.
-
-    Seed-era lines (``{"op": "start"|"end", ...}``) are taken as the records they mean.
-    """
+    """Yield (type, payload) from NDJSON lines; a bad line raises ``FormatError`` naming it,
+    a seed-era line (``{"op": ...}``) ``LegacyJournal``: only kvj migrate reads those."""
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -249,8 +246,8 @@ def parse_ndjson(lines: Any) -> Any:
             if not isinstance(obj, dict):
                 raise FormatError("not a JSON object")
             if "op" in obj and "type" not in obj:
-                yield _seed_era(obj)
-                continue
+                raise LegacyJournal(f"NDJSON line {lineno} is a seed-era record, which kvj reads only to migrate "
+                                    "a seed-era journal: kvj migrate SEED -j NEWDIR (nothing was appended)")
             name = obj.pop("type", None)
             rtype = BY_NAME.get(name) if isinstance(name, str) else None
             if rtype is None or rtype == RecordType.EPOCH:
@@ -259,14 +256,7 @@ def parse_ndjson(lines: Any) -> Any:
             for location in LOCATION_FIELDS:
                 obj.pop(location, None)
             yield _checked(rtype, obj)
+        except LegacyJournal:
+            raise
         except (ValueError, KvjError) as exc:
             raise FormatError(f"NDJSON line {lineno}: {exc}") from None
-
-
-def _seed_era(obj: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
-    """A seed-era line as a kvj record, as the legacy reader converts it."""
-    if obj["op"] == "seg_flush":
-        raise FormatError("a seed-era seg_flush points at bytes in the seed's KV file (ptr), which a kvj journal "
-                          "cannot reference: store the KV with kvj flush; start and end lines are accepted")
-    rtype, payload = convert_legacy(obj)
-    return _checked(rtype, payload)

@@ -46,8 +46,8 @@ def recover(journal: JournalArg = None,
     and the training state to restore (checkpoint and deltas). A request whose newest
     segment is missing or damaged falls back to its newest good one, and the manifest
     says so. Then it appends a recovery-epoch record naming the manifest, so a restarted
-    server knows exactly what to load. Reads legacy JSON-lines journals too (no epoch
-    record is written into those).
+    server knows exactly what to load. A seed-era JSON-lines journal is refused (status
+    65): kvj migrate makes a kvj journal of it.
 
     Arguments that cannot work are refused before anything is written: a --device that
     cannot be used here is status 64, a missing or empty store while the journal needs
@@ -72,7 +72,7 @@ def recover(journal: JournalArg = None,
 
 
 def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
-                                                               help="Journal directory or JSON-lines file.")] = None,
+                                                               help="Journal directory.")] = None,
                    kv_store: Annotated[Optional[str], typer.Option("--kv-store", metavar="DIR", envvar="KVJ_STORE",
                                                                     help="Segment store directory.")] = None,
                    do_recover: Annotated[bool, typer.Option("--recover", help="Recover (as kvj recover); without "
@@ -149,11 +149,9 @@ def summary(result: RecoveryResult) -> Group:
                 lost = span[1] - span[0]
                 notes.append(Text(f"  {r['id']}: tokens {span[0]}..{span[1]} lost "
                                   f"({len(r['fallback']['dropped'])} segments unusable)", style="yellow"))
-            elif r.get("verified") is False:
-                notes.append(Text(f"  {r['id']}: legacy, not verified (no digests)", style="yellow"))
             lost += lost_by_id.get(r["id"], 0)
-            resume = "-" if r["resume_position"] is None else str(r["resume_position"])
-            table.add_row(r["id"], resume, str(len(r["segments"])), Text(str(lost), style="yellow" if lost else ""))
+            table.add_row(r["id"], str(r["resume_position"]), str(len(r["segments"])),
+                          Text(str(lost), style="yellow" if lost else ""))
         parts.append(table)
     parts += notes
     tokens = m.get("tokens") or {"restorable": 0, "lost": 0}

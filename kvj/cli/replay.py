@@ -8,7 +8,6 @@ import typer
 
 from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out, warn_past_end
 from kvj.cli.render import state_summary
-from kvj.journal.replay import is_legacy
 from kvj.journal.replay import replay as replay_journal
 
 
@@ -23,12 +22,12 @@ def replay(journal: JournalArg = None,
     and segment counts, ended requests, the training checkpoint and the deltas after it,
     device allocations, the LSN range, and any damage found (a torn tail, which recovery
     cuts; records replay had to skip). Segments are not read: kvj recover --dry-run
-    verifies them. Reads legacy JSON-lines journals too.
+    verifies them.
     """
     path = journal_path(journal)
     state = replay_journal(path, at_lsn=at, strict=strict)
     warn_past_end(at, state.last_lsn)
     if as_json:
-        emit_json({"journal": path, "legacy": is_legacy(path), "at_lsn": at, **state.to_dict()})
+        emit_json({"journal": path, "at_lsn": at, **state.to_dict()})
         return
     out.print(state_summary(path, state, at))

@@ -83,7 +83,7 @@ def replicate(journal: JournalArg = None,
 
     if not to:
         raise usage_error(f"no replica given: use --to s3://bucket/prefix or set {REPLICA_ENV}")
-    path = journal_path(journal, legacy_ok=False)
+    path = journal_path(journal)
     every = parse_duration(interval)
     remote = open_remote(to)
     replicator = Replicator(path, remote, store=store_path(path, store), lease_ttl=parse_duration(lease_ttl),

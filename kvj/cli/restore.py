@@ -12,7 +12,6 @@ from kvj.cli.common import (
     JournalArg,
     JsonArg,
     StoreArg,
-    check_owner,
     done,
     emit_json,
     out,
@@ -23,6 +22,7 @@ from kvj.cli.common import (
 from kvj.ops.inspection import human_size
 from kvj.replica.remote import open_remote
 from kvj.replica.restore import restore as restore_replica
+from kvj.trust import check_owner
 
 
 def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL",

@@ -33,7 +33,7 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
     """
     from kvj.ops.status import status as journal_status
 
-    path = journal_path(journal, legacy_ok=False)
+    path = journal_path(journal)
     try:
         root: Optional[str] = store_path(path, store)
     except FormatError:  # a kvj.conf that cannot be read: status shows it, it does not stop at it

@@ -27,8 +27,10 @@ from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.mirror import DEGRADE, FAIL, check_policy, copies, log, mirror_of, resolve
 from kvj.journal.reader import TORN, Damage, Scan, TornTail, log_seq, raise_on_damage
 from kvj.journal.records import RecordType, encode
+from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots
 from kvj.journal.writer import CommitPolicy, LogWriter
+from kvj.trust import check_owner
 
 if TYPE_CHECKING:  # the store pulls in torch; the journal alone does not need it
     import torch
@@ -296,7 +298,10 @@ class Journal:
         Takes the writer lock (a second writer gets ``JournalLocked`` naming the holder's
         pid), cuts a torn tail left by a crash (the bytes are kept in ``torn/``), and
         continues the newest log file when its tail is clean (else starts a new one).
-        Mid-log corruption raises ``CorruptionError``: run fsck.
+        Mid-log corruption raises ``CorruptionError``: run fsck. Run as root, a journal or store
+        directory another user owns (or others may write) is ``UnsafePath`` unless
+        ``KVJ_TRUST_OWNER=1`` (``kvj.trust``). A seed-era JSON-lines journal is ``LegacyJournal``
+        (``kvj migrate`` makes a kvj journal of it), any other file ``FormatError``.
 
         ``store`` and ``policy`` default to what the journal's ``kvj.conf`` records (``kvj
         init --store``, ``--max-delay``, ...; see ``kvj.journal.config``), else to
@@ -312,10 +317,14 @@ class Journal:
         """
         path = os.path.abspath(os.fspath(path))
         check_policy(mirror_policy)
+        check_owner(path)
+        check_journal(path)  # a seed-era journal, or another file: refused, nothing written
         if not os.path.isdir(path):
             if not create:
                 raise FormatError(f"no journal at {path}")
             makedirs_durable(path, fs)
+        if store is None or isinstance(store, (str, os.PathLike)):  # refused now, not at the first flush
+            check_owner(os.fspath(store) if store is not None else default_store_path(path))
         locks = [DirLock(path, LOCK_NAME, "writer").acquire()]
         try:
             policy = policy or config_policy(path) or CommitPolicy()
@@ -470,8 +479,6 @@ class Journal:
     def _in_flight_on_disk(self) -> Dict[str, Dict[int, Tuple[int, int]]]:
         """The requests in flight in the journal as written so far, with their segments' tokens:
         what ``flush`` looks up for a request this writer does not know (one being resumed)."""
-        from kvj.journal.replay import replay
-
         self.writer.sync()
         with self._order:
             pending = set(self._waiting)  # an end among their records is not in the log yet

@@ -1,5 +1,8 @@
 """Reader for the JSON-lines journal of the well-known KVJournal write-up, for migration.
 
+Only ``kvj migrate`` reads such a journal (``LegacyScan``); everywhere else kvj recognises
+one (``is_seed``) to refuse it with ``refused``: one line pointing at ``kvj migrate``.
+
 One JSON object per line, fsynced per line::
 
     {"op": "start", "id": ..., "prompt_hash": ...}
@@ -18,13 +21,15 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Iterator, Optional, Tuple
 
-from kvj.errors import CorruptionError, FormatError, KvjError
+from kvj.errors import CorruptionError, FormatError, KvjError, LegacyJournal
 from kvj.fileio import open_read
 from kvj.journal.reader import TornTail
 from kvj.journal.records import RecordType
 from kvj.names import check_request_id
 
 MAX_LINE = 1 << 20
+#: File names a seed-era journal has.
+SEED_SUFFIXES = (".jsonl", ".ndjson")
 
 
 def _text(obj: Dict[str, Any], name: str, default: Optional[str]) -> Optional[str]:
@@ -106,3 +111,27 @@ class LegacyScan:
             self.last_lsn = lineno
             yield lineno, int(rtype), payload
             offset = end + 1
+
+
+def is_seed(path: str) -> bool:
+    """Whether file ``path`` starts with a seed-era record (its first non-blank line, whole):
+    how a seed-era journal is told from another file without reading all of it."""
+    try:
+        with open_read(path) as f:
+            head = f.read(MAX_LINE + 1).lstrip(b" \t\r\n")
+    except KvjError:  # a link, FIFO or device (UnsafePath): no seed-era journal kvj would read
+        return False
+    line, newline, _rest = head.partition(b"\n")
+    if not newline:
+        return False
+    try:
+        convert_legacy(json.loads(line.decode("utf-8"), parse_constant=_no_constant))
+    except (ValueError, RecursionError, KvjError):
+        return False
+    return True
+
+
+def refused(path: str) -> LegacyJournal:
+    """The one refusal of seed-era journal ``path`` outside ``kvj migrate``."""
+    return LegacyJournal(f"{path} is a seed-era JSON-lines journal, which kvj reads only to migrate it: "
+                         f"kvj migrate {path} -j NEWDIR (nothing was changed)")

@@ -1,10 +1,11 @@
-"""Replay: fold a journal (snapshot plus log files, or a legacy JSON-lines file) into state.
+"""Replay: fold a journal (snapshot plus log files) into state.
 
 By default replay recovers to the last consistent point: a torn tail ends the log and is
 reported in ``state.tail``. ``strict=True`` fails on any damage. Damage in the middle of
 the log is always an error (``CorruptionError`` with file and offset), never skipped. In
 a mirrored journal, what one copy lacks or holds damaged is read from the other, and
-``state.warnings`` says which copy was bad.
+``state.warnings`` says which copy was bad. A seed-era JSON-lines journal is refused
+(``LegacyJournal``, see ``check_journal``): only ``kvj migrate`` reads it.
 """
 
 from __future__ import annotations
@@ -13,41 +14,46 @@ import os
 from typing import Any, Dict, Iterator, List, Optional
 
 from kvj.errors import CorruptionError, FormatError, KvjError
-from kvj.journal.legacy import LegacyScan
+from kvj.journal.legacy import SEED_SUFFIXES, is_seed, refused
+from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import LOG_RE, Record, Scan, list_logs
-from kvj.journal.snapshot import list_snapshots, load_latest
+from kvj.journal.snapshot import SNAP_RE, list_snapshots, load_latest
 from kvj.journal.state import JournalState
 
 
-def is_legacy(path: str) -> bool:
-    """True when ``path`` is a JSON-lines journal (a file, or a directory without kvj logs)."""
+def holds_journal(directory: str, names: Optional[List[str]] = None) -> bool:
+    """Whether ``directory`` (listing ``names``) holds a kvj journal: log files or a snapshot,
+    or a mirror that names it back (which holds them while its own copies are lost)."""
+    names = os.listdir(directory) if names is None else names
+    return any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names) or mirror_of(directory) is not None
+
+
+def check_journal(path: str) -> None:
+    """Refuse, before anything reads or writes it, a ``path`` that is a seed-era JSON-lines
+    journal (``LegacyJournal``, pointing at ``kvj migrate``): the file, or a directory holding
+    one and no kvj journal. Any other file is ``FormatError``; a missing path or another
+    directory passes."""
     if os.path.isfile(path):
-        return True
+        if is_seed(os.path.realpath(path)):  # through a link the caller named
+            raise refused(path)
+        raise FormatError(f"{path} is not a journal: a file, neither a kvj journal directory nor a seed-era "
+                          "JSON-lines journal (nothing was changed)")
     if os.path.isdir(path):
         names = os.listdir(path)
-        return not any(LOG_RE.match(n) for n in names) and any(n.endswith((".jsonl", ".ndjson")) for n in names)
-    return False
-
-
-def legacy_file(path: str) -> str:
-    """The .jsonl file of a legacy journal: ``path`` itself, or the only one in that directory."""
-    if os.path.isfile(path):
-        return path
-    files = sorted(n for n in os.listdir(path) if n.endswith((".jsonl", ".ndjson")))
-    if len(files) != 1:
-        raise FormatError(f"{path}: expected one .jsonl journal, found {len(files)}")
-    return os.path.join(path, files[0])
+        if not holds_journal(path, names):
+            for name in sorted(n for n in names if n.endswith(SEED_SUFFIXES)):
+                if is_seed(os.path.join(path, name)):
+                    raise refused(os.path.join(path, name))
 
 
 class RecordStream:
-    """Decoded records of a journal (kvj or legacy) after ``after_lsn``; ``tail`` is known once exhausted."""
+    """Decoded records of a kvj journal after ``after_lsn``; ``tail`` is known once exhausted."""
 
     def __init__(self, path: str, *, after_lsn: int = 0, strict: bool = False):
         if not os.path.exists(path):
             raise FormatError(f"no journal at {path}")
-        self.legacy = is_legacy(path)
-        self._scan: Any = (LegacyScan(legacy_file(path), strict=strict) if self.legacy
-                           else Scan(path, after_lsn=after_lsn, strict=strict))
+        check_journal(path)
+        self._scan = Scan(path, after_lsn=after_lsn, strict=strict)
         self.after_lsn = after_lsn
 
     @property
@@ -57,29 +63,19 @@ class RecordStream:
     @property
     def copy_warnings(self) -> List[str]:
         """What one copy of a mirrored journal lacked or held damaged (read from the other)."""
-        if self.legacy:
-            return []
         return [f"{d.path}" + (f" at offset {d.offset}" if d.offset is not None else "") + f": {d.reason}"
                 for d in self._scan.copies]
 
     def __iter__(self) -> Iterator[Record]:
-        if self.legacy:
-            for lsn, rtype, payload in self._scan:
-                if lsn > self.after_lsn:
-                    yield Record(lsn, rtype, payload, self._scan.path, 0)
-            return
         yield from self._scan.records()
 
 
 def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False) -> JournalState:
-    """Fold the journal at ``path`` into a ``JournalState``, up to ``at_lsn`` if given.
-
-    ``path`` is a kvj journal directory, or a legacy JSON-lines journal (file or directory).
-    """
+    """Fold the kvj journal directory at ``path`` into a ``JournalState``, up to ``at_lsn`` if
+    given. A seed-era JSON-lines journal is ``LegacyJournal`` (``kvj migrate`` converts it)."""
     if not os.path.exists(path):
         raise FormatError(f"no journal at {path}")
-    if is_legacy(path):
-        return _replay_once(path, at_lsn, strict)
+    check_journal(path)
     for attempt in range(COMPACTION_RETRIES + 1):
         before = (list_snapshots(path), list_logs(path))
         try:
@@ -103,7 +99,7 @@ COMPACTION_RETRIES = 20
 
 
 def _replay_once(path: str, at_lsn: Optional[int], strict: bool) -> JournalState:
-    state = None if is_legacy(path) else load_latest(path)
+    state = load_latest(path)
     if state is None:
         state = JournalState()
     elif at_lsn is not None and at_lsn < state.snapshot_lsn:

@@ -26,7 +26,7 @@ class SegmentRef:
     digest: Optional[str]
     codec: str
     lsn: int
-    ptr: Optional[int] = None  # legacy JSON-lines journals point at an offset, not a key
+    ptr: Optional[int] = None  # always None: a snapshot field kvj 0.1.0 kept for seed-era journals
 
     def to_dict(self) -> Dict[str, Any]:
         return {"seg": self.seg, "key": self.key, "tokens": list(self.tokens) if self.tokens else None,
@@ -137,7 +137,7 @@ class JournalState:
                 return
             tokens = (p["tokens"][0], p["tokens"][1]) if p["tokens"] is not None else None
             req.segments[p["seg"]] = SegmentRef(p["seg"], p["key"], tokens, p["layout"], p["raw_size"],
-                                                p["stored_size"], p["digest"], p["codec"], lsn, p.get("ptr"))
+                                                p["stored_size"], p["digest"], p["codec"], lsn)
         elif rtype == RecordType.END:
             req = self.requests.get(p["id"])
             if req is None:

@@ -27,7 +27,7 @@ from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, fsync_path
 from kvj.journal.journal import default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
 from kvj.journal.reader import Scan, list_logs, read_header
-from kvj.journal.replay import is_legacy, replay
+from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import encode_snapshot, list_snapshots, load_latest, snapshot_name, write_snapshot
 from kvj.journal.state import JournalState
 from kvj.segments.check import opened_store
@@ -184,7 +184,8 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
     ``collect=False`` leaves segments alone.
     """
     directory = os.path.abspath(directory)
-    if not os.path.isdir(directory) or is_legacy(directory):
+    check_journal(directory)  # a seed-era journal: LegacyJournal
+    if not os.path.isdir(directory):
         raise FormatError(f"no kvj journal directory at {directory}")
     if grace < 0:
         raise InvalidArgument("the grace period cannot be negative")

@@ -51,7 +51,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
 from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
-from kvj.journal.legacy import LegacyScan
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.reader import (
     ABSOLUTE_CONSISTENCY,
@@ -69,7 +68,7 @@ from kvj.journal.reader import (
     list_logs,
     read_header,
 )
-from kvj.journal.replay import is_legacy, legacy_file
+from kvj.journal.replay import check_journal
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
 
@@ -348,32 +347,6 @@ class _Checker:
             self.add("note", "old-warnings", f"{old} replay warnings about records before the last recovery (LSN "
                      f"{since}) are not repeated (kvj replay --json lists them)")
 
-    # -- legacy --------------------------------------------------------------------------
-
-    def legacy(self) -> JournalState:
-        path = legacy_file(self.path)
-        scan = LegacyScan(path)
-        state = JournalState()
-        try:
-            for lsn, rtype, payload in scan:
-                self.result.records += 1
-                state.apply(rtype, payload, lsn)
-        except CorruptionError as exc:
-            self.add("error", "corruption", exc.reason, exc.path, exc.offset)
-            return state
-        self.result.logs = 1
-        self.result.first_lsn, self.result.last_lsn = state.first_lsn, state.last_lsn
-        if state.last_lsn == 0:
-            raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record")
-        if scan.tail is not None:
-            tail = scan.tail
-            finding = self.add("warning", "torn-tail", f"damaged or torn last line of {tail.length} bytes: the end "
-                               "of the log. Recovery (or fsck --repair) cuts it and keeps the bytes in "
-                               f"{TORN_DIR}/", tail.path, tail.offset)
-            self.fix(finding, lambda: f"cut; bytes kept in {cut_torn_tail(tail, self.fs)}", preen=True)
-        self.add("note", "legacy", "legacy JSON-lines journal: its records carry no digests, segments not checked")
-        return state
-
     # -- segments ------------------------------------------------------------------------
 
     def segments(self, state: JournalState) -> None:
@@ -499,9 +472,7 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
         raise NotFound(f"no journal at {path}")
     writes = repair or preen
     checker = _Checker(path, store, repair, preen, sample, fs if writes else READ_ONLY_FS, progress, mode)
-    if is_legacy(path):
-        checker.legacy()
-        return checker.result
+    check_journal(path)  # a seed-era journal: LegacyJournal, nothing read or written
     if not os.path.isdir(path):
         raise NotFound(f"no journal at {path}")
     compactor = DirLock(path, COMPACT_LOCK, "compactor")

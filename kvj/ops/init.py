@@ -22,6 +22,7 @@ from kvj.journal.journal import Journal
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.records import RecordType
 from kvj.journal.writer import CommitPolicy
+from kvj.trust import check_owner
 
 def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPolicy] = None,
          migrated_from: Optional[str] = None, mirror: Optional[str] = None) -> Dict[str, Any]:
@@ -30,6 +31,9 @@ def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPo
     journal = os.path.abspath(journal)
     if os.path.lexists(journal) and (not os.path.isdir(journal) or os.listdir(journal)):
         raise InvalidArgument(f"{journal} exists and is not an empty directory: kvj init makes a new journal")
+    for directory in (journal, store):  # refused before anything is written, as Journal.open would
+        if directory is not None:
+            check_owner(directory)
     config = {"kvj_config": CONFIG_VERSION, "created": time.time(),
               "store": os.path.abspath(store) if store is not None else None,
               "policy": asdict(policy or CommitPolicy()), "migrated_from": migrated_from}
@@ -64,8 +68,8 @@ def migrate(seed: str, journal: str, *, store: Optional[str] = None, drop_segmen
     if pointers and not drop_segments:
         raise InvalidArgument(f"{seed} has {sum(pointers.values())} seg_flush records pointing into the seed's KV "
                               "file, which a kvj journal cannot refer to: pass --drop-segments to migrate without "
-                              "them (those requests resume at token 0), or go on recovering the seed journal as it "
-                              "is (kvj recover and journal_replay read it)")
+                              "them (those requests resume at token 0; the seed journal and its KV file are only "
+                              "read)")
     init(journal, store=store, migrated_from=seed)
     written: List[int] = []
     with Journal.open(journal) as j:

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.reader import Scan, decode
 from kvj.journal.records import NAMES, RecordType
-from kvj.journal.replay import Record, RecordStream, is_legacy
+from kvj.journal.replay import Record, check_journal
 from kvj.journal.snapshot import load_latest
 
 TimeWindow = Tuple[Optional[float], Optional[float]]
@@ -26,8 +26,8 @@ class Entry:
     """A decoded record, its framed size on disk and the commit group it arrived in."""
 
     record: Record
-    size: int  # header + payload bytes; 0 for legacy JSON-lines journals
-    group: int  # ordinal of its commit group in this pass (a line, for legacy journals)
+    size: int  # header + payload bytes
+    group: int  # ordinal of its commit group in this pass
 
 
 def type_name(rtype: int) -> str:
@@ -41,10 +41,10 @@ class Entries:
     """Every record after ``after_lsn`` (the snapshot's LSN by default) with size and group."""
 
     def __init__(self, path: str, *, after_lsn: Optional[int] = None, strict: bool = False):
+        check_journal(path)
         self.path = path
-        self.legacy = is_legacy(path)
         if after_lsn is None:
-            snap = None if self.legacy else load_latest(path)
+            snap = load_latest(path)
             after_lsn = snap.snapshot_lsn if snap else 0
         self.after_lsn = after_lsn
         self.strict = strict
@@ -52,12 +52,6 @@ class Entries:
         self.logs: List[str] = []
 
     def __iter__(self) -> Iterator[Entry]:
-        if self.legacy:
-            stream = RecordStream(self.path, after_lsn=self.after_lsn, strict=self.strict)
-            for rec in stream:
-                yield Entry(rec, 0, rec.lsn)
-            self.tail = stream.tail
-            return
         scan = Scan(self.path, after_lsn=self.after_lsn, strict=self.strict)
         self.logs = scan.logs
         group = 0
@@ -159,8 +153,6 @@ def describe(rec: Record) -> str:
             prompt = prompt[:12] + "…"  # a full digest is noise on a line; --json has it whole
         return f"id={p['id']} prompt_hash={prompt}{tokens}{meta}"
     if t == RecordType.SEGMENT:
-        if p.get("key") is None:
-            return f"id={p['id']} seg={p['seg']} ptr={p.get('ptr')} size={p['raw_size']}"
         ratio = p["raw_size"] / p["stored_size"] if p["stored_size"] else 0.0
         tokens = p["tokens"] or [None, None]
         return (f"id={p['id']} seg={p['seg']} tokens={tokens[0]}..{tokens[1]} key={short_key(p['key'])} "

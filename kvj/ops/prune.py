@@ -17,6 +17,7 @@ from kvj.errors import InvalidArgument
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, list_dir
 from kvj.journal.journal import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.journal.replay import check_journal
 from kvj.ops.recover import MANIFEST_RE, RECOVERY_DIR
 from kvj.segments.check import opened_store
 
@@ -59,6 +60,7 @@ def prune(journal: str, store: Any = None, *, older_than: float, now: Optional[f
     if older_than < 0:
         raise InvalidArgument("the age cannot be negative")
     journal = os.path.abspath(journal)
+    check_journal(journal)  # a seed-era journal: LegacyJournal
     cutoff = (time.time() if now is None else now) - older_than
     fs = READ_ONLY_FS if dry_run else fs
     result = PruneResult(older_than, dry_run=dry_run)

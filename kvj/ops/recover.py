@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, SegmentMissing
+from kvj.errors import InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
-from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, TornTail, check_mode
-from kvj.journal.replay import is_legacy, legacy_file, replay
+from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, check_mode
+from kvj.journal.replay import check_journal, replay
 from kvj.journal.state import JournalState, RequestState, SegmentRef
 from kvj.ops.salvage import Salvage, clear_pending, find_damage, load_pending
 from kvj.ops.salvage import set_aside as set_aside_damage
@@ -113,14 +113,6 @@ def _request_entry(req: RequestState, plan: _Plan) -> Dict[str, Any]:
     return entry
 
 
-def _legacy_request_entry(req: RequestState) -> Dict[str, Any]:
-    segments = [{"seg": r.seg, "ptr": r.ptr, "size": r.raw_size, "lsn": r.lsn}
-                for r in sorted(req.segments.values(), key=lambda r: r.seg)]
-    return {"id": req.id, "prompt_hash": req.prompt_hash, "tokens": req.tokens, "meta": req.meta,
-            "start_lsn": req.start_lsn, "resume_position": None, "recorded_position": None,
-            "segments": segments, "verified": False, "fallback": None}
-
-
 def plan_training(state: JournalState, problems: Dict[str, Optional[Problem]]) -> Dict[str, Any]:
     """The checkpoint and the longest chain of deltas on it whose segments all verified."""
     ckpt = state.checkpoint
@@ -150,14 +142,11 @@ def plan_training(state: JournalState, problems: Dict[str, Optional[Problem]]) -
 
 
 def build_manifest(state: JournalState, problems: Dict[str, Optional[Problem]], *, journal: str,
-                   store: Optional[str], epoch: int, legacy: bool) -> Dict[str, Any]:
+                   store: Optional[str], epoch: int) -> Dict[str, Any]:
     """The recovery manifest for ``state`` given each needed segment's verification result."""
     requests = []
     fallbacks: List[str] = []
     for req in sorted(state.in_flight(), key=lambda r: r.start_lsn):
-        if legacy:
-            requests.append(_legacy_request_entry(req))
-            continue
         plan = plan_request(req, problems)
         entry = _request_entry(req, plan)
         requests.append(entry)
@@ -172,7 +161,7 @@ def build_manifest(state: JournalState, problems: Dict[str, Optional[Problem]], 
     lost = sum(r["fallback"]["lost_tokens"][1] - r["fallback"]["lost_tokens"][0] for r in requests if r["fallback"])
     return {
         "kvj_recovery_manifest": MANIFEST_VERSION,
-        "journal": journal, "store": store, "legacy": legacy, "epoch": epoch, "created": time.time(),
+        "journal": journal, "store": store, "epoch": epoch, "created": time.time(),
         "recovered_lsn": state.last_lsn, "first_lsn": state.first_lsn, "snapshot_lsn": state.snapshot_lsn,
         "torn_tail": state.tail,
         "requests": requests, "ended_requests": len(state.ended()) + state.ended_compacted,
@@ -220,7 +209,8 @@ def _next_epoch(state: JournalState, recovery_dir: str) -> int:
 def recover(path: str, store: Any = None, *, dry_run: bool = False, mode: str = TOLERATE_TORN_TAIL,
             fs: FS = REAL_FS, progress: Optional[Progress] = None, mirror: Optional[str] = None,
             mirror_policy: str = "fail") -> RecoveryResult:
-    """Recover the journal at ``path`` (a kvj journal directory or a legacy JSON-lines journal).
+    """Recover the kvj journal directory at ``path``; a seed-era JSON-lines journal is
+    ``LegacyJournal`` (``kvj migrate`` converts it), refused before anything is written.
 
     ``store`` is a ``SegmentStore`` or its root (default ``<journal>/segments``). Raises
     ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` (nothing changed)
@@ -236,26 +226,20 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, mode: str = 
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise NotFound(f"no journal at {path}")
-    legacy = is_legacy(path)
-    home = os.path.dirname(legacy_file(path)) if legacy else path
-    recovery_dir = os.path.join(home, RECOVERY_DIR)
+    check_journal(path)  # a seed-era journal: LegacyJournal, nothing written
+    recovery_dir = os.path.join(path, RECOVERY_DIR)
     if store is None:
-        store_root: Optional[str] = default_store_path(home)
+        store_root: Optional[str] = default_store_path(path)
     elif isinstance(store, (str, os.PathLike)):
         store_root = os.path.abspath(os.fspath(store))
     else:
         store_root = getattr(getattr(store, "backend", None), "root", None)
-    if until_damage and legacy:
-        raise InvalidArgument("recovery mode point-in-time (--until-damage) applies to kvj journals (a seed-era "
-                              "journal's damage is its torn last line, which recovery cuts)")
     found = find_damage(path) if until_damage else None
     if mode == ABSOLUTE_CONSISTENCY:
         replay(path, strict=True)  # a torn tail is an error too: refused before anything (a lock file) is written
-    if not legacy:
-        _require_store(path, store, store_root, found.kept_state if found else None)
-    if dry_run or legacy:
-        salvage = None if legacy else _with_pending(path, found)
-        return _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, None, progress, salvage)
+    _require_store(path, store, store_root, found.kept_state if found else None)
+    if dry_run:
+        return _recover(path, store, store_root, recovery_dir, dry_run, fs, None, progress, _with_pending(path, found))
     compactor = DirLock(path, COMPACT_LOCK, "compactor").acquire()
     try:
         salvage = _with_pending(path, None)
@@ -274,8 +258,7 @@ def recover(path: str, store: Any = None, *, dry_run: bool = False, mode: str = 
         with Journal.open(path, create=False, fs=fs, mirror=mirror, mirror_policy=mirror_policy) as journal:
             if state is not None and journal.writer.last_lsn != state.last_lsn:
                 state = None  # a writer came and went between the locks: replay what it left
-            result = _recover(path, store, store_root, recovery_dir, legacy, dry_run, fs, journal, progress, salvage,
-                              state)
+            result = _recover(path, store, store_root, recovery_dir, dry_run, fs, journal, progress, salvage, state)
         clear_pending(path, fs)  # the epoch record that carries the report is durable
         return result
     finally:
@@ -318,7 +301,7 @@ def _require_store(path: str, store: Any, store_root: Optional[str], state: Opti
                        "wrong --store or KVJ_STORE? Nothing was changed")
 
 
-def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str, legacy: bool, dry_run: bool,
+def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str, dry_run: bool,
              fs: FS, journal: Optional[Journal], progress: Optional[Progress],
              salvage: Optional[Salvage] = None, state: Optional[JournalState] = None) -> RecoveryResult:
     if state is None:
@@ -327,21 +310,13 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
     if salvage is not None and _recorded(state, salvage):
         salvage = None  # a pending report whose epoch record is durable: only its file was left
     cut = journal.cut_tail if journal is not None else None
-    if legacy and state.last_lsn == 0:
-        raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record "
-                          "(nothing was changed)")
-    if legacy and state.tail and not dry_run:
-        from kvj.journal.journal import cut_torn_tail
-
-        torn = state.tail
-        cut = cut_torn_tail(TornTail(torn["path"], torn["offset"], torn["length"]), fs)
     problems: Dict[str, Optional[Problem]] = {}
-    needed = [] if legacy else _needed(state)
+    needed = _needed(state)
     if needed:
         with opened_store(store, store_root or "", fs) as seg_store:
             problems = verify_many(seg_store, needed, progress)
     epoch = _next_epoch(state, recovery_dir)
-    manifest = build_manifest(state, problems, journal=path, store=store_root, epoch=epoch, legacy=legacy)
+    manifest = build_manifest(state, problems, journal=path, store=store_root, epoch=epoch)
     if cut is not None:
         manifest["torn_tail"] = {**(manifest["torn_tail"] or {}), "kept_at": cut, "length": os.path.getsize(cut)}
     if salvage is not None:

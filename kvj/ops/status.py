@@ -21,7 +21,7 @@ from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
 from kvj.journal.records import RecordType
-from kvj.journal.replay import replay
+from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots
 from kvj.ops.recover import RECOVERY_DIR
 from kvj.ops.salvage import PENDING_NAME
@@ -115,6 +115,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
     """What ``kvj status`` shows, as plain data."""
     now = time.time() if now is None else now
     journal = os.path.abspath(journal)
+    check_journal(journal)  # a seed-era journal: LegacyJournal
     logs = list_logs(journal)
     snaps = list_snapshots(journal)
     snapshot_lsn = snaps[0][0] if snaps else 0

@@ -26,6 +26,7 @@ from kvj.segments.backend import LocalDirBackend, ObjectStat, StorageBackend, Up
 from kvj.segments.codecs import auto
 from kvj.segments.codecs.base import Backpressure, Codec
 from kvj.segments.layout import check_layout
+from kvj.trust import check_owner
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so header-only users start without it
     import torch
@@ -101,6 +102,7 @@ class SegmentStore:
         if backend is None:
             if root is None:
                 raise InvalidArgument("SegmentStore needs a root directory or a backend")
+            check_owner(root)  # as root, a store another user owns is refused (kvj.trust)
             backend = LocalDirBackend(root, fs)
         self.backend = backend
         self.max_segment_bytes = max_segment_bytes

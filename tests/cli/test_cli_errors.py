@@ -60,7 +60,8 @@ def test_unreadable_journal_paths(tmp_path, journal):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert_fails(kvj("replay", "-j", empty), NOINPUT, "not a kvj journal")
-    assert_fails(kvj("compact", "-j", afile), NOINPUT)
+    for args in (["compact"], ["replay"], ["record", "start", "r"]):  # a file is no journal, for every command
+        assert_fails(kvj(*args, "-j", afile), 65, "is not a journal")
 
 
 DROP_DAC = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]

@@ -129,3 +129,20 @@ def test_a_refused_pt_file_is_one_kvj_line(tmp_path, journal):
     line = assert_fails(kvj("flush", tmp_path / "bad.pt", "-j", journal, "--checkpoint", "1"), DATAERR,
                         "refused: kvj reads .pt files with weights_only=True")
     assert "weights_only=False" not in line and "Warning" not in line
+
+
+@pytest.mark.parametrize("mode", [("--checkpoint", "5"), ("-r", "r", "--block-tokens", "16")],
+                         ids=["checkpoint", "request"])
+def test_files_holding_no_tensor_are_refused(tmp_path, journal, cli, mode):
+    """Regression: --checkpoint journaled an empty checkpoint, which replaced the training state
+    the journal held; --request failed with an internal error (status 70)."""
+    from safetensors.torch import save_file
+
+    torch.save({"w": blk(0)}, tmp_path / "w.pt")
+    assert cli("flush", tmp_path / "w.pt", "-j", journal, "--checkpoint", "3").returncode == 0
+    save_file({}, str(tmp_path / "empty.safetensors"))
+    records = kvj_lib.replay(str(journal)).last_lsn
+    assert_fails(cli("flush", tmp_path / "empty.safetensors", "-j", journal, *mode), USAGE,
+                 "the files hold no tensor: nothing to flush")
+    state = kvj_lib.replay(str(journal))
+    assert state.last_lsn == records and state.checkpoint["step"] == 3 and list(state.checkpoint["keys"]) == ["w"]

@@ -53,7 +53,8 @@ def test_migrate_a_seed_era_journal(tmp_path, cli):
                     '{"op": "seg_flush", "id": "a", "seg": 0, "ptr": 0, "size": 16}\n'
                     '{"op": "start", "id": "b"}\n{"op": "end", "id": "b"}\n{"op": "sta')
     before = seed.read_bytes()
-    assert_fails(cli("record", "start", "x", "-j", seed), NOINPUT, "kvj migrate")
+    assert_fails(cli("record", "start", "x", "-j", seed), 65, "is a seed-era JSON-lines journal",
+                 f"kvj migrate {seed} -j NEWDIR")
     assert_fails(cli("migrate", seed, "-j", tmp_path / "new"), USAGE, "1 seg_flush records", "--drop-segments")
     assert not (tmp_path / "new").exists()
     proc = cli("migrate", seed, "-j", tmp_path / "new", "--drop-segments", "--json")

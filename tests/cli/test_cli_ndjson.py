@@ -1,5 +1,5 @@
 """kvj record's input rules: NDJSON lines and --tokens/--meta, each bad input refused with the
-right status and nothing appended; optional fields optional; seed-era lines accepted."""
+right status and nothing appended; optional fields optional; seed-era lines refused."""
 
 from __future__ import annotations
 
@@ -49,14 +49,13 @@ def test_optional_fields_are_optional(journal, cli):
     assert b.tokens == [1, 2] and state.allocations["cuda:0"][4096].tag == ""
 
 
-def test_seed_era_lines_are_accepted(journal, cli):
-    lines = ['{"op": "start", "id": "seed-1", "prompt_hash": "abc"}', '{"op": "start", "id": "seed-2"}',
-             '{"op": "end", "id": "seed-1"}']
+def test_seed_era_lines_are_refused_pointing_at_kvj_migrate(journal, cli):
+    """Only kvj migrate reads the seed-era format (issue 23 item 5): its lines are not records."""
+    before = kvj_lib.replay(str(journal)).last_lsn
+    lines = ['{"type": "start", "id": "fine"}', '{"op": "start", "id": "seed-1", "prompt_hash": "abc"}']
     proc = cli("record", "ndjson", "-j", journal, stdin="\n".join(lines) + "\n")
-    assert proc.returncode == 0, proc.stderr
-    state = kvj_lib.replay(str(journal))
-    assert state.requests["seed-1"].ended and state.requests["seed-1"].prompt_hash == "abc"
-    assert not state.requests["seed-2"].ended
+    assert_fails(proc, DATAERR, "NDJSON line 2 is a seed-era record", "kvj migrate SEED -j NEWDIR")
+    assert kvj_lib.replay(str(journal)).last_lsn == before
 
 
 BAD_LINES = {

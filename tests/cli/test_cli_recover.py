@@ -121,12 +121,14 @@ def test_the_library_refuses_a_file_that_is_not_a_journal(tmp_path):
     assert tree(tmp_path) == before
 
 
-def test_a_seed_era_journal_with_a_torn_last_line_is_still_recovered(tmp_path):
+def test_a_seed_era_journal_with_a_torn_last_line_is_refused_and_left_alone(tmp_path):
+    """Before issue 23 item 5, recover cut the torn line and wrote a manifest; only kvj
+    migrate reads the seed-era format now, and the file stays as it is."""
     target = tmp_path / "seed.jsonl"
-    target.write_bytes(b'{"op": "start", "id": "r1", "prompt_hash": "h"}\n{"op": "seg_flush", "id": "r1", "se')
-    proc = kvj("recover", "-j", target)
-    assert proc.returncode == 0, proc.stderr
-    assert target.read_bytes().endswith(b'"h"}\n') and (tmp_path / "torn").is_dir()
+    content = b'{"op": "start", "id": "r1", "prompt_hash": "h"}\n{"op": "seg_flush", "id": "r1", "se'
+    target.write_bytes(content)
+    assert_fails(kvj("recover", "-j", target), DATAERR, "is a seed-era JSON-lines journal", "kvj migrate")
+    assert target.read_bytes() == content and sorted(os.listdir(tmp_path)) == ["seed.jsonl"]
 
 
 def test_tail_damage_is_called_damaged_or_torn_and_its_bytes_are_kept_where_named(torn_journal):

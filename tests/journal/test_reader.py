@@ -1,6 +1,5 @@
-"""Replay of damaged, rotated, snapshotted and legacy journals."""
+"""Replay of damaged, rotated and snapshotted journals."""
 
-import json
 import os
 
 import pytest
@@ -188,42 +187,6 @@ def test_empty_new_file_with_torn_header_is_dropped_on_open(tmp_path):
 def test_missing_journal_is_a_format_error(tmp_path):
     with pytest.raises(FormatError, match="no journal"):
         kvj.replay(str(tmp_path / "nope"))
-
-
-class TestLegacyJsonLines:
-    def write(self, path, lines, tail=b""):
-        path.write_bytes(b"".join(json.dumps(x).encode() + b"\n" for x in lines) + tail)
-
-    def test_imports_start_flush_end(self, tmp_path):
-        f = tmp_path / "kv.jsonl"
-        self.write(f, [{"op": "start", "id": "a", "prompt_hash": "h1"},
-                       {"op": "seg_flush", "id": "a", "seg": 0, "ptr": 0, "size": 4096},
-                       {"op": "seg_flush", "id": "a", "seg": 1, "ptr": 4096, "size": 4096},
-                       {"op": "start", "id": "b", "prompt_hash": "h2"},
-                       {"op": "end", "id": "b"}])
-        state = kvj.replay(str(f))
-        assert [r.id for r in state.in_flight()] == ["a"]
-        assert [s.ptr for s in state.requests["a"].segments.values()] == [0, 4096]
-        assert state.requests["b"].ended
-        assert kvj.replay(str(tmp_path)).last_lsn == 5  # a directory holding one .jsonl
-
-    def test_torn_last_line_ends_the_log(self, tmp_path):
-        f = tmp_path / "kv.jsonl"
-        self.write(f, [{"op": "start", "id": "a", "prompt_hash": "h"}], tail=b'{"op": "seg_fl')
-        state = kvj.replay(str(f))
-        assert state.last_lsn == 1 and state.tail["length"] == len(b'{"op": "seg_fl')
-
-    def test_bad_line_in_the_middle_is_corruption(self, tmp_path):
-        f = tmp_path / "kv.jsonl"
-        f.write_bytes(b'{"op": "start", "id": "a"}\nnot json\n{"op": "end", "id": "a"}\n')
-        with pytest.raises(CorruptionError, match="line 2"):
-            kvj.replay(str(f))
-
-    def test_traversal_in_ids_is_refused(self, tmp_path):
-        f = tmp_path / "kv.jsonl"
-        self.write(f, [{"op": "start", "id": "../../etc/passwd"}, {"op": "end", "id": "x"}])
-        with pytest.raises(CorruptionError, match="invalid request id"):
-            kvj.replay(str(f))
 
 
 def test_damaged_header_of_a_newest_file_with_records_is_corruption(tmp_path):

@@ -140,12 +140,29 @@ def test_live_writer_tail_is_not_an_error_and_repair_refuses(journal):
         assert proc.returncode == 8 and f"pid {holder.pid}" in proc.stderr
 
 
-def test_legacy_journal(tmp_path, capsys):
+def test_a_seed_era_journal_is_refused_pointing_at_kvj_migrate(tmp_path, capsys):
+    """Before issue 23 item 5, fsck checked a seed-era JSON-lines journal and --repair cut its
+    torn last line; only kvj migrate reads that format now."""
     log = tmp_path / "old.jsonl"
-    log.write_text('{"op": "start", "id": "a"}\n{"op": "end", "id": "a"}\n{"op": "sta')
-    assert run_cli(capsys, "fsck", "-j", log)[0] == 0  # a torn last line: recovery cuts it
-    assert run_cli(capsys, "fsck", "-j", log, "--repair")[0] == 1
-    assert run_cli(capsys, "fsck", "-j", log)[0] == 0
+    content = '{"op": "start", "id": "a"}\n{"op": "end", "id": "a"}\n{"op": "sta'
+    log.write_text(content)
+    for args in ([], ["--repair"]):
+        status, _out, err = run_cli(capsys, "fsck", "-j", log, *args)
+        assert status == 8 and "is a seed-era JSON-lines journal" in err and f"kvj migrate {log} -j NEWDIR" in err
+    assert log.read_text() == content and os.listdir(tmp_path) == ["old.jsonl"]
+
+
+def test_the_library_refuses_a_seed_era_journal_too(tmp_path):
+    """Before issue 23 item 5, ``kvj.ops.fsck.fsck`` read a seed-era journal (the file, or a
+    directory holding it) and, with ``repair``, cut its torn last line."""
+    log = tmp_path / "old.jsonl"
+    content = '{"op": "start", "id": "a"}\n{"op": "sta'
+    log.write_text(content)
+    for path in (log, tmp_path):
+        for repair in (False, True):
+            with pytest.raises(kvj.LegacyJournal, match=f"{log} is a seed-era JSON-lines journal.*kvj migrate"):
+                fsck(str(path), repair=repair)
+    assert log.read_text() == content and os.listdir(tmp_path) == ["old.jsonl"]
 
 
 def test_newest_file_without_a_header(journal):
@@ -196,15 +213,13 @@ def test_an_empty_newest_log_is_benign(journal, capsys):
     assert not kvj.replay(journal).tail  # replay agrees: nothing is damaged
 
 
-@pytest.mark.parametrize("state", ["healthy", "torn tail", "torn header", "empty newest log", "quarantined segment",
-                                   "legacy torn line"])
-def test_fsck_and_recover_as_the_man_page_says(tmp_path, journal, state):
+@pytest.mark.parametrize("state", ["healthy", "torn tail", "torn header", "empty newest log", "quarantined segment"])
+def test_fsck_and_recover_as_the_man_page_says(journal, state):
     """kvj(1): `kvj fsck && kvj recover` after a reboot, through the real entry point."""
     import subprocess
 
     from support.cli_helpers import KVJ, env
 
-    target = journal
     if state == "torn tail":
         append_torn_tail(journal)
     elif state == "torn header":
@@ -218,12 +233,8 @@ def test_fsck_and_recover_as_the_man_page_says(tmp_path, journal, state):
     elif state == "quarantined segment":
         flip_byte(segment_file(journal, kvj.replay(journal).requests["req-0"].segments[1].key))
         assert fsck(journal, repair=True).exit_code == 1
-    elif state == "legacy torn line":
-        target = str(tmp_path / "old.jsonl")
-        with open(target, "w") as f:
-            f.write('{"op": "start", "id": "a"}\n{"op": "sta')
     kvj_bin = " ".join(KVJ)
-    proc = subprocess.run(["bash", "-c", f"{kvj_bin} fsck -j {target} && {kvj_bin} recover -j {target}"],
+    proc = subprocess.run(["bash", "-c", f"{kvj_bin} fsck -j {journal} && {kvj_bin} recover -j {journal}"],
                           capture_output=True, text=True, env=env(), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "manifest: " in proc.stdout

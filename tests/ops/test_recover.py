@@ -1,5 +1,5 @@
 """Recovery: from a SIGKILLed writer to a verified manifest with the CLI alone, fallbacks to the
-newest good segment, training chains, dry runs, repeated recoveries and legacy journals."""
+newest good segment, training chains, dry runs, repeated recoveries; seed-era journals refused."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from support.cli_helpers import (
     BLOCK_TOKENS,
     JOURNAL_REPLAY,
     append_torn_tail,
+    assert_fails,
     block,
     build,
     flip_byte,
@@ -163,26 +164,24 @@ def test_each_recovery_is_a_new_epoch(tmp_path):
     assert sorted(os.listdir(os.path.join(j, "recovery"))) == ["manifest-000001.json", "manifest-000002.json"]
 
 
-def test_legacy_json_lines_journal_via_journal_replay(tmp_path):
+def test_a_seed_era_journal_is_refused_pointing_at_kvj_migrate(tmp_path):
+    """Before issue 23 item 5, journal_replay recovered a seed-era JSON-lines journal (a
+    manifest of its pointers, its torn line cut); only kvj migrate reads that format now."""
     log = tmp_path / "log"
     log.mkdir()
     lines = [{"op": "start", "id": "a", "prompt_hash": "p1"}, {"op": "seg_flush", "id": "a", "seg": 0, "ptr": 0,
-                                                               "size": 4096},
-             {"op": "seg_flush", "id": "a", "seg": 1, "ptr": 4096, "size": 4096}, {"op": "start", "id": "b"},
-             {"op": "end", "id": "b"}]
-    (log / "journal.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"op": "seg_fl')
-    proc = kvj_proc("--log", log, "--kv-store", tmp_path / "kv", "--recover", "--json", prog=JOURNAL_REPLAY)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    m = out["manifest"]
-    assert m["legacy"] and [r["id"] for r in m["requests"]] == ["a"]
-    assert m["requests"][0]["segments"] == [{"seg": 0, "ptr": 0, "size": 4096, "lsn": 2},
-                                            {"seg": 1, "ptr": 4096, "size": 4096, "lsn": 3}]
-    assert open(m["torn_tail"]["kept_at"]).read() == '{"op": "seg_fl'
-    assert (log / "journal.jsonl").read_text().endswith("}\n")
-    assert out["manifest_path"] == str(log / "recovery" / "manifest-000001.json") and out["epoch_lsn"] is None
-
-
+                                                               "size": 4096}, {"op": "end", "id": "a"}]
+    seed = log / "journal.jsonl"
+    seed.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"op": "seg_fl')
+    before = seed.read_bytes()
+    proc = kvj_proc("--log", log, "--kv-store", tmp_path / "kv", "--recover", prog=JOURNAL_REPLAY)
+    assert_fails(proc, 65, f"{seed} is a seed-era JSON-lines journal", f"kvj migrate {seed} -j NEWDIR",
+                 prog="journal_replay")
+    for path in (str(log), str(seed)):
+        for dry_run in (False, True):
+            with pytest.raises(kvj.LegacyJournal, match="kvj migrate"):
+                recover(path, dry_run=dry_run)
+    assert seed.read_bytes() == before and os.listdir(log) == ["journal.jsonl"] and not (tmp_path / "kv").exists()
 def test_load_reports_segments_that_fail_after_planning(tmp_path):
     j = str(tmp_path / "j")
     keys = build(j, requests=1, blocks=2, ended=0, training=False)["keys"]
