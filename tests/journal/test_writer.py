@@ -343,9 +343,9 @@ def test_an_exception_in_the_with_block_is_not_replaced_by_a_failing_close(tmp_p
 
 
 def test_max_group_records_caps_each_group_while_the_next_fills(tmp_path):
-    """``max_group_records``: under bulk load every group holds exactly that many records (the
-    last one the rest), fewer than the groups that take all that is pending, and the next
-    group fills while one is synced: appends go on during the fdatasync in flight."""
+    """``max_group_records``: no group holds more, though more is pending (the 150 records
+    appended behind a held fdatasync fill a group to the cap), and the next group fills while
+    one is synced: appends go on during the fdatasync in flight."""
     fs = SlowSyncFS()
     policy = CommitPolicy(max_group_records=100, max_pending_records=250)
     with Journal.open(tmp_path, policy=policy, fs=fs) as j:
@@ -359,7 +359,9 @@ def test_max_group_records_caps_each_group_while_the_next_fills(tmp_path):
             j.append(*alloc(i))
         assert j.sync() == 1234
     sizes = group_sizes(tmp_path)
-    assert sizes == [100] * 12 + [34]
+    # no group above the cap, and the 150 records pending behind the held fdatasync filled one to
+    # it (later groups may hold fewer: on a loaded machine the appender can fall behind the writer)
+    assert max(sizes) == 100 and sum(sizes) == 1234, sizes
     assert [r.payload["addr"] for r in Scan(str(tmp_path)).records()] == list(range(1234))
 
 
