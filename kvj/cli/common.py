@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 from kvj.errors import CorruptionError, FormatError, NotFound, UnsafePath
 from kvj.journal.config import STORE_DIR, config_store
 from kvj.journal.mirror import mirror_of
+from kvj.journal.ranks import holds_ranks, rank_journals, rank_name
 from kvj.journal.reader import LOG_RE
 from kvj.journal.snapshot import SNAP_RE
 
@@ -296,13 +297,15 @@ def _holds_journal(full: str, names: List[str]) -> bool:
     return any(LOG_RE.match(n) or SNAP_RE.match(n) for n in names) or mirror_of(full) is not None
 
 
-def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool = False) -> str:
+def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool = False, ranks_ok: bool = False) -> str:
     """Check that ``path`` names a journal; returns it absolute.
 
     Missing, not a directory, or holding no journal files are reported as missing input
     (``FileNotFoundError``); unreadable ones as permission errors, by the OS itself. A
     command that writes (``writing``) never creates a journal: a path that is not one is
-    ``NotFound``, pointing at ``kvj init``.
+    ``NotFound``, pointing at ``kvj init``. A directory of rank journals (a parallel vLLM
+    engine's, ``kvj.journal.ranks``) is returned where ``ranks_ok``, else ``NotFound`` naming
+    its rank journals.
     """
     if path is None or not os.fspath(path):  # an empty -j "" would otherwise name the current directory
         raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
@@ -326,6 +329,13 @@ def journal_path(path: Optional[str], *, legacy_ok: bool = True, writing: bool =
         raise FileNotFoundError(2, "not a journal directory", full)
     check_owner(full)
     names = os.listdir(full)
+    if not _holds_journal(full, names) and holds_ranks(full):
+        if ranks_ok:
+            return full
+        first = os.path.join(full, rank_name(0, 0))
+        raise NotFound(f"{full} holds one journal per rank of a tensor/pipeline-parallel engine "
+                       f"({', '.join(os.path.basename(j) for j in rank_journals(full).values())}): give one, "
+                       f"-j {first}; kvj recover -j {full} recovers them all")
     if not _holds_journal(full, names):
         legacy = sorted(n for n in names if n.endswith((".jsonl", ".ndjson")))
         if legacy_ok and legacy:

@@ -1,12 +1,13 @@
 """``KvjConnector`` that also writes down the raw KV it saves and loads, for the e2e tests.
 
 With ``kv_connector_extra_config["record"] = DIR`` every block it saves is written to
-``DIR/saved-<chain>.npy`` (read from vLLM's paged cache when the step's gather runs) and every
-block it loads, read back from the paged cache once the load is reported done, to
-``DIR/loaded-<chain>.npy``: the test compares a restarted engine's loaded KV with the KV an
-uninterrupted engine computed, byte for byte. It also writes the worker's counters (blocks
-loaded, failed verification, saved...) to ``DIR/stats-<pid>.json`` after every step that
-loaded or saved something, and at shutdown.
+``DIR/saved-<chain>.r<rank>.npy`` (read from vLLM's paged cache when the step's gather runs;
+``rank`` is the worker's, 0 without parallelism) and every block it loads, read back from the
+paged cache once the load is reported done, to ``DIR/loaded-<chain>.r<rank>.npy``: the test
+compares a restarted engine's loaded KV with the KV an uninterrupted engine computed, byte for
+byte, rank by rank. It also writes the worker's counters (blocks loaded, failed verification,
+saved...) to ``DIR/stats-r<rank>-<pid>.json`` after every step that loaded or saved something,
+and at shutdown.
 
 ``kv_connector_extra_config["pace"] = SECONDS`` makes every step that many seconds longer
 (after the step's journaling is queued; kvj's threads keep writing meanwhile): a test that
@@ -38,10 +39,11 @@ class RecordingKvjConnector(KvjConnector):
 
     def _dump(self, kind: str, block_id: int, chain: str) -> None:
         raw = torch.stack([cache[block_id] for cache in self.worker._caches]).view(torch.uint8).numpy()
-        np.save(os.path.join(self._record, f"{kind}-{chain}.npy"), raw, allow_pickle=False)
+        np.save(os.path.join(self._record, f"{kind}-{chain}.r{self.layout.rank}.npy"), raw, allow_pickle=False)
 
     def _stats(self) -> None:
-        with open(os.path.join(self._record, f"stats-{os.getpid()}.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(self._record, f"stats-r{self.layout.rank}-{os.getpid()}.json"), "w",
+                  encoding="utf-8") as f:
             json.dump(self.worker.counters(), f)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
