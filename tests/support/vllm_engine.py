@@ -61,7 +61,8 @@ def main(spec_path: str) -> None:
                                     kv_role="kv_both", kv_load_failure_policy="recompute",
                                     kv_connector_extra_config={"journal": spec["journal"],
                                                                "record": spec.get("record"),
-                                                               "pace": spec.get("pace")})
+                                                               "pace": spec.get("pace"),
+                                                               "drop": spec.get("drop")})
     elif spec.get("connector") == "example":
         transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                     kv_connector_extra_config={"shared_storage_path": spec["journal"]})

@@ -13,10 +13,14 @@ and at shutdown.
 (after the step's journaling is queued; kvj's threads keep writing meanwhile): a test that
 kills the engine once the journal shows some progress then sees that progress before the
 requests finish, however slowly a loaded machine runs the test's own polling.
+
+``kv_connector_extra_config["drop"] = {"rank": R, "block": B}`` makes the worker of rank R
+never save block B of any request (the other ranks do): a block durable on some ranks only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -27,7 +31,7 @@ import torch
 
 from kvj.integrations.vllm import KvjConnector
 
-_OWN = ("record", "pace")
+_OWN = ("record", "pace", "drop")
 
 
 class RecordingKvjConnector(KvjConnector):
@@ -35,6 +39,7 @@ class RecordingKvjConnector(KvjConnector):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._record: Optional[str] = extra.get("record")
         self._pace = float(extra.get("pace") or 0)
+        self._drop: Optional[Mapping[str, int]] = extra.get("drop")
         return {k: v for k, v in extra.items() if k not in _OWN}
 
     def _dump(self, kind: str, block_id: int, chain: str) -> None:
@@ -47,6 +52,10 @@ class RecordingKvjConnector(KvjConnector):
             json.dump(self.worker.counters(), f)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        drop = self._drop
+        if drop and self._role.name == "WORKER" and self.layout.rank == drop["rank"]:
+            kv_connector_metadata = dataclasses.replace(
+                kv_connector_metadata, saves=[s for s in kv_connector_metadata.saves if s.block != drop["block"]])
         if self._record:
             for save in kv_connector_metadata.saves:  # what the gather copies, as it is now
                 self._dump("saved", save.block_id, save.chain)
