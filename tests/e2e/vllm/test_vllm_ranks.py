@@ -105,8 +105,7 @@ def test_a_block_is_durable_only_once_every_rank_reported_it_across_steps(model:
 
 def write_rank(model: str, journal: str, tp_rank: int, chains: List[str], tokens: List[int]) -> None:
     """Rank ``tp_rank``'s worker side journals the blocks of ``chains`` (its shard layout)."""
-    from kvj.integrations.vllm import block_layout, model_identity
-    from kvj.integrations.vllm import KvjConfig
+    from kvj.integrations.vllm import KvjConfig, block_layout, model_identity
     from kvj.integrations.vllm_worker import Save, Start, StepPlan, WorkerJournal
     from kvj.journal import ranks
 
