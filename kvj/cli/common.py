@@ -28,6 +28,7 @@ from kvj.errors import FormatError, NotFound, UnsafePath
 from kvj.journal.config import STORE_DIR, config_store
 from kvj.journal.replay import check_journal, holds_journal
 from kvj.trust import check_owner, trusted
+from kvj.journal.ranks import holds_ranks, rank_journals, rank_name
 
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"
@@ -286,14 +287,16 @@ def progress() -> Iterator[Callable[[str, int, int], None]]:
 # -- journal and store paths ---------------------------------------------------------------
 
 
-def journal_path(path: Optional[str], *, writing: bool = False) -> str:
+def journal_path(path: Optional[str], *, writing: bool = False, ranks_ok: bool = False) -> str:
     """Check that ``path`` names a kvj journal directory; returns it absolute.
 
     Missing, or a directory holding no journal files, is missing input (``FileNotFoundError``);
     unreadable, a permission error, by the OS itself; a seed-era JSON-lines journal is
     ``LegacyJournal`` (pointing at ``kvj migrate``, which alone reads it) and any other file
     ``FormatError``. A command that writes (``writing``) never creates a journal: a path that
-    is not one is ``NotFound``, pointing at ``kvj init``.
+    is not one is ``NotFound``, pointing at ``kvj init``. A directory of rank journals (a
+    parallel vLLM engine's, ``kvj.journal.ranks``) is returned where ``ranks_ok``, else
+    ``NotFound`` naming its rank journals.
     """
     if path is None or not os.fspath(path):  # an empty -j "" would otherwise name the current directory
         raise usage_error(f"no journal given: use --journal DIR or set {JOURNAL_ENV}")
@@ -305,6 +308,13 @@ def journal_path(path: Optional[str], *, writing: bool = False) -> str:
     elif os.path.isdir(full):
         check_owner(full)
     check_journal(full)
+    if os.path.isdir(full) and not holds_journal(full) and holds_ranks(full):
+        if ranks_ok:
+            return full
+        first = os.path.join(full, rank_name(0, 0))
+        raise NotFound(f"{full} holds one journal per rank of a tensor/pipeline-parallel engine "
+                       f"({', '.join(os.path.basename(j) for j in rank_journals(full).values())}): give one, "
+                       f"-j {first}; kvj recover -j {full} recovers them all")
     if not os.path.isdir(full) or not holds_journal(full):
         if writing:
             raise NotFound(f"{full} is not a kvj journal: kvj writes only to a journal made on purpose "

@@ -53,6 +53,10 @@ FILES = [
                       "until kvj prune removes them)."),
     ("JOURNAL/recovery/manifest-EPOCH.json", "Recovery manifests written by kvj recover."),
     ("JOURNAL/segments/", "The default segment store (kvj-segment(5))."),
+    ("JOURNAL/ranks.json, JOURNAL/rank-T-P/", "A tensor/pipeline-parallel vLLM engine's directory: one journal per "
+                                              "rank (each with its own store), the layout in ranks.json. kvj "
+                                              "recover -j JOURNAL recovers them all; the other commands take one "
+                                              "rank's journal (kvj-journal(5), Rank journals)."),
 ]
 
 #: What a command's exit status means beyond the common list.

@@ -13,9 +13,10 @@ from rich.text import Text
 from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, ago,
                             done, emit_json, journal_path, out, progress, rate, store_path)
 from kvj.cli.errors import FAILURE
-from kvj.errors import CorruptionError
+from kvj.errors import CorruptionError, InvalidArgument
+from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
-from kvj.ops.recover import RecoveryResult, check_device, load_manifest
+from kvj.ops.recover import RecoveryResult, check_device, load_manifest, recover_ranks
 from kvj.ops.recover import recover as recover_journal
 from kvj.ops.salvage import PENDING_NAME
 
@@ -49,6 +50,12 @@ def recover(journal: JournalArg = None,
     server knows exactly what to load. A seed-era JSON-lines journal is refused (status
     65): kvj migrate makes a kvj journal of it.
 
+    A directory of rank journals (a tensor/pipeline-parallel vLLM engine's, JOURNAL/rank-T-P/,
+    kvj-journal(5), Rank journals) is recovered rank by rank, each as above, and one more
+    manifest, JOURNAL/recovery/manifest-EPOCH.json, plans the engine's resume: each request's
+    resume position is the minimum over the ranks (a block missing on any rank is recomputed
+    on all).
+
     Arguments that cannot work are refused before anything is written: a --device that
     cannot be used here is status 64, a missing or empty store while the journal needs
     segments (a mistyped --store or KVJ_STORE; not one that quarantined a needed segment)
@@ -66,9 +73,15 @@ def recover(journal: JournalArg = None,
     --recovery-mode absolute-consistency refuses a torn tail too (status 65), for a
     journal that was shut down cleanly.
     """
-    path = journal_path(journal)
-    _run(path, store_path(path, store), device, dry_run, as_json, mirror, mirror_policy,
-         "point-in-time" if until_damage else mode)
+    path = journal_path(journal, ranks_ok=True)
+    mode = "point-in-time" if until_damage else mode
+    if holds_ranks(path):
+        if store is not None or device is not None or mirror is not None:
+            raise InvalidArgument(f"{path} holds one journal per rank, each with its own store and mirror: "
+                                  "--store, --mirror and --device apply to one journal (-j JOURNAL/rank-T-P)")
+        _run_ranks(path, dry_run, as_json, mode)
+        return
+    _run(path, store_path(path, store), device, dry_run, as_json, mirror, mirror_policy, mode)
 
 
 def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
@@ -119,14 +132,35 @@ def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: b
         raise typer.Exit(FAILURE)
 
 
+def _run_ranks(path: str, dry_run: bool, as_json: bool, mode: str) -> None:
+    with progress() as update:
+        result = recover_ranks(path, dry_run=dry_run, mode=mode, progress=update)
+    if not result.dry_run:
+        done(f"recovery is done: manifest {result.manifest_path}")
+    if as_json:
+        emit_json({"manifest_path": result.manifest_path, "epoch_lsn": None, "dry_run": result.dry_run,
+                   "load": None, "manifest": result.manifest})
+    else:
+        out.print(summary(result))
+
+
 def summary(result: RecoveryResult) -> Group:
     """The story of a recovery: what it found and did, what is restorable and lost, what
     changed since the previous recovery, and what to do next."""
     m = result.manifest
     parts: List[RenderableType] = []
     verb = "would recover" if result.dry_run else "recovered"
-    parts.append(Text.assemble((f"{verb} ", "bold"), m["journal"],
-                               f" up to LSN {m['recovered_lsn']} (epoch {m['epoch']})"))
+    if m.get("ranks"):
+        parts.append(Text.assemble((f"{verb} ", "bold"), m["journal"], f": {len(m['ranks'])} rank journals "
+                                   f"(epoch {m['epoch']}); each request resumes at the minimum over the ranks"))
+        for name, rank in m["ranks"].items():
+            where = (f"up to LSN {rank['recovered_lsn']}, {rank['requests']} in flight" if rank["epoch"] is not None
+                     else "no journal (nothing of this rank is durable)")
+            parts.append(Text(f"  {name}: {where}" + (f", manifest {rank['manifest_path']}"
+                                                      if rank.get("manifest_path") else "")))
+    else:
+        parts.append(Text.assemble((f"{verb} ", "bold"), m["journal"],
+                                   f" up to LSN {m['recovered_lsn']} (epoch {m['epoch']})"))
     parts += _since(m.get("since_previous"))
     tail = m.get("torn_tail")
     if tail:

@@ -37,14 +37,26 @@ the draws it had made, with the very draw vLLM's sampler makes per token.
 
 **Keys.** Block ``b`` is named by ``chain[b] = BLAKE3(chain[b-1] || its token ids)``, from a
 seed that is the block layout's rank-free identity (model weights, dtype, KV cache dtype,
-geometry, block size, tensor-parallel size: ``kvj.segments.kvblock``), so a block only ever
-loads into the model and layout it came from. The weights' digest is computed once and kept
+geometry, block size, tensor- and pipeline-parallel sizes: ``kvj.segments.kvblock``), so a
+block only ever loads into the model and layout it came from. The weights' digest is computed once and kept
 beside the journal (``vllm-model-digests.json``, keyed by each file's size, mtime and inode);
 a hub id is named with its resolved revision.
 
-**Refused at start-up**, with one line naming what: tensor, pipeline or data parallel size
-other than 1, several KV cache groups (hybrid attention), MLA, speculative decoding, and KV
-cache dtypes other than the model's and fp8.
+**Tensor and pipeline parallelism.** vLLM builds one worker connector per rank; each journals
+its own shard of every block (its rank and pipeline stage are in each segment's layout and
+checked on load) in a journal of its own, ``JOURNAL/rank-T-P/`` (``kvj.journal.ranks``: ranks
+are separate processes and a journal has one writer). The scheduler names blocks for all ranks
+(the chain seed is rank-free) and counts a block durable only once every rank has reported
+its shard durable (reports accumulate across steps: ranks report in different steps); at
+start-up, only blocks durable in every rank's journal. A lost block on any rank drops it for
+all, and vLLM recomputes it on all. Every rank journals every request's START, TOKENS and END
+(its END after its own segments). ``kvj recover -j JOURNAL`` recovers every rank's journal
+and writes one manifest whose resume position per request is the minimum over the ranks.
+
+**Refused at start-up**, with one line naming what: data parallel size other than 1 (each
+data-parallel engine needs a journal of its own: give each engine its own), a journal of
+another parallel layout, several KV cache groups (hybrid attention), MLA, speculative
+decoding, and KV cache dtypes other than the model's and fp8.
 """
 
 from __future__ import annotations
@@ -72,6 +84,7 @@ from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE as _STR_DTYPES
 import kvj
 from kvj.errors import InvalidArgument, InvalidName, KvjError
 from kvj.fileio import atomic_write, makedirs_durable
+from kvj.journal import ranks as rank_journals
 from kvj.names import check_request_id
 from kvj.segments.tensors import dtype_name
 from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
@@ -163,9 +176,9 @@ def refusal(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"
     """Why the connector cannot journal this engine's KV, in one line; None when it can."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     unsupported = []
-    if pc.tensor_parallel_size * pc.pipeline_parallel_size * pc.data_parallel_size != 1:
-        unsupported.append(f"tensor/pipeline/data parallel size {pc.tensor_parallel_size}/"
-                           f"{pc.pipeline_parallel_size}/{pc.data_parallel_size} (only 1/1/1)")
+    if pc.data_parallel_size != 1:
+        unsupported.append(f"data parallel size {pc.data_parallel_size} (only 1: run each engine with a journal "
+                           "of its own)")
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
         unsupported.append(f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (hybrid attention)")
     if getattr(mc, "use_mla", False):
@@ -235,15 +248,29 @@ def model_identity(vllm_config: "VllmConfig", config: KvjConfig) -> str:
     return f"hf:{mc.model}@{os.path.basename(os.path.normpath(path))}"
 
 
-def block_layout(vllm_config: "VllmConfig", model: str, rank: int = 0) -> KVBlockLayout:
-    """The KV block layout of this engine: vLLM's standardized per-layer view ``[H, N, 2*D]``."""
+def block_layout(vllm_config: "VllmConfig", model: str, tp_rank: int = 0, pp_rank: int = 0) -> KVBlockLayout:
+    """The KV block layout of rank (``tp_rank``, ``pp_rank``) of this engine: vLLM's standardized
+    per-layer view ``[H, N, 2*D]`` of its heads, of the layers of its pipeline stage."""
+    from vllm.distributed.utils import get_pp_indices
+
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if cc.cache_dtype in _FP8:
         dtype, quant = "uint8", cc.cache_dtype
     else:
         dtype, quant = dtype_name(mc.dtype), ""
-    return KVBlockLayout(model, dtype, mc.get_num_layers(pc), mc.get_total_num_kv_heads(), mc.get_head_size(),
-                         cc.block_size, LHNC, pc.tensor_parallel_size, rank, quant)
+    layers = mc.get_total_num_hidden_layers()
+    stage = get_pp_indices(layers, pp_rank, pc.pipeline_parallel_size)
+    return KVBlockLayout(model, dtype, layers, mc.get_total_num_kv_heads(), mc.get_head_size(), cc.block_size, LHNC,
+                         pc.tensor_parallel_size, tp_rank, quant, pc.pipeline_parallel_size, pp_rank, tuple(stage))
+
+
+def worker_ranks(tp_size: int, pp_size: int) -> Tuple[int, int]:
+    """This worker's (tensor-parallel rank, pipeline-parallel rank): (0, 0) without parallelism."""
+    if tp_size * pp_size == 1:
+        return 0, 0
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
 
 
 def journal_id(vllm_request_id: str, engine: str) -> str:
@@ -282,6 +309,7 @@ class _Tracked:
     request: "Request"
     jid: str
     start_durable: bool = False
+    start_ranks: Set[int] = field(default_factory=set)  #: ranks whose START of it is durable
     journaled: int = 0  #: its tokens carried by its START and TOKENS records
     next_save: int = 0  #: blocks below this have been sent to the worker to save
     computed: int = 0  #: tokens computed by the end of the last step it was scheduled in
@@ -290,7 +318,7 @@ class _Tracked:
     load: Optional[Load] = None  #: planned, for the next step
     loaded: Dict[int, int] = field(default_factory=dict)  #: block id -> block index, of its last load
     local_hit: int = 0  #: vLLM's own prefix-cache hit, block-aligned, when last asked
-    restored: int = 0  #: tokens the workers loaded for it
+    restored: Dict[int, int] = field(default_factory=dict)  #: rank -> tokens it loaded for it
 
 
 # ---------------------------------------------------------------------------- the connector
@@ -311,16 +339,24 @@ class KvjConnector(KVConnectorBase_V1):
                            "verification is recomputed instead of failing its request",
                            self._kv_transfer_config.kv_load_failure_policy)
         self._block_size = vllm_config.cache_config.block_size
-        self.layout = block_layout(vllm_config, model_identity(vllm_config, self.config))
+        pc = vllm_config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        why = rank_journals.refusal(self.config.journal, tp, pp)
+        if why is not None:
+            raise KvjError(f"kvj: {why}")
+        rank_journals.claim(self.config.journal, tp, pp)  # before any rank journal exists
+        tp_rank, pp_rank = worker_ranks(tp, pp) if role == KVConnectorRole.WORKER else (0, 0)
+        self.layout = block_layout(vllm_config, model_identity(vllm_config, self.config), tp_rank, pp_rank)
         self._seed = self.layout.seed()
-        self._ranks = {0}  #: the ranks that must report a block before it counts as durable
+        #: the ranks that must report a block (a START, a load) before it counts
+        self._ranks = set(range(self.layout.world))
         if role == KVConnectorRole.SCHEDULER:
             if current_platform.is_cpu() and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
                 logger.warning("kvj: vLLM's CPU backend reserves one more core for a KV connector; with few "
                                "cores that leaves its scheduler none: set VLLM_CPU_NUM_OF_RESERVED_CPU=1")
             path = self.config.journal
-            state = kvj.replay(path) if os.path.isdir(path) else kvj.JournalState()
-            self._durable_chains: Set[str] = set(durable_blocks(state, self._seed))
+            self._durable_chains: Set[str] = durable_on_all_ranks(path, self._seed, tp, pp)
+            self._partly: Dict[str, Set[int]] = {}  #: chain -> ranks that reported it, until all have
             self._engine = os.urandom(4).hex()  #: prefixes this engine's journal ids
             self._requests: Dict[str, _Tracked] = {}
             self._arrived: List[Start] = []
@@ -329,7 +365,8 @@ class KvjConnector(KVConnectorBase_V1):
             _SCHEDULERS[path] = self
         else:
             c = self.config
-            self.worker = WorkerJournal(c.journal, self.layout, codec=c.codec, threads=c.threads,
+            self.worker = WorkerJournal(rank_journals.rank_journal(c.journal, tp_rank, pp_rank, tp, pp), self.layout,
+                                        codec=c.codec, threads=c.threads,
                                         load_threads=c.load_threads, gather_bytes=c.gather_bytes,
                                         staging_bytes=c.staging_bytes)
             self.worker.last_plan = self._last_plan
@@ -463,19 +500,38 @@ class KvjConnector(KVConnectorBase_V1):
         vLLM: save them again once they are."""
         news = connector_output.kv_connector_worker_meta
         if isinstance(news, KvjWorkerMetadata):
-            self._durable_chains.update(c for c, ranks in news.durable.items() if self._ranks <= set(ranks))
-            self._durable_chains.difference_update(news.lost)
-            for req_id in news.started:
-                if req_id in self._requests:
-                    self._requests[req_id].start_durable = True
-            for req_id, n in news.loaded.items():
-                if req_id in self._requests:
-                    self._requests[req_id].restored += n
+            self.learn(news)
         invalid = connector_output.invalid_block_ids or set()
         for tracked in self._requests.values() if invalid else ():
             failed = [b for block_id, b in tracked.loaded.items() if block_id in invalid]
             if failed:
                 tracked.next_save = min(tracked.next_save, min(failed))
+
+    def learn(self, news: WorkerNews) -> None:
+        """Accumulate the ranks' reports: a block or a START counts once every rank has reported
+        it, a load by the tokens every rank loaded; a block lost on any rank is dropped for all."""
+        for chain, ranks in news.durable.items():
+            seen = self._partly.setdefault(chain, set())
+            seen.update(ranks)
+            if self._ranks <= seen:
+                self._durable_chains.add(chain)
+                del self._partly[chain]
+        for chain in news.lost:
+            self._durable_chains.discard(chain)
+            self._partly.pop(chain, None)
+        for req_id, ranks in news.started.items():
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.start_ranks.update(ranks)
+                tracked.start_durable = self._ranks <= tracked.start_ranks
+        for req_id, by_rank in news.loaded.items():
+            tracked = self._requests.get(req_id)
+            for rank, n in by_rank.items() if tracked is not None else ():
+                tracked.restored[rank] = tracked.restored.get(rank, 0) + n
+
+    def _restored(self, tracked: _Tracked) -> int:
+        """Tokens whose KV every rank loaded for it."""
+        return min(tracked.restored.get(rank, 0) for rank in self._ranks)
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Its last blocks and tokens go out with its finish at the next step; its blocks are
@@ -490,7 +546,7 @@ class KvjConnector(KVConnectorBase_V1):
         status = request.status.name.lower().replace("finished_", "")
         resumes = [r for r in str(extra.get("kvj_resumes") or "").split(",") if r]
         self._finishing.append(Finish(request.request_id, tracked.jid, status, resumes))
-        return True, {RESTORED: tracked.restored, REUSED: tracked.local_hit}
+        return True, {RESTORED: self._restored(tracked), REUSED: tracked.local_hit}
 
     # ------------------------------------------------------------------ worker side
 
@@ -560,6 +616,18 @@ class KvjConnector(KVConnectorBase_V1):
         """The worker journals what is still held for it and drains everything queued."""
         if self._role == KVConnectorRole.WORKER:
             self.worker.close()
+
+
+def durable_on_all_ranks(path: str, seed: str, tp_size: int, pp_size: int) -> Set[str]:
+    """Chain keys of this seed that every rank's journal holds a durable block of."""
+    found: Optional[Set[str]] = None
+    for p in range(pp_size):
+        for t in range(tp_size):
+            journal = rank_journals.rank_journal(path, t, p, tp_size, pp_size)
+            state = kvj.replay(journal) if os.path.isdir(journal) else kvj.JournalState()
+            mine = set(durable_blocks(state, seed))
+            found = mine if found is None else found & mine
+    return found or set()
 
 
 def _caller_model_runner() -> Any:

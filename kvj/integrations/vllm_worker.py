@@ -116,21 +116,28 @@ class StepPlan:
 
 @dataclass
 class WorkerNews:
-    """Worker to scheduler, each step. ``durable`` maps a chain key to the ranks that made it
-    durable (every rank's shard must be before it counts); the rest is per vLLM request id."""
+    """Worker to scheduler, each step, each keyed by the ranks it holds for: ``durable`` maps a
+    chain key to the ranks that made their shard of it durable, ``started`` a vLLM request id to
+    the ranks whose START of it is durable, ``loaded`` a vLLM request id to the tokens each rank
+    loaded for it. A block, a START or a load counts only once every rank has reported it (the
+    scheduler accumulates across steps: ranks report in different steps); ``aggregate`` (vLLM's,
+    over the workers of one step) is the union."""
 
     durable: Dict[str, List[int]] = field(default_factory=dict)
-    lost: List[str] = field(default_factory=list)  #: chain keys that failed to load
-    started: List[str] = field(default_factory=list)  #: START durable
-    loaded: Dict[str, int] = field(default_factory=dict)  #: tokens loaded from kvj
+    lost: List[str] = field(default_factory=list)  #: chain keys that failed to load (on any rank)
+    started: Dict[str, List[int]] = field(default_factory=dict)  #: vLLM id -> ranks with its START durable
+    loaded: Dict[str, Dict[int, int]] = field(default_factory=dict)  #: vLLM id -> rank -> tokens loaded
 
     def merge(self, other: "WorkerNews") -> None:
         for chain, ranks in other.durable.items():
             self.durable[chain] = sorted(set(self.durable.get(chain, [])) | set(ranks))
-        self.lost += other.lost
-        self.started += [s for s in other.started if s not in self.started]
-        for rid, n in other.loaded.items():
-            self.loaded[rid] = min(n, self.loaded.get(rid, n))  # a request's load counts on every rank
+        self.lost += [c for c in other.lost if c not in self.lost]
+        for rid, ranks in other.started.items():
+            self.started[rid] = sorted(set(self.started.get(rid, [])) | set(ranks))
+        for rid, by_rank in other.loaded.items():
+            mine = self.loaded.setdefault(rid, {})
+            for rank, n in by_rank.items():
+                mine[rank] = mine.get(rank, 0) + n
 
     def __bool__(self) -> bool:
         return bool(self.durable or self.lost or self.started or self.loaded)
@@ -329,6 +336,9 @@ class WorkerJournal:
             self._pending.setdefault(save.jid, []).append(self.journal.flush(
                 save.jid, save.block, token_range=(start, start + self.layout.block_size), info=known))
             self.stats["blocks_referenced"] += 1
+            with self._lock:  # its segment is durable: this rank holds it (again, after a loss elsewhere)
+                self._durable[save.chain] = {"key": known.key, "layout": known.layout}
+                self._news.durable[save.chain] = [self.layout.rank]
         for i in range(0, len(copies), self._per_round):
             if not self._gather_round(copies[i:i + self._per_round]):
                 self.stats["blocks_skipped"] += len(copies) - i
@@ -410,7 +420,7 @@ class WorkerJournal:
             self._marks.append((lsn, 0, 1))
             self._known[(save.chain, save.token_ids[-1])] = info
             self._durable[save.chain] = {"key": info.key, "layout": info.layout}
-            self._news.durable[save.chain] = [self.layout.tp_rank]
+            self._news.durable[save.chain] = [self.layout.rank]
             self.stats["bytes_raw"] += info.raw_size
             self.stats["bytes_stored"] += info.stored_size
 
@@ -514,7 +524,8 @@ class WorkerJournal:
             self._load_staging.release(ld.buf)
             recving.add(ld.load.vllm_id)
             with self._lock:
-                self._news.loaded[ld.load.vllm_id] = ld.good * self.layout.block_size
+                by_rank = self._news.loaded.setdefault(ld.load.vllm_id, {})
+                by_rank[self.layout.rank] = by_rank.get(self.layout.rank, 0) + ld.good * self.layout.block_size
         self._loading = still
         self._start_queued()
         sending, self._sent = self._sent, set()
@@ -569,7 +580,7 @@ class WorkerJournal:
         self._starts = waiting
         with self._lock:
             news, self._news = self._news, WorkerNews()
-        news.started = [vllm_id for vllm_id, _ in started]
+        news.started = {vllm_id: [self.layout.rank] for vllm_id, _ in started}
         return news if news else None
 
     def progress(self) -> Dict[str, int]:

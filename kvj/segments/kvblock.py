@@ -6,11 +6,14 @@ one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a bl
 * its **layout** (:class:`KVBlockLayout`): the model, dtype and geometry, the order of its
   axes (``L2NHD``: ``[layers, 2, block, kv_heads, head_dim]``, K then V, as kvj's own paged
   cache and the transformers integration hold it; ``LHNC``: ``[layers, kv_heads, block,
-  2*head_dim]``, K and V side by side, vLLM's standardized per-layer view), and the rank;
+  2*head_dim]``, K and V side by side, vLLM's standardized per-layer view), and the rank
+  (tensor- and pipeline-parallel rank, and the pipeline stage's layers);
 * its **chained key**: ``chain[b] = BLAKE3(chain[b-1] || token ids of block b)`` from a seed
   that is the layout's rank-free identity, so a block loads only into the model, dtype and
-  geometry it came from, whatever rank of a tensor-parallel engine asks;
-* the **check on load**: :meth:`KVBlockLayout.check` accepts a segment of this layout, and of
+  geometry it came from, whatever rank of a tensor- or pipeline-parallel engine asks (the
+  seed holds the parallel sizes, not the rank: one scheduler names a block for every rank);
+* the **check on load**: :meth:`KVBlockLayout.check` accepts a segment of this layout and rank
+  (a shard of another rank, or of another parallel size, never loads), and of
   the tags kvj wrote before (``kvj-kv-block/1``, ``kvj-vllm-block/1``, ``paged_kv_block``),
   and refuses any other with ``LayoutMismatch``;
 * the **caches** a block moves between (:meth:`KVBlockLayout.check_caches`): one tensor per
@@ -51,7 +54,8 @@ class KVBlockLayout:
     """What a KV block holds: model, element dtype, geometry, axis order and rank.
 
     ``layers`` and ``kv_heads`` are the whole model's; a rank of a ``tp_size``-way
-    tensor-parallel engine holds ``kv_heads // tp_size`` heads of each block.
+    tensor-parallel engine holds ``kv_heads // tp_size`` heads of each block, and a rank of
+    pipeline stage ``pp_rank`` holds the layers ``stage`` = [first, end) (all by default).
     """
 
     model: str
@@ -65,13 +69,34 @@ class KVBlockLayout:
     tp_rank: int = 0
     #: what the stored bytes mean when ``dtype`` is only their storage (vLLM keeps fp8 KV as uint8)
     quant: str = ""
+    pp_size: int = 1
+    pp_rank: int = 0
+    stage: Optional[Tuple[int, int]] = None  #: the pipeline stage's layers [first, end); None: all
 
     def __post_init__(self) -> None:
         if self.order not in (L2NHD, LHNC):
             raise InvalidArgument(f"KV block order must be {L2NHD} or {LHNC}, not {self.order!r}")
-        if min(self.layers, self.kv_heads, self.head_dim, self.block_size, self.tp_size) < 1 \
-                or self.kv_heads % self.tp_size or not 0 <= self.tp_rank < self.tp_size:
+        stage = (0, self.layers) if self.stage is None else tuple(int(i) for i in self.stage)
+        object.__setattr__(self, "stage", stage)
+        if min(self.layers, self.kv_heads, self.head_dim, self.block_size, self.tp_size, self.pp_size) < 1 \
+                or self.kv_heads % self.tp_size or not 0 <= self.tp_rank < self.tp_size \
+                or not 0 <= self.pp_rank < self.pp_size or len(stage) != 2 or not 0 <= stage[0] < stage[1] <= self.layers:
             raise InvalidArgument(f"bad KV block geometry: {self}")
+
+    @property
+    def rank(self) -> int:
+        """The rank among the engine's ``world`` (vLLM's order: pipeline stage, then tensor rank)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world(self) -> int:
+        """How many ranks hold a shard of each block: tensor- times pipeline-parallel size."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def stage_layers(self) -> int:
+        first, end = self.stage  # type: ignore[misc]
+        return end - first
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -90,8 +115,8 @@ class KVBlockLayout:
 
     @property
     def shape(self) -> Tuple[int, ...]:
-        """The segment's tensor: every layer of one block."""
-        return (self.layers, *self.block_shape)
+        """The segment's tensor: every layer of one block (of this rank's pipeline stage)."""
+        return (self.stage_layers, *self.block_shape)
 
     @property
     def nbytes(self) -> int:
@@ -101,16 +126,18 @@ class KVBlockLayout:
         """The rank-free fields a block must match to load anywhere this layout is served."""
         return {"format": FORMAT, "model": self.model, "dtype": self.dtype, "layers": self.layers,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "block_size": self.block_size,
-                "order": self.order, "tp_size": self.tp_size, "quant": self.quant}
+                "order": self.order, "tp_size": self.tp_size, "pp_size": self.pp_size, "quant": self.quant}
 
     def seed(self) -> str:
         """The chain seed: BLAKE3 of the identity as canonical JSON (rank-free)."""
         return fingerprint(self.identity())
 
     def segment_layout(self, token_ids: Optional[Sequence[int]] = None, chain: Optional[str] = None) -> Dict[str, Any]:
-        """The layout journaled with one block: identity and rank; its token ids and the next
-        one when known; for a chained block, its chain key and the chain's seed."""
-        out: Dict[str, Any] = {**self.identity(), "tp_rank": self.tp_rank}
+        """The layout journaled with one block: identity and rank (tensor rank, pipeline rank and
+        stage); its token ids and the next one when known; for a chained block, its chain key and
+        the chain's seed."""
+        out: Dict[str, Any] = {**self.identity(), "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
+                               "stage": list(self.stage)}  # type: ignore[arg-type]
         if token_ids is not None:
             out["token_ids"] = [int(t) for t in token_ids]
         if chain is not None:
@@ -118,7 +145,8 @@ class KVBlockLayout:
         return out
 
     def check(self, layout: Mapping[str, Any], where: str) -> None:
-        """Refuse (``LayoutMismatch``) a block segment of another model, dtype, geometry, order or rank."""
+        """Refuse (``LayoutMismatch``) a block segment of another model, dtype, geometry, order,
+        parallel size or rank: a shard of another rank never loads."""
         theirs = parse(layout, where)
         if theirs != self:
             diff = [f"{k}={v!r} (expected {asdict(self)[k]!r})" for k, v in asdict(theirs).items()
@@ -127,8 +155,8 @@ class KVBlockLayout:
 
     def check_caches(self, caches: Sequence[torch.Tensor]) -> None:
         """Refuse caches that are not ``[num_blocks, *block_shape]`` of this dtype, one per layer."""
-        if len(caches) != self.layers:
-            raise LayoutMismatch(f"{len(caches)} KV cache layers; the block layout has {self.layers}")
+        if len(caches) != self.stage_layers:
+            raise LayoutMismatch(f"{len(caches)} KV cache layers; the block layout has {self.stage_layers}")
         for c in caches:
             if tuple(c.shape[1:]) != self.block_shape or c.dtype != self.torch_dtype:
                 raise LayoutMismatch(f"KV cache {tuple(c.shape)} {dtype_name(c.dtype)} is not "
@@ -165,7 +193,8 @@ def parse(layout: Mapping[str, Any], where: str = "segment") -> KVBlockLayout:
         if tag == FORMAT:
             return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["layers"]), int(lay["kv_heads"]),
                                  int(lay["head_dim"]), int(lay["block_size"]), str(lay["order"]),
-                                 int(lay["tp_size"]), int(lay["tp_rank"]), str(lay["quant"]))
+                                 int(lay["tp_size"]), int(lay["tp_rank"]), str(lay["quant"]), int(lay["pp_size"]),
+                                 int(lay["pp_rank"]), tuple(int(i) for i in lay["stage"]))
         if tag == HF_V1:
             return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["layers"]), int(lay["kv_heads"]),
                                  int(lay["head_dim"]), int(lay["block_size"]))

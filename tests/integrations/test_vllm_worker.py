@@ -128,7 +128,7 @@ def save_then_load(tmp_path, order: str, dev: str) -> None:
     for b, block_id in enumerate(new_ids):
         assert torch.equal(block_of(dst, block_id), want[b]), f"block {b}"
     news = again.news()
-    assert news is not None and news.loaded == {"r1": 3 * BS}
+    assert news is not None and news.loaded == {"r1": {0: 3 * BS}}
     again.close()
 
 
@@ -160,7 +160,7 @@ def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
     assert again.load_errors() == {5, 6}  # the damaged block and the one after it: recomputed
     assert torch.equal(block_of(dst, 4), block_of(src, 1)) and not block_of(dst, 5).any()
     news = again.news()
-    assert news.loaded == {"r1": BS} and news.lost == [chains[1]]
+    assert news.loaded == {"r1": {0: BS}} and news.lost == [chains[1]]
     again.close()
 
 

@@ -684,15 +684,18 @@ def check_layout(seg: Segment) -> Optional[str]:
     fmt = lay.get("format")
     if fmt == "kvj-kv-block/2":
         identity = {k: lay[k] for k in ("format", "model", "dtype", "layers", "kv_heads", "head_dim", "block_size",
-                                        "order", "tp_size", "quant")}
-        extra = set(lay) - set(identity) - {"tp_rank"}
-        _need("tp_rank" in lay and extra <= {"token_ids", "chain", "seed"} and ("chain" in lay) == ("seed" in lay),
+                                        "order", "tp_size", "pp_size", "quant")}
+        rank = {"tp_rank", "pp_rank", "stage"}
+        extra = set(lay) - set(identity) - rank
+        _need(rank <= set(lay) and extra <= {"token_ids", "chain", "seed"} and ("chain" in lay) == ("seed" in lay),
               path, None, f"kv-block layout fields {sorted(lay)}")
+        first, end = lay["stage"]
         _need(lay["order"] in ("L2NHD", "LHNC") and lay["kv_heads"] % lay["tp_size"] == 0
-              and 0 <= lay["tp_rank"] < lay["tp_size"], path, None, "order, heads or rank")
+              and 0 <= lay["tp_rank"] < lay["tp_size"] and 0 <= lay["pp_rank"] < lay["pp_size"]
+              and 0 <= first < end <= lay["layers"], path, None, "order, heads, rank or stage")
         heads = lay["kv_heads"] // lay["tp_size"]
-        shape = ([lay["layers"], 2, lay["block_size"], heads, lay["head_dim"]] if lay["order"] == "L2NHD"
-                 else [lay["layers"], heads, lay["block_size"], 2 * lay["head_dim"]])
+        shape = ([end - first, 2, lay["block_size"], heads, lay["head_dim"]] if lay["order"] == "L2NHD"
+                 else [end - first, heads, lay["block_size"], 2 * lay["head_dim"]])
         _need(seg.shape == shape and seg.dtype == lay["dtype"], path, None, "KV block shape or dtype is not the layout's")
         if "token_ids" in lay:
             _need(len(lay["token_ids"]) == lay["block_size"] + 1, path, None, "token_ids is not block_size + 1 ids")

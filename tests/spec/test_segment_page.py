@@ -120,7 +120,7 @@ def test_the_kv_block_identity_fields_are_the_code_s():
     body = re.sub(r'"[^"]*"', "", body.split("{", 1)[1].rsplit("}", 1)[0])
     fields = [part.split(":")[0].strip() for part in body.split(",")]
     layout = kvblock.KVBlockLayout("m", "bfloat16", 2, 2, 8, 4)
-    assert fields == [*layout.identity(), "tp_rank"]
+    assert fields == [*layout.identity(), "tp_rank", "pp_rank", "stage"]
     assert list(layout.segment_layout([1] * 5, "ab" * 32)) == [*fields, "token_ids", "chain", "seed"]
     for order in (kvblock.L2NHD, kvblock.LHNC):
         assert f".B {order}\n" in page

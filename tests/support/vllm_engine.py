@@ -2,7 +2,8 @@
 
 Run as ``python -m support.vllm_engine SPEC.json`` (``tests`` on ``PYTHONPATH``). The spec
 names the model, the connector (``kvj`` through ``support.vllm_record``, ``example`` for
-vLLM's in-tree ExampleConnector, or none), the engine settings, and a list of jobs:
+vLLM's in-tree ExampleConnector, or none), the engine settings (``"tp": N`` for tensor
+parallelism: N worker processes, one core each), and a list of jobs:
 
 * ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy, or
   with ``"sampling": [{"temperature": T, "seed": S} or null, ...]`` per prompt;
@@ -41,6 +42,10 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     # vLLM's CPU backend reserves one more core when a KV connector is configured (for NIXL);
     # on a 2-core machine that leaves the engine's scheduler process none and decoding crawls.
+    tp = int(spec.get("tp", 1))
+    if tp > 1:  # one core per rank (the CPU backend's default binding wants a NUMA node per rank)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     if spec.get("in_process"):  # the engine core and its worker in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -56,7 +61,8 @@ def main(spec_path: str) -> None:
                                     kv_role="kv_both", kv_load_failure_policy="recompute",
                                     kv_connector_extra_config={"journal": spec["journal"],
                                                                "record": spec.get("record"),
-                                                               "pace": spec.get("pace")})
+                                                               "pace": spec.get("pace"),
+                                                               "drop": spec.get("drop")})
     elif spec.get("connector") == "example":
         transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                     kv_connector_extra_config={"shared_storage_path": spec["journal"]})
@@ -64,7 +70,8 @@ def main(spec_path: str) -> None:
               max_model_len=spec.get("max_model_len", 512), enforce_eager=True, seed=0,
               block_size=spec.get("block_size", 32), max_num_batched_tokens=spec.get("max_num_batched_tokens"),
               enable_prefix_caching=spec.get("prefix_caching", True), kv_transfer_config=transfer,
-              kv_cache_memory_bytes=1 << 30)  # no start-up check against the memory others use
+              kv_cache_memory_bytes=1 << 30,  # no start-up check against the memory others use
+              **({"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}))
     _write(spec["out"], {"ready": True})
     for job in spec["jobs"]:
         t0 = time.perf_counter()

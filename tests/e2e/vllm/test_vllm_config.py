@@ -66,12 +66,13 @@ def test_refused_features_get_one_line_naming_them(model: str, tmp_path: Any) ->
     groups = types.SimpleNamespace(kv_cache_groups=[object(), object()])
     odd = types.SimpleNamespace(
         model_config=types.SimpleNamespace(use_mla=True, dtype=torch.bfloat16),
-        parallel_config=types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2),
         cache_config=types.SimpleNamespace(cache_dtype="int8_per_token_head"),
         speculative_config=object())
     line = refusal(odd, groups)
     assert line is not None and "\n" not in line
-    for what in ("tensor/pipeline/data parallel size 2/1/1", "2 KV cache groups (hybrid attention)", "MLA",
+    assert "tensor" not in line and "pipeline" not in line  # journaled per rank
+    for what in ("data parallel size 2", "2 KV cache groups (hybrid attention)", "MLA",
                  "speculative decoding", "'int8_per_token_head'"):
         assert what in line, (what, line)
     fp8 = types.SimpleNamespace(**{**vars(odd), "cache_config": types.SimpleNamespace(cache_dtype="fp8_e5m2"),
@@ -160,7 +161,7 @@ def test_start_is_journaled_on_arrival_and_durable_admission_waits_for_it(model:
     plan = conn.build_connector_meta(no_step())  # not scheduled: START goes out anyway
     assert [s.vllm_id for s in plan.starts] == ["r1"] and plan.starts[0].tokens == list(range(70))
     assert conn.get_num_new_matched_tokens(r, 0) == (None, False)  # not before its START is durable
-    conn.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=KvjWorkerMetadata(started=["r1"]),
+    conn.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=KvjWorkerMetadata(started={"r1": [0]}),
                                                        invalid_block_ids=set()))
     assert conn.get_num_new_matched_tokens(r, 0) == (0, False)
     assert conn.build_connector_meta(no_step()).starts == []
@@ -181,7 +182,7 @@ def test_the_tokens_loaded_are_counted_by_the_connector_and_reported_with_the_ou
     r = request("r1", list(range(100)))
     conn.on_new_request(r)
     conn.update_connector_output(types.SimpleNamespace(
-        kv_connector_worker_meta=KvjWorkerMetadata(loaded={"r1": 64}), invalid_block_ids=set()))
+        kv_connector_worker_meta=KvjWorkerMetadata(loaded={"r1": {0: 64}}), invalid_block_ids=set()))
     r.num_computed_tokens = 64
     hold, params = conn.request_finished(r, [7, 8, 9, 10])
     assert hold and params == {RESTORED: 64, REUSED: 0}

@@ -301,7 +301,7 @@ def test_sigkill_mid_decode_and_mid_prefill_then_fsck_recover_resume(reference: 
     print(f"blocks loaded {counts['blocks_loaded']}, failed verification {counts['blocks_failed']}")
     assert 0 < len(loaded) <= counts["blocks_loaded"]  # one file per chain: two requests may load one block
     assert counts["blocks_failed"] >= 1, "the damaged block was not detected"
-    assert not os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{victim['layout']['chain']}.npy"))
+    assert not os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{victim['layout']['chain']}.r0.npy"))
 
     # Resumed requests are done: nothing is left in flight.
     state = kvj.replay(crashed["journal"])
@@ -330,7 +330,7 @@ def test_restart_prefix_reuse(reference: Dict[str, Any], crashed: Dict[str, Any]
                   key=lambda r: r.start_lsn)  # the killed engine's
     chains = [first_q.segments[b].layout["chain"] for b in (0, 1)]
     for chain in chains:  # loaded from kvj, and equal to what the reference computed
-        assert os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{chain}.npy"))
+        assert os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{chain}.r0.npy"))
     check_loaded_kv(crashed["tmp"], "resumed", reference["tmp"])
 
 

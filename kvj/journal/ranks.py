@@ -1,0 +1,88 @@
+"""Rank journals: one kvj journal per rank of a tensor/pipeline-parallel engine, under one directory.
+
+The ranks of a vLLM engine with tensor parallelism ``tp`` and pipeline parallelism ``pp`` are
+separate processes, and a journal has one writer: rank (t, p) journals its shard of every block
+in ``JOURNAL/rank-t-p/``, a complete kvj journal with its own segment store. ``JOURNAL/ranks.json``
+(``{"tp_size": tp, "pp_size": pp}``, written before any rank journal) says which layout the
+directory serves: an engine of another layout is refused before it writes or loads anything. An
+engine without parallelism journals in ``JOURNAL`` itself, as before.
+
+The stores are not shared: the ranks' shards of a block never have equal bytes (each holds other
+heads or other layers), so one content-addressed store would deduplicate nothing, while a store
+of its own keeps each rank journal a journal every kvj command handles alone (compaction collects
+what its journal no longer names; ``fsck --repair`` quarantines; ``replicate`` copies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+from kvj.errors import FormatError
+from kvj.fileio import atomic_write, makedirs_durable
+from kvj.journal.reader import list_logs
+from kvj.journal.snapshot import list_snapshots
+
+#: The file that says which parallel layout a directory of rank journals serves.
+RANKS_FILE = "ranks.json"
+RANK_RE = re.compile(r"^rank-(\d+)-(\d+)$")
+
+
+def rank_name(tp_rank: int, pp_rank: int) -> str:
+    return f"rank-{tp_rank}-{pp_rank}"
+
+
+def rank_journal(path: str, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int) -> str:
+    """Where rank (``tp_rank``, ``pp_rank``) journals: ``path`` itself without parallelism."""
+    return path if tp_size * pp_size == 1 else os.path.join(path, rank_name(tp_rank, pp_rank))
+
+
+def read_sizes(path: str) -> Optional[Tuple[int, int]]:
+    """(tp_size, pp_size) that ``path``'s ``ranks.json`` names; None when it has none."""
+    try:
+        with open(os.path.join(path, RANKS_FILE), encoding="utf-8") as f:
+            sizes = json.load(f)
+        return int(sizes["tp_size"]), int(sizes["pp_size"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{os.path.join(path, RANKS_FILE)} is not a rank layout ({exc})") from None
+
+
+def holds_ranks(path: str) -> bool:
+    """Whether ``path`` is a directory of rank journals (it has a ``ranks.json``)."""
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, RANKS_FILE))
+
+
+def rank_journals(path: str) -> Dict[Tuple[int, int], str]:
+    """(tp rank, pp rank) -> journal of every rank ``path``'s layout has, whether it exists yet or not."""
+    sizes = read_sizes(path)
+    if sizes is None:
+        return {}
+    tp, pp = sizes
+    return {(t, p): rank_journal(path, t, p, tp, pp) for p in range(pp) for t in range(tp)}
+
+
+def refusal(path: str, tp_size: int, pp_size: int) -> Optional[str]:
+    """Why an engine of ``tp_size`` x ``pp_size`` ranks must not journal in ``path``; None when it may."""
+    if not os.path.isdir(path):
+        return None
+    sizes = read_sizes(path)
+    if sizes is not None and sizes != (tp_size, pp_size):
+        return (f"{path} holds the rank journals of an engine with tensor/pipeline parallel size {sizes[0]}/{sizes[1]}; "
+                f"this engine's is {tp_size}/{pp_size}: none of their blocks would load into it (each shard is "
+                "another rank's); give it a journal of its own")
+    if sizes is None and tp_size * pp_size > 1 and (list_logs(path) or list_snapshots(path)):
+        return (f"{path} is the journal of an engine without tensor/pipeline parallelism; this engine's parallel "
+                f"size is {tp_size}/{pp_size}: none of its blocks would load into it; give it a journal of its own")
+    return None
+
+
+def claim(path: str, tp_size: int, pp_size: int) -> None:
+    """Record the layout ``path`` serves (before any rank journal exists); any rank may call it."""
+    if tp_size * pp_size > 1 and read_sizes(path) is None:
+        makedirs_durable(path)
+        atomic_write(os.path.join(path, RANKS_FILE),
+                     json.dumps({"tp_size": tp_size, "pp_size": pp_size}, sort_keys=True).encode())
