@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from kvj.errors import InvalidArgument, KvjError, NotFound, SegmentMissing
+from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal import ranks
 from kvj.journal.journal import Journal, default_store_path
