@@ -20,7 +20,7 @@ from support.wait import wait_for
 
 from kvj.errors import SegmentMissing
 from kvj.journal.journal import Journal, default_store_path
-from kvj.ops import evict
+from kvj.journal.replay import replay
 from kvj.ops.compact import compact
 from kvj.ops.evict import needed_keys
 from kvj.ops.recover import manifest_keys, recover
@@ -129,8 +129,8 @@ def test_a_long_run_keeps_the_most_recently_used_under_the_budget_and_never_what
             budget = BUDGET_BLOCKS * max(sizes)
         age(store, 600)
         before = set(store.keys())
-        needed = set(needed_keys(j))
-        assert manifest <= needed
+        needed = set(replay(j).referenced_keys()) | manifest  # what in-flight requests and the manifest need
+        assert needed == set(needed_keys(j))
         needed_bytes = sum(store.stat(k).size for k in needed)
         assert needed_bytes <= budget  # the run is sized so that the budget can be kept
         res = compact(j, store, max_store_bytes=budget)
@@ -200,7 +200,7 @@ def test_a_put_racing_the_eviction_of_its_block_is_not_lost(tmp_path, packed):
     store.close()
 
 
-def test_a_claim_between_listing_and_removal_keeps_the_segment_and_the_next_stands_in(tmp_path, monkeypatch):
+def test_a_claim_between_choosing_and_removal_keeps_the_segment_and_the_next_stands_in(tmp_path):
     j = str(tmp_path / "j")
     store = SegmentStore(default_store_path(j), count_loads=True)
     with Journal.open(j, store=store):
@@ -209,17 +209,21 @@ def test_a_claim_between_listing_and_removal_keeps_the_segment_and_the_next_stan
     for key in keys[1:]:
         store.get(key)
     age(store, 600)
-    real = evict.needed_keys
+    real = store.delete_many
+    calls = []
 
-    def claim_then_read(journal):
-        store.put(block(0))  # a writer re-references the LRU block after the candidates were listed
-        return real(journal)
+    def claim_then_delete(batch, older_than=None):
+        if not calls:
+            assert batch[0] == keys[0]  # the LRU block was chosen ...
+            store.put(block(0))  # ... and a writer re-references it before it is removed
+        calls.append(list(batch))
+        return real(batch, older_than)
 
-    monkeypatch.setattr(evict, "needed_keys", claim_then_read)
+    store.delete_many = claim_then_delete
     budget = stored_bytes(store) - 1
     res = compact(j, store, max_store_bytes=budget)
     assert store.exists(keys[0]) and keys[0] not in res.segments_evicted
-    assert res.segments_evicted == [keys[1]] and stored_bytes(store) <= budget
+    assert res.segments_evicted == [keys[1]] and calls == [[keys[0]], [keys[1]]] and stored_bytes(store) <= budget
 
 
 def test_recently_stored_segments_are_not_evicted_and_what_is_left_over_is_reported(tmp_path):
