@@ -137,7 +137,7 @@ class UseLog:
         totals (under the exclusive collection lock); what it recorded before."""
         with self.lock(True):
             uses = self.read()
-            if not uses.last and not uses.asked and not os.path.lexists(self.path):
+            if not os.path.lexists(self.path):
                 return uses
             folded = [encode([(USE, key, 0)], int(uses.last[key] * 1e9)) for key in sorted(keep & set(uses.last))]
             folded.append(encode([(USE, TOTALS_KEY, uses.served), (MISS, TOTALS_KEY, uses.missed)]))
