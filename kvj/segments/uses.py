@@ -32,7 +32,7 @@ from kvj.fileio import FS, atomic_write, open_regular
 
 logger = logging.getLogger(__name__)
 
-USES_NAME = "uses.log"
+USES_NAME = "uses.kvjuse"
 RECORD = struct.Struct("<B32sQQI")
 USE, MISS = 1, 2
 #: The key the folded totals are recorded under (no segment's digest).
@@ -91,7 +91,7 @@ def parse(data: bytes) -> Uses:
 
 
 class UseLog:
-    """``root/uses.log`` of a local store. ``lock(exclusive)`` is the store's collection lock:
+    """``root/uses.kvjuse`` of a local store. ``lock(exclusive)`` is the store's collection lock:
     appends hold it shared and a fold exclusive, so a fold never drops a concurrent append."""
 
     def __init__(self, root: str, fs: FS, lock: Callable[[bool], ContextManager[None]]):
