@@ -396,16 +396,16 @@ def parse_duration(text: str, option: Optional[str] = None) -> float:
     return seconds
 
 
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(|B|K|KB|KiB|M|MB|MiB|G|GB|GiB)$", re.I)
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(|B|K|KB|KiB|M|MB|MiB|G|GB|GiB|T|TB|TiB)$", re.I)
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``65536``, ``64KiB``, ``64MiB``, ``1G`` (K, M, G are binary, as ls -h)."""
+def parse_size(text: str, option: Optional[str] = None) -> int:
+    """Bytes from ``65536``, ``64KiB``, ``64MiB``, ``1G``, ``2T`` (K, M, G, T are binary, as ls -h)."""
     m = _SIZE.match(text.strip())
     if not m:
-        raise typer.BadParameter(f"{text!r} is not a size (use e.g. 64MiB, 512K, 1G)")
+        raise typer.BadParameter(f"{text!r} is not a size (use e.g. 64MiB, 512K, 1G)", param_hint=option)
     unit = m.group(2).upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
 
 
 def parse_time(text: str, option: Optional[str] = None, now: Optional[float] = None) -> float:

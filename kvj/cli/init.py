@@ -25,11 +25,16 @@ def init(journal: JournalArg = None,
          file_size: Annotated[str, typer.Option(metavar="SIZE", help="Start a new log file past this size "
                                                  "(at least 64KiB; a bare number is bytes).")] = "64MiB",
          mirror: MirrorArg = None,
+         max_store_bytes: Annotated[Optional[str], typer.Option(metavar="SIZE", help="The segment store's byte "
+                                                                "budget: kvj compact evicts least recently used "
+                                                                "segments nothing needs down to it (64GiB, 500M; "
+                                                                "a bare number is bytes).")] = None,
          as_json: JsonArg = False) -> None:
     """Create a journal: the directory, its first log file, and kvj.conf with the settings.
 
-    kvj.conf (JSON) records the commit policy (--max-delay, --max-records, --file-size)
-    and the segment store (--store; by default JOURNAL/segments). Every path that opens
+    kvj.conf (JSON) records the commit policy (--max-delay, --max-records, --file-size),
+    the segment store (--store; by default JOURNAL/segments) and its byte budget
+    (--max-store-bytes; by default none). Every path that opens
     the journal reads it: kvj record and kvj flush, recover, fsck, compact, prune,
     status, replicate, and programs through kvj.Journal.open("JOURNAL") and the
     integrations, so the segments go to that store and recovery finds them there. What
@@ -43,8 +48,8 @@ def init(journal: JournalArg = None,
     file on (the journal records it; kvj-journal(5), MIRROR).
 
     A commit policy value that cannot work (--max-delay that is not a duration,
-    --max-records 0, --file-size under 64KiB) is a usage error (status 64) and nothing
-    is created.
+    --max-records 0, --file-size under 64KiB), or a --max-store-bytes that is not a
+    size, is a usage error (status 64) and nothing is created.
     """
     from kvj.journal.writer import CommitPolicy
     from kvj.ops.init import init as init_journal
@@ -57,15 +62,17 @@ def init(journal: JournalArg = None,
     if size < MIN_FILE_SIZE:
         raise typer.BadParameter(f"{file_size!r} is under 64KiB: a log file that small rotates every few "
                                  "records (a bare number is bytes: 64MiB, 1GiB)", param_hint="--file-size")
+    budget = parse_size(max_store_bytes, "--max-store-bytes") if max_store_bytes is not None else None
     policy = CommitPolicy(max_delay=parse_duration(max_delay, "--max-delay"), max_records=max_records, file_size_limit=size)
-    config = init_journal(journal, store=store, policy=policy, mirror=mirror)
+    config = init_journal(journal, store=store, policy=policy, mirror=mirror, max_store_bytes=budget)
     done(f"created journal {os.path.abspath(journal)}")
     if as_json:
         emit_json({"journal": journal, **config})
         return
     out.print(f"created journal {journal}: commit within {policy.max_delay * 1000:g} ms or {policy.max_records} "
               f"records, log files of {human_size(policy.file_size_limit)}, segment store "
-              f"{config['store'] or 'JOURNAL/segments'}", markup=False)
+              f"{config['store'] or 'JOURNAL/segments'}"
+              + (f" of at most {human_size(budget)}" if budget is not None else ""), markup=False)
 
 
 def migrate(seed: Annotated[str, typer.Argument(metavar="SEED", help="The seed-era JSON-lines journal file.")],

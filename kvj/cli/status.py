@@ -24,7 +24,9 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
     most a record can have waited for its group; the pauses between writers, a dead
     writer's last group and recovery's epoch record or the next writer's first group, are
     left out: no record waited through them), requests in
-    flight and ended, the training step, journal and store sizes, what kvj set aside (torn/,
+    flight and ended, the training step, journal and store sizes (and the store's byte budget
+    kvj.conf records, and its hit rate: loads a serving engine asked of it and how many it
+    served), what kvj set aside (torn/,
     recovery/, quarantine) and the free space of their disks, the mirror (whether both
     copies reach the same LSN), the last recovery epoch
     and the last compaction, replay's warnings and any damage, with what to run about it.
@@ -93,9 +95,16 @@ def view(s: Dict[str, Any]) -> RenderableType:
                   else "; never compacted")
     rows.append(["journal", f"{s['logs']} log files, {human_size(s['log_bytes'])}{compaction}"])
     st = s["store"]
+    budget = st.get("max_store_bytes")
     rows.append(["store", f"{st['segments']:,} segments, {human_size(st['bytes'])}"
+                          + (f" of a {human_size(budget)} budget ({st['bytes'] / budget:.0%})" if budget else
+                             " (budget 0: kvj compact evicts all it may)" if budget == 0 else "")
                           + (f", {st['quarantined']} quarantined" if st["quarantined"] else "")
                  if st["exists"] else f"none at {st['path']}" if st["path"] else "unknown (kvj.conf cannot be read)"])
+    loads = st.get("loads")
+    if loads and loads["asked"]:
+        rows.append(["loads", f"{loads['served']:,} of {loads['asked']:,} served from the store "
+                              f"(hit rate {loads['hit_rate']:.1%})"])
     if s.get("config_error"):
         rows.append(["kvj.conf", Text(f"{s['config_error']} (kvj uses none of the journal's settings until it "
                                       "is fixed: commands that need them refuse it)", style="bold red")])

@@ -1,7 +1,7 @@
 """``kvj.conf``: the settings a journal was made with, read by every path that opens it.
 
-``kvj init`` writes it (JSON) into the journal directory: the commit policy and the
-segment store. ``Journal.open``, the commands, recovery, fsck, compaction and the
+``kvj init`` writes it (JSON) into the journal directory: the commit policy, the
+segment store and its byte budget (``max_store_bytes``, what ``kvj compact`` evicts down to). ``Journal.open``, the commands, recovery, fsck, compaction and the
 integrations all take the store and the policy from here, so a journal made with
 ``kvj init --store DIR`` keeps its segments in DIR whoever writes it. An argument given
 explicitly (``Journal.open(store=..., policy=...)``, ``--store``/``KVJ_STORE``) wins over
@@ -49,6 +49,9 @@ def read_config(journal: str) -> Optional[Dict[str, Any]]:
     policy = config.get("policy")
     if policy is not None and not isinstance(policy, dict):
         raise FormatError(f"{path}: 'policy' must be an object, not {policy!r}")
+    budget = config.get("max_store_bytes")
+    if budget is not None and (type(budget) is not int or budget < 0):
+        raise FormatError(f"{path}: 'max_store_bytes' must be a non-negative integer or null, not {budget!r}")
     return config
 
 
@@ -69,3 +72,10 @@ def config_store(journal: str) -> Optional[str]:
     """The segment store ``kvj.conf`` names (``kvj init --store``), or None: ``JOURNAL/segments``."""
     config = read_config(journal)
     return config.get("store") or None if config else None
+
+
+def config_max_store_bytes(journal: str) -> Optional[int]:
+    """The store's byte budget ``kvj.conf`` records (``kvj init --max-store-bytes``; what
+    ``kvj compact`` evicts down to), or None: no budget."""
+    config = read_config(journal)
+    return config.get("max_store_bytes") if config else None

@@ -9,7 +9,9 @@ Safe to run from cron while the writer runs:
   or older snapshot it covers is unlinked, oldest first, so a crash at any point leaves a
   journal that replays to the same state;
 - a segment is collected only when no live record references it and its file is older
-  than the grace period, so a segment written just before its record is never collected.
+  than the grace period, so a segment written just before its record is never collected;
+- with a byte budget (``max_store_bytes``, or ``kvj.conf``'s), segments that nothing needs are
+  then evicted least recently used first until the store fits it (``kvj.ops.evict``).
 
 ``dry_run=True`` says what a compaction would write, remove and reclaim, and changes
 nothing (the compactor lock is held shared, read-only).
@@ -24,12 +26,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, SegmentMissing
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, fsync_path
+from kvj.journal.config import config_max_store_bytes
 from kvj.journal.journal import default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
 from kvj.journal.reader import Scan, list_logs, read_header
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import encode_snapshot, list_snapshots, load_latest, snapshot_name, write_snapshot
 from kvj.journal.state import JournalState
+from kvj.ops.evict import EVICT_MIN_AGE, evict_segments
 from kvj.segments.check import opened_store
 
 DEFAULT_GRACE = 3600.0
@@ -51,6 +55,10 @@ class CompactResult:
     segments_removed: List[str] = field(default_factory=list)
     segments_kept_young: int = 0  # unreferenced but inside the grace period
     bytes_reclaimed: int = 0  # log files, old snapshots and segments deleted
+    max_store_bytes: Optional[int] = None  # the byte budget applied, if any
+    segments_evicted: List[str] = field(default_factory=list)  # least recently used, to fit the budget
+    store_bytes: Optional[int] = None  # what the store holds after eviction (with a budget)
+    over_budget: int = 0  # bytes still above the budget: segments needed, or used too recently
     dry_run: bool = False  # nothing was done: the rest says what would be
 
     def to_dict(self) -> Dict[str, object]:
@@ -176,12 +184,15 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
 
 def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
             collect: bool = True, fs: FS = REAL_FS, now: Optional[float] = None,
-            progress: Optional[Progress] = None, dry_run: bool = False) -> CompactResult:
+            progress: Optional[Progress] = None, dry_run: bool = False,
+            max_store_bytes: Optional[int] = None) -> CompactResult:
     """Compact the journal at ``directory`` (see the module docstring); returns what was done
     (with ``dry_run``, what would be, changing nothing).
 
     ``store`` is a ``SegmentStore`` or its root; None means ``<journal>/segments``.
-    ``collect=False`` leaves segments alone.
+    ``collect=False`` leaves segments alone. ``max_store_bytes`` is the store's byte budget
+    (None: the one ``kvj.conf`` records, if any); eviction never removes a segment stored or
+    claimed within ``min(grace, EVICT_MIN_AGE)`` seconds.
     """
     directory = os.path.abspath(directory)
     check_journal(directory)  # a seed-era journal: LegacyJournal
@@ -189,6 +200,12 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
         raise FormatError(f"no kvj journal directory at {directory}")
     if grace < 0:
         raise InvalidArgument("the grace period cannot be negative")
+    if max_store_bytes is None:
+        max_store_bytes = config_max_store_bytes(directory)
+    if max_store_bytes is not None and max_store_bytes < 0:
+        raise InvalidArgument("the store's byte budget cannot be negative")
+    if max_store_bytes is not None and not collect:
+        raise InvalidArgument("a byte budget is kept by collecting segments: it cannot go with collect=False")
     compactor = DirLock(directory, COMPACT_LOCK, "compactor")
     lock = compactor.acquire_shared() if dry_run else compactor.acquire()
     fs = READ_ONLY_FS if dry_run else fs  # a dry run that tried to write would fail, not write
@@ -198,8 +215,14 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
         if collect:
             with opened_store(store, default_store_path(directory), fs) as seg_store:
                 if seg_store is not None:
-                    collect_segments(directory, seg_store, result, grace=grace,
-                                     now=time.time() if now is None else now, progress=progress, fs=fs)
+                    now = time.time() if now is None else now
+                    collect_segments(directory, seg_store, result, grace=grace, now=now, progress=progress, fs=fs)
+                    if max_store_bytes is not None:
+                        evict_segments(directory, seg_store, result, max_bytes=max_store_bytes, now=now,
+                                       min_age=min(grace, EVICT_MIN_AGE), progress=progress, fs=fs)
+                    uses = seg_store.backend.uses
+                    if not dry_run and uses is not None and os.path.lexists(uses.path):
+                        uses.fold(set(seg_store.keys()))  # bounded: one record per stored key
         return result
     finally:
         if lock is not None:

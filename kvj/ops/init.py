@@ -25,18 +25,23 @@ from kvj.journal.writer import CommitPolicy
 from kvj.trust import check_owner
 
 def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPolicy] = None,
-         migrated_from: Optional[str] = None, mirror: Optional[str] = None) -> Dict[str, Any]:
+         migrated_from: Optional[str] = None, mirror: Optional[str] = None,
+         max_store_bytes: Optional[int] = None) -> Dict[str, Any]:
     """Create a journal at ``journal`` (a missing or empty directory), mirrored into ``mirror``
-    if given (the journal records it); returns its config."""
+    if given (the journal records it), its store's byte budget ``max_store_bytes`` (None:
+    none); returns its config."""
     journal = os.path.abspath(journal)
     if os.path.lexists(journal) and (not os.path.isdir(journal) or os.listdir(journal)):
         raise InvalidArgument(f"{journal} exists and is not an empty directory: kvj init makes a new journal")
     for directory in (journal, store):  # refused before anything is written, as Journal.open would
         if directory is not None:
             check_owner(directory)
+    if max_store_bytes is not None and (type(max_store_bytes) is not int or max_store_bytes < 0):
+        raise InvalidArgument(f"the store's byte budget must be a non-negative integer, not {max_store_bytes!r}")
     config = {"kvj_config": CONFIG_VERSION, "created": time.time(),
               "store": os.path.abspath(store) if store is not None else None,
-              "policy": asdict(policy or CommitPolicy()), "migrated_from": migrated_from}
+              "policy": asdict(policy or CommitPolicy()), "migrated_from": migrated_from,
+              "max_store_bytes": max_store_bytes}
     makedirs_durable(journal)
     atomic_write(os.path.join(journal, CONFIG), (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
     Journal.open(journal, policy=policy, mirror=mirror).close()  # the first log file: a journal from now on

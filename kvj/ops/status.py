@@ -16,7 +16,7 @@ from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, Se
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.journal import TORN_DIR
-from kvj.journal.config import config_policy
+from kvj.journal.config import config_max_store_bytes, config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
@@ -145,7 +145,17 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                    needed_segments=len(state.referenced_keys()),
                    training_step=state.training_step())
     out["store"] = _store(store_root)
+    out["store"]["max_store_bytes"] = _budget(journal)
     return out
+
+
+def _budget(journal: str) -> Optional[int]:
+    """The store's byte budget kvj.conf records (None: none, or a kvj.conf that cannot be read,
+    which ``config_error`` reports)."""
+    try:
+        return config_max_store_bytes(journal)
+    except FormatError:
+        return None
 
 
 def _config_error(journal: str) -> Optional[str]:
@@ -180,12 +190,15 @@ def _mirror(journal: str, snapshot_lsn: int) -> Optional[Dict[str, Any]]:
 
 
 def _store(root: Optional[str]) -> Dict[str, Any]:
-    """Segments and bytes in the store, and how many are quarantined (without opening it)."""
+    """Segments and bytes in the store, how many are quarantined, and the loads its use log
+    counted: ``served`` of ``asked`` (gets and verifies by stores that count loads, a serving
+    engine's, since the store was made; ``hit_rate`` their ratio, None before any)."""
     from kvj.segments.check import opened_store
 
     with opened_store(root, root or "") as store:
         if store is None:
-            return {"path": root, "exists": False, "segments": 0, "bytes": 0, "quarantined": 0, "quarantined_bytes": 0}
+            return {"path": root, "exists": False, "segments": 0, "bytes": 0, "quarantined": 0, "quarantined_bytes": 0,
+                    "loads": None}
         sizes = []
         for key in store.keys():
             try:
@@ -193,5 +206,8 @@ def _store(root: Optional[str]) -> Dict[str, Any]:
             except SegmentMissing:  # collected while we listed: not counted
                 continue
         quarantined = store.quarantined_copies()
+        uses = store.backend.uses.read() if store.backend.uses is not None else None
+        loads = {"served": uses.served, "asked": uses.asked, "hit_rate": uses.hit_rate()} if uses else None
         return {"path": root, "exists": True, "segments": len(sizes), "bytes": sum(sizes),
-                "quarantined": len(quarantined), "quarantined_bytes": _size(quarantined), "disk": _disk(root)}
+                "quarantined": len(quarantined), "quarantined_bytes": _size(quarantined), "disk": _disk(root),
+                "loads": loads}

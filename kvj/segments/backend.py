@@ -26,6 +26,7 @@ from kvj.fileio import (DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, FS, REAL_FS, Buffer
                         list_dir, makedirs_durable, open_regular, rename_durable)
 from kvj.names import KEY_RE
 from kvj.segments.packs import PackDir, PackWriter
+from kvj.segments.uses import UseLog
 
 SEGMENT_SUFFIX = ".kvjseg"
 #: The store's collection lock (see ``LocalDirBackend.collection_lock``).
@@ -166,6 +167,9 @@ class _EachOnItsOwn(ManyUpload):
 
 class StorageBackend(ABC):
     """Where segment bytes live. Keys reaching a backend are already validated."""
+
+    #: Where the store notes each segment's uses (None: this backend keeps no use log).
+    uses: Optional[UseLog] = None
 
     @abstractmethod
     def begin(self) -> Upload:
@@ -401,6 +405,8 @@ class LocalDirBackend(StorageBackend):
         self.tmp_dir = os.path.join(self.root, "tmp")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
         self.packs = PackDir(self)
+        #: Not counted in ``io_counts``: those are the segments' own disk work.
+        self.uses = UseLog(self.root, fs, self.collection_lock)
         self._writing = False
         self._writing_lock = threading.Lock()
 

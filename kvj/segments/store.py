@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from kvj.errors import FormatError, InvalidArgument, SegmentCorrupt, SegmentMissing
+from kvj.errors import CorruptionError, FormatError, InvalidArgument, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
 from kvj.names import check_key
 from kvj.segments import segfile as seg
@@ -27,6 +27,7 @@ from kvj.segments.codecs import auto
 from kvj.segments.codecs.base import Backpressure, Codec
 from kvj.segments.layout import check_layout
 from kvj.trust import check_owner
+from kvj.segments.uses import MISS, USE
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so header-only users start without it
     import torch
@@ -87,6 +88,11 @@ class SegmentStore:
     """Durable, deduplicated, verified tensor segments.
 
     ``threads`` sizes the pool that hashes, compresses and decompresses chunks in parallel.
+    Puts note each key stored or claimed in the backend's use log (``kvj.segments.uses``);
+    ``count_loads=True`` notes every ``get`` and ``verify`` there too, served or not: the
+    last use that eviction under a byte budget orders by, and the hit rate ``kvj status``
+    shows. A serving engine's store counts loads; checks (fsck, verify, restore) do not, so
+    that reading stays read-only and a full check does not make every segment look used.
     """
 
     #: Segments up to this size are hashed before anything else (dedup without a write).
@@ -98,7 +104,7 @@ class SegmentStore:
 
     def __init__(self, root: Union[str, os.PathLike, None] = None, fs: FS = REAL_FS,
                  backend: Optional[StorageBackend] = None, threads: Optional[int] = None,
-                 max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES):
+                 max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES, count_loads: bool = False):
         if backend is None:
             if root is None:
                 raise InvalidArgument("SegmentStore needs a root directory or a backend")
@@ -106,6 +112,7 @@ class SegmentStore:
             backend = LocalDirBackend(root, fs)
         self.backend = backend
         self.max_segment_bytes = max_segment_bytes
+        self.count_loads = count_loads
         self.pool = ThreadPoolExecutor(max_workers=threads or max(2, os.cpu_count() or 2),
                                        thread_name_prefix="kvj-chunk")
         self._locks = [threading.Lock() for _ in range(64)]
@@ -193,6 +200,7 @@ class SegmentStore:
                     info = SegmentInfo.from_header(enc.header)
                 else:
                     upload.abort()
+        self._note([(USE, info.key, 0)])
         if timings is not None:
             total = time.perf_counter() - t0
             timings.update(compression=waited[0], io=max(0.0, total - waited[0]))
@@ -243,6 +251,7 @@ class SegmentStore:
                 info = self.put_bytes(raw, dtype=name, shape=shape, layout=layout, codec=pipeline.codec,
                                       pressure=pressure)
             found[key] = info
+        self._note([(USE, key, 0) for key in found])
         if timings is not None:
             total = time.perf_counter() - t0
             timings.update(compression=waited, io=max(0.0, total - waited))
@@ -299,6 +308,26 @@ class SegmentStore:
         parts = list(enc.parts())
         assert enc.header is not None
         return parts, enc.header
+
+    def _note(self, entries: List[Tuple[int, str, int]]) -> None:
+        """Append ``entries`` (kind, key, count) to the backend's use log, if it keeps one."""
+        uses = self.backend.uses
+        if uses is not None:
+            uses.record(entries)
+
+    @contextmanager
+    def _counted(self, key: str) -> Iterator[None]:
+        """With ``count_loads``, note a load of ``key``: served, or (when it raises what a missing
+        or damaged segment, or one of another layout, raises) asked and not served."""
+        if not self.count_loads:
+            yield
+            return
+        try:
+            yield
+        except (SegmentMissing, CorruptionError, FormatError, LayoutMismatch):
+            self._note([(MISS, key, 1)])
+            raise
+        self._note([(USE, key, 1)])
 
     def io_counts(self) -> Dict[str, int]:
         """The backend's disk work so far: ``file_syncs``, ``dir_syncs``, ``bytes_written``."""
@@ -379,6 +408,7 @@ class SegmentStore:
             if info is None:
                 self._commit(self._write([data]), key)
                 info = SegmentInfo.from_header(header)
+        self._note([(USE, key, 0)])
         return info
 
     def read_stored(self, key: str) -> Buffer:
@@ -422,15 +452,16 @@ class SegmentStore:
         from kvj.segments import tensors
 
         check_key(key)
-        with self.backend.open(key) as src:
-            name = src.name
-            header = seg.read_header(src)
-            if expect_layout is not None:
-                check_layout(header.layout, expect_layout, f"segment {name}")
-            header, tensor = tensors.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
-                                             header=header)
-        if header.digest.hex() != key:
-            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        with self._counted(key):
+            with self.backend.open(key) as src:
+                name = src.name
+                header = seg.read_header(src)
+                if expect_layout is not None:
+                    check_layout(header.layout, expect_layout, f"segment {name}")
+                header, tensor = tensors.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
+                                                     header=header)
+            if header.digest.hex() != key:
+                raise SegmentCorrupt(name, None, "segment digest does not match the key")
         target = cuda.CUDA.resolve(device)
         if target.type == "cpu":
             return tensor
@@ -443,11 +474,12 @@ class SegmentStore:
     def verify(self, key: str) -> SegmentInfo:
         """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
         check_key(key)
-        with self.backend.open(key) as src:
-            name = src.name
-            header, _ = seg.decode(src, pool=self.pool, max_raw=self.max_segment_bytes)
-        if header.digest.hex() != key:
-            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        with self._counted(key):
+            with self.backend.open(key) as src:
+                name = src.name
+                header, _ = seg.decode(src, pool=self.pool, max_raw=self.max_segment_bytes)
+            if header.digest.hex() != key:
+                raise SegmentCorrupt(name, None, "segment digest does not match the key")
         return SegmentInfo.from_header(header)
 
     def exists(self, key: str) -> bool:

@@ -17,6 +17,7 @@ from kvj.fileio import FS, DurabilityError
 from kvj.segments.backend import ObjectStat, StorageBackend, Upload
 from kvj.segments.check import verify_segment
 from kvj.segments.store import SegmentStore, check_key
+from kvj.segments.uses import USES_NAME
 
 
 class RecordingFS(FS):
@@ -130,7 +131,9 @@ def test_dedup_does_not_rewrite(tmp_path):
         n_ops = len(fs.log)
         again = store.put(x.clone(), layout={"model": "m"})
         assert again == info
-        assert len(fs.log) == n_ops  # no open, write, rename or fsync at all
+        # no open, write, rename or fsync of a segment at all: only the claim's append to the use log
+        claim = fs.log[n_ops:]
+        assert [op[0] for op in claim] == ["open", "write", "close"] and all(op[1].endswith(USES_NAME) for op in claim)
         st2 = os.stat(path)
         assert st1.st_ino == st2.st_ino and open(path, "rb").read() == bytes1
         other = store.put(x, layout={"model": "other"})  # same bytes, other model: own key

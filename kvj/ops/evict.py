@@ -1,0 +1,138 @@
+"""Eviction under a byte budget: the segment store as a bounded, least-recently-used prefix cache.
+
+After compaction's grace-based collection, a store may still hold the blocks of many ended
+requests (a prefix cache that survives restarts). ``evict_segments`` removes, least recently
+used first, segments that nothing needs until the store holds at most ``max_bytes``:
+
+- never one that an in-flight request or a training checkpoint references (the journal's
+  live state) or that a recovery manifest in ``recovery/`` plans to load;
+- never one stored or claimed (a put that found it stored) less than ``min_age`` seconds
+  before ``now``, nor after the candidates were listed: removal goes through
+  ``SegmentStore.delete_many(older_than=...)`` under the store's exclusive collection lock,
+  exactly as collection does, so a writer that claims a segment concurrently either keeps it
+  or finds it gone and writes it anew;
+- last use is the newest record of the key in the store's use log (stored, claimed or
+  loaded; ``kvj.segments.uses``), else its file time (a pack's, for a member).
+
+The budget counts the stored bytes of the segments the store holds (``kvj status``'s store
+size); a pack's dead members are not counted (a pack is repacked once they reach half its bytes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from kvj.errors import FormatError, InvalidArgument, SegmentMissing
+from kvj.fileio import FS, REAL_FS, fsync_path, list_dir, open_read
+from kvj.journal.reader import list_logs
+from kvj.journal.replay import replay
+from kvj.ops.recover import MANIFEST_RE, RECOVERY_DIR, manifest_keys
+from kvj.untrusted import load_json
+
+#: Eviction never removes a segment stored or claimed this recently (nor, when the grace period
+#: is shorter, more recently than the grace period): the longest a writer takes from a put to
+#: the journal record that references it, many times over.
+EVICT_MIN_AGE = 60.0
+#: Segments deleted per ``delete_many`` call (their directories are fsynced once per batch).
+EVICT_BATCH = 4096
+#: A recovery manifest is at most this large (a plan for every request and block in flight).
+MAX_MANIFEST_BYTES = 256 << 20
+
+Progress = Callable[[str, int, int], None]
+
+
+def manifest_needs(journal: str) -> Set[str]:
+    """Every segment key a recovery manifest in ``journal/recovery/`` plans to load. A manifest
+    that cannot be read is ``FormatError`` naming it: eviction never guesses what it needs."""
+    directory = os.path.join(journal, RECOVERY_DIR)
+    keys: Set[str] = set()
+    for name in sorted(n for n in list_dir(directory) if MANIFEST_RE.match(n)):
+        path = os.path.join(directory, name)
+        with open_read(path) as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        manifest = load_json(data, path, max_bytes=MAX_MANIFEST_BYTES)
+        try:
+            keys.update(manifest_keys(manifest))
+        except (KeyError, TypeError, AttributeError):
+            raise FormatError(f"{path}: not a recovery manifest (eviction needs to know what it plans to "
+                              "load; kvj prune removes old manifests)") from None
+    return keys
+
+
+def needed_keys(journal: str) -> Dict[str, str]:
+    """Keys eviction must keep, mapped to who needs them: the live state's references, then
+    the recovery manifests'."""
+    needed = dict(replay(journal).referenced_keys())
+    for key in manifest_needs(journal):
+        needed.setdefault(key, "a recovery manifest")
+    return needed
+
+
+def evict_segments(journal: str, store: Any, result: Any, *, max_bytes: int, now: float,
+                   min_age: float = EVICT_MIN_AGE, progress: Optional[Progress] = None,
+                   fs: FS = REAL_FS) -> None:
+    """Evict unneeded segments, least recently used first, until ``store`` holds at most
+    ``max_bytes`` (see the module docstring). Fills ``result`` (a ``CompactResult``):
+    ``segments_evicted``, ``bytes_reclaimed``, ``store_bytes`` (after) and ``over_budget``
+    (bytes still above the budget: needed or too young). With ``result.dry_run`` nothing is
+    removed and the result says what would be.
+    """
+    if max_bytes < 0:
+        raise InvalidArgument("the store's byte budget cannot be negative")
+    if min_age < 0:
+        raise InvalidArgument("the minimum age of an evicted segment cannot be negative")
+    cutoff = now - min_age
+    listed: List[Tuple[str, int, float]] = []  # (key, size, file time)
+    for key in store.keys():
+        try:
+            stat = store.stat(key)
+        except SegmentMissing:
+            continue
+        listed.append((key, stat.size, stat.used))
+    total = sum(size for _key, size, _used in listed)
+    result.max_store_bytes = max_bytes
+    if total > max_bytes:
+        needed = needed_keys(journal)  # read after the listing: a segment stored since is no candidate
+        uses = store.backend.uses.read().last if store.backend.uses is not None else {}
+        candidates = sorted(((uses.get(key, used), key, size) for key, size, used in listed
+                             if key not in needed and used <= cutoff))
+        total -= _evict(journal, store, result, candidates, total - max_bytes, cutoff, progress, fs)
+    result.store_bytes = total
+    result.over_budget = max(0, total - max_bytes)
+
+
+def _evict(journal: str, store: Any, result: Any, candidates: List[Tuple[float, str, int]], excess: int,
+           cutoff: float, progress: Optional[Progress], fs: FS) -> int:
+    """Remove ``candidates`` (last use, key, size; oldest first) until ``excess`` bytes are gone;
+    the bytes removed."""
+    freed = 0
+    if result.dry_run:
+        for _used, key, size in candidates:
+            if freed >= excess:
+                break
+            result.segments_evicted.append(key)
+            freed += size
+        result.bytes_reclaimed += freed
+        return freed
+    # An END seen above may still sit unsynced in the page cache of a live or killed writer;
+    # make it durable before deleting what it released.
+    for log in list_logs(journal):
+        fsync_path(log, fs)
+    pos = 0
+    while freed < excess and pos < len(candidates):
+        batch: List[Tuple[float, str, int]] = []
+        want = excess - freed
+        while pos < len(candidates) and want > 0 and len(batch) < EVICT_BATCH:
+            batch.append(candidates[pos])
+            want -= candidates[pos][2]
+            pos += 1
+        removed = set(store.delete_many([key for _used, key, _size in batch], older_than=cutoff))
+        for _used, key, size in batch:
+            if key in removed:  # kept ones were claimed since the listing: the next candidates stand in
+                result.segments_evicted.append(key)
+                freed += size
+        if progress:
+            progress("evicting segments", pos, len(candidates))
+    result.bytes_reclaimed += freed
+    return freed
