@@ -152,6 +152,7 @@ class KvjConfig:
     gather_bytes: int = GATHER_BYTES  #: device buffer a step's blocks are gathered into
     staging_bytes: int = STAGING_BYTES  #: host staging for saves, and for loads
     admission: str = "arrival"  #: "durable": no request starts before its START is durable
+    max_store_bytes: Optional[int] = None  #: the store's byte budget (each worker keeps its store within it)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> "KvjConfig":
@@ -166,6 +167,10 @@ class KvjConfig:
             value = extra.get(name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InvalidArgument(f"kv_connector_extra_config[{name!r}] must be a positive integer, not {value!r}")
+        budget = extra.get("max_store_bytes")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise InvalidArgument(f"kv_connector_extra_config['max_store_bytes'] must be a non-negative integer, "
+                                  f"not {budget!r}")
         if extra.get("admission", "arrival") not in _ADMISSIONS:
             raise InvalidArgument(f"kv_connector_extra_config['admission'] must be one of {_ADMISSIONS}")
         return cls(**{**{k: v for k, v in extra.items() if v is not None},
@@ -368,7 +373,7 @@ class KvjConnector(KVConnectorBase_V1):
             self.worker = WorkerJournal(rank_journals.rank_journal(c.journal, tp_rank, pp_rank, tp, pp), self.layout,
                                         codec=c.codec, threads=c.threads,
                                         load_threads=c.load_threads, gather_bytes=c.gather_bytes,
-                                        staging_bytes=c.staging_bytes)
+                                        staging_bytes=c.staging_bytes, max_store_bytes=c.max_store_bytes)
             self.worker.last_plan = self._last_plan
             self._finished_seen: Set[str] = set()
             self._unreported: Set[str] = set()

@@ -66,6 +66,8 @@ log = logging.getLogger("kvj.vllm")
 #: Default bound of the device gather buffer (and of each host staging pool).
 GATHER_BYTES = 64 << 20
 STAGING_BYTES = 512 << 20
+#: Seconds between the worker's compactions under a byte budget (``max_store_bytes``).
+BUDGET_EVERY = 300.0
 
 
 # ---------------------------------------------------------------------------- what a step carries
@@ -223,14 +225,16 @@ class WorkerJournal:
 
     def __init__(self, path: str, layout: KVBlockLayout, *, codec: str = "auto", threads: Optional[int] = None,
                  load_threads: Optional[int] = None, gather_bytes: int = GATHER_BYTES,
-                 staging_bytes: int = STAGING_BYTES):
+                 staging_bytes: int = STAGING_BYTES, max_store_bytes: Optional[int] = None,
+                 budget_every: float = BUDGET_EVERY):
         cpus = os.cpu_count() or 1
         self.layout = layout
         self.seed = layout.seed()
         self.fs = CountingFS()
         state = kvj.replay(path) if os.path.isdir(path) else kvj.JournalState()
         self._durable = durable_blocks(state, self.seed)
-        store = SegmentStore(default_store_path(path), fs=self.fs, threads=threads or cpus)
+        # loads are counted (kvj status: the hit rate) and every load or reference is a use (the budget's LRU)
+        store = SegmentStore(default_store_path(path), fs=self.fs, threads=threads or cpus, count_loads=True)
         self.journal = kvj.Journal.open(path, store=store, fs=self.fs)
         # More flush workers than cores: a worker waiting for its fsync uses no CPU (see Flusher).
         self._flusher = Flusher(store, workers=max(4, 2 * (threads or cpus)), codec=codec,
@@ -265,7 +269,7 @@ class WorkerJournal:
         self.last_plan: Optional[Callable[[], Optional[StepPlan]]] = None
         self.stats = {"steps": 0, "blocks_saved": 0, "blocks_referenced": 0, "blocks_skipped": 0,
                       "blocks_loaded": 0, "blocks_failed": 0, "bytes_raw": 0, "bytes_stored": 0, "tokens": 0,
-                      "rounds": 0}
+                      "rounds": 0, "segments_collected": 0}
         self._rounds: Set["Future[None]"] = set()  #: jobs on kvj's save thread not yet done
         #: (LSN or its future, tokens, blocks) of records not yet known durable: ``progress``
         self._marks: Deque[Tuple[Union[int, "Future[int]"], int, int]] = deque()
@@ -273,6 +277,33 @@ class WorkerJournal:
         # Drained at interpreter exit before the thread pools stop taking work (threading's
         # exit hooks run before atexit's, newest first: after concurrent.futures' own).
         threading._register_atexit(_close_at_exit, weakref.ref(self))  # type: ignore[attr-defined]
+        self._stop = threading.Event()
+        self._budget: Optional[threading.Thread] = None
+        if max_store_bytes is not None:
+            self._budget = threading.Thread(target=self._keep_budget, args=(path, max_store_bytes, budget_every),
+                                            name="kvj-budget", daemon=True)
+            self._budget.start()
+
+    def _keep_budget(self, path: str, max_store_bytes: int, every: float) -> None:
+        """At start and every ``every`` seconds, compact the journal and evict what the store holds
+        beyond ``max_store_bytes`` (``kvj compact --max-store-bytes``; nothing in flight is evicted).
+        A compaction already running (cron) is left to finish; another failure is logged once."""
+        from kvj.errors import JournalLocked
+        from kvj.ops.compact import compact
+
+        warned = False
+        while not self._stop.is_set():
+            try:
+                result = compact(path, self.journal.store, max_store_bytes=max_store_bytes)
+                self.stats["segments_collected"] += len(result.segments_removed) + len(result.segments_evicted)
+            except JournalLocked:
+                pass
+            except (KvjError, OSError) as exc:
+                if not warned:
+                    log.warning("kvj: keeping the store within %d bytes failed (serving goes on): %s",
+                                max_store_bytes, exc)
+                    warned = True
+            self._stop.wait(every)
 
     # ------------------------------------------------------------------ caches
 
@@ -332,9 +363,7 @@ class WorkerJournal:
             if known is None:
                 copies.append(save)
                 continue
-            start = save.block * self.layout.block_size
-            self._pending.setdefault(save.jid, []).append(self.journal.flush(
-                save.jid, save.block, token_range=(start, start + self.layout.block_size), info=known))
+            self._pending.setdefault(save.jid, []).append(self._writer.submit(self._reference, save, known))
             self.stats["blocks_referenced"] += 1
             with self._lock:  # its segment is durable: this rank holds it (again, after a loss elsewhere)
                 self._durable[save.chain] = {"key": known.key, "layout": known.layout}
@@ -407,6 +436,19 @@ class WorkerJournal:
             self._save_staging.release(slot, reuse=landed)
         self.stats["blocks_saved"] += len(saves)
         when_all(futures).add_done_callback(lambda f: _settle(done, f))
+
+    def _reference(self, save: Save, known: SegmentInfo) -> None:
+        """On kvj's thread: claim ``known``'s segment (a use: compaction now keeps it through its
+        grace period) and journal the block by reference; a segment gone meanwhile is not journaled
+        (the block is recomputed after a crash)."""
+        if not self.journal.store.backend.touch(known.key):
+            with self._lock:
+                self._known.pop((save.chain, save.token_ids[-1]), None)
+            self.stats["blocks_skipped"] += 1
+            return
+        self.journal.store.note_use(known.key)
+        start = save.block * self.layout.block_size
+        self.journal.flush(save.jid, save.block, token_range=(start, start + self.layout.block_size), info=known)
 
     def _saved_many(self, saves: List[Save], infos: List[SegmentInfo]) -> None:
         for save, info in zip(saves, infos):
@@ -498,12 +540,13 @@ class WorkerJournal:
         self.layout.check(layout, f"segment {key}")
         store = self.journal.store
         name = store.backend.describe(key)
-        header, _ = seg.decode_into(store.read_stored(key), out, name=name, max_raw=store.max_segment_bytes)
-        if header.digest.hex() != key:
-            raise SegmentCorrupt(name, None, "segment digest does not match the key")
-        if header.layout != layout or tuple(header.shape) != self.layout.shape or header.dtype != self.layout.dtype:
-            raise LayoutMismatch(f"segment {name} holds {header.dtype} {header.shape} {header.layout}, "
-                                 f"the journal says {self.layout.shape} {layout}")
+        with store.counted_load(key):
+            header, _ = seg.decode_into(store.read_stored(key), out, name=name, max_raw=store.max_segment_bytes)
+            if header.digest.hex() != key:
+                raise SegmentCorrupt(name, None, "segment digest does not match the key")
+            if header.layout != layout or tuple(header.shape) != self.layout.shape or header.dtype != self.layout.dtype:
+                raise LayoutMismatch(f"segment {name} holds {header.dtype} {header.shape} {header.layout}, "
+                                     f"the journal says {self.layout.shape} {layout}")
         store.backend.touch(key)  # claimed: collection keeps it while requests name it again
         return SegmentInfo.from_header(header)
 
@@ -638,6 +681,9 @@ class WorkerJournal:
                 self.step(plan)
             self.drain()
         finally:
+            self._stop.set()
+            if self._budget is not None:
+                self._budget.join()
             self._writer.shutdown(wait=True)
             self._loader.shutdown(wait=True)
             self._flusher.close()

@@ -315,9 +315,15 @@ class SegmentStore:
         if uses is not None:
             uses.record(entries)
 
+    def note_use(self, key: str) -> None:
+        """Note that ``key`` was used now (journaled again by reference): the byte budget evicts
+        least recently used segments first."""
+        self._note([(USE, key, 0)])
+
     @contextmanager
-    def _counted(self, key: str) -> Iterator[None]:
-        """With ``count_loads``, note a load of ``key``: served, or (when it raises what a missing
+    def counted_load(self, key: str) -> Iterator[None]:
+        """With ``count_loads``, note a load of ``key`` (by get, verify, or a caller reading it
+        with read_stored): served, or (when it raises what a missing
         or damaged segment, or one of another layout, raises) asked and not served."""
         if not self.count_loads:
             yield
@@ -452,7 +458,7 @@ class SegmentStore:
         from kvj.segments import tensors
 
         check_key(key)
-        with self._counted(key):
+        with self.counted_load(key):
             with self.backend.open(key) as src:
                 name = src.name
                 header = seg.read_header(src)
@@ -474,7 +480,7 @@ class SegmentStore:
     def verify(self, key: str) -> SegmentInfo:
         """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
         check_key(key)
-        with self._counted(key):
+        with self.counted_load(key):
             with self.backend.open(key) as src:
                 name = src.name
                 header, _ = seg.decode(src, pool=self.pool, max_raw=self.max_segment_bytes)

@@ -287,3 +287,37 @@ def test_kvj_threads_leave_the_cores_the_engines_compute_is_bound_to(tmp_path):
     runner.join()
     assert any(n.startswith("kvj-flush") for n in seen) and any(n.startswith("kvj-save") for n in seen)
     assert all(cpus[0] not in mask for mask in seen.values()), seen
+
+
+def test_a_byte_budget_evicts_ended_requests_blocks_never_an_in_flight_ones(tmp_path):
+    """``max_store_bytes`` (the connector's extra config): the worker compacts in the background
+    and evicts what no in-flight request needs; the in-flight request's blocks still load."""
+    journal = str(tmp_path / "j")
+    src = make_caches("HNC")
+    ended, live = tokens_of(2 * BS + 1, base=1), tokens_of(2 * BS + 1, base=500)
+    worker = WorkerJournal(journal, LAYOUT, threads=2, max_store_bytes=0, budget_every=0.05)
+    worker.register(src)
+    worker.step(StepPlan(starts=[Start("a", "e-a", ended, {}), Start("b", "e-b", live, {})],
+                         saves=saves_for("e-a", ended, [0, 1]) + saves_for("e-b", live, [2, 3])))
+    worker.step(StepPlan(finishes=[Finish("a", "e-a", "length", [])]))
+    worker.drain()  # every record durable
+    for root, _dirs, files in os.walk(os.path.join(journal, "segments")):  # stored an hour ago: past any grace
+        for f in files:
+            os.utime(os.path.join(root, f), (os.path.getmtime(os.path.join(root, f)) - 3600,) * 2)
+    wait_for(lambda: worker.stats["segments_collected"] >= 2, "the background compaction to remove request a's blocks")
+    worker.close()
+    state = kvj.replay(journal)
+    with SegmentStore(os.path.join(journal, "segments")) as store:
+        keys = set(store.keys())
+    assert {s.key for s in state.requests["e-b"].segments.values()} <= keys  # in flight: kept
+    assert not {s.key for s in state.requests["e-a"].segments.values()} & keys  # ended: gone
+
+    dst = make_caches("HNC", seed=1)
+    again = WorkerJournal(journal, LAYOUT, threads=2)
+    again.register(dst)
+    chains = kvblock.chain_keys(SEED, live, BS)
+    again.start_loads(StepPlan(loads=[Load("b2", [(7, chains[0]), (8, chains[1])])]))
+    loaded(again, "b2")
+    assert again.load_errors() == set()
+    assert torch.equal(block_of(dst, 7), block_of(src, 2)) and torch.equal(block_of(dst, 8), block_of(src, 3))
+    again.close()
