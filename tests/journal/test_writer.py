@@ -345,9 +345,12 @@ def test_an_exception_in_the_with_block_is_not_replaced_by_a_failing_close(tmp_p
 def test_max_group_records_caps_each_group_while_the_next_fills(tmp_path):
     """``max_group_records``: under bulk load every group holds exactly that many records (the
     last one the rest), fewer than the groups that take all that is pending, and the next
-    group fills while one is synced: appends go on during the fdatasync in flight."""
-    fs = SlowSyncFS()
-    policy = CommitPolicy(max_group_records=100, max_pending_records=250)
+    group fills while one is synced: appends go on during the fdatasync in flight. The disk is
+    slow, so appends outrun the committer and wait for room (backpressure commits what is
+    pending, a whole group each time as the pending cap is a multiple of it); no group is due
+    by its age."""
+    fs = SlowSyncFS(delay=0.01)
+    policy = CommitPolicy(max_group_records=100, max_pending_records=300, max_delay=3600.0)
     with Journal.open(tmp_path, policy=policy, fs=fs) as j:
         fs.gate.clear()  # the first group's fdatasync is held
         for i in range(150):
