@@ -330,7 +330,7 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
         raise FormatError(f"{path} is not a journal: no kvj log header, and no seed-era JSON-lines record "
                           "(nothing was changed)")
     if legacy and state.tail and not dry_run:
-        from kvj.journal.journal import cut_torn_tail
+        from kvj.journal.recovery import cut_torn_tail
 
         torn = state.tail
         cut = cut_torn_tail(TornTail(torn["path"], torn["offset"], torn["length"]), fs)
