@@ -159,9 +159,10 @@ def read_header(path: str) -> Optional[FileHeader]:
 class Scan:
     """One pass over a journal's log files.
 
-    Iterate it for framed records with LSN > ``after_lsn`` (``records()`` decodes them);
-    afterwards ``last_lsn``, ``next_lsn``, ``tail`` and ``end_offset`` (valid length of the
-    newest file) describe where the log ends. LSNs up to ``covered_lsn`` (default:
+    Iterate it for framed records with LSN > ``after_lsn`` (``records()`` decodes them, and
+    ``groups()`` gives whole commit groups with where each lies in its file); afterwards
+    ``last_lsn``, ``next_lsn``, ``tail`` and ``end_offset`` (valid length of the newest file)
+    describe where the log ends. LSNs up to ``covered_lsn`` (default:
     ``after_lsn``) are in a snapshot, so log files holding only those may be gone.
     ``start`` = (path, offset) resumes inside a file at a group boundary an earlier scan
     ended on, with ``after_lsn`` the last LSN before it (how a follower polls).
