@@ -157,14 +157,19 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
                      "--dir", metavar="DIR", help="Where the model, journal and logs go while it runs "
                      "[default: $TMPDIR]; removed after.")] = None,
                  rounds: Annotated[int, typer.Option(min=1, help="Rounds per measure (median).")] = 5,
+                 sustain: Annotated[float, typer.Option(
+                     min=1, metavar="SECONDS", help="Length of the sustained run's arrivals.")] = 60.0,
                  extra_config: Annotated[Optional[str], typer.Option(
                      "--extra-config", metavar="JSON",
                      help="Merged into KvjConnector's kv_connector_extra_config, e.g. '{\"threads\": 2}'.")] = None,
                  as_json: JsonArg = False) -> None:
-    """Compare a vLLM engine with KvjConnector against the same engine without a connector
-    (decode tokens/s) and, after a restart, kvj's verified loads against a cold prefill and
-    vLLM's ExampleConnector (time to first token of a long shared-prefix prompt). Needs vLLM;
-    takes about 10 minutes on 2 CPUs.
+    """Compare a vLLM engine with KvjConnector against the same engine without a connector:
+    decode and prefill tokens/s until everything journaled is durable (codecs auto and raw,
+    with kvj's fsyncs per step, bytes per token and blocks per fsync), time to first token
+    (START on arrival, and the durable admission mode), a sustained run of continuous
+    arrivals (tokens and KV made durable per second against tokens generated, the backlog),
+    and, after a restart, kvj's verified loads against a cold prefill and vLLM's
+    ExampleConnector. Needs vLLM; takes about 15 minutes on 2 CPUs.
     """
     try:
         extra = json.loads(extra_config) if extra_config else {}
@@ -179,5 +184,5 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
                           f"machine pip install 'kvj[vllm]'): {exc}") from None
     from kvj.bench.vllm import format_table, run
 
-    result = run(directory, rounds, extra)
+    result = run(directory, rounds, extra, sustain)
     _report(result, as_json, lambda: format_table(result))

@@ -189,8 +189,7 @@ def uninterrupted_generation(work: "GenerationWorkload", backend: str = "hf",
     """Each request's output from a run without a crash, and the forward passes it took.
     Runs in this process: set torch's thread count as the workload processes do first."""
     from kvj.demo.generation import GenerationLoop
-    from kvj.integrations.hf import HFBackend
-    from kvj.integrations.paged import PagedBackend
+    from kvj.demo.backends import HFBackend, PagedBackend
 
     model = work.model.build(device)
     cls = HFBackend if backend == "hf" else PagedBackend

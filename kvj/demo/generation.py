@@ -19,13 +19,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence
 import torch
 
 from kvj.errors import FormatError
-from kvj.integrations.blocks import BlockJournal, BlockLayout, ResumePoint
+from kvj.integrations.blocks import BlockJournal, ResumePoint
+from kvj.segments.kvblock import KVBlockLayout
 
 
 class KVBackend(Protocol):
     """What the loop needs from a KV cache implementation."""
 
-    layout: BlockLayout
+    layout: KVBlockLayout
     device: torch.device
 
     def forward(self, request_id: str, token_ids: Sequence[int], start: int) -> torch.Tensor:

@@ -83,8 +83,7 @@ def _time_prefill(backend: Any, tokens: List[int]) -> float:
 def generate(args: argparse.Namespace) -> None:
     from kvj.demo.generation import GenerationLoop, RequestRun
     from kvj.integrations.blocks import BlockJournal, resume_points
-    from kvj.integrations.hf import HFBackend
-    from kvj.integrations.paged import PagedBackend
+    from kvj.demo.backends import HFBackend, PagedBackend
 
     spec = ModelSpec(args.arch, args.size, args.seed, args.dtype)
     work = GenerationWorkload(spec, args.requests, args.block_size, args.max_new, args.stagger, args.prompt_seed,

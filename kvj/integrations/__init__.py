@@ -1,11 +1,14 @@
 """kvj in real serving and training loops.
 
+* ``kvj.integrations.vllm``: a vLLM KV connector journaling every request, token and KV block
+  (``vllm_worker`` is its worker side, without vLLM; ``vllm_resume`` continues the requests
+  in flight after ``kvj recover``).
 * ``kvj.integrations.hf``: journal a transformers ``DynamicCache`` block by block, restore it.
-* ``kvj.integrations.paged``: the same for a vLLM-style paged KV cache (block tables).
 * ``kvj.integrations.training``: full checkpoints every K steps and XOR deltas in between;
   a resumed run ends bit-identical to an uninterrupted one.
-* ``kvj.integrations.blocks``: the KV block segment convention the caches share.
+* ``kvj.integrations.blocks``: journaling a request's KV block by block (``hf`` and the demo's
+  engines; the block itself is ``kvj.segments.kvblock``'s).
 
-Modules import transformers only when used. The demo's workloads and generation loop live
-in ``kvj.demo``.
+Modules import transformers only when used. The demo's workloads, generation loop and
+engines (``HFBackend``, the paged-attention ``PagedBackend``) live in ``kvj.demo``.
 """

@@ -1,10 +1,12 @@
-"""KV blocks as journal segments: the convention both cache integrations share.
+"""Journaling a request's KV block by block: the convention the transformers integration and
+kvj's demo engines share (what a block is belongs to ``kvj.segments.kvblock``).
 
 A request's KV cache is journaled in blocks of ``block_size`` token positions. Block ``b``
 covers positions ``[b*block_size, (b+1)*block_size)`` and is segment number ``b`` of its
-request: one tensor ``[layers, 2, block_size, kv_heads, head_dim]`` (K then V, every
-layer), which is exactly one block of a vLLM-style paged cache, so a block written by the
-transformers integration can be scattered into a paged cache and vice versa.
+request: one ``KVBlockLayout`` tensor ``[layers, 2, block_size, kv_heads, head_dim]`` (K then
+V, every layer; order ``L2NHD``), which is exactly one block of a vLLM-style paged cache, so a
+block written by the transformers integration can be scattered into a paged cache and vice
+versa.
 
 Each segment's layout names the model and cache geometry (loading into another is refused)
 and carries ``token_ids``: the ids at positions ``[start, end]``, the block's own tokens
@@ -15,6 +17,7 @@ input without recomputing anything before the block's end.
 ``BlockJournal`` writes this (start, one segment per completed block, end); ``resume_points``
 reads it back from ``kvj.replay`` state or a ``kvj recover`` manifest; ``BlockJournal.load``
 fetches the blocks, falling back to the longest intact prefix when a segment is damaged.
+Journals written by kvj 0.2 (layout ``kvj-kv-block/1``) resume as before.
 """
 
 from __future__ import annotations
@@ -28,57 +31,20 @@ import torch
 
 from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState, RequestState
-from kvj.segments.layout import check_layout
+from kvj.segments.kvblock import KVBlockLayout
 from kvj.segments.restore import load as load_segment
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal
     from kvj.segments.store import SegmentStore
 
-#: Layout ``format`` tag of a KV block segment.
-BLOCK_FORMAT = "kvj-kv-block/1"
-#: Layout fields that identify the model and geometry (everything but per-block data).
-_IDENTITY = ("format", "model", "layers", "kv_heads", "head_dim", "block_size", "dtype")
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """Geometry of one KV block segment, and the model it belongs to."""
-
-    model: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-
-    @classmethod
-    def from_config(cls, config: Any, *, model: str, block_size: int, dtype: torch.dtype) -> "BlockLayout":
-        """The layout for a transformers config (``num_key_value_heads``, ``head_dim``...)."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(model, config.num_hidden_layers, kv_heads, head_dim, block_size, str(dtype).replace("torch.", ""))
-
-    @property
-    def shape(self) -> Tuple[int, int, int, int, int]:
-        return (self.layers, 2, self.block_size, self.kv_heads, self.head_dim)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def identity(self) -> Dict[str, Any]:
-        return {"format": BLOCK_FORMAT, "model": self.model, "layers": self.layers, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "block_size": self.block_size, "dtype": self.dtype}
-
-    def segment_layout(self, token_ids: Sequence[int]) -> Dict[str, Any]:
-        """The layout recorded with a block: identity plus the block's (and the next) token ids."""
-        return {**self.identity(), "token_ids": [int(t) for t in token_ids]}
-
-    def check(self, layout: Mapping[str, Any], where: str) -> None:
-        """Refuse a segment journaled for another model or geometry (``LayoutMismatch``)."""
-        check_layout(layout, self.identity(), where, fields=_IDENTITY)
+def layout_of_config(config: Any, *, model: str, block_size: int, dtype: torch.dtype) -> KVBlockLayout:
+    """The block layout for a transformers config (``num_key_value_heads``, ``head_dim``...)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVBlockLayout(model, str(dtype).replace("torch.", ""), config.num_hidden_layers, kv_heads, head_dim,
+                         block_size)
 
 
 def prompt_hash(prompt: Sequence[int]) -> str:
@@ -108,7 +74,7 @@ class ResumePoint:
 
 def _point(req_id: str, prompt: Optional[Sequence[int]], meta: Mapping[str, Any],
            segments: Iterable[Tuple[int, Optional[str], Optional[Sequence[int]], Mapping[str, Any]]],
-           layout: BlockLayout, fallback: Optional[str] = None) -> ResumePoint:
+           layout: KVBlockLayout, fallback: Optional[str] = None) -> ResumePoint:
     if prompt is None:
         raise FormatError(f"request {req_id}: its start record has no token ids; it cannot be resumed")
     prompt = [int(t) for t in prompt]
@@ -141,7 +107,7 @@ def _point(req_id: str, prompt: Optional[Sequence[int]], meta: Mapping[str, Any]
                        keys, layouts, fallback)
 
 
-def resume_points(source: Union[JournalState, Mapping[str, Any]], layout: BlockLayout) -> List[ResumePoint]:
+def resume_points(source: Union[JournalState, Mapping[str, Any]], layout: KVBlockLayout) -> List[ResumePoint]:
     """Resume points of every in-flight request, from ``kvj.replay`` state or a recovery manifest.
 
     Requests are ordered by their start LSN. Raises ``LayoutMismatch`` if a segment was
@@ -168,7 +134,9 @@ def _manifest_fallback(fallback: Any) -> Optional[str]:
 
 
 @dataclass
-class _Tracked:
+class _Progress:
+    """How far a request's blocks are journaled, and the flushes not yet done."""
+
     next_block: int = 0
     pending: List["Future[int]"] = field(default_factory=list)
 
@@ -180,10 +148,10 @@ class BlockJournal:
     waits for the request's flushes so its end record follows every segment record.
     """
 
-    def __init__(self, journal: "Journal", layout: BlockLayout):
+    def __init__(self, journal: "Journal", layout: KVBlockLayout):
         self.journal = journal
         self.layout = layout
-        self._requests: Dict[str, _Tracked] = {}
+        self._requests: Dict[str, _Progress] = {}
         self._staging: Any = None
 
     @property
@@ -193,10 +161,7 @@ class BlockJournal:
     @property
     def layout_bytes(self) -> int:
         """Bytes of one block."""
-        n = 1
-        for d in self.layout.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.layout.torch_dtype).element_size()
+        return self.layout.nbytes
 
     def start(self, request_id: str, prompt: Sequence[int], max_new_tokens: int,
               meta: Optional[Mapping[str, Any]] = None) -> None:
@@ -204,11 +169,11 @@ class BlockJournal:
         self.journal.start(request_id, prompt_hash(prompt), [int(t) for t in prompt],
                            {**dict(meta or {}), "max_new_tokens": int(max_new_tokens),
                             "block_size": self.layout.block_size, "model": self.layout.model})
-        self._requests[request_id] = _Tracked()
+        self._requests[request_id] = _Progress()
 
     def adopt(self, point: ResumePoint) -> None:
         """Track a resumed request: its blocks below ``point.position`` are durable already."""
-        self._requests[point.request_id] = _Tracked(next_block=point.position // self.layout.block_size)
+        self._requests[point.request_id] = _Progress(next_block=point.position // self.layout.block_size)
 
     def next_block(self, request_id: str) -> int:
         """Index of the request's first block not yet flushed."""

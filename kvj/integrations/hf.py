@@ -1,27 +1,25 @@
 """Hugging Face transformers integration: journal a ``DynamicCache`` block by block, restore it.
 
-Two ways in:
+``CacheJournal`` is for your own decode loop: ``start`` a request, call ``observe`` after
+each forward pass (it flushes every block the cache completed, in the background), ``end``
+it; after a crash ``restore`` gives back a ``DynamicCache`` holding the durable prefix and
+the token ids to continue from. (The demo's ``GenerationLoop`` runs several requests over
+``DynamicCache`` through ``kvj.demo.backends.HFBackend``.)
 
-* ``CacheJournal``, for your own decode loop: ``start`` a request, call ``observe`` after
-  each forward pass (it flushes every block the cache completed, in the background), ``end``
-  it; after a crash ``restore`` gives back a ``DynamicCache`` holding the durable prefix and
-  the token ids to continue from.
-* ``HFBackend``, the ``DynamicCache`` backend of ``kvj.demo.generation.GenerationLoop``,
-  which runs several requests with a schedule that makes resumed output bit-identical.
-
-Block tensors are ``[layers, 2, block_size, kv_heads, head_dim]`` (see ``blocks``); a
-``DynamicCache`` layer holds ``[batch=1, kv_heads, seq, head_dim]``.
+Block tensors are ``[layers, 2, block_size, kv_heads, head_dim]`` (``kvj.segments.kvblock``,
+order ``L2NHD``); a ``DynamicCache`` layer holds ``[batch=1, kv_heads, seq, head_dim]``.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from kvj.errors import FormatError
-from kvj.integrations.blocks import BlockJournal, BlockLayout, ResumePoint
+from kvj.integrations.blocks import BlockJournal, ResumePoint, layout_of_config
+from kvj.segments.kvblock import KVBlockLayout
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -29,11 +27,11 @@ if TYPE_CHECKING:
     from kvj.journal.journal import Journal
 
 
-def layout_for(model: "PreTrainedModel", block_size: int = 16, model_id: Optional[str] = None) -> BlockLayout:
+def layout_for(model: "PreTrainedModel", block_size: int = 16, model_id: Optional[str] = None) -> KVBlockLayout:
     """The block layout of ``model``'s KV cache. ``model_id`` names the weights (default: the
     config's ``name_or_path``); segments journaled under another name are refused on load."""
     name = model_id or getattr(model.config, "name_or_path", "") or model.config.model_type
-    return BlockLayout.from_config(model.config, model=name, block_size=block_size, dtype=model.dtype)
+    return layout_of_config(model.config, model=name, block_size=block_size, dtype=model.dtype)
 
 
 def _layer_kv(cache: "DynamicCache", layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +40,7 @@ def _layer_kv(cache: "DynamicCache", layer: int) -> Tuple[torch.Tensor, torch.Te
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
-def cache_block(cache: "DynamicCache", index: int, layout: BlockLayout) -> torch.Tensor:
+def cache_block(cache: "DynamicCache", index: int, layout: KVBlockLayout) -> torch.Tensor:
     """Block ``index`` of a batch-1 ``DynamicCache`` as one ``layout.shape`` tensor."""
     a, b = index * layout.block_size, (index + 1) * layout.block_size
     per_layer = []
@@ -104,36 +102,3 @@ class CacheJournal(BlockJournal):
         blocks = self.load(point, device)
         self.adopt(point)
         return build_cache(blocks, self.config), list(point.tokens)
-
-
-class HFBackend:
-    """``GenerationLoop`` backend: one batch-1 ``DynamicCache`` per request."""
-
-    def __init__(self, model: "PreTrainedModel", block_size: int = 16, model_id: Optional[str] = None):
-        self.model = model
-        self.layout = layout_for(model, block_size, model_id)
-        self.device = model.device
-        self._kwarg = cache_kwarg(model)
-        self.caches: Dict[str, "DynamicCache"] = {}
-
-    def forward(self, request_id: str, token_ids: Sequence[int], start: int) -> torch.Tensor:
-        cache = self.caches.get(request_id)
-        if cache is None:
-            from transformers import DynamicCache
-            cache = self.caches[request_id] = DynamicCache(config=self.model.config)
-        if cache.get_seq_length() != start:
-            raise FormatError(f"request {request_id}: cache holds {cache.get_seq_length()} positions, "
-                              f"forward starts at {start}")
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        kwargs: Dict[str, Any] = {self._kwarg: cache}
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
-        return out.logits[0, -1]
-
-    def block(self, request_id: str, index: int) -> torch.Tensor:
-        return cache_block(self.caches[request_id], index, self.layout)
-
-    def restore(self, request_id: str, blocks: List[torch.Tensor]) -> None:
-        self.caches[request_id] = build_cache(blocks, self.model.config)
-
-    def release(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)

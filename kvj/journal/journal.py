@@ -199,6 +199,12 @@ class Journal:
         """
         return self._request_record(request_id, RecordType.END, {"id": request_id, "status": status}, durable)
 
+    def tokens(self, request_id: str, at: int, tokens: Sequence[int]) -> Union[int, "Future[int]"]:
+        """Record tokens a request generated, the first at position ``at`` of its tokens (the
+        start record's come first); returns its LSN, or a future of it as ``end`` does."""
+        return self._request_record(request_id, RecordType.TOKENS, {
+            "id": request_id, "at": _integer(at, "at"), "tokens": _listed(tokens, "tokens")}, False)
+
     def _request_record(self, request_id: str, rtype: int, payload: Mapping[str, Any],
                         durable: bool) -> Union[int, "Future[int]"]:
         body = encode(rtype, payload)  # a bad argument raises here, before anything is queued

@@ -31,6 +31,7 @@ class RecordType(IntEnum):
     CHECKPOINT = 6  # full training checkpoint
     DELTA = 7  # optimizer/model delta against a base step
     EPOCH = 8  # recovery epoch, written by recovery
+    TOKENS = 9  # tokens a request generated (durable whatever its KV)
 
 
 #: Short names used by the CLI, NDJSON output and ``kvj record``.
@@ -43,6 +44,7 @@ NAMES: Dict[RecordType, str] = {
     RecordType.CHECKPOINT: "checkpoint",
     RecordType.DELTA: "delta",
     RecordType.EPOCH: "epoch",
+    RecordType.TOKENS: "tokens",
 }
 BY_NAME: Dict[str, RecordType] = {v: k for k, v in NAMES.items()}
 
@@ -154,10 +156,20 @@ class Epoch(Schema):
     salvage: Optional[Dict[str, Any]] = None  # a salvaging recovery's decision: what it set aside and lost
 
 
+class Tokens(Schema):
+    id: str
+    at: Annotated[int, msgspec.Meta(ge=0)]  # position of the first of them in the request's tokens
+    tokens: Annotated[List[Token], msgspec.Meta(min_length=1)]
+
+    def check(self, new: bool) -> None:
+        check_request_id(self.id)
+
+
 #: The schema: each record type's payload struct.
 SCHEMA: Dict[RecordType, Type[Schema]] = {
     RecordType.START: Start, RecordType.SEGMENT: Segment, RecordType.END: End, RecordType.ALLOC: Alloc,
     RecordType.FREE: Free, RecordType.CHECKPOINT: Checkpoint, RecordType.DELTA: Delta, RecordType.EPOCH: Epoch,
+    RecordType.TOKENS: Tokens,
 }
 
 _STRUCTS: Dict[int, Type[Schema]] = {int(rtype): struct for rtype, struct in SCHEMA.items()}

@@ -42,7 +42,7 @@ class SegmentRef:
 
 @dataclass
 class RequestState:
-    """One request: its prompt, its durable segments and whether it ended."""
+    """One request: its prompt, the tokens it generated, its durable segments and whether it ended."""
 
     id: str
     prompt_hash: Optional[str]
@@ -50,6 +50,8 @@ class RequestState:
     meta: Dict[str, Any]
     start_lsn: int
     segments: Dict[int, SegmentRef] = field(default_factory=dict)
+    #: tokens after the start record's, from its tokens records (the ones the request generated)
+    output: List[int] = field(default_factory=list)
     ended: bool = False
     status: Optional[str] = None
     end_lsn: Optional[int] = None
@@ -68,12 +70,14 @@ class RequestState:
         return {"id": self.id, "prompt_hash": self.prompt_hash, "tokens": self.tokens, "meta": self.meta,
                 "start_lsn": self.start_lsn, "ended": self.ended, "status": self.status,
                 "end_lsn": self.end_lsn, "resume_position": self.resume_position,
-                "segments": [self.segments[k].to_dict() for k in sorted(self.segments)]}
+                "segments": [self.segments[k].to_dict() for k in sorted(self.segments)],
+                **({"output": self.output} if self.output else {})}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RequestState":
         req = cls(d["id"], d.get("prompt_hash"), d.get("tokens"), d.get("meta") or {}, d["start_lsn"],
-                  ended=d.get("ended", False), status=d.get("status"), end_lsn=d.get("end_lsn"))
+                  ended=d.get("ended", False), status=d.get("status"), end_lsn=d.get("end_lsn"),
+                  output=list(d.get("output") or []))
         for s in d.get("segments", []):
             ref = SegmentRef.from_dict(s)
             req.segments[ref.seg] = ref
@@ -158,6 +162,16 @@ class JournalState:
             self.epochs.append({"epoch": p["epoch"], "recovered_lsn": p["recovered_lsn"],
                                 "time": p["time"], "manifest": p["manifest"], "lsn": lsn,
                                 **({"salvage": p["salvage"]} if p.get("salvage") is not None else {})})
+        elif rtype == RecordType.TOKENS:
+            req = self.requests.get(p["id"])
+            if req is None or req.ended:
+                self._warn(lsn, f"tokens for a request that is not in flight: {p['id']}")
+                return
+            known = len(req.tokens or []) + len(req.output)
+            if p["at"] != known:
+                self._warn(lsn, f"tokens of request {p['id']} at {p['at']}, after {known} known: not used")
+                return
+            req.output.extend(p["tokens"])
         else:
             self._warn(lsn, f"skipped record of unknown type {rtype} (written by a newer kvj?)")
 

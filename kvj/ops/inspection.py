@@ -174,6 +174,8 @@ def describe(rec: Record) -> str:
     if t in (RecordType.CHECKPOINT, RecordType.DELTA):
         base = f" base={p['base_step']}" if t == RecordType.DELTA else ""
         return f"step={p['step']}{base} tensors={len(p['keys'])}"
+    if t == RecordType.TOKENS:
+        return f"id={p['id']} at={p['at']} tokens={len(p['tokens'])}"
     if t == RecordType.EPOCH:
         return f"epoch={p['epoch']} recovered_lsn={p['recovered_lsn']} manifest={p.get('manifest')}"
     return f"unknown record type {t}: {sorted(p)}"

@@ -106,7 +106,8 @@ def _request_entry(req: RequestState, plan: _Plan) -> Dict[str, Any]:
     recorded = req.resume_position
     entry = {"id": req.id, "prompt_hash": req.prompt_hash, "tokens": req.tokens, "meta": req.meta,
              "start_lsn": req.start_lsn, "resume_position": plan.resume_position,
-             "recorded_position": recorded, "segments": plan.segments, "fallback": None}
+             "recorded_position": recorded, "segments": plan.segments, "fallback": None,
+             "output": req.output}
     if plan.dropped or plan.resume_position < recorded:
         entry["fallback"] = {"dropped": plan.dropped, "lost_tokens": [plan.resume_position, recorded]}
     return entry

@@ -1,16 +1,13 @@
 """Restore: segments back onto a device, and into a paged KV cache in the right slots.
 
-Paged-cache convention (also in ``man/kvj-segment.5``): a vLLM-like cache is one tensor per
-layer shaped ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K at index 0, V at 1).
-A request's KV is flushed as **one segment per block**, holding that block for every layer::
-
-    segment = stack([kv_caches[l][block_id] for l in range(num_layers)])
-            # shape [num_layers, 2, block_size, num_kv_heads, head_dim], the cache dtype
-
-with the layout :func:`paged_layout` (model id, kind, dtype, num_layers, block_size,
-num_kv_heads, head_dim). A block's content does not depend on where it sat in the old cache,
-so identical prefix blocks of different requests share one key, and restore puts block ``i``
-of a request into ``new_block_ids[i]`` of the new cache, whatever ids it had before.
+Paged-cache convention (``kvj.segments.kvblock``, spec in ``man/kvj-segment.5``): a
+vLLM-like cache is one tensor per layer shaped ``[num_blocks, 2, block_size, num_kv_heads,
+head_dim]`` (K at index 0, V at 1). A request's KV is flushed as **one segment per block**,
+holding that block for every layer (:func:`gather_block`), shape ``[num_layers, 2,
+block_size, num_kv_heads, head_dim]`` in the cache dtype, with the layout
+:func:`paged_layout`. A block's content does not depend on where it sat in the old cache, so
+identical prefix blocks of different requests share one key, and restore puts block ``i`` of
+a request into ``new_block_ids[i]`` of the new cache, whatever ids it had before.
 """
 
 from __future__ import annotations
@@ -25,22 +22,16 @@ import torch
 
 from kvj.errors import InvalidArgument, LayoutMismatch
 from kvj.segments import device as cuda
-from kvj.segments.format import dtype_name
+from kvj.segments import kvblock
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore
 
 Device = Union[str, torch.device]
 
-PAGED_KIND = "paged_kv_block"
-
-
 def paged_layout(model: str, kv_caches: Sequence[torch.Tensor]) -> Dict[str, Any]:
-    """The layout every block segment of ``kv_caches`` carries (and restore demands)."""
-    first = _check_caches(kv_caches)
-    _, two, block_size, heads, head_dim = first.shape
-    return {"kind": PAGED_KIND, "model": str(model), "dtype": dtype_name(first.dtype),
-            "num_layers": len(kv_caches), "block_size": block_size, "num_kv_heads": heads,
-            "head_dim": head_dim}
+    """The layout every block segment of ``kv_caches`` carries (restore also takes 0.2's)."""
+    _check_caches(kv_caches)
+    return kvblock.of_caches(model, kv_caches).segment_layout()
 
 
 def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -141,7 +132,7 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         raise InvalidArgument("new_block_ids must be distinct slots of the cache")
     if not keys:
         return
-    expected = paged_layout(model, kv_caches)
+    expected = kvblock.of_caches(model, kv_caches)
     block_shape = (len(kv_caches),) + tuple(first.shape[1:])
     is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
@@ -157,8 +148,10 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         slot = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
 
         def one(i: int) -> None:
-            try:  # the layout is checked before decoding, the size on the way in
-                block = store.get(keys[i], expect_layout=expected, out=slot[i])
+            layout = store.info(keys[i]).layout  # checked before decoding, the size on the way in
+            expected.check(layout or {}, f"segment {keys[i]}")
+            try:
+                block = store.get(keys[i], expect_layout=layout, out=slot[i])
             except InvalidArgument:
                 raise LayoutMismatch(f"segment {keys[i]} holds more than one block of this cache") from None
             if tuple(block.shape) != block_shape or block.dtype != first.dtype:

@@ -23,7 +23,8 @@ from kvj.demo.worker import read_results
 from kvj.demo.workload import GenerationWorkload, ModelSpec
 from kvj.errors import LayoutMismatch
 from kvj.integrations.blocks import BlockJournal, resume_points
-from kvj.integrations.hf import CacheJournal, HFBackend, cache_kwarg
+from kvj.demo.backends import HFBackend
+from kvj.integrations.hf import CacheJournal, cache_kwarg
 from kvj.ops.recover import recover
 from kvj.segments.store import SegmentStore
 

@@ -19,8 +19,7 @@ from kvj.demo.generation import GenerationLoop
 from kvj.demo.worker import read_results
 from kvj.demo.workload import GenerationWorkload, ModelSpec
 from kvj.integrations.blocks import BlockJournal, resume_points
-from kvj.integrations.hf import HFBackend
-from kvj.integrations.paged import PagedBackend
+from kvj.demo.backends import HFBackend, PagedBackend
 
 pytest.importorskip("transformers")
 

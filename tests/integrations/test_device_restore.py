@@ -13,10 +13,11 @@ from support.fakecuda import gpu  # noqa: F401
 import kvj
 from kvj.demo.generation import GenerationLoop
 from kvj.demo.workload import GenerationWorkload, ModelSpec
-from kvj.integrations.blocks import BlockJournal, BlockLayout, resume_points
-from kvj.integrations.paged import PagedKVCache
+from kvj.demo.backends import PagedKVCache
+from kvj.integrations.blocks import BlockJournal, resume_points
+from kvj.segments.kvblock import KVBlockLayout
 
-LAYOUT = BlockLayout("m", layers=2, kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+LAYOUT = KVBlockLayout("m", dtype="bfloat16", layers=2, kv_heads=2, head_dim=8, block_size=4)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -96,8 +97,7 @@ def test_generation_on_the_device_resumes_token_identical_from_its_journal(gpu, 
     (blocks loaded onto cuda:0): the tokens equal an uninterrupted run on the CPU."""
     pytest.importorskip("transformers")
     from kvj.demo.crashrun import uninterrupted_generation
-    from kvj.integrations.hf import HFBackend
-    from kvj.integrations.paged import PagedBackend
+    from kvj.demo.backends import HFBackend, PagedBackend
 
     def serve(journal, state=None):
         model = WORK.model.build("cuda:0")

@@ -150,6 +150,8 @@ VALID = {
     RecordType.EPOCH: st.fixed_dictionaries({"epoch": ints, "recovered_lsn": ints,
                                              "time": st.floats(allow_nan=False, allow_infinity=False),
                                              "manifest": st.none() | st.text(max_size=8)}),
+    RecordType.TOKENS: st.fixed_dictionaries({"id": ids, "at": naturals, "tokens": st.lists(naturals, min_size=1,
+                                                                                             max_size=5)}),
 }
 
 

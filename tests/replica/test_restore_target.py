@@ -91,6 +91,7 @@ def _same(a: str, b: str) -> None:
     assert x["requests"] == y["requests"] and x["allocations"] == y["allocations"] and x["last_lsn"] == y["last_lsn"]
 
 
+@pytest.mark.ci_required
 @needs_namespaces
 @pytest.mark.parametrize("fresh", ["tmpfs", "ext4-like"])
 def test_restore_onto_an_empty_mount_point_keeps_it_and_its_mode(fresh, s3, moto, tmp_path):
@@ -116,6 +117,7 @@ def test_restore_onto_an_empty_mount_point_keeps_it_and_its_mode(fresh, s3, moto
         disk.close()
 
 
+@pytest.mark.ci_required
 @needs_namespaces
 def test_restore_onto_a_read_only_mount_fails_before_reading_the_replica(relay, moto, tmp_path):
     url = f"s3://{moto.new_bucket()}/replica"
@@ -130,6 +132,7 @@ def test_restore_onto_a_read_only_mount_fails_before_reading_the_replica(relay, 
         disk.close()
 
 
+@pytest.mark.ci_required
 @needs_namespaces
 def test_restore_onto_a_mount_too_small_fails_before_the_segments_are_downloaded(relay, moto, tmp_path):
     url = f"s3://{moto.new_bucket()}/replica"
@@ -172,6 +175,7 @@ def kvj_here(capsys, *argv: str):
     return status, captured.out, captured.err
 
 
+@pytest.mark.ci_required
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: as root, restore refuses a directory another user owns")
 def test_as_root_restore_refuses_another_users_directory_unless_trusted(s3, moto, tmp_path, capsys, monkeypatch):
     _replicate(s3, str(tmp_path / "src"))

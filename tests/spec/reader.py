@@ -76,7 +76,8 @@ LOG_NAME = re.compile(r"(\d{16})\.log")
 SNAP_NAME = re.compile(r"snapshot-(\d{16})\.snap")
 REQUEST_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
 KEY = re.compile(r"[0-9a-f]{64}")
-TYPES = {1: "start", 2: "segment", 3: "end", 4: "alloc", 5: "free", 6: "checkpoint", 7: "delta", 8: "epoch"}
+TYPES = {1: "start", 2: "segment", 3: "end", 4: "alloc", 5: "free", 6: "checkpoint", 7: "delta", 8: "epoch",
+         9: "tokens"}
 
 
 @dataclass
@@ -222,6 +223,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[str, ...]]] = {
     6: {"step": (_INT,), "keys": ("keys",), "meta": (_MAP,)},
     7: {"step": (_INT,), "base_step": (_INT,), "keys": ("keys",), "meta": (_MAP,)},
     8: {"epoch": (_INT,), "recovered_lsn": (_INT,), "time": (_FLOAT,), "manifest": (_STR, "nil")},
+    9: {"id": (_ID,), "at": (_INT,), "tokens": ("ints",)},
 }
 OPTIONAL = {8: {"salvage": (_MAP,)}}
 
@@ -360,7 +362,7 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
     requests: Dict[str, Dict[str, Any]] = {}
     for r in snap.get("requests", []):
         requests[r["id"]] = {**{k: r[k] for k in ("id", "prompt_hash", "tokens", "meta", "start_lsn")},
-                             "segments": {s["seg"]: dict(s) for s in r["segments"]}}
+                             "segments": {s["seg"]: dict(s) for s in r["segments"]}, "output": list(r.get("output", []))}
     allocs = {dev: {a["addr"]: dict(a) for a in lst} for dev, lst in snap.get("allocations", {}).items()}
     checkpoint, deltas = snap.get("checkpoint"), list(snap.get("deltas", []))
     epochs, counts = list(snap.get("epochs", [])), dict(snap.get("counts", {}))
@@ -369,7 +371,7 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
         counts[name] = counts.get(name, 0) + 1
         if rec.rtype == 1:
             requests[p["id"]] = {"id": p["id"], "prompt_hash": p["prompt_hash"], "tokens": p["tokens"],
-                                 "meta": p["meta"], "start_lsn": rec.lsn, "segments": {}}
+                                 "meta": p["meta"], "start_lsn": rec.lsn, "segments": {}, "output": []}
         elif rec.rtype == 2 and p["id"] in requests:
             requests[p["id"]]["segments"][p["seg"]] = {
                 **{k: p[k] for k in ("seg", "key", "tokens", "layout", "raw_size", "stored_size", "digest", "codec")},
@@ -386,6 +388,10 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
         elif rec.rtype == 7:
             deltas.append({"step": p["step"], "base_step": p["base_step"], "keys": p["keys"], "meta": p["meta"],
                            "lsn": rec.lsn})
+        elif rec.rtype == 9 and p["id"] in requests:
+            req = requests[p["id"]]
+            if p["at"] == len(req["tokens"] or []) + len(req["output"]):  # else ignored (RECORDS, tokens)
+                req["output"] += p["tokens"]
         elif rec.rtype == 8:
             epochs.append({**{k: p[k] for k in ("epoch", "recovered_lsn", "time", "manifest")}, "lsn": rec.lsn,
                            **({"salvage": p["salvage"]} if p.get("salvage") is not None else {})})
@@ -676,7 +682,24 @@ def check_layout(seg: Segment) -> Optional[str]:
               and seg.dtype == lay["dtype"], path, None, "paged block shape or dtype is not the layout's")
         return "paged_kv_block"
     fmt = lay.get("format")
-    if fmt == "kvj-kv-block/1":
+    if fmt == "kvj-kv-block/2":
+        identity = {k: lay[k] for k in ("format", "model", "dtype", "layers", "kv_heads", "head_dim", "block_size",
+                                        "order", "tp_size", "quant")}
+        extra = set(lay) - set(identity) - {"tp_rank"}
+        _need("tp_rank" in lay and extra <= {"token_ids", "chain", "seed"} and ("chain" in lay) == ("seed" in lay),
+              path, None, f"kv-block layout fields {sorted(lay)}")
+        _need(lay["order"] in ("L2NHD", "LHNC") and lay["kv_heads"] % lay["tp_size"] == 0
+              and 0 <= lay["tp_rank"] < lay["tp_size"], path, None, "order, heads or rank")
+        heads = lay["kv_heads"] // lay["tp_size"]
+        shape = ([lay["layers"], 2, lay["block_size"], heads, lay["head_dim"]] if lay["order"] == "L2NHD"
+                 else [lay["layers"], heads, lay["block_size"], 2 * lay["head_dim"]])
+        _need(seg.shape == shape and seg.dtype == lay["dtype"], path, None, "KV block shape or dtype is not the layout's")
+        if "token_ids" in lay:
+            _need(len(lay["token_ids"]) == lay["block_size"] + 1, path, None, "token_ids is not block_size + 1 ids")
+        if "seed" in lay:
+            _need(lay["seed"] == blake3.blake3(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+                  and KEY.fullmatch(lay["chain"]) is not None, path, None, "seed is not the identity's, or chain")
+    elif fmt == "kvj-kv-block/1":
         _need(set(lay) == {"format", "model", "layers", "kv_heads", "head_dim", "block_size", "dtype", "token_ids"},
               path, None, f"kv-block layout fields {sorted(lay)}")
         _need(seg.shape == [lay["layers"], 2, lay["block_size"], lay["kv_heads"], lay["head_dim"]]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvj.integrations import blocks, dcp, training
+from kvj.integrations import dcp, training
 from kvj.segments import format as seg
-from kvj.segments import restore
+from kvj.segments import kvblock
 from kvj.segments.codecs import auto, registry, rowdedup, zstd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,11 +94,8 @@ def test_codec_choice_and_row_dedup():
 
 def test_the_layout_tags_are_the_code_s():
     layouts = section("LAYOUTS")
-    assert f"kind {restore.PAGED_KIND}" in layouts and f'kind: "{restore.PAGED_KIND}"' in section("PAGED KV CACHE")
     tags = {
-        "KV BLOCKS": [blocks.BLOCK_FORMAT],
-        "VLLM BLOCKS": [constant("kvj/integrations/vllm.py", "BLOCK_FORMAT"),
-                        constant("kvj/integrations/vllm.py", "START_FORMAT")],
+        "KV BLOCKS": [kvblock.FORMAT, constant("kvj/integrations/vllm_resume.py", "START_FORMAT")],
         "TRAINING STATE": [training.FORMAT, training.FULL_FORMAT, training.DELTA_FORMAT],
         "DCP CHECKPOINTS": [dcp.FORMAT],
     }
@@ -106,21 +103,24 @@ def test_the_layout_tags_are_the_code_s():
         assert f"format {formats[0]}\t{name}:" in layouts, name
         for fmt in formats:
             assert f'"{fmt}"' in section(name), (name, fmt)
+    old = section("KV BLOCKS OF KVJ 0.2")
+    for tag in (kvblock.HF_V1, kvblock.VLLM_V1):
+        assert f"format {tag}\tKV BLOCKS OF KVJ 0.2:" in layouts and f"format {tag}\n" in old and f'"{tag}"' in old
+    assert f"kind {kvblock.PAGED_V1}\tKV BLOCKS OF KVJ 0.2:" in layouts and f'kind: "{kvblock.PAGED_V1}"' in old
     train = section("TRAINING STATE")
     assert f'"{training.TREE}"' in train and f'"{training.STREAM_PREFIX}NAME"' in train
     assert "at most 64 KiB" in train and training.INLINE_BYTES == 64 << 10
     assert f'name: "{dcp.METADATA}"' in section("DCP CHECKPOINTS")
 
 
-def test_the_vllm_identity_fields_are_the_connector_s():
-    vllm = section("VLLM BLOCKS")
-    tree = ast.parse((ROOT / "kvj" / "integrations" / "vllm.py").read_text())
-    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "kv_identity"]
-    (ret,) = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
-    keys = [k.value for k in ret.value.keys]
-    identity = vllm.split(".I identity")[1].split(".RE")[0]
-    body = identity.split("{", 1)[1].rsplit("}", 1)[0]
-    body = re.sub(r"\[[^\]]*\]", "", re.sub(r'"[^"]*"', "", body))
-    assert [part.split(":")[0].strip() for part in body.split(",")] == keys
-    (view,) = [v.value for k, v in zip(ret.value.keys, ret.value.values) if k.value == "view"]
-    assert f'view: "{view}"' in identity
+def test_the_kv_block_identity_fields_are_the_code_s():
+    """The layout's fields, in the page's order, are KVBlockLayout's: its identity, then the rank."""
+    page = section("KV BLOCKS")
+    body = page.split("The layout is\n.RS\n")[1].split(".RE")[0]
+    body = re.sub(r'"[^"]*"', "", body.split("{", 1)[1].rsplit("}", 1)[0])
+    fields = [part.split(":")[0].strip() for part in body.split(",")]
+    layout = kvblock.KVBlockLayout("m", "bfloat16", 2, 2, 8, 4)
+    assert fields == [*layout.identity(), "tp_rank"]
+    assert list(layout.segment_layout([1] * 5, "ab" * 32)) == [*fields, "token_ids", "chain", "seed"]
+    for order in (kvblock.L2NHD, kvblock.LHNC):
+        assert f".B {order}\n" in page

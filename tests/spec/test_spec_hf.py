@@ -1,6 +1,6 @@
 """The independent reader on KV blocks the transformers integration journals (kvj-segment(5),
-KV BLOCKS): a block is [layers, 2, block_size, kv_heads, head_dim], K at index 0 of the second
-axis and V at 1, positions along the third, read against the DynamicCache it came from."""
+KV BLOCKS, order L2NHD): a block is [layers, 2, block_size, kv_heads, head_dim], K at index 0 of
+the second axis and V at 1, positions along the third, read against the DynamicCache it came from."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_cache_journal_blocks_hold_k_then_v_by_position(tmp_path):
     store = reader.read_store(os.path.join(path, "segments"))
     reader.check_segment_records(journal, store)
     segs = [store[r.payload["key"]] for r in journal.records if r.rtype == 2]
-    assert [reader.check_layout(s) for s in segs] == ["kvj-kv-block/1"] * 2
+    assert [reader.check_layout(s) for s in segs] == ["kvj-kv-block/2"] * 2
+    assert all(s.layout["order"] == "L2NHD" for s in segs)
     for b, seg in enumerate(segs):
         layers, two, bs, heads, dim = seg.shape
         assert (layers, two, bs, heads, dim) == (2, 2, 4, 2, 8) and seg.dtype == "float32"

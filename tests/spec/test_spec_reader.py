@@ -47,10 +47,10 @@ def same_as_kvj(journal: reader.Journal, path: str) -> None:
     mine = reader.fold(journal.records, journal.snapshot[1] if journal.snapshot else None)
     theirs = kvj.replay(path).to_dict(include_ended=False)
     assert {r["id"]: (r["start_lsn"], r["resume_position"], [(s["seg"], s["key"], s["tokens"], s["lsn"])
-                                                               for s in r["segments"]])
+                                                               for s in r["segments"]], r.get("output", []))
             for r in theirs["requests"]} == \
         {rid: (r["start_lsn"], r["resume_position"], [(s["seg"], s["key"], list(s["tokens"]), s["lsn"])
-                                                      for _, s in sorted(r["segments"].items())])
+                                                      for _, s in sorted(r["segments"].items())], r["output"])
          for rid, r in mine["requests"].items()}
     assert theirs["checkpoint"] == mine["checkpoint"] and theirs["deltas"] == mine["deltas"]
     assert theirs["allocations"] == {d: [a for _, a in sorted(v.items())]
@@ -67,6 +67,9 @@ def test_every_record_type_over_rotated_files_reads_as_kvj_replays_it(tmp_path, 
     store_key = None
     with kvj.Journal.open(path, policy=CommitPolicy(file_size_limit=400)) as j:
         j.start("r-1", "h", [1, 2, 3], {"user": "a", "nested": {"x": [1, 2.5, None]}})
+        j.tokens("r-1", 3, [7, 8])
+        j.tokens("r-1", 9, [9])  # not where its tokens end: ignored
+        j.tokens("r-1", 5, [9, 10])
         info = j.store.put(torch.arange(64, dtype=torch.float32), layout={"model": "m"})
         store_key = info.key
         j.flush("r-1", 0, info=info, token_range=(0, 16)).result()
@@ -267,9 +270,10 @@ def test_damaged_segment_bytes_are_refused(tmp_path):
 
 
 def test_kv_blocks_of_the_block_journal(tmp_path):
-    from kvj.integrations.blocks import BlockJournal, BlockLayout, resume_points
+    from kvj.integrations.blocks import BlockJournal, resume_points
+    from kvj.segments.kvblock import KVBlockLayout
 
-    layout = BlockLayout("tiny-llama", layers=2, kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+    layout = KVBlockLayout("tiny-llama", layers=2, kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
     gen = torch.Generator().manual_seed(1)
     path = str(tmp_path / "j")
     prompt = [5, 6, 7, 8, 9, 10]
@@ -286,7 +290,7 @@ def test_kv_blocks_of_the_block_journal(tmp_path):
         j.sync()
     journal, store = read_all(path)
     segs = [store[r.payload["key"]] for r in journal.records if r.rtype == 2]
-    assert [reader.check_layout(s) for s in segs] == ["kvj-kv-block/1"] * 3 and len(store) == 2
+    assert [reader.check_layout(s) for s in segs] == ["kvj-kv-block/2"] * 3 and len(store) == 2
     assert [s.raw for s in segs] == [raw_bytes(blocks[0]), raw_bytes(blocks[1]), raw_bytes(blocks[0])]
     start = next(r.payload for r in journal.records if r.rtype == 1)
     import hashlib
@@ -312,7 +316,7 @@ def test_paged_kv_blocks_gathered_from_a_paged_cache(tmp_path):
         journal, store = read_all(path)
         for info, b in zip(infos, (4, 1)):
             seg = store[info.key]
-            assert reader.check_layout(seg) == "paged_kv_block"
+            assert reader.check_layout(seg) == "kvj-kv-block/2" and seg.layout["order"] == "L2NHD"
             assert seg.raw == b"".join(raw_bytes(c[b]) for c in caches)
         fresh = [torch.zeros_like(c) for c in caches]
         restore_paged(j.store, [i.key for i in infos], fresh, [0, 5], model="m")

@@ -1,84 +1,63 @@
-"""The independent reader on the vLLM connector's block segments (kvj-segment(5), VLLM BLOCKS).
+"""The independent reader on the vLLM connector's records and block segments (kvj-segment(5), KV
+BLOCKS, requests of the vLLM connector; kvj-journal(5), tokens).
 
-The worker-side ``KvjConnector`` runs for real, without an engine: built from a stand-in
-``VllmConfig`` (the fields ``kv_identity`` reads) and driven through the connector API vLLM
-calls (``register_kv_caches``, ``bind_connector_metadata``, ``wait_for_save``,
-``get_finished``), it journals blocks of real paged caches; the reader then checks their
-layout, fingerprint, chained keys and bytes.
+The connector's worker side (``kvj.integrations.vllm_worker``, no vLLM needed) runs for real on
+paged caches in vLLM's per-layer view, driven with the step plans its scheduler side sends; the
+reader then checks the layout, seed, chained keys, bytes and the tokens records.
 """
 
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
-import pytest
 import torch
 
 import kvj
 from spec import reader
-from support.wait import wait_for
-
-pytest.importorskip("vllm")
 
 LAYERS, HEADS, BLOCK, HEAD = 2, 2, 4, 8
 
 
-def connector(journal: str):
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from kvj.integrations.vllm import KvjConnector
-
-    transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
-                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"journal": journal})
-    model = SimpleNamespace(dtype=torch.bfloat16, model="tiny-llama", revision=None, get_head_size=lambda: HEAD,
-                            get_num_layers=lambda pc: LAYERS, get_num_kv_heads=lambda pc: HEADS)
-    config = SimpleNamespace(kv_transfer_config=transfer, model_config=model,
-                             cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
-                             parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                                             data_parallel_size=1))
-    return KvjConnector(config, KVConnectorRole.WORKER, None)
-
-
 def test_vllm_blocks_carry_their_identity_chain_and_bytes(tmp_path):
-    from kvj.integrations.vllm import KvjConnectorMetadata, _Finish, _Save, _Start, chain_keys
+    from kvj.integrations.vllm_worker import Finish, Save, Start, StepPlan, WorkerJournal
+    from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
 
     path = str(tmp_path / "j")
-    worker = connector(path)  # the worker creates the journal
+    layout = KVBlockLayout("tiny-llama@default", "bfloat16", LAYERS, HEADS, HEAD, BLOCK, LHNC)
+    worker = WorkerJournal(path, layout, threads=1)
     gen = torch.Generator().manual_seed(11)
-    caches = {f"layer.{i}": torch.randn(8, HEADS, BLOCK, 2 * HEAD, generator=gen).to(torch.bfloat16)
-              for i in range(LAYERS)}
-    worker.register_kv_caches(caches)
+    caches = [torch.randn(8, HEADS, BLOCK, 2 * HEAD, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    worker.register(caches)
     tokens = list(range(300, 311))  # a 7-token prompt and 4 generated: two whole blocks and their next token
-    chains = chain_keys(worker._fp, tokens, BLOCK)
+    chains = chain_keys(layout.seed(), tokens, BLOCK)
     where = {0: 5, 1: 2}  # block index -> block id in the paged cache
-    saves = [_Save("r1", b, where[b], chains[b], tokens[b * BLOCK:(b + 1) * BLOCK + 1]) for b in (0, 1)]
+    saves = [Save("r1", b, where[b], chains[b], tokens[b * BLOCK:(b + 1) * BLOCK + 1]) for b in (0, 1)]
     meta = {"format": "kvj-vllm-request/1", "prompt_len": 7}
-    worker.bind_connector_metadata(KvjConnectorMetadata(starts=[_Start("r1", tokens[:7], meta)], saves=saves,
-                                                        finishes=[_Finish("v1", "r1", "stopped", None)]))
-    worker.wait_for_save()
-    wait_for(lambda: worker.get_finished({"v1"})[0] == {"v1"}, what="the first request's END")
+    worker.step(StepPlan(starts=[Start("v1", "r1", tokens[:7], meta)], tokens=[("r1", 7, tokens[7:])], saves=saves,
+                         finishes=[Finish("v1", "r1", "stopped", [])]))
+    worker.drain()
     # A second request with the same first block: journaled by reference, no second copy.
-    worker.bind_connector_metadata(KvjConnectorMetadata(starts=[_Start("r2", tokens[:5], meta)],
-                                                        saves=[_Save("r2", 0, 7, chains[0], tokens[:5])]))
-    worker.wait_for_save()
-    worker.shutdown()
+    worker.step(StepPlan(starts=[Start("v2", "r2", tokens[:5], meta)], saves=[Save("r2", 0, 7, chains[0], tokens[:5])]))
+    worker.close()
 
     journal = reader.read_journal(path)
     store = reader.read_store(os.path.join(path, "segments"))
     reader.check_segment_records(journal, store)
-    records = [r.payload for r in journal.records if r.rtype == 2]
+    # Segment records follow their segments' fsyncs: those of one step may come in any order.
+    records = sorted((r.payload for r in journal.records if r.rtype == 2), key=lambda p: (p["id"], p["seg"]))
     assert [(r["id"], r["seg"]) for r in records] == [("r1", 0), ("r1", 1), ("r2", 0)]
     assert records[2]["key"] == records[0]["key"] and len(store) == 2
     for rec in records[:2]:
         seg = store[rec["key"]]
-        assert reader.check_layout(seg) == "kvj-vllm-block/1"
-        assert seg.layout["model"] == "tiny-llama@default" and seg.layout["kv_dtype"] == "bfloat16"
+        assert reader.check_layout(seg) == "kvj-kv-block/2"
+        assert seg.layout["model"] == "tiny-llama@default" and seg.layout["order"] == "LHNC"
+        assert seg.layout["chain"] == chains[rec["seg"]]
         block_id = where[rec["seg"]]
-        assert seg.raw == b"".join(c[block_id].contiguous().view(torch.uint8).numpy().tobytes()
-                                   for c in caches.values())
+        assert seg.raw == b"".join(c[block_id].contiguous().view(torch.uint8).numpy().tobytes() for c in caches)
+    assert [r.payload for r in journal.records if r.rtype == 9] == [{"id": "r1", "at": 7, "tokens": tokens[7:]}]
+    folded = reader.fold(journal.records)["requests"]
+    assert list(folded) == ["r2"] and folded["r2"]["output"] == []  # r1 ended
     ends = [r.payload for r in journal.records if r.rtype == 3]
     assert ends == [{"id": "r1", "status": "stopped"}]
-    assert kvj.replay(path).requests["r2"].resume_position == BLOCK
+    state = kvj.replay(path)
+    assert state.requests["r1"].output == tokens[7:] and state.requests["r2"].resume_position == BLOCK

@@ -58,6 +58,7 @@ class Site:
 
 D, R, F, S = "kvj.segments.device", "kvj.segments.restore", "kvj.segments.flusher", "kvj.segments.store"
 T = "kvj.integrations.training"
+V = "kvj.integrations.vllm_worker"
 NO_EVENT = "torch.cuda.Event()"  # never recorded: waits on it return at once, queries say done
 
 #: Every host wait, GPU-side wait, event and record_stream on kvj's device paths.
@@ -109,6 +110,9 @@ SITES: List[Site] = [
     Site(T, "Snapshot.wait", "cuda.CUDA.finish(event, stream)", hint=("one_copy",)),
     Site(T, "_placed", 'cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))',
          hint=("recovered_onto_the_device",)),
+    # the vLLM connector's worker side (a step's saves written from pinned staging; a load reported done)
+    Site(V, "WorkerJournal._write_round", "moved.wait()", hint=("device_a_step_saves",)),
+    Site(V, "WorkerJournal.poll", "all(t.done() for t in ld.copies)", "True", hint=("device_a_step_saves",)),
 ]
 
 #: The CPU-into-CUDA ``index_copy_`` the vLLM connector once had: the host's ids and blocks
@@ -118,7 +122,7 @@ CPU_INTO_CUDA = Site(D, "scatter_blocks", "cache.index_copy_(0, dev_ids, blocks[
 
 #: The device-path tests every mutant runs against (files under tests/).
 MODULES = ["segments/test_device_paths.py", "segments/test_device_blocks.py", "integrations/test_training_device.py",
-           "integrations/test_dcp.py"]
+           "integrations/test_dcp.py", "integrations/test_vllm_worker.py"]
 
 FIXTURES = {"gpu", "tmp_path", "monkeypatch"}
 

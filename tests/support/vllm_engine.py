@@ -4,7 +4,8 @@ Run as ``python -m support.vllm_engine SPEC.json`` (``tests`` on ``PYTHONPATH``)
 names the model, the connector (``kvj`` through ``support.vllm_record``, ``example`` for
 vLLM's in-tree ExampleConnector, or none), the engine settings, and a list of jobs:
 
-* ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy;
+* ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy, or
+  with ``"sampling": [{"temperature": T, "seed": S} or null, ...]`` per prompt;
 * ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``.
 
 Each job's result (tokens, the sampled tokens' logprobs, cached-token counts) is appended
@@ -41,6 +42,8 @@ def main(spec_path: str) -> None:
     # vLLM's CPU backend reserves one more core when a KV connector is configured (for NIXL);
     # on a 2-core machine that leaves the engine's scheduler process none and decoding crawls.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    if spec.get("in_process"):  # the engine core and its worker in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -66,7 +69,9 @@ def main(spec_path: str) -> None:
     for job in spec["jobs"]:
         t0 = time.perf_counter()
         if "generate" in job:
-            params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, logprobs=1)
+            sampling = job.get("sampling") or [None] * len(job["generate"])
+            params = [SamplingParams(**(s or {"temperature": 0}), max_tokens=job["max_tokens"], detokenize=False,
+                                     logprobs=1) for s in sampling]
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["generate"]], params, use_tqdm=False)
             result = {"requests": [_request(o) for o in outs]}
         else:
@@ -74,7 +79,8 @@ def main(spec_path: str) -> None:
             result = {"requests": [{**(_request(r.output) if r.output else {}), "id": r.request_id,
                                     "prompt": r.plan.prompt, "resumed_at": len(r.plan.generated),
                                     "durable_tokens": r.plan.durable_tokens, "all_token_ids": r.token_ids,
-                                    "restored": r.restored_tokens, "recomputed": r.recomputed_tokens}
+                                    "restored": r.restored_tokens, "reused": r.reused_tokens,
+                                    "recomputed": r.recomputed_tokens}
                                    for r in resumed]}
         _write(spec["out"], {**result, "seconds": time.perf_counter() - t0})
 

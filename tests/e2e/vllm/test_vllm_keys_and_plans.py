@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tomllib
 
 import blake3
@@ -10,7 +12,9 @@ import numpy as np
 import pytest
 
 from kvj.errors import FormatError
-from kvj.integrations.vllm import START_FORMAT, SUPPORTED_VLLM, chain_keys, fingerprint, resume_plans
+from kvj.integrations.vllm import SUPPORTED_VLLM
+from kvj.integrations.vllm_resume import START_FORMAT, resume_plans
+from kvj.segments.kvblock import chain_keys, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -53,6 +57,26 @@ def test_resume_plans_take_generated_tokens_from_durable_blocks() -> None:
 
     stopped = resume_plans({"requests": [_request("a", prompt, [blocks[0], [5, 6, 70, 99, 0]], 8)]})[0]
     assert stopped.complete  # it had sampled a stop token: nothing to generate
+
+
+def test_resume_plans_take_generated_tokens_from_tokens_records_whatever_the_kv() -> None:
+    """Tokens journaled every step (the manifest's ``output``) are resumed even with no durable
+    block at all, and a seeded request's sampler is advanced by one draw per generated token."""
+    prompt = [1, 2, 3, 4, 5, 6]
+    request = _request("a", prompt, [[1, 2, 3, 4, 5]], 4)
+    request["output"] = [70, 71, 72, 73, 74]
+    (plan,) = resume_plans({"requests": [request]})
+    assert plan.generated == [70, 71, 72, 73, 74] and plan.durable_tokens == 4 and plan.draws == 5
+    request["segments"][0]["layout"]["token_ids"] = [1, 2, 3, 9, 5]
+    with pytest.raises(FormatError):
+        resume_plans({"requests": [request]})
+
+
+def test_resume_plans_import_without_vllm() -> None:
+    code = "import sys, kvj.integrations.vllm_resume as r; assert 'vllm' not in sys.modules, 'vllm imported'"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr
 
 
 def test_a_request_taken_over_by_a_later_resume_is_not_resumed_twice() -> None:

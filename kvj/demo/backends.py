@@ -1,31 +1,68 @@
-"""A vLLM-style paged KV cache with paged-attention decoding over transformers weights.
+"""The demo's generation backends: transformers' ``DynamicCache``, and a vLLM-style paged KV
+cache with paged-attention decoding over transformers weights.
 
-``PagedKVCache`` is a pool of fixed-size blocks per layer, ``[num_blocks, 2, block_size,
-kv_heads, head_dim]`` like vLLM's, and a block table per request. ``PagedBackend`` runs a
-Llama/Qwen2-architecture model (the weights of a transformers model) over that cache in
-plain PyTorch, as a ``GenerationLoop`` backend: a journaled block is one block of the pool
-(all layers), and after a crash the request's blocks are scattered into whatever block ids
-the restarted pool hands out, which are not the ones they had before. Block allocations
-and frees are journaled too (``alloc``/``free`` records), so ``kvj inspect --layout`` can
-draw the pool as it was at any LSN.
+``HFBackend`` keeps one batch-1 ``DynamicCache`` per request. ``PagedKVCache`` is a pool of
+fixed-size blocks per layer, ``[num_blocks, 2, block_size, kv_heads, head_dim]`` like vLLM's,
+and a block table per request. ``PagedBackend`` runs a Llama/Qwen2-architecture model (the
+weights of a transformers model) over that cache in plain PyTorch: a journaled block is one
+block of the pool (all layers), and after a crash the request's blocks are scattered into
+whatever block ids the restarted pool hands out, which are not the ones they had before.
+Block allocations and frees are journaled too (``alloc``/``free`` records), so ``kvj inspect
+--layout`` can draw the pool as it was at any LSN. Both are ``GenerationLoop`` backends
+(``kvj.demo.generation``); the KV block itself is ``kvj.segments.kvblock``'s.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from kvj.errors import CacheFull, FormatError
-from kvj.integrations.blocks import BlockLayout
-from kvj.integrations.hf import layout_for
+from kvj.integrations.hf import build_cache, cache_block, cache_kwarg, layout_for
+from kvj.segments import device
+from kvj.segments.kvblock import KVBlockLayout
+from kvj.segments.restore import gather_block
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from kvj.journal.journal import Journal
     from kvj.journal.state import JournalState
+
+
+class HFBackend:
+    """``GenerationLoop`` backend: one batch-1 ``DynamicCache`` per request."""
+
+    def __init__(self, model: "PreTrainedModel", block_size: int = 16, model_id: Optional[str] = None):
+        self.model = model
+        self.layout = layout_for(model, block_size, model_id)
+        self.device = model.device
+        self._kwarg = cache_kwarg(model)
+        self.caches: Dict[str, "DynamicCache"] = {}
+
+    def forward(self, request_id: str, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        cache = self.caches.get(request_id)
+        if cache is None:
+            from transformers import DynamicCache
+            cache = self.caches[request_id] = DynamicCache(config=self.model.config)
+        if cache.get_seq_length() != start:
+            raise FormatError(f"request {request_id}: cache holds {cache.get_seq_length()} positions, "
+                              f"forward starts at {start}")
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        kwargs: Dict[str, Any] = {self._kwarg: cache}
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[0, -1]
+
+    def block(self, request_id: str, index: int) -> torch.Tensor:
+        return cache_block(self.caches[request_id], index, self.layout)
+
+    def restore(self, request_id: str, blocks: List[torch.Tensor]) -> None:
+        self.caches[request_id] = build_cache(blocks, self.model.config)
+
+    def release(self, request_id: str) -> None:
+        self.caches.pop(request_id, None)
 
 
 class PagedKVCache:
@@ -36,7 +73,7 @@ class PagedKVCache:
     request in different blocks.
     """
 
-    def __init__(self, layout: BlockLayout, num_blocks: int, device: Union[str, torch.device] = "cpu", *,
+    def __init__(self, layout: KVBlockLayout, num_blocks: int, device: Union[str, torch.device] = "cpu", *,
                  order_seed: int = 0, journal: Optional["Journal"] = None):
         self.layout = layout
         self.num_blocks = num_blocks
@@ -89,8 +126,7 @@ class PagedKVCache:
 
     def block(self, request_id: str, index: int) -> torch.Tensor:
         """Block ``index`` of the request across all layers: ``layout.shape``."""
-        block_id = self.tables[request_id][index]
-        return torch.stack([pool[block_id] for pool in self.pools])
+        return gather_block(self.pools, self.tables[request_id][index])
 
     def forget_previous(self, state: "JournalState") -> Dict[str, List[int]]:
         """Journal frees for the blocks a previous process left allocated on this device (its
@@ -103,17 +139,22 @@ class PagedKVCache:
         return previous
 
     def restore(self, request_id: str, blocks: List[torch.Tensor]) -> List[int]:
-        """Allocate fresh blocks for a resumed request and scatter ``blocks`` into them:
-        block ``i`` goes to the ``i``-th new id of every layer's pool (one ``index_copy_``
-        per layer, as ``kvj.restore.restore_paged`` does for segments of its own layout)."""
+        """Allocate fresh blocks for a resumed request and scatter ``blocks`` into them: block
+        ``i`` goes to the ``i``-th new id of every layer's pool (``device.scatter_blocks``: one
+        copy onto the device from pinned staging, one indexed copy per layer)."""
         if request_id in self.tables:
             raise FormatError(f"request {request_id} already has blocks in the cache")
         new = self.ensure(request_id, len(blocks) * self.layout.block_size)
         if blocks:
-            stacked = torch.stack(blocks).to(self.device)  # [blocks, layers, 2, block_size, kv_heads, head_dim]
-            index = torch.tensor(new, dtype=torch.long, device=self.device)
-            for layer, pool in enumerate(self.pools):
-                pool.index_copy_(0, index, stacked[:, layer])
+            shape = device.blocks_shape(self.pools, len(blocks))
+            host = torch.stack([b.cpu() for b in blocks])
+            if device.CUDA.is_device_tensor(self.pools[0]):
+                pinned = device.CUDA.pinned(host.numel() * host.element_size()).view(host.dtype).view(shape)
+                pinned.copy_(host)
+                host = pinned
+            moved = device.scatter_blocks(self.pools, new, host, device.block_buffers(self.pools, len(blocks)))
+            moved.wait()  # the pinned copy may go only once it is on the device ...
+            moved.fence()  # ... and the next forward reads the blocks after the scatter
         return new
 
 

@@ -1,0 +1,670 @@
+"""The worker side of kvj's vLLM connector, without vLLM: what each engine step journals and loads.
+
+``KvjConnector`` (``kvj.integrations.vllm``) builds a :class:`StepPlan` per step on the
+scheduler side; in each worker process a :class:`WorkerJournal` carries it out. Nothing here
+imports vLLM, so the same code runs under kvj's CUDA stand-in in the tests and on a GPU
+machine without vLLM. The hooks, in the order vLLM 0.32 calls them in ``execute_model``:
+
+``step(plan)`` (from ``handle_preemptions``, at the start of every step, zero-token steps
+included, before the forward pass):
+
+* START records of the requests that arrived (whether scheduled yet or not), TOKENS records of
+  the tokens each request generated since the last step, and END of the requests that finished
+  (queued behind their segments, on kvj's threads);
+* the saves: every block named was computed by the end of the previous step. A block already
+  durable (loaded, or saved for another request) is journaled again by reference. The others
+  go through **one gather**: one indexed copy per layer, on the compute stream, into a
+  bounded, preallocated buffer (on the caches' device), so that any later kernel that
+  overwrites a block (a finished or preempted request's) is ordered after it; for a device
+  cache, then **one copy** into pinned host staging on kvj's side stream, which the compute
+  stream never waits for. A step with more blocks than the buffer holds gathers in rounds.
+  **One job** per round on kvj's thread then waits for that copy and hands the blocks to the
+  flusher, which compresses, writes and fsyncs them and journals each SEGMENT record once its
+  segment is durable. A finished request's blocks can go back to vLLM once their gather is
+  enqueued: it is reported ``finished_sending`` in the same step.
+
+``start_loads(plan)`` (from ``start_load_kv``): loads are asynchronous across steps. The
+blocks of each request are read, checked (chunk CRCs, digest, layout) and decoded by kvj's
+loader threads into pinned staging; ``poll()`` (from ``get_finished``, every step) copies a
+request's good prefix in once all its reads are done (one copy to the device, one scatter per
+layer) and reports it ``finished_recving`` once that copy is complete, with its failed blocks
+reported by ``load_errors()`` in the same pass (vLLM recomputes them).
+
+Device buffers are bounded and made once (``gather_bytes``); if the device cannot give that
+memory (vLLM may have taken it all), the step's saves are skipped with a warning and serving
+goes on. A failed write or fsync stops journaling for good, logged once; serving goes on.
+``close()`` (vLLM's shutdown, and the interpreter's exit) drains everything queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+
+import kvj
+from kvj.errors import DeviceOutOfMemory, KvjError, LayoutMismatch, SegmentCorrupt
+from kvj.fileio import FS
+from kvj.journal.journal import default_store_path
+from kvj.segments import device
+from kvj.segments import format as seg
+from kvj.segments import kvblock
+from kvj.segments.flusher import Flusher
+from kvj.segments.kvblock import KVBlockLayout
+from kvj.segments.staging import StagingPool
+from kvj.segments.store import SegmentInfo, SegmentStore
+
+log = logging.getLogger("kvj.vllm")
+
+#: Default bound of the device gather buffer (and of each host staging pool).
+GATHER_BYTES = 64 << 20
+STAGING_BYTES = 512 << 20
+
+
+# ---------------------------------------------------------------------------- what a step carries
+
+
+@dataclass
+class Start:
+    vllm_id: str
+    jid: str
+    tokens: List[int]
+    meta: Dict[str, Any]
+
+
+@dataclass
+class Save:
+    jid: str
+    block: int  #: index of the block in the request
+    block_id: int  #: where it sits in the paged cache
+    chain: str
+    token_ids: List[int]  #: the block's tokens and the next one
+
+
+@dataclass
+class Load:
+    vllm_id: str
+    blocks: List[Tuple[int, str]]  #: (block id, chain key), in order from the request's first loaded block
+
+
+@dataclass
+class Finish:
+    vllm_id: str
+    jid: str
+    status: str
+    resumes: List[str]  #: earlier incarnations it carries, ended "resumed" before it
+
+
+@dataclass
+class StepPlan:
+    """One step's work for the workers (the connector's metadata)."""
+
+    starts: List[Start] = field(default_factory=list)
+    tokens: List[Tuple[str, int, List[int]]] = field(default_factory=list)  #: (journal id, position, ids)
+    saves: List[Save] = field(default_factory=list)
+    loads: List[Load] = field(default_factory=list)
+    finishes: List[Finish] = field(default_factory=list)
+    reseeds: Dict[str, int] = field(default_factory=dict)  #: vLLM id -> sampler draws to replay
+
+
+@dataclass
+class WorkerNews:
+    """Worker to scheduler, each step. ``durable`` maps a chain key to the ranks that made it
+    durable (every rank's shard must be before it counts); the rest is per vLLM request id."""
+
+    durable: Dict[str, List[int]] = field(default_factory=dict)
+    lost: List[str] = field(default_factory=list)  #: chain keys that failed to load
+    started: List[str] = field(default_factory=list)  #: START durable
+    loaded: Dict[str, int] = field(default_factory=dict)  #: tokens loaded from kvj
+
+    def merge(self, other: "WorkerNews") -> None:
+        for chain, ranks in other.durable.items():
+            self.durable[chain] = sorted(set(self.durable.get(chain, [])) | set(ranks))
+        self.lost += other.lost
+        self.started += [s for s in other.started if s not in self.started]
+        for rid, n in other.loaded.items():
+            self.loaded[rid] = min(n, self.loaded.get(rid, n))  # a request's load counts on every rank
+
+    def __bool__(self) -> bool:
+        return bool(self.durable or self.lost or self.started or self.loaded)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+class CountingFS(FS):
+    """The real file layer, counting fsyncs (``kvj bench vllm`` reports them per step)."""
+
+    def __init__(self) -> None:
+        self.fsyncs = 0
+        self._lock = threading.Lock()
+
+    def _count(self) -> None:
+        with self._lock:
+            self.fsyncs += 1
+
+    def fsync(self, fd: int) -> None:
+        self._count()
+        super().fsync(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        self._count()
+        super().fdatasync(fd)
+
+    def fsync_dir(self, path: Any) -> None:
+        self._count()
+        super().fsync_dir(path)
+
+
+def when_all(futures: Sequence["Future[Any]"]) -> "Future[None]":
+    """A future done once all of ``futures`` are; it fails with the first of their errors."""
+    done: "Future[None]" = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+    errors: List[BaseException] = []
+
+    def one(f: "Future[Any]") -> None:
+        if f.exception() is not None:
+            errors.append(f.exception())  # type: ignore[arg-type]
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done.set_exception(errors[0]) if errors else done.set_result(None)
+
+    if not futures:
+        done.set_result(None)
+    for f in futures:
+        f.add_done_callback(one)
+    return done
+
+
+def durable_blocks(state: "kvj.JournalState", seed: str) -> Dict[str, Dict[str, Any]]:
+    """chain key -> {"key", "layout"} of every KV block segment of this chain seed in the journal."""
+    found: Dict[str, Dict[str, Any]] = {}
+    for req in state.requests.values():
+        for ref in req.segments.values():
+            lay = ref.layout or {}
+            if ref.key and lay.get("seed") == seed and lay.get("chain") and lay.get("format") == kvblock.FORMAT:
+                found[lay["chain"]] = {"key": ref.key, "layout": lay}
+    return found
+
+
+@dataclass
+class _Loading:
+    load: Load
+    buf: torch.Tensor
+    host: torch.Tensor  #: [n, layers, *block] view of buf
+    reads: List["Future[SegmentInfo]"]
+    copies: List[device.Transfer] = field(default_factory=list)
+    copying: bool = False
+    good: int = 0
+
+
+# ---------------------------------------------------------------------------- the worker journal
+
+
+class WorkerJournal:
+    """One worker's journal: carries out the connector's step plans (module docstring)."""
+
+    def __init__(self, path: str, layout: KVBlockLayout, *, codec: str = "auto", threads: Optional[int] = None,
+                 load_threads: Optional[int] = None, gather_bytes: int = GATHER_BYTES,
+                 staging_bytes: int = STAGING_BYTES):
+        cpus = os.cpu_count() or 1
+        self.layout = layout
+        self.seed = layout.seed()
+        self.fs = CountingFS()
+        state = kvj.replay(path) if os.path.isdir(path) else kvj.JournalState()
+        self._durable = durable_blocks(state, self.seed)
+        store = SegmentStore(default_store_path(path), fs=self.fs, threads=threads or cpus)
+        self.journal = kvj.Journal.open(path, store=store, fs=self.fs)
+        # More flush workers than cores: a worker waiting for its fsync uses no CPU (see Flusher).
+        self._flusher = Flusher(store, workers=max(4, 2 * (threads or cpus)), codec=codec,
+                                staging_bytes=staging_bytes)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvj-save")
+        self._loader = ThreadPoolExecutor(max_workers=load_threads or min(8, cpus), thread_name_prefix="kvj-load")
+        self._save_staging = StagingPool(staging_bytes)
+        self._load_staging = StagingPool(staging_bytes)
+        self._gather_bytes = int(gather_bytes)
+        self._per_round = 1  #: blocks one gather takes (set by ``register``)
+        self._ring: Optional[device.BlockRing] = None  #: staging on the caches' device, made on first use
+        self._no_room = False  #: the last attempt to make it failed (warned once until it succeeds)
+        self._caches: List[torch.Tensor] = []
+        self._on_device = False
+        self._spare: Set[int] = set()  #: CPUs for kvj's threads (see _place_threads)
+        self._placed: Set[int] = set()
+        self._threads = 0
+        #: (chain, next token) -> a durable segment holding that block: journaled again by reference
+        self._known: Dict[Tuple[str, int], SegmentInfo] = {}
+        self._pending: Dict[str, List["Future[Any]"]] = {}  #: journal id -> its saves not yet recorded
+        self._ending: Set["Future[Any]"] = set()
+        self._starts: List[Tuple[str, Union[int, "Future[int]"]]] = []
+        self._queued_loads: Deque[Load] = deque()
+        self._loading: List[_Loading] = []
+        self._load_errors: Set[int] = set()
+        self._sent: Set[str] = set()  #: finished requests whose blocks vLLM may free
+        self._news = WorkerNews()
+        self._lock = threading.Lock()
+        self._failed: Optional[BaseException] = None
+        self._closed = False
+        #: what the last step before closing must journal, when someone else holds it (see close)
+        self.last_plan: Optional[Callable[[], Optional[StepPlan]]] = None
+        self.stats = {"steps": 0, "blocks_saved": 0, "blocks_referenced": 0, "blocks_skipped": 0,
+                      "blocks_loaded": 0, "blocks_failed": 0, "bytes_raw": 0, "bytes_stored": 0, "tokens": 0,
+                      "rounds": 0}
+        self._rounds: Set["Future[None]"] = set()  #: jobs on kvj's save thread not yet done
+        #: (LSN or its future, tokens, blocks) of records not yet known durable: ``progress``
+        self._marks: Deque[Tuple[Union[int, "Future[int]"], int, int]] = deque()
+        self._durable_tokens = self._durable_blocks = self._gathered = 0
+        # Drained at interpreter exit before the thread pools stop taking work (threading's
+        # exit hooks run before atexit's, newest first: after concurrent.futures' own).
+        threading._register_atexit(_close_at_exit, weakref.ref(self))  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ caches
+
+    def register(self, caches: Sequence[torch.Tensor]) -> None:
+        """The per-layer paged caches, in layer order; refused unless they fit the block layout."""
+        self.layout.check_caches(caches)
+        self._caches = list(caches)
+        self._on_device = device.CUDA.is_device_tensor(self._caches[0])
+        self._spare = spare_cpus()
+        self._threads = 0
+        self._place_threads()
+        # Two slots of device staging: one round is copied while the next gathers (or scatters).
+        self._per_round = max(1, self._gather_bytes // (2 if self._on_device else 1) // self.layout.nbytes)
+
+    # ------------------------------------------------------------------ each step, before the forward
+
+    def step(self, plan: StepPlan) -> None:
+        """Journal the plan's starts, tokens, saves and finishes (module docstring)."""
+        self.stats["steps"] += 1
+        if self._failed is None:
+            try:
+                for s in plan.starts:
+                    self._starts.append((s.vllm_id, self.journal.start(s.jid, None, s.tokens, s.meta)))
+                    self._pending.setdefault(s.jid, [])
+                for jid, at, ids in plan.tokens:
+                    lsn = self.journal.tokens(jid, at, ids)
+                    self.stats["tokens"] += len(ids)
+                    with self._lock:
+                        self._marks.append((lsn, len(ids), 0))
+                self._save(plan.saves)
+            except (KvjError, OSError) as exc:
+                self._fail(exc)
+        for fin in plan.finishes:  # released even when journaling has stopped
+            self._finish(fin)
+        self._place_threads()
+
+    def _place_threads(self) -> None:
+        """Run kvj's threads on the CPUs the engine's compute threads are not bound to (vLLM's
+        CPU backend binds its worker to some cores and reserves the others for helpers such
+        as a KV connector; its threads would otherwise inherit the compute cores). Threads
+        are made as work comes: checked every step, cheaply."""
+        if not self._spare or threading.active_count() == self._threads:
+            return
+        self._threads = threading.active_count()
+        for t in threading.enumerate():
+            if t.name.startswith("kvj-") and t.native_id is not None and t.native_id not in self._placed:
+                try:
+                    os.sched_setaffinity(t.native_id, self._spare)
+                except OSError:  # gone, or those CPUs are not ours after all
+                    pass
+                self._placed.add(t.native_id)
+
+    def _save(self, saves: Sequence[Save]) -> None:
+        copies: List[Save] = []
+        for save in saves:
+            known = self._known.get((save.chain, save.token_ids[-1]))
+            if known is None:
+                copies.append(save)
+                continue
+            start = save.block * self.layout.block_size
+            self._pending.setdefault(save.jid, []).append(self.journal.flush(
+                save.jid, save.block, token_range=(start, start + self.layout.block_size), info=known))
+            self.stats["blocks_referenced"] += 1
+        for i in range(0, len(copies), self._per_round):
+            if not self._gather_round(copies[i:i + self._per_round]):
+                self.stats["blocks_skipped"] += len(copies) - i
+                return
+
+    def _buffers(self) -> Optional[device.BlockBuffers]:
+        """A slot of the block staging (device memory for device caches), made on first use; None
+        when the device has no room for it (vLLM may have taken it all)."""
+        if self._ring is None:
+            try:
+                self._ring = device.BlockRing(self._caches, self._per_round, slots=2)
+            except DeviceOutOfMemory as exc:
+                if not self._no_room:
+                    log.warning("kvj: %s: blocks of steps are not journaled (nor loaded) until there is room; "
+                                "lower gpu_memory_utilization or gather_bytes", exc)
+                self._no_room = True
+                return None
+            self._no_room = False
+        return self._ring.take()
+
+    def _gather_round(self, saves: Sequence[Save]) -> bool:
+        """One gather of ``saves``' blocks, and one job for kvj's thread to write them."""
+        n, lay = len(saves), self.layout
+        nbytes = n * lay.nbytes
+        bufs = self._buffers()
+        if bufs is None:
+            return False
+        slot = self._save_staging.acquire(nbytes, pinned=self._on_device)  # waits while kvj's threads lag
+        host = slot[:nbytes].view(lay.torch_dtype).view(n, *lay.shape)
+        try:
+            moved = device.gather_blocks(self._caches, [s.block_id for s in saves], host, bufs)
+        except BaseException:
+            self._save_staging.release(slot)  # gather_blocks raises only once nothing writes the slot
+            raise
+        done: "Future[None]" = Future()
+        for s in saves:
+            self._pending.setdefault(s.jid, []).append(done)
+        self.stats["rounds"] += 1
+        self._gathered += n
+        job = self._writer.submit(self._write_round, slot, host, moved, list(saves), done)
+        with self._lock:
+            self._rounds.add(job)
+        job.add_done_callback(self._round_done)
+        return True
+
+    def _round_done(self, job: "Future[None]") -> None:
+        with self._lock:
+            self._rounds.discard(job)
+
+    def _write_round(self, slot: torch.Tensor, host: torch.Tensor, moved: device.Transfer, saves: List[Save],
+                     done: "Future[None]") -> None:
+        """On kvj's thread: wait for the round's copy, hand each block to the flusher."""
+        landed = False
+        try:
+            moved.wait()
+            landed = True
+            futures = []
+            for i, save in enumerate(saves):
+                layout = self.layout.segment_layout(save.token_ids, save.chain)
+                futures.append(self._flusher.submit(host[i], layout, lambda info, s=save: self._saved(s, info)))
+        except BaseException as exc:
+            self._fail(exc)
+            done.set_exception(exc)
+            return
+        finally:
+            self._save_staging.release(slot, reuse=landed)
+        self.stats["blocks_saved"] += len(saves)
+        when_all(futures).add_done_callback(lambda f: _settle(done, f))
+
+    def _saved(self, save: Save, info: SegmentInfo) -> None:
+        """On a flusher thread, once the block's segment is durable: its record, and tell the scheduler."""
+        start = save.block * self.layout.block_size
+        lsn = self.journal.flush(save.jid, save.block, token_range=(start, start + self.layout.block_size), info=info)
+        with self._lock:
+            self._marks.append((lsn, 0, 1))
+            self._known[(save.chain, save.token_ids[-1])] = info
+            self._durable[save.chain] = {"key": info.key, "layout": info.layout}
+            self._news.durable[save.chain] = [self.layout.tp_rank]
+            self.stats["bytes_raw"] += info.raw_size
+            self.stats["bytes_stored"] += info.stored_size
+
+    def _finish(self, fin: Finish) -> None:
+        """END once the request's segments are recorded; its blocks may go back to vLLM now."""
+        self._sent.add(fin.vllm_id)
+        pending = self._pending.pop(fin.jid, [])
+        if self._failed is not None:
+            return
+        ending = when_all(pending)
+        with self._lock:
+            self._ending.add(ending)
+        ending.add_done_callback(lambda f: self._end(fin, f))
+
+    def _end(self, fin: Finish, saved: "Future[None]") -> None:
+        try:
+            if saved.exception() is not None:
+                self._fail(saved.exception())  # type: ignore[arg-type]
+            if self._failed is None:
+                for earlier in fin.resumes:
+                    self.journal.end(earlier, "resumed")
+                self.journal.end(fin.jid, fin.status)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            with self._lock:
+                self._ending.discard(saved)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A failed write or fsync is final: log it once, stop journaling, keep serving."""
+        with self._lock:
+            first = self._failed is None
+            if first:
+                self._failed = exc
+        if first:
+            log.error("kvj: journaling stopped, nothing after this is durable: %s", exc)
+
+    @property
+    def failed(self) -> Optional[BaseException]:
+        return self._failed
+
+    def counters(self) -> Dict[str, int]:
+        """What this worker did so far: steps, blocks saved, referenced, skipped, loaded and failed,
+        bytes raw and stored, tokens journaled, gather rounds, fsyncs (store and journal)."""
+        return {**self.stats, "fsyncs": self.fs.fsyncs}
+
+    # ------------------------------------------------------------------ loads
+
+    def start_loads(self, plan: StepPlan) -> None:
+        """Queue the plan's loads; their reads start as pinned staging allows."""
+        self._queued_loads.extend(plan.loads)
+        self._start_queued()
+
+    def _start_queued(self) -> None:
+        pool, lay = self._load_staging, self.layout
+        while self._queued_loads:
+            load = self._queued_loads[0]
+            nbytes = len(load.blocks) * lay.nbytes
+            if pool.in_use and pool.in_use + StagingPool._size_class(nbytes) > pool.capacity:
+                return  # started once earlier loads give their staging back
+            self._queued_loads.popleft()
+            buf = pool.acquire(nbytes, pinned=self._on_device)
+            host = buf[:nbytes].view(lay.torch_dtype).view(len(load.blocks), *lay.shape)
+            reads = [self._loader.submit(self._read_block, chain, buf[i * lay.nbytes:(i + 1) * lay.nbytes])
+                     for i, (_, chain) in enumerate(load.blocks)]
+            self._loading.append(_Loading(load, buf, host, reads))
+
+    def _read_block(self, chain: str, out: torch.Tensor) -> SegmentInfo:
+        """On a loader thread: read, verify (chunk CRCs, digest, layout) and decode one block into ``out``."""
+        with self._lock:
+            entry = self._durable.get(chain)
+        if entry is None:
+            raise SegmentCorrupt(chain, None, "no durable block of this chain")
+        key, layout = entry["key"], entry["layout"]
+        self.layout.check(layout, f"segment {key}")
+        store = self.journal.store
+        name = store.backend.describe(key)
+        header, _ = seg.decode_into(store.read_stored(key), out, name=name, max_raw=store.max_segment_bytes)
+        if header.digest.hex() != key:
+            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        if header.layout != layout or tuple(header.shape) != self.layout.shape or header.dtype != self.layout.dtype:
+            raise LayoutMismatch(f"segment {name} holds {header.dtype} {header.shape} {header.layout}, "
+                                 f"the journal says {self.layout.shape} {layout}")
+        store.backend.touch(key)  # claimed: collection keeps it while requests name it again
+        return SegmentInfo.from_header(header)
+
+    def poll(self) -> Tuple[Set[str], Set[str]]:
+        """Finished sends (blocks vLLM may free) and finished loads, for vLLM's ``get_finished``:
+        a load is finished once its copy into the cache is done (polled, never waited for)."""
+        recving: Set[str] = set()
+        still: List[_Loading] = []
+        for ld in self._loading:
+            if not ld.copying:
+                if not all(f.done() for f in ld.reads):
+                    still.append(ld)
+                    continue
+                self._copy_in(ld)
+            if not all(t.done() for t in ld.copies):  # once it is, later work on any stream sees the blocks
+                still.append(ld)
+                continue
+            self._load_staging.release(ld.buf)
+            recving.add(ld.load.vllm_id)
+            with self._lock:
+                self._news.loaded[ld.load.vllm_id] = ld.good * self.layout.block_size
+        self._loading = still
+        self._start_queued()
+        sending, self._sent = self._sent, set()
+        return sending, recving
+
+    def _copy_in(self, ld: _Loading) -> None:
+        """The request's good prefix into its blocks; the first failed block and all after it are errors."""
+        ld.copying = True
+        failed = False
+        for (block_id, chain), read in zip(ld.load.blocks, ld.reads):
+            exc = read.exception()
+            if not failed and exc is None:
+                info = read.result()
+                with self._lock:
+                    self._known[(chain, int(info.layout["token_ids"][-1]))] = info
+                ld.good += 1
+                continue
+            if not failed:
+                log.warning("kvj: block %s not loaded (%s); vLLM recomputes it and what follows", chain[:16], exc)
+                failed = True
+            if exc is not None:  # a later block that read fine is only not used this time
+                with self._lock:
+                    self._durable.pop(chain, None)
+                    self._news.lost.append(chain)
+            self._load_errors.add(block_id)
+            self.stats["blocks_failed"] += 1
+        ids = [b for b, _ in ld.load.blocks]
+        for i in range(0, ld.good, self._per_round):
+            bufs = self._buffers()
+            if bufs is None:  # no staging on the device: vLLM computes the rest
+                self._load_errors.update(ids[i:])
+                ld.good = i
+                break
+            j = min(ld.good, i + self._per_round)
+            ld.copies.append(device.scatter_blocks(self._caches, ids[i:j], ld.host[i:j], bufs))
+        self.stats["blocks_loaded"] += ld.good
+
+    def load_errors(self) -> Set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ to the scheduler
+
+    def news(self) -> Optional[WorkerNews]:
+        """What happened since the last call: blocks now durable or lost, STARTs durable, loads done."""
+        durable_lsn = self.journal.durable_lsn
+        started, waiting = [], []
+        for vllm_id, lsn in self._starts:
+            if isinstance(lsn, Future):
+                lsn = lsn.result() if lsn.done() and lsn.exception() is None else lsn
+            (started if isinstance(lsn, int) and lsn <= durable_lsn else waiting).append((vllm_id, lsn))
+        self._starts = waiting
+        with self._lock:
+            news, self._news = self._news, WorkerNews()
+        news.started = [vllm_id for vllm_id, _ in started]
+        return news if news else None
+
+    def progress(self) -> Dict[str, int]:
+        """How far durability has come (``kvj bench vllm``): tokens journaled and durable, blocks
+        gathered and durable (segment and record), and the backlog in between."""
+        durable_lsn = self.journal.durable_lsn
+        with self._lock:
+            while self._marks:
+                lsn, tokens, blocks = self._marks[0]
+                if isinstance(lsn, Future):
+                    if not lsn.done() or lsn.exception() is not None:
+                        break
+                    lsn = lsn.result()
+                if lsn > durable_lsn:
+                    break
+                self._marks.popleft()
+                self._durable_tokens += tokens
+                self._durable_blocks += blocks
+            return {"tokens": self.stats["tokens"], "tokens_durable": self._durable_tokens,
+                    "blocks_gathered": self._gathered, "blocks_durable": self._durable_blocks,
+                    "backlog_blocks": self._gathered - self._durable_blocks}
+
+    # ------------------------------------------------------------------ end
+
+    def drain(self) -> None:
+        """Wait until everything queued so far is durable: segments, their records, ENDs."""
+        with self._lock:
+            rounds = list(self._rounds)
+        wait(rounds)  # every round handed to the flusher
+        try:
+            self._flusher.drain()
+        except OSError as exc:
+            self._fail(exc)
+        while True:
+            with self._lock:
+                ending = list(self._ending)
+            if not ending:
+                break
+            wait(ending)
+        if self._failed is None:
+            try:
+                self.journal.sync()
+            except (KvjError, OSError) as exc:
+                self._fail(exc)
+
+    def close(self) -> None:
+        """Carry out ``last_plan()`` if set, drain, then stop kvj's threads and close the journal
+        (vLLM's shutdown; the interpreter's exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            plan = self.last_plan() if self.last_plan is not None else None
+            if plan is not None:
+                self.step(plan)
+            self.drain()
+        finally:
+            self._writer.shutdown(wait=True)
+            self._loader.shutdown(wait=True)
+            self._flusher.close()
+            try:
+                self.journal.close()
+            except (KvjError, OSError) as exc:
+                self._fail(exc)
+            finally:
+                self.journal.store.close()
+
+
+def spare_cpus() -> Set[int]:
+    """The CPUs this process may run on that the calling thread is not bound to: empty unless
+    the caller is bound to some (as vLLM's CPU worker binds its compute threads)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set()
+    mine = os.sched_getaffinity(0)
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective", encoding="ascii") as f:
+            allowed = _cpu_list(f.read())
+    except (OSError, ValueError):
+        allowed = set(range(os.cpu_count() or 1))
+    return allowed - mine if mine < allowed else set()
+
+
+def _cpu_list(text: str) -> Set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set."""
+    cpus: Set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _settle(done: "Future[None]", f: "Future[Any]") -> None:
+    exc = f.exception()
+    done.set_exception(exc) if exc is not None else done.set_result(None)
+
+
+def _close_at_exit(ref: Callable[[], Optional[WorkerJournal]]) -> None:
+    """At exit: an engine process that exits without vLLM's shutdown still drains what it queued."""
+    worker = ref()
+    if worker is not None:
+        worker.close()

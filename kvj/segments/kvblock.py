@@ -1,0 +1,205 @@
+"""A KV block: the unit in which kvj journals a request's KV cache, owned by this one module.
+
+A block is ``block_size`` token positions of every layer of one rank's KV cache, stored as
+one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a block is:
+
+* its **layout** (:class:`KVBlockLayout`): the model, dtype and geometry, the order of its
+  axes (``L2NHD``: ``[layers, 2, block, kv_heads, head_dim]``, K then V, as kvj's own paged
+  cache and the transformers integration hold it; ``LHNC``: ``[layers, kv_heads, block,
+  2*head_dim]``, K and V side by side, vLLM's standardized per-layer view), and the rank;
+* its **chained key**: ``chain[b] = BLAKE3(chain[b-1] || token ids of block b)`` from a seed
+  that is the layout's rank-free identity, so a block loads only into the model, dtype and
+  geometry it came from, whatever rank of a tensor-parallel engine asks;
+* the **check on load**: :meth:`KVBlockLayout.check` accepts a segment of this layout, and of
+  the tags kvj wrote before (``kvj-kv-block/1``, ``kvj-vllm-block/1``, ``paged_kv_block``),
+  and refuses any other with ``LayoutMismatch``;
+* the **caches** a block moves between (:meth:`KVBlockLayout.check_caches`): one tensor per
+  layer whose first axis is the block id and whose other axes are the block's logical view
+  in the layout's order, with free strides (FlashAttention's NHD-ordered cache is a permuted
+  view, where ``cache[block_id]`` is not contiguous). A stored block is always the logical
+  view in C order, so it loads into any physical layout. Blocks move through
+  ``kvj.segments.device.gather_blocks`` and ``scatter_blocks`` (one indexed copy per layer
+  and one transfer, device-correct), which travel in exactly this ``[n, layers, *block]``
+  form: the restore of paged caches (``kvj.segments.restore.restore_paged``), the demo's
+  paged engine and the vLLM connector all use them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import blake3
+import numpy as np
+import torch
+
+from kvj.errors import InvalidArgument, LayoutMismatch
+from kvj.segments import device as cuda
+from kvj.segments.format import dtype_name
+
+#: Layout ``format`` of a KV block segment written now.
+FORMAT = "kvj-kv-block/2"
+#: Tags of KV block segments written by kvj 0.2 (read, never written).
+HF_V1, VLLM_V1, PAGED_V1 = "kvj-kv-block/1", "kvj-vllm-block/1", "paged_kv_block"
+#: Axis orders of a block.
+L2NHD, LHNC = "L2NHD", "LHNC"
+
+
+@dataclass(frozen=True)
+class KVBlockLayout:
+    """What a KV block holds: model, element dtype, geometry, axis order and rank.
+
+    ``layers`` and ``kv_heads`` are the whole model's; a rank of a ``tp_size``-way
+    tensor-parallel engine holds ``kv_heads // tp_size`` heads of each block.
+    """
+
+    model: str
+    dtype: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    order: str = L2NHD
+    tp_size: int = 1
+    tp_rank: int = 0
+    #: what the stored bytes mean when ``dtype`` is only their storage (vLLM keeps fp8 KV as uint8)
+    quant: str = ""
+
+    def __post_init__(self) -> None:
+        if self.order not in (L2NHD, LHNC):
+            raise InvalidArgument(f"KV block order must be {L2NHD} or {LHNC}, not {self.order!r}")
+        if min(self.layers, self.kv_heads, self.head_dim, self.block_size, self.tp_size) < 1 \
+                or self.kv_heads % self.tp_size or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"bad KV block geometry: {self}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def shard_heads(self) -> int:
+        return self.kv_heads // self.tp_size
+
+    @property
+    def block_shape(self) -> Tuple[int, ...]:
+        """One layer's block in this layout's order (what ``cache[block_id]`` views)."""
+        if self.order == L2NHD:
+            return (2, self.block_size, self.shard_heads, self.head_dim)
+        return (self.shard_heads, self.block_size, 2 * self.head_dim)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The segment's tensor: every layer of one block."""
+        return (self.layers, *self.block_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def identity(self) -> Dict[str, Any]:
+        """The rank-free fields a block must match to load anywhere this layout is served."""
+        return {"format": FORMAT, "model": self.model, "dtype": self.dtype, "layers": self.layers,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "block_size": self.block_size,
+                "order": self.order, "tp_size": self.tp_size, "quant": self.quant}
+
+    def seed(self) -> str:
+        """The chain seed: BLAKE3 of the identity as canonical JSON (rank-free)."""
+        return fingerprint(self.identity())
+
+    def segment_layout(self, token_ids: Optional[Sequence[int]] = None, chain: Optional[str] = None) -> Dict[str, Any]:
+        """The layout journaled with one block: identity and rank; its token ids and the next
+        one when known; for a chained block, its chain key and the chain's seed."""
+        out: Dict[str, Any] = {**self.identity(), "tp_rank": self.tp_rank}
+        if token_ids is not None:
+            out["token_ids"] = [int(t) for t in token_ids]
+        if chain is not None:
+            out.update(chain=chain, seed=self.seed())
+        return out
+
+    def check(self, layout: Mapping[str, Any], where: str) -> None:
+        """Refuse (``LayoutMismatch``) a block segment of another model, dtype, geometry, order or rank."""
+        theirs = parse(layout, where)
+        if theirs != self:
+            diff = [f"{k}={v!r} (expected {asdict(self)[k]!r})" for k, v in asdict(theirs).items()
+                    if asdict(self)[k] != v]
+            raise LayoutMismatch(f"{where} belongs to another KV block layout: " + ", ".join(diff))
+
+    def check_caches(self, caches: Sequence[torch.Tensor]) -> None:
+        """Refuse caches that are not ``[num_blocks, *block_shape]`` of this dtype, one per layer."""
+        if len(caches) != self.layers:
+            raise LayoutMismatch(f"{len(caches)} KV cache layers; the block layout has {self.layers}")
+        for c in caches:
+            if tuple(c.shape[1:]) != self.block_shape or c.dtype != self.torch_dtype:
+                raise LayoutMismatch(f"KV cache {tuple(c.shape)} {dtype_name(c.dtype)} is not "
+                                     f"[num_blocks, {', '.join(map(str, self.block_shape))}] {self.dtype}")
+            if c.shape[0] != caches[0].shape[0] or _where(c) != _where(caches[0]):
+                raise LayoutMismatch("KV cache layers differ in number of blocks or device")
+
+
+def _where(t: torch.Tensor) -> torch.device:
+    return cuda.CUDA.device_of(t) if cuda.CUDA.is_device_tensor(t) else t.device
+
+
+def fingerprint(identity: Mapping[str, Any]) -> str:
+    """BLAKE3 of ``identity`` as canonical JSON (sorted keys)."""
+    return blake3.blake3(json.dumps(dict(identity), sort_keys=True).encode()).hexdigest()
+
+
+def chain_keys(seed: str, token_ids: Sequence[int], block_size: int, start: Sequence[str] = ()) -> List[str]:
+    """Chained keys of the whole blocks of ``token_ids``; ``start`` (keys of a prefix) is continued."""
+    keys = list(start)
+    prev = bytes.fromhex(keys[-1] if keys else seed)
+    for b in range(len(keys), len(token_ids) // block_size):
+        ids = np.asarray(token_ids[b * block_size:(b + 1) * block_size], dtype="<i8")
+        prev = blake3.blake3(prev + ids.tobytes()).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def parse(layout: Mapping[str, Any], where: str = "segment") -> KVBlockLayout:
+    """The :class:`KVBlockLayout` a journaled KV block segment's layout describes (any tag kvj wrote)."""
+    lay = dict(layout or {})
+    tag = lay.get("format", lay.get("kind"))
+    try:
+        if tag == FORMAT:
+            return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["layers"]), int(lay["kv_heads"]),
+                                 int(lay["head_dim"]), int(lay["block_size"]), str(lay["order"]),
+                                 int(lay["tp_size"]), int(lay["tp_rank"]), str(lay["quant"]))
+        if tag == HF_V1:
+            return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["layers"]), int(lay["kv_heads"]),
+                                 int(lay["head_dim"]), int(lay["block_size"]))
+        if tag == PAGED_V1:
+            return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["num_layers"]),
+                                 int(lay["num_kv_heads"]), int(lay["head_dim"]), int(lay["block_size"]))
+        if tag == VLLM_V1:
+            heads, block, width = (int(d) for d in lay["block_shape"])
+            tp = int(lay["tp_size"])
+            return KVBlockLayout(str(lay["model"]), str(lay["kv_dtype"]), int(lay["layers"]), heads * tp, width // 2,
+                                 block, LHNC, tp, int(lay["tp_rank"]))
+    except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
+        raise LayoutMismatch(f"{where}: malformed KV block layout ({exc})") from None
+    raise LayoutMismatch(f"{where} is not a KV block (layout format {tag!r})")
+
+
+def is_block(layout: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a segment layout is a KV block's (any tag)."""
+    tag = (layout or {}).get("format", (layout or {}).get("kind"))
+    return tag in (FORMAT, HF_V1, VLLM_V1, PAGED_V1)
+
+
+def of_caches(model: str, caches: Sequence[torch.Tensor], order: str = L2NHD) -> KVBlockLayout:
+    """The layout of blocks of per-layer caches ``[num_blocks, *block_shape]`` (``order``'s view)."""
+    if not caches or caches[0].dim() != (5 if order == L2NHD else 4):
+        raise InvalidArgument(f"each cache must be [num_blocks, ...] in {order} order")
+    first = caches[0]
+    if order == L2NHD:
+        _, two, block, heads, head_dim = first.shape
+        if two != 2:
+            raise InvalidArgument("each cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim]")
+    else:
+        _, heads, block, width = first.shape
+        head_dim = width // 2
+    lay = KVBlockLayout(str(model), dtype_name(first.dtype), len(caches), heads, head_dim, block, order)
+    lay.check_caches(caches)
+    return lay
