@@ -12,11 +12,10 @@ modes (``RECOVERY_MODES``) say which of these end the log and which are errors, 
 recovery and fsck. ``decode`` turns a framed record into a ``Record`` or raises
 ``CorruptionError``; every reader uses it.
 
-A mirrored journal (``kvj.journal.mirror``) has a second copy of each log file, byte for
-byte the same. The walk takes each group from the journal's copy and, where that copy lacks
-it or holds it damaged, from the mirror's, reporting which copy was bad (kind ``copy``, not
-an error: the data is intact); only damage in every copy is damage. The mirror's copy is
-read only when needed, unless ``verify_copies`` (fsck) reads and checks both.
+The walk checks the order of things: each file begins where the one before it ended, LSNs
+go on from group to group, files a snapshot covers may be gone. Which copy of a file each
+group is read from, in a mirrored journal, is its ``source.GroupSource``'s (reported as kind
+``copy``, not an error: the data is intact).
 """
 
 from __future__ import annotations
@@ -29,20 +28,11 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tup
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument
 from kvj.fileio import open_read
-from kvj.journal.framing import (
-    FILE_HEADER_SIZE,
-    FORMAT_VERSION,
-    READABLE_VERSIONS,
-    FileHeader,
-    RawRecord,
-    decode_file_header,
-    header_torn,
-    later_group_exists,
-    parse_group,
-    tail_evidence,
-)
+from kvj.journal.framing import (FILE_HEADER_SIZE, FORMAT_VERSION, READABLE_VERSIONS, FileHeader, RawRecord,
+                                 decode_file_header)
 from kvj.journal.mirror import mirror_of
 from kvj.journal.records import decode_payload
+from kvj.journal.source import GroupSource, copy_paths
 
 LOG_RE = re.compile(r"^(\d{16})\.log$")
 
@@ -91,6 +81,15 @@ def decode(raw: RawRecord) -> Record:
     except FormatError as exc:
         raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
     return Record(raw.lsn, raw.rtype, payload, raw.path, raw.offset, raw.time)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A valid commit group: its records, and where it starts and ends in its log file."""
+
+    records: List[RawRecord]
+    offset: int
+    end: int
 
 
 @dataclass
@@ -157,52 +156,13 @@ def read_header(path: str) -> Optional[FileHeader]:
         return decode_file_header(f.read(FILE_HEADER_SIZE))
 
 
-class _Copies:
-    """The copies of one log file, the journal's first; each read only when the walk needs it."""
-
-    def __init__(self, scan: "Scan", path: str, origin: int):
-        self.scan, self.origin = scan, origin
-        self.paths = [path] + ([os.path.join(scan.mirror, os.path.basename(path))] if scan.mirror else [])
-        self._read: Dict[int, Optional[Tuple[bytes, bytes]]] = {}
-        self.dropped: Dict[int, str] = {}  # copies the walk no longer uses, and why
-
-    def head(self, i: int) -> Optional[bytes]:
-        """The first bytes of copy ``i`` (enough for its header), or None when it does not exist."""
-        loaded = self.load(i)
-        return None if loaded is None else loaded[0]
-
-    def load(self, i: int) -> Optional[Tuple[bytes, bytes]]:
-        """(head, bytes from ``origin`` on) of copy ``i``, or None when it does not exist."""
-        if i not in self._read:
-            try:
-                head, data, _size = self.scan._read(self.paths[i], self.origin)
-                self._read[i] = (head, data)
-            except FileNotFoundError:
-                self._read[i] = None
-            except OSError as exc:  # a copy that cannot be read (EIO): the other one can stand in
-                if len(self.paths) == 1:
-                    raise
-                self._read[i] = None
-                self.scan._copy(self.paths[i], None, f"this copy cannot be read ({exc}); the other is read")
-        return self._read[i]
-
-    def size(self, i: int) -> int:
-        """Bytes of copy ``i`` past ``origin`` (-1: it does not exist), without reading it."""
-        if i in self._read:
-            loaded = self._read[i]
-            return -1 if loaded is None else len(loaded[1])
-        try:
-            return os.stat(self.paths[i]).st_size - self.origin
-        except FileNotFoundError:
-            return -1
-
-
 class Scan:
     """One pass over a journal's log files.
 
-    Iterate it for framed records with LSN > ``after_lsn`` (``records()`` decodes them);
-    afterwards ``last_lsn``, ``next_lsn``, ``tail`` and ``end_offset`` (valid length of the
-    newest file) describe where the log ends. LSNs up to ``covered_lsn`` (default:
+    Iterate it for framed records with LSN > ``after_lsn`` (``records()`` decodes them, and
+    ``groups()`` gives whole commit groups with where each lies in its file); afterwards
+    ``last_lsn``, ``next_lsn``, ``tail`` and ``end_offset`` (valid length of the newest file)
+    describe where the log ends. LSNs up to ``covered_lsn`` (default:
     ``after_lsn``) are in a snapshot, so log files holding only those may be gone.
     ``start`` = (path, offset) resumes inside a file at a group boundary an earlier scan
     ended on, with ``after_lsn`` the last LSN before it (how a follower polls).
@@ -231,6 +191,15 @@ class Scan:
         self.tail: Optional[TornTail] = None
         self.end_offset = 0
         self.bytes_read = 0
+        self._given: Dict[str, bytes] = {}
+
+    @classmethod
+    def of_bytes(cls, data: bytes, path: str, **options: Any) -> "Scan":
+        """A walk of one log file given as bytes (a replica's download), named ``path`` (its
+        file name is the file's number); ``options`` as for ``Scan``."""
+        scan = cls(os.path.dirname(path), logs=[path], mirror=False, **options)
+        scan._given[path] = data
+        return scan
 
     def _list(self) -> List[str]:
         """The journal's log files, and those only its mirror still has (under the journal's name)."""
@@ -244,10 +213,11 @@ class Scan:
 
     def header_of(self, path: str) -> Optional[FileHeader]:
         """The header of log file ``path`` from the first copy that has a valid one."""
-        copies = _Copies(self, path, 0)
-        for i in range(len(copies.paths)):
+        if path in self._given:
+            return decode_file_header(self._given[path][:FILE_HEADER_SIZE])
+        for copy in copy_paths(path, self.mirror):
             try:
-                header = read_header(copies.paths[i])
+                header = read_header(copy)
             except FileNotFoundError:
                 continue
             if header is not None:
@@ -285,48 +255,55 @@ class Scan:
             yield decode(raw)
 
     def __iter__(self) -> Iterator[RawRecord]:
+        after = self.after_lsn
+        for group in self.groups():
+            for rec in group.records:
+                if rec.lsn > after:
+                    yield rec
+
+    def groups(self) -> Iterator["Group"]:
+        """The valid commit groups, in order, that hold a record with LSN > ``after_lsn``."""
         self._skip_covered()
         self._expected: Optional[int] = None  # next LSN; None until a file tells
         started = False  # whether a file was read (before that, a vanished file was compacted away)
         for index, path in enumerate(self.logs):
             origin = self.start[1] if index == 0 and self.start is not None else 0
-            copies = _Copies(self, path, origin)
-            if all(copies.size(i) < 0 for i in range(len(copies.paths))):
+            source = self._source(path, origin)
+            if not source.exists():
                 # a concurrent compaction removed a sealed file it had folded into a snapshot
                 if not started:
                     continue
                 raise FileNotFoundError(errno.ENOENT, "log file vanished during the scan", path)
             first, started = not started, True
-            if (yield from self._file(copies, index == len(self.logs) - 1, first)):
+            if (yield from self._file(source, index == len(self.logs) - 1, first)):
                 return
 
-    def _file(self, copies: _Copies, is_last: bool, first: bool) -> Generator[RawRecord, None, bool]:
-        """Walk one log file, group by group across its copies; True when the log ends in it."""
-        path, origin = copies.paths[0], copies.origin
-        header: Optional[FileHeader] = None
-        main = 0
-        for i in range(len(copies.paths)):
-            head = copies.head(i)
-            header = decode_file_header(head) if head is not None else None
-            if header is not None:
-                main = i
-                break
+    def _source(self, path: str, origin: int) -> GroupSource:
+        """The copies of log file ``path`` the walk reads its groups from, from byte ``origin`` on."""
+        given = self._given.get(path)
+        return GroupSource([path] if given is not None else copy_paths(path, self.mirror), self._copy,
+                           self._count, origin=origin, verify=self.verify_copies, data=given)
+
+    def _count(self, n: int) -> None:
+        self.bytes_read += n
+
+    def _file(self, source: GroupSource, is_last: bool, first: bool) -> Generator["Group", None, bool]:
+        """Walk one log file, group by group, checking that LSNs go on from the file before and
+        from group to group; True when the log ends in it."""
+        path, origin = source.paths[0], source.origin
+        header = source.open()
         if header is None:
-            heads = [(i, copies.head(i)) for i in range(len(copies.paths)) if copies.head(i) is not None]
-            if is_last and all(header_torn(h) for _i, h in heads):
+            cut = source.cut_short() if is_last else None
+            if cut is not None:
                 # crashed while creating the newest file: no record in it was acknowledged
-                for i, _h in heads:
-                    self._torn(copies.paths[i], 0, copies.size(i))
+                for copy, size in cut:
+                    self._torn(copy, 0, size)
                 return True
             where = "in a sealed log file" if not is_last else "on a file longer than a header"
             self.report(Damage(CORRUPTION, path, 0, f"bad log file header {where}"
-                               + (" (in every copy)" if len(copies.paths) > 1 else "")))
+                               + (" (in every copy)" if len(source.paths) > 1 else "")))
             self._expected = None  # the walk goes on with the next file, whatever LSN it starts at
             return False
-        for i in range(main):
-            what = "is missing" if copies.head(i) is None else "has a bad header"
-            self._copy(copies.paths[i], 0, f"this copy of the log file {what}; {copies.paths[main]} is read")
-            copies.dropped[i] = what
         if header.version not in READABLE_VERSIONS:
             self.report(Damage(FORMAT, path, 0, f"log format version {header.version} is not supported "
                                f"(this kvj reads versions up to {FORMAT_VERSION})"))
@@ -340,116 +317,52 @@ class Scan:
         else:
             self._check_base(path, header.base_lsn, self._expected, first)
             self._expected = header.base_lsn
-        main_head = copies.head(main)[:FILE_HEADER_SIZE]  # type: ignore[index]
-        order = [main] + [i for i in range(len(copies.paths)) if i != main and i not in copies.dropped]
         pos = FILE_HEADER_SIZE if origin == 0 else 0
         resynced = False
+        after = self.after_lsn
         while True:
-            parsed, src, missing = self._group(copies, order, main_head, header, pos)
+            parsed = source.group(pos)
             if parsed is None:
-                beyond = [i for i in order if copies.size(i) > pos]
-                if not beyond:
+                if source.ends_at(pos):
                     break  # every copy ends here: the end of this file
-                datas = [(i, copies.load(i)[1]) for i in beyond]  # type: ignore[index]
-                later = next((off for off in (later_group_exists(d, pos, self._expected - 1, header.salt,
-                                                                 header.version) for _i, d in datas)
-                              if off is not None), None)
+                later = source.later_group(pos, self._expected - 1)  # type: ignore[operator]
                 if later is None and is_last:
                     self.end_offset = origin + pos
-                    # torn unless every copy holding bytes here shows damage: a group is acknowledged
-                    # only once written in every copy, so one copy's torn write proves it was not
-                    evidence = [(i, d, tail_evidence(d, pos, header.salt, header.version, origin)) for i, d in datas]
-                    damaged = all(e.damaged for _i, _d, e in evidence)
-                    for i, d, e in evidence:
-                        self._torn(copies.paths[i], origin + pos, len(d) - pos, e.why, e.records, damaged)
+                    damaged, evidence = source.tail(pos)
+                    for copy, length, e in evidence:
+                        self._torn(copy, origin + pos, length, e.why, e.records, damaged)
                     self.next_lsn = self._expected
                     return True
                 where = (f"followed by a valid one at offset {origin + later}" if later is not None
                          else "in a sealed log file")
-                every = " (in every copy)" if len(order) > 1 else ""
+                every = " (in every copy)" if source.copies_read() > 1 else ""
                 self.report(Damage(CORRUPTION, path, origin + pos, f"damaged commit group {where}{every}"))
                 if later is None:
                     self._expected = None  # the lost end of this file: the next one starts where it starts
                     break
                 pos, resynced = later, True  # go on at the group that proves itself valid
                 continue
-            for i, why in missing:
-                self._copy(copies.paths[i], origin + pos, f"{why}; the group is read from {copies.paths[src]}")
-                if why.startswith("this copy ends"):
-                    order.remove(i)
-                    copies.dropped[i] = why
-            records, pos = parsed
+            records, end = parsed
             if records[0].lsn != self._expected and not resynced:
                 self.report(Damage(LSN_ORDER, path, records[0].offset,
                                    f"LSN {records[0].lsn} out of order, expected {self._expected}"))
             resynced = False
             self._expected = records[-1].lsn + 1
-            for rec in records:
-                if rec.lsn > self.after_lsn:
-                    if self.first_lsn is None:
-                        self.first_lsn = rec.lsn
-                    self.last_lsn = rec.lsn
-                    yield rec
+            if records[-1].lsn > after:
+                if self.first_lsn is None:
+                    self.first_lsn = next(r.lsn for r in records if r.lsn > after)
+                self.last_lsn = records[-1].lsn
+                yield Group(records, origin + pos, origin + end)
+            pos = end
         if is_last:
             self.end_offset = origin + pos
         self.next_lsn = self._expected
         return False
 
-    def _group(self, copies: _Copies, order: List[int], main_head: bytes, header: FileHeader, pos: int
-               ) -> Tuple[Optional[Tuple[List[RawRecord], int]], int, List[Tuple[int, str]]]:
-        """The group at ``pos`` from the first copy in ``order`` that holds it intact:
-        (records and end, that copy, [(copy, why) for the copies before it that did not]).
-        With ``verify_copies`` the copies after it are checked too and count among the latter."""
-        parsed: Optional[Tuple[List[RawRecord], int]] = None
-        src = order[0]
-        missing: List[Tuple[int, str]] = []
-        for i in list(order):
-            if parsed is not None and not self.verify_copies:
-                break
-            size = copies.size(i)
-            if size <= pos:
-                if size >= 0 and size < pos:
-                    why = f"this copy ends at offset {copies.origin + size}, inside or before this group"
-                else:
-                    why = "this copy ends here"
-                if parsed is not None or any(copies.size(j) > pos for j in order if j != i):
-                    missing.append((i, f"{why}, where another copy goes on"))
-                continue
-            loaded = copies.load(i)
-            if loaded is None:
-                continue
-            if i != order[0] and loaded[0][:FILE_HEADER_SIZE] != main_head:
-                self._copy(copies.paths[i], 0, "this copy's header differs from the journal's: not a copy "
-                           "of the same file, not read")
-                order.remove(i)
-                copies.dropped[i] = "different header"
-                continue
-            group = parse_group(loaded[1], pos, copies.paths[0], header.salt, copies.origin, header.version)
-            if group is None:
-                missing.append((i, "this copy's commit group here is damaged or incomplete"))
-            elif parsed is None:
-                parsed, src = group, i
-            elif loaded[1][pos:group[1]] != copies.load(src)[1][pos:parsed[1]]:  # type: ignore[index]
-                missing.append((i, "this copy's commit group here differs from the other copy's"))
-        return parsed, src, missing
-
     def _copy(self, path: str, offset: Optional[int], reason: str) -> None:
         damage = Damage(COPY, path, offset, reason)
         self.copies.append(damage)
         self.report(damage)
-
-    def _read(self, path: str, origin: int) -> Tuple[bytes, bytes, int]:
-        """(the file's first bytes, enough for its header; its bytes from ``origin`` on; its size)."""
-        with open_read(path) as f:
-            if origin == 0:
-                data = f.read()
-                self.bytes_read += len(data)
-                return data[:FILE_HEADER_SIZE + 1], data, len(data)
-            head = f.read(FILE_HEADER_SIZE + 1)
-            f.seek(origin)
-            data = f.read()
-            self.bytes_read += len(data)
-            return head, data, origin + len(data)
 
     def _check_base(self, path: str, base: int, expected: Optional[int], first: bool) -> None:
         """Report a file that does not begin where the log before it ended."""

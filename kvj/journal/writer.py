@@ -1,51 +1,37 @@
-"""The journal writer: framing on the caller's thread, group commit on a committer thread.
+"""The commit loop, as LevelDB's DBImpl write queue: records framed on the caller's thread,
+grouped and made durable on a committer thread, with backpressure.
 
 ``append`` frames a record into an in-memory buffer and returns its LSN without a
 syscall. The committer thread takes whatever accumulated while the previous fdatasync
-ran, writes it as one commit group and fdatasyncs it. A group is written ``max_delay``
-seconds after its first record, or once ``max_records`` are pending, as soon as the
-fdatasync in flight returns: a record is durable within ``max_delay`` plus two
-fdatasync times. With ``max_group_records`` a group holds at most that many records:
-``append`` seals the buffer when it is full and starts the next, which fills while the
-committer writes and fdatasyncs the sealed one. At most ``max_pending_records`` records are ever appended but not
-durable (``append`` blocks beyond that), so that is the most a crash can lose. A failed write or fsync is final: the
-writer enters the failed state, every waiter gets the error, fsync is never retried.
-
-With a mirror (``kvj.journal.mirror``) every log file is created, and every group written
-and fdatasynced, in both copies before anything in it counts as durable (a group's two
-copies on two threads at once, so a mirror on another device costs little latency). A failure of the
-mirror's copy is final too under policy ``fail``; under ``degrade`` it is logged as a
-warning and the writer goes on with its own copy alone (``mirror_error`` says why).
+ran and hands it to the log file (``logfile.LogFile``) as one commit group, written and
+fdatasynced (in both copies of a mirrored journal: ``mirrored``). A group is written
+``max_delay`` seconds after its first record, or once ``max_records`` are pending, as soon as
+the fdatasync in flight returns: a record is durable within ``max_delay`` plus two fdatasync
+times. With ``max_group_records`` a group holds at most that many records: ``append`` seals
+the buffer when it is full and starts the next, which fills while the committer writes and
+fdatasyncs the sealed one. At most ``max_pending_records`` records are ever appended but not
+durable (``append`` blocks beyond that), so that is the most a crash can lose. A failed write
+or fsync is final: the writer enters the failed state, every waiter gets the error, fsync is
+never retried.
 """
 
 from __future__ import annotations
 
 import errno
 import math
-import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Iterable, List, Mapping, Optional, Tuple, Union
-
-from crc32c import crc32c
+from typing import Any, Deque, Iterable, List, Mapping, Optional, Tuple, Union
 
 from kvj.errors import InvalidArgument, JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, DurabilityError
-from kvj.journal.framing import (CRC, MAX_GROUP_BODY, MAX_RECORD_PAYLOAD, RECORD_HEADER_SIZE, RECORD_TAIL,
-                                 encode_file_header, encode_group_header, encode_record, new_salt)
-from kvj.journal.mirror import DEGRADE, FAIL, log
+from kvj.journal.framing import MAX_GROUP_BODY, MAX_RECORD_PAYLOAD, RECORD_HEADER_SIZE, encode_record
+from kvj.journal.logfile import Destination, FileDestination, LogFile
+from kvj.journal.mirror import FAIL
+from kvj.journal.mirrored import MirroredDestination
 from kvj.journal.records import encode_payload
-
-_RECORD_TAIL_PACK = RECORD_TAIL.pack
-_CRC_PACK = CRC.pack
-
-
-def log_name(seq: int) -> str:
-    """File name of log file number ``seq`` (zero-padded so names sort in order)."""
-    return f"{seq:016d}.log"
 
 
 @dataclass(frozen=True)
@@ -88,14 +74,11 @@ class LogWriter:
         ``resume_salt`` (its salt) is given, else in a new file of that number; in the
         directory ``mirror`` too when given (whose copy of that file is the same)."""
         self.directory = directory
-        self.mirror = mirror
-        self.mirror_policy = mirror_policy
-        #: why the mirror was dropped (policy degrade); None while it is written
-        self.mirror_error: Optional[OSError] = None
-        self._mfd = -1
-        self._mirror_pool = ThreadPoolExecutor(1, thread_name_prefix="kvj-mirror") if mirror is not None else None
         self.policy = policy
-        self.fs = fs
+        dest: Destination = FileDestination(directory, fs)
+        if mirror is not None:
+            dest = MirroredDestination(dest, FileDestination(mirror, fs), mirror_policy)
+        self._dest = dest
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # committer waits here
         self._done = threading.Condition(self._lock)  # sync() and full-buffer appends wait here
@@ -121,15 +104,19 @@ class LogWriter:
         self._error: Optional[BaseException] = None
         self._closing = False
         self._closed = False
-        self._seq = next_seq
-        self._fd = -1
-        self._size = 0
-        if resume_salt is None:
-            self._open_file(next_seq, next_lsn)
-        else:
-            self._resume_file(next_seq, resume_salt)
+        self._log = LogFile(dest, seq=next_seq, next_lsn=next_lsn, salt=resume_salt)
         self._thread = threading.Thread(target=self._run, name="kvj-committer", daemon=True)
         self._thread.start()
+
+    @property
+    def mirror(self) -> Optional[str]:
+        """The mirror written along with the journal, or None (none, or dropped: ``mirror_error``)."""
+        return self._dest.mirror if isinstance(self._dest, MirroredDestination) else None
+
+    @property
+    def mirror_error(self) -> Optional[OSError]:
+        """Why the mirror was dropped under policy degrade; None while it is written."""
+        return self._dest.mirror_error if isinstance(self._dest, MirroredDestination) else None
 
     # -- caller side ---------------------------------------------------------------------
 
@@ -146,18 +133,13 @@ class LogWriter:
             if lsn > self._room_lsn or len(buf) >= self._max_buffer:
                 lsn, buf = self._wait_for_room()
             self._next_lsn = lsn + 1
-            # framing.encode_record, inlined: this is the one-record hot path
-            tail = _RECORD_TAIL_PACK(len(body), rtype, 0, lsn)
-            buf += _CRC_PACK(crc32c(body, crc32c(tail)))
-            buf += tail
-            buf += body
+            buf += encode_record(rtype, lsn, body)
             count = self._count = self._count + 1
             if count == 1 or count == self._max_records:
                 self._group_due(count)
         if durable:
             self.wait_durable(lsn)
         return lsn
-
     def append_many(self, records: Iterable[Tuple[int, bytes]], durable: bool = False) -> List[int]:
         """Frame encoded records in order under one lock and return their LSNs (consecutive
         unless the buffer filled on the way and another thread appended meanwhile)."""
@@ -256,20 +238,13 @@ class LogWriter:
             self._room_lsn = -1
             self._wake.notify()
         self._thread.join()
-        if self._mirror_pool is not None:
-            self._mirror_pool.shutdown()
         with self._lock:
             self._closed = True
             self._done.notify_all()
-        if self._fd >= 0:
-            self.fs.close(self._fd)
-            self._fd = -1
-        if self._mfd >= 0:
-            mfd, self._mfd = self._mfd, -1
-            try:
-                self._on_mirror(lambda: self.fs.close(mfd))
-            except OSError as exc:
-                self._error = self._error or exc
+        try:
+            self._log.close()
+        except OSError as exc:
+            self._error = self._error or exc
         if self._error is not None:
             raise JournalFailed(f"journal writer failed: {self._error}") from self._error
 
@@ -279,58 +254,6 @@ class LogWriter:
         raise JournalClosed("journal is closed")
 
     # -- committer side ------------------------------------------------------------------
-
-    def _open_file(self, seq: int, base_lsn: int) -> None:
-        """Create log file ``seq`` (in both copies); it and its directory entry are durable before use."""
-        salt = new_salt()
-        header = encode_file_header(seq, base_lsn, salt)
-        fd = self._create(self.directory, seq, header)
-        if self.mirror is not None:
-            self._mfd = self._on_mirror(lambda: self._create(self.mirror, seq, header))  # type: ignore[arg-type]
-        self._fd, self._seq, self._size, self._salt = fd, seq, len(header), salt
-
-    def _create(self, directory: str, seq: int, header: bytes) -> int:
-        fd = self.fs.open(os.path.join(directory, log_name(seq)), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
-        try:
-            self.fs.write(fd, header)
-            self.fs.fsync(fd)
-            self.fs.fsync_dir(directory)
-        except BaseException:
-            self.fs.close(fd)
-            raise
-        return fd
-
-    def _resume_file(self, seq: int, salt: int) -> None:
-        """Append to log file ``seq``, whose content up to here is whole groups and durable
-        (and the same in the mirror's copy)."""
-        fd = self.fs.open(os.path.join(self.directory, log_name(seq)), os.O_WRONLY | os.O_APPEND)
-        if self.mirror is not None:
-            path = os.path.join(self.mirror, log_name(seq))
-            self._mfd = self._on_mirror(lambda: self.fs.open(path, os.O_WRONLY | os.O_APPEND))
-        self._fd, self._seq, self._size, self._salt = fd, seq, os.fstat(fd).st_size, salt
-
-    def _write_synced(self, fd: int, parts: List[Any]) -> None:
-        self.fs.writev(fd, parts)
-        self.fs.fdatasync(fd)
-
-    def _on_mirror(self, op: Callable[[], Any]) -> Any:
-        """Run ``op`` on the mirror's copy. A failure is the writer's failure under policy
-        fail; under degrade it is logged, and the mirror is not written again (its copy now
-        lacks what follows; readers take that from the journal's copy)."""
-        try:
-            return op()
-        except OSError as exc:
-            if self.mirror_policy != DEGRADE:
-                raise DurabilityError(exc.errno or errno.EIO, f"mirror {self.mirror}: {exc}") from exc
-            log.warning("journal mirror %s failed (%s): writing the primary copy %s only until the journal is "
-                        "opened again (mirror policy degrade)", self.mirror, exc, self.directory)
-            if self._mfd >= 0:
-                try:
-                    self.fs.close(self._mfd)
-                except OSError:
-                    pass
-            self.mirror_error, self.mirror, self._mfd = exc, None, -1
-            return -1
 
     def _take_group(self) -> Optional[tuple]:
         """Wait until a group is due; return (data, count, first_lsn) or None to stop."""
@@ -362,38 +285,21 @@ class LogWriter:
                 self._wake.wait()
 
     def _run(self) -> None:
+        log = self._log
         try:
             while True:
                 group = self._take_group()
                 if group is None:
                     return
                 data, count, first = group
-                head = encode_group_header(len(data), count, first, self._salt, time.time_ns())
-                # the mirror's copy is written and synced on its own thread, alongside the journal's
-                pool = self._mirror_pool
-                mirrored = pool.submit(self._write_synced, self._mfd, [head, data]) \
-                    if pool is not None and self._mfd >= 0 else None
-                try:
-                    self.fs.writev(self._fd, [head, data])
-                    self.fs.fdatasync(self._fd)
-                finally:
-                    if mirrored is not None:
-                        wait([mirrored])  # never leave the mirror's copy in flight
-                if mirrored is not None:
-                    self._on_mirror(mirrored.result)
-                self._size += len(head) + len(data)
+                log.add_group(data, count, first)
                 with self._lock:
                     self._durable_lsn = first + count - 1
                     if not self._closing:
                         self._room_lsn = self._durable_lsn + self._max_pending
                     self._done.notify_all()
-                if self._size >= self.policy.file_size_limit:
-                    self.fs.close(self._fd)
-                    self._fd = -1
-                    if self._mfd >= 0:
-                        self._on_mirror(lambda: self.fs.close(self._mfd))
-                        self._mfd = -1
-                    self._open_file(self._seq + 1, first + count)
+                if log.size >= self.policy.file_size_limit:
+                    log.rotate(first + count)
         except BaseException as exc:  # an I/O error is final: never retry fsync
             err = exc if isinstance(exc, OSError) else DurabilityError(errno.EIO, str(exc))
             with self._lock:

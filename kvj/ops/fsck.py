@@ -50,7 +50,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
-from kvj.journal.journal import TORN_DIR, cut_torn_tail, default_store_path
+from kvj.journal.journal import default_store_path
+from kvj.journal.recovery import TORN_DIR, cut_torn_tail
 from kvj.journal.locks import LOCK_NAME, DirLock
 from kvj.journal.reader import (
     ABSOLUTE_CONSISTENCY,

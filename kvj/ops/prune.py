@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from kvj.errors import InvalidArgument
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, list_dir
-from kvj.journal.journal import TORN_DIR
+from kvj.journal.recovery import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, DirLock
 from kvj.journal.replay import check_journal
 from kvj.ops.recover import MANIFEST_RE, RECOVERY_DIR

@@ -488,7 +488,7 @@ def merge_rank_manifests(manifests: Dict[str, Optional[Dict[str, Any]]], *, jour
         requests.append(entry)
     present = [m for m in manifests.values() if m is not None]
     return {
-        "kvj_recovery_manifest": MANIFEST_VERSION, "journal": journal, "store": None, "legacy": False, "epoch": epoch,
+        "kvj_recovery_manifest": MANIFEST_VERSION, "journal": journal, "store": None, "epoch": epoch,
         "created": time.time(), "recovered_lsn": None, "first_lsn": None, "snapshot_lsn": None, "torn_tail": None,
         "ranks": {name: ({"recovered_lsn": m["recovered_lsn"], "epoch": m["epoch"], "requests": len(m["requests"])}
                          if m is not None else {"recovered_lsn": None, "epoch": None, "requests": 0})

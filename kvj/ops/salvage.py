@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, open_read, rename_durable
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
-from kvj.journal.journal import TORN_DIR, keep_torn_bytes, truncate_log
+from kvj.journal.recovery import TORN_DIR, keep_torn_bytes, truncate_log
 from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import (
     CORRUPTION,

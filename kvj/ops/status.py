@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, SegmentMissing
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
-from kvj.journal.journal import TORN_DIR
+from kvj.journal.recovery import TORN_DIR
 from kvj.journal.config import config_max_store_bytes, config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded

@@ -28,16 +28,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, UnsafePath
 from kvj.fileio import REAL_FS, atomic_write, makedirs_durable, rename_durable
-from kvj.journal.framing import (
-    FILE_HEADER_SIZE,
-    READABLE_VERSIONS,
-    decode_file_header,
-    encode_group_header,
-    encode_record,
-    group_header_at,
-    parse_group,
-)
+from kvj.journal.framing import FILE_HEADER_SIZE, decode_file_header, encode_group_header, encode_record, group_header_at
 from kvj.journal.journal import STORE_DIR, default_store_path
+from kvj.journal.reader import FORMAT, Damage, Scan
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import decode_snapshot, snapshot_name
 from kvj.journal.state import JournalState
@@ -77,32 +70,34 @@ def _checked(remote: Remote, obj: str, size: int, blake: str) -> bytes:
 
 
 def trim_log(data: bytes, at_lsn: int, path: str) -> bytes:
-    """The log file ``data`` cut after LSN ``at_lsn``: a group holding it is re-framed up to
-    it, in the file's own format version and with the group's own time."""
+    """The log file ``data`` (named ``path``) cut after LSN ``at_lsn``: a group holding it is
+    re-framed up to it, in the file's own format version and with the group's own time. The
+    file is read by the one walker, ``Scan``; anything it reports is an error, a torn tail too
+    (a replicated file is whole)."""
     header = decode_file_header(data)
     if header is None:
         raise CorruptionError(path, 0, "bad log file header")
-    if header.version not in READABLE_VERSIONS:
-        raise FormatError(f"{path}: log format version {header.version} is not supported")
     out = [data[:FILE_HEADER_SIZE]]
-    off = FILE_HEADER_SIZE
-    while off < len(data):
-        parsed = parse_group(data, off, path, header.salt, version=header.version)
-        if parsed is None:
-            raise CorruptionError(path, off, "damaged commit group in a replicated log")
-        records, end = parsed
+    for group in Scan.of_bytes(data, path, after_lsn=header.base_lsn - 1, reporter=_whole).groups():
+        records = group.records
         if records[-1].lsn <= at_lsn:
-            out.append(data[off:end])
-            off = end
+            out.append(data[group.offset:group.end])
             continue
         keep = [r for r in records if r.lsn <= at_lsn]
         if keep:
-            time_ns = group_header_at(data, off, header.salt, header.version)[3]  # type: ignore[index]
+            time_ns = group_header_at(data, group.offset, header.salt, header.version)[3]  # type: ignore[index]
             body = b"".join(encode_record(r.rtype, r.lsn, r.payload) for r in keep)
             out.append(encode_group_header(len(body), len(keep), keep[0].lsn, header.salt, time_ns or 0,
                                            header.version) + body)
         break
     return b"".join(out)
+
+
+def _whole(damage: Damage) -> None:
+    """The reporter of a replicated log file: whatever the walk finds is an error."""
+    if damage.kind == FORMAT:
+        raise FormatError(f"{damage.path}: {damage.reason}")
+    raise CorruptionError(damage.path, damage.offset, f"{damage.reason} in a replicated log")
 
 
 def download_journal(remote: Remote, m: mf.Manifest, directory: str, at_lsn: Optional[int] = None,
@@ -121,7 +116,7 @@ def download_journal(remote: Remote, m: mf.Manifest, directory: str, at_lsn: Opt
                    for e in entries]
         for entry, parts in zip(entries, futures):
             data = b"".join(f.result() for f in parts)
-            where = f"{remote.url} log {entry.name}"
+            where = f"{remote.url}/{entry.name}"
             header = decode_file_header(data)
             if header is None or (header.base_lsn, header.salt, header.seq) != (entry.base_lsn, entry.salt, entry.seq):
                 raise CorruptionError(where, 0, "log header disagrees with the manifest")

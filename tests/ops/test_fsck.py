@@ -203,7 +203,7 @@ def test_fsck_goes_on_past_damage_to_the_end_of_the_log(journal):
 
 
 def test_an_empty_newest_log_is_benign(journal, capsys):
-    from kvj.journal.writer import log_name
+    from kvj.journal.logfile import log_name
 
     last = list_logs(journal)[-1]
     empty = os.path.join(journal, log_name(int(os.path.basename(last)[:16]) + 1))

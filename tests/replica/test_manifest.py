@@ -130,3 +130,25 @@ def test_trim_log_keeps_the_files_version_and_its_groups_times(tmp_path):
     out.mkdir()
     (out / os.path.basename(log)).write_bytes(cut)
     assert [r.time for r in RecordStream(str(out))] == [r.time for r in RecordStream(path)][:5]
+
+
+def test_trim_log_refuses_a_damaged_or_short_replicated_file(tmp_path):
+    """A replicated log file is whole, so whatever the reader reports in the part kept is an
+    error: a damaged group before the cut, a damaged or short last group (which in a local log
+    would be a tail that ends it), never a shorter file."""
+    path = str(tmp_path / "j")
+    with Journal.open(path, policy=CommitPolicy(max_delay=10, max_records=1000)) as j:
+        for n in range(3):
+            for i in range(3):
+                j.alloc("cpu", n * 10 + i, 1, "t")
+            j.sync()
+    log = list_logs(path)[0]
+    raw = open(log, "rb").read()
+    assert trim_log(raw, 9, log) == raw
+    middle = bytearray(raw)
+    middle[len(raw) // 2] ^= 0xFF
+    last = bytearray(raw)
+    last[-1] ^= 0xFF
+    for bad, at in ((bytes(middle), 8), (bytes(last), 8), (raw[:-3], 8), (bytes(last), 9)):
+        with pytest.raises(CorruptionError, match="in a replicated log"):
+            trim_log(bad, at, log)

@@ -1,0 +1,217 @@
+"""Where the reader takes each commit group of one log file from: the file's copies, arbitrated
+(spec: man/kvj-journal.5, MIRROR and THE END OF THE LOG).
+
+A mirrored journal keeps two copies of each log file, byte for byte the same. A
+``GroupSource`` holds the copies of one file, the journal's first, and gives the walk
+(``reader.Scan``) each group from the first copy that holds it intact, reporting each copy
+that lacks it, holds it damaged or differs (not an error: the data is intact). Only damage
+in every copy is damage, and a tail is damaged only when every copy holding bytes there
+shows damage (a group is acknowledged only once written in every copy, so one copy's torn
+write proves it was not). A copy is read only when the walk needs it, unless ``verify``
+(fsck) reads and checks every copy. A journal without a mirror is the case of one copy; a
+file given as bytes (a replica's download) is one copy that is never read from the disk.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, Optional, Tuple
+
+from kvj.fileio import open_read
+from kvj.journal.framing import (FILE_HEADER_SIZE, FileHeader, RawRecord, TailEvidence, decode_file_header,
+                                 header_torn, later_group_exists, parse_group, tail_evidence)
+
+#: Told of each copy that lacks, damages or differs from what the walk reads from another:
+#: (that copy's path, the offset or None, why).
+CopyReport = Callable[[str, Optional[int], str], None]
+
+#: Told of the bytes each read of a copy brought in (how a walk counts its progress).
+ReadCount = Callable[[int], None]
+
+
+def copy_paths(path: str, mirror: Optional[str]) -> List[str]:
+    """The copies of log file ``path``: itself, and the mirror's file of the same name."""
+    return [path] + ([os.path.join(mirror, os.path.basename(path))] if mirror else [])
+
+
+class GroupSource:
+    """The copies of one log file, read from byte ``origin`` on (a group boundary)."""
+
+    def __init__(self, paths: List[str], report: CopyReport, counted: ReadCount, *, origin: int = 0,
+                 verify: bool = False, data: Optional[bytes] = None):
+        """``paths``: the copies, the journal's first; ``data``: the one copy's bytes, given."""
+        self.paths = paths
+        self.origin = origin
+        self.report = report
+        self.counted = counted
+        self.verify = verify
+        self._read: Dict[int, Optional[Tuple[bytes, bytes]]] = {}
+        if data is not None:
+            self._read[0] = (data[:FILE_HEADER_SIZE + 1], data[origin:])
+        self.dropped: Dict[int, str] = {}  # copies the walk no longer uses, and why
+        self.header: Optional[FileHeader] = None
+        self._order: List[int] = []
+        self._main_head = b""
+
+    # -- the copies' bytes ---------------------------------------------------------------
+
+    def _head(self, i: int) -> Optional[bytes]:
+        """The first bytes of copy ``i`` (enough for its header), or None when it does not exist."""
+        loaded = self._load(i)
+        return None if loaded is None else loaded[0]
+
+    def _load(self, i: int) -> Optional[Tuple[bytes, bytes]]:
+        """(head, bytes from ``origin`` on) of copy ``i``, or None when it does not exist."""
+        if i not in self._read:
+            try:
+                self._read[i] = self._read_file(self.paths[i])
+            except FileNotFoundError:
+                self._read[i] = None
+            except OSError as exc:  # a copy that cannot be read (EIO): the other one can stand in
+                if len(self.paths) == 1:
+                    raise
+                self._read[i] = None
+                self.report(self.paths[i], None, f"this copy cannot be read ({exc}); the other is read")
+        return self._read[i]
+
+    def _read_file(self, path: str) -> Tuple[bytes, bytes]:
+        with open_read(path) as f:
+            if self.origin == 0:
+                data = f.read()
+                self.counted(len(data))
+                return data[:FILE_HEADER_SIZE + 1], data
+            head = f.read(FILE_HEADER_SIZE + 1)
+            f.seek(self.origin)
+            data = f.read()
+            self.counted(len(data))
+            return head, data
+
+    def _size(self, i: int) -> int:
+        """Bytes of copy ``i`` past ``origin`` (-1: it does not exist), without reading it."""
+        if i in self._read:
+            loaded = self._read[i]
+            return -1 if loaded is None else len(loaded[1])
+        try:
+            return os.stat(self.paths[i]).st_size - self.origin
+        except FileNotFoundError:
+            return -1
+
+    # -- what the walk asks --------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """Whether any copy of the file exists."""
+        return any(self._size(i) >= 0 for i in range(len(self.paths)))
+
+    def open(self) -> Optional[FileHeader]:
+        """The file header, from the first copy that has a valid one (the copies before it are
+        reported and not read again); None when no copy has one."""
+        main = 0
+        for i in range(len(self.paths)):
+            head = self._head(i)
+            self.header = decode_file_header(head) if head is not None else None
+            if self.header is not None:
+                main = i
+                break
+        if self.header is None:
+            return None
+        for i in range(main):
+            what = "is missing" if self._head(i) is None else "has a bad header"
+            self.report(self.paths[i], 0, f"this copy of the log file {what}; {self.paths[main]} is read")
+            self.dropped[i] = what
+        self._main_head = self._head(main)[:FILE_HEADER_SIZE]  # type: ignore[index]
+        self._order = [main] + [i for i in range(len(self.paths)) if i != main and i not in self.dropped]
+        return self.header
+
+    def cut_short(self) -> Optional[List[Tuple[str, int]]]:
+        """With no valid header in any copy: (path, size) of each copy if every one can be a
+        creation cut short by a crash (no longer than a header), else None."""
+        heads = [(i, h) for i in range(len(self.paths)) for h in [self._head(i)] if h is not None]
+        if all(header_torn(h) for _i, h in heads):
+            return [(self.paths[i], self._size(i)) for i, _h in heads]
+        return None
+
+    def copies_read(self) -> int:
+        """How many copies the walk still reads."""
+        return len(self._order)
+
+    def group(self, pos: int) -> Optional[Tuple[List[RawRecord], int]]:
+        """The group at ``pos`` (relative to ``origin``) from the first copy that holds it
+        intact, as (records, end); the copies before it that did not (and, with ``verify``,
+        those after it that differ) are reported. None when no copy holds one."""
+        parsed, src, missing = self._arbitrate(pos)
+        if parsed is not None:
+            for i, why in missing:
+                self.report(self.paths[i], self.origin + pos, f"{why}; the group is read from {self.paths[src]}")
+                if why.startswith("this copy ends"):
+                    self._order.remove(i)
+                    self.dropped[i] = why
+        return parsed
+
+    def _arbitrate(self, pos: int) -> Tuple[Optional[Tuple[List[RawRecord], int]], int, List[Tuple[int, str]]]:
+        """(the group at ``pos`` from the first copy holding it intact, that copy, [(copy, why)
+        for the copies before it that did not, and with ``verify`` those after it too])."""
+        header = self.header
+        assert header is not None
+        order = self._order
+        parsed: Optional[Tuple[List[RawRecord], int]] = None
+        src = order[0]
+        missing: List[Tuple[int, str]] = []
+        for i in list(order):
+            if parsed is not None and not self.verify:
+                break
+            size = self._size(i)
+            if size <= pos:
+                if size >= 0 and size < pos:
+                    why = f"this copy ends at offset {self.origin + size}, inside or before this group"
+                else:
+                    why = "this copy ends here"
+                if parsed is not None or any(self._size(j) > pos for j in order if j != i):
+                    missing.append((i, f"{why}, where another copy goes on"))
+                continue
+            loaded = self._load(i)
+            if loaded is None:
+                continue
+            if i != order[0] and loaded[0][:FILE_HEADER_SIZE] != self._main_head:
+                self.report(self.paths[i], 0, "this copy's header differs from the journal's: not a copy of the "
+                            "same file, not read")
+                order.remove(i)
+                self.dropped[i] = "different header"
+                continue
+            group = parse_group(loaded[1], pos, self.paths[0], header.salt, self.origin, header.version)
+            if group is None:
+                missing.append((i, "this copy's commit group here is damaged or incomplete"))
+            elif parsed is None:
+                parsed, src = group, i
+            elif loaded[1][pos:group[1]] != self._load(src)[1][pos:parsed[1]]:  # type: ignore[index]
+                missing.append((i, "this copy's commit group here differs from the other copy's"))
+        return parsed, src, missing
+
+    def _beyond(self, pos: int) -> List[Tuple[int, bytes]]:
+        """(copy, its bytes) of each copy read that holds bytes past ``pos``."""
+        return [(i, self._load(i)[1]) for i in self._order if self._size(i) > pos]  # type: ignore[index]
+
+    def ends_at(self, pos: int) -> bool:
+        """Whether every copy read ends at ``pos``: the end of this file."""
+        return not any(self._size(i) > pos for i in self._order)
+
+    def later_group(self, pos: int, after_lsn: int) -> Optional[int]:
+        """Offset (relative to ``origin``) of a valid group header past ``pos`` with LSNs after
+        ``after_lsn`` in any copy: proof that what is at ``pos`` is damage, not a torn tail."""
+        header = self.header
+        assert header is not None
+        for _i, data in self._beyond(pos):
+            later = later_group_exists(data, pos, after_lsn, header.salt, header.version)
+            if later is not None:
+                return later
+        return None
+
+    def tail(self, pos: int) -> Tuple[bool, List[Tuple[str, int, TailEvidence]]]:
+        """What the bytes from ``pos`` to the end of each copy are, where groups stop and none
+        follows: (damaged, [(copy's path, bytes, evidence)]). Damaged only when every copy
+        holding bytes there shows damage."""
+        header = self.header
+        assert header is not None
+        evidence = [(self.paths[i], len(data) - pos, tail_evidence(data, pos, header.salt, header.version,
+                                                                   self.origin))
+                    for i, data in self._beyond(pos)]
+        return all(e.damaged for _p, _n, e in evidence), evidence
