@@ -231,6 +231,19 @@ def fsync_path(path: PathLike, fs: FS = REAL_FS) -> None:
         fs.close(fd)
 
 
+def discard_temp(fs: "FS", fd: int, tmp: str) -> None:
+    """Close ``fd`` and remove the temporary file ``tmp`` it was writing, after a failure:
+    best effort (what fails here changes nothing; the caller reports the first error)."""
+    try:
+        fs.close(fd)
+    except OSError:
+        pass
+    try:
+        fs.unlink(tmp)
+    except OSError:
+        pass
+
+
 def atomic_write(path: PathLike, data: Buffer, fs: FS = REAL_FS,
                  mode: int = DEFAULT_FILE_MODE) -> None:
     """Durably replace ``path`` with ``data``: temp file, fsync, rename, fsync directory.

@@ -23,7 +23,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
 from kvj.fileio import (DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, FS, REAL_FS, Buffer, DurabilityError, PathLike,
-                        list_dir, makedirs_durable, open_regular, rename_durable)
+                        discard_temp, list_dir, makedirs_durable, open_regular, rename_durable)
 from kvj.names import KEY_RE
 from kvj.segments.packs import PackDir, PackWriter
 from kvj.segments.uses import UseLog
@@ -375,14 +375,7 @@ class _LocalUpload(Upload):
     def abort(self) -> None:
         if self.fd is not None:
             fd, self.fd = self.fd, None
-            try:
-                self.fs.close(fd)
-            except OSError:
-                pass
-            try:
-                self.fs.unlink(self.tmp)
-            except OSError:
-                pass
+            discard_temp(self.fs, fd, self.tmp)
 
 
 class LocalDirBackend(StorageBackend):

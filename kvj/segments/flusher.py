@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -202,15 +203,35 @@ class Flusher:
 
     # ------------------------------------------------------------------ worker side
 
+    @contextmanager
+    def _job(self, buf: Optional[torch.Tensor], landed: bool) -> Iterator[List[bool]]:
+        """Run one job: a failed write or fsync is kept as the flusher's error (final; a refused
+        input is not), and its staging buffer goes back at the end, reused only once the copy
+        filling it has landed (the job sets ``landed[0]``: a copy that may still run keeps it)."""
+        state = [landed]
+        try:
+            yield state
+        except BaseException as exc:
+            if isinstance(exc, OSError):
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
+            raise
+        finally:
+            if buf is not None:
+                self.staging.release(buf, reuse=state[0])
+            with self._lock:
+                self._pending -= 1
+                self._update_pressure()
+
     def _work(self, buf: torch.Tensor, nbytes: int, event: Optional[Any],
               meta: Tuple[torch.dtype, Tuple[int, ...], Optional[Dict[str, Any]], Union[str, Codec]],
               on_durable: Optional[OnDurable]) -> SegmentInfo:
         dtype, shape, layout, codec = meta
-        landed = event is None
-        try:
+        with self._job(buf, event is None) as landed:
             if event is not None:
                 device.CUDA.wait(event)
-                landed = True
+                landed[0] = True
             raw = memoryview(buf[:nbytes].numpy()).cast("B") if nbytes else memoryview(b"")
             timings: Dict[str, float] = {}
             info = self.store.put_bytes(raw, dtype=dtype, shape=shape, layout=layout,
@@ -220,25 +241,13 @@ class Flusher:
             if on_durable is not None:
                 on_durable(info)
             return info
-        except BaseException as exc:
-            if isinstance(exc, OSError):  # a failed write or fsync is final; a refused input is not
-                with self._lock:
-                    if self._error is None:
-                        self._error = exc
-            raise
-        finally:
-            self.staging.release(buf, reuse=landed)  # a copy that may still run keeps its buffer
-            with self._lock:
-                self._pending -= 1
-                self._update_pressure()
 
     def _work_many(self, job: Tuple[Any, ...], on_durable: Optional[OnDurableMany]) -> List[SegmentInfo]:
         buf, source, spans, kinds, layouts, events, codec = job
-        landed = not events
-        try:
+        with self._job(buf, not events) as landed:
             for event in events:
                 device.CUDA.wait(event)
-            landed = True
+            landed[0] = True
             items = [(memoryview(source[off:off + n].numpy()).cast("B") if n else memoryview(b""), dtype, shape, layout)
                      for (off, n), (dtype, shape), layout in zip(spans, kinds, layouts)]
             timings: Dict[str, float] = {}
@@ -248,18 +257,6 @@ class Flusher:
             if on_durable is not None:
                 on_durable(infos)
             return infos
-        except BaseException as exc:
-            if isinstance(exc, OSError):  # a failed write or fsync is final; a refused input is not
-                with self._lock:
-                    if self._error is None:
-                        self._error = exc
-            raise
-        finally:
-            if buf is not None:
-                self.staging.release(buf, reuse=landed)  # a copy that may still run keeps its buffer
-            with self._lock:
-                self._pending -= 1
-                self._update_pressure()
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
-from kvj.fileio import Buffer, DurabilityError, atomic_write, list_dir, makedirs_durable, open_regular
+from kvj.fileio import Buffer, DurabilityError, atomic_write, discard_temp, list_dir, makedirs_durable, open_regular
 from kvj.segments import packfile
 from kvj.segments.packfile import Member
 
@@ -141,14 +141,7 @@ class PackWriter:
     def abort(self) -> None:
         if self.fd is not None:
             fd, self.fd = self.fd, None
-            try:
-                self.fs.close(fd)
-            except OSError:
-                pass
-            try:
-                self.fs.unlink(self.tmp)
-            except OSError:
-                pass
+            discard_temp(self.fs, fd, self.tmp)
 
 
 class PackDir:
