@@ -17,6 +17,7 @@ from typing import Dict, List
 import pytest
 import torch
 from support import fakecuda
+from support.damage import flip_a_bit
 from support.fakecuda import gpu  # noqa: F401 - the fixture
 from support.wait import wait_for
 
@@ -141,15 +142,7 @@ def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
     worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})], saves=saves_for("e-r0", tokens, [1, 2, 3])))
     worker.close()
     state = kvj.replay(journal)
-    victim = state.requests["e-r0"].segments[1]
-    with SegmentStore(os.path.join(journal, "segments")) as store:
-        where = store.backend.describe(victim.key)  # the step's blocks went into one pack: PATH@OFFSET
-    path, offset = where.rsplit("@", 1)
-    with open(path, "r+b") as f:  # flip a bit inside the victim's bytes only
-        f.seek(int(offset) + victim.stored_size // 3)
-        byte = f.read(1)[0]
-        f.seek(int(offset) + victim.stored_size // 3)
-        f.write(bytes([byte ^ 0x40]))
+    flip_a_bit(os.path.join(journal, "segments"), state.requests["e-r0"].segments[1].key)
 
     dst = [torch.zeros_like(c) for c in src]
     again = WorkerJournal(journal, LAYOUT, threads=2)

@@ -646,9 +646,55 @@ def read_segment(path: str, data: Optional[bytes] = None) -> Segment:
     return Segment(path, m, raw)
 
 
-def read_store(root: str) -> Dict[str, Segment]:
-    """Every segment of a store (SEGMENT STORE), each under objects/XX/KEY.kvjseg with KEY its digest."""
+PACK_MAGIC, PACK_END = b"\x89KVJPAK\n", b"KVJPAKOK"
+
+
+def read_pack(path: str) -> Dict[str, Segment]:
+    """The live members of one pack (PACKS): listed from its tail, every member read and checked
+    as a segment file, less those its dead list (``NAME.dead``) names."""
+    with open(path, "rb") as f:
+        data = f.read()
+    _need(len(data) >= 40 and data[-8:] == PACK_END, path, None, "no pack trailer")
+    index_at, count, crc = struct.unpack_from("<QII", data, len(data) - 24)
+    _need(index_at + 48 * count == len(data) - 24, path, index_at, "the index does not end 24 bytes before the end")
+    _need(crc32c(data[index_at:len(data) - 12]) == crc, path, index_at, "pack index CRC mismatch")
+    magic, version, flags, reserved = struct.unpack_from("<8sHHI", data, 0)
+    _need(magic == PACK_MAGIC and version == 1 and flags == 0 and reserved == 0, path, 0, "pack preamble")
+    dead = set()
+    dead_path = path[:-len(".kvjpack")] + ".dead"
+    if os.path.exists(dead_path):
+        with open(dead_path, "rb") as f:
+            entries = f.read()
+        for at in range(0, len(entries) - 35, 36):
+            key, entry_crc = entries[at:at + 32], struct.unpack_from("<I", entries, at + 32)[0]
+            if crc32c(key) != entry_crc:
+                break  # a torn append ends the list
+            dead.add(key.hex())
     found: Dict[str, Segment] = {}
+    expect = 16
+    for i in range(count):
+        key, offset, length = struct.unpack_from("<32sQQ", data, index_at + 48 * i)
+        _need(offset == expect and length >= 32 and key.hex() not in found, path, index_at + 48 * i,
+              "members not back to back from offset 16, too short, or repeated")
+        expect = offset + length
+        seg = read_segment(f"{path}@{offset}", data[offset:offset + length])
+        _need(seg.key == key.hex(), path, offset, f"member digest {seg.key} is not its index key")
+        if key.hex() not in dead:
+            found[key.hex()] = seg
+    _need(expect == index_at, path, index_at, "members do not end at the index")
+    return found
+
+
+def read_store(root: str) -> Dict[str, Segment]:
+    """Every segment of a store (SEGMENT STORE): under objects/XX/KEY.kvjseg with KEY its digest,
+    and the live members of packs/NAME.kvjpack."""
+    found: Dict[str, Segment] = {}
+    packs = os.path.join(root, "packs")
+    for name in sorted(os.listdir(packs)) if os.path.isdir(packs) else []:
+        if name.endswith(".kvjpack"):
+            _need(re.fullmatch(r"[0-9a-f]{16}\.kvjpack", name) is not None, os.path.join(packs, name), None,
+                  "not packs/NAME.kvjpack")
+            found.update(read_pack(os.path.join(packs, name)))
     objects = os.path.join(root, "objects")
     for d in (root, objects) if os.path.isdir(objects) else ():
         check_mode(d)

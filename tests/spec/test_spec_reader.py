@@ -420,3 +420,19 @@ def test_a_stream_of_16_byte_elements_is_stored_whole_in_deltas(tmp_path):
     step, tree = reader.training_state(journal, store)
     assert step == 2
     _leaves_match(state, tree)
+
+
+def test_packed_segments_read_from_the_page_and_a_dead_member_is_left_out(tmp_path):
+    """A batch stored by put_many is one pack (PACKS): the reader lists it from its tail, checks
+    every member as a segment file, and leaves out what the dead list names."""
+    g = torch.Generator().manual_seed(31)
+    tensors = [torch.randn(4, 64, generator=g).to(torch.bfloat16) for _ in range(3)]
+    root = str(tmp_path / "store")
+    with SegmentStore(root) as store:
+        infos = store.put_many([(raw_bytes(t), t.dtype, t.shape, {"i": i}) for i, t in enumerate(tensors)])
+        assert os.listdir(os.path.join(root, "packs")) and not os.path.isdir(os.path.join(root, "objects"))
+        store.delete(infos[1].key)
+    found = reader.read_store(root)
+    assert set(found) == {infos[0].key, infos[2].key}
+    for i in (0, 2):
+        assert found[infos[i].key].raw == raw_bytes(tensors[i]) and found[infos[i].key].layout == {"i": i}

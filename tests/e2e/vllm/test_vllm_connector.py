@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import kvj
+from support.damage import flip_a_bit
 from support.wait import wait_for
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -252,11 +253,7 @@ def crashed(models: Dict[str, str], seed: int, reference: Dict[str, Any],
     longest = max(manifest["requests"], key=lambda r: len(r["segments"]))
     victim = longest["segments"][-1] if longest["segments"] else None
     if victim is not None:
-        path = os.path.join(journal, "segments", "objects", victim["key"][:2], victim["key"] + ".kvjseg")
-        data = bytearray(open(path, "rb").read())
-        data[len(data) // 3] ^= 0x40
-        with open(path, "wb") as f:
-            f.write(data)
+        flip_a_bit(os.path.join(journal, "segments"), victim["key"])
 
     out = run_engine(tmp, "resumed", models["main"],
                      [{"generate": [ps["Q"]], "max_tokens": 16}, {"resume": manifest_path}], journal)

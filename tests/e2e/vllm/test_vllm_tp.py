@@ -25,6 +25,8 @@ import pytest
 from test_vllm_connector import (BLOCK, journal_state, kill_when, kvj_cli, lines, make_model, matched_tokens,
                                  run_engine, same, scheduler_connector, start_engine)
 
+from support.damage import flip_a_bit
+
 import kvj
 from kvj.errors import KvjError
 
@@ -120,11 +122,7 @@ def runs(model: str, seed: int, tmp_path_factory: pytest.TempPathFactory) -> Dic
     with open(manifest["ranks"]["rank-1-0"]["manifest_path"]) as f:
         rank1 = {r["id"]: r for r in json.load(f)["requests"]}
     key = next(s["key"] for s in rank1[victim["id"]]["segments"] if s["seg"] == 0)
-    path = os.path.join(journal, "rank-1-0", "segments", "objects", key[:2], key + ".kvjseg")
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 3] ^= 0x40
-    with open(path, "wb") as f:
-        f.write(data)
+    flip_a_bit(os.path.join(journal, "rank-1-0", "segments"), key)
 
     resumed = run_engine(tmp, "resumed", model, [{"resume": manifest_path}], journal, tp=TP)[0]["requests"]
     return {"batch": batch, "ref": ref, "ref_tmp": ref_tmp, "tmp": tmp, "journal": journal, "manifest": manifest,
