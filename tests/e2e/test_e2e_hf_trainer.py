@@ -134,7 +134,8 @@ def test_lora_trainer_killed_twice_resumes_bit_identical_and_journals_no_base_we
     _assert_no_base_weights(run, journal)
 
 
-@pytest.mark.parametrize("name", ["sgd-momentum", "cosine-warmup"])
+# one variant in the fast suite, the other in -m slow (CI time)
+@pytest.mark.parametrize("name", ["sgd-momentum", pytest.param("cosine-warmup", marks=pytest.mark.slow)])
 def test_trainer_variant_killed_resumes_bit_identical(tmp_path, name):
     kill_and_resume(RUNS[name], tmp_path, ["step"], f"hf-{name}")
 

@@ -69,6 +69,7 @@ def test_restore_scatters_every_block_into_its_new_slot(tmp_path):
                 assert torch.equal(after.cache.pools[layer][n], before.cache.pools[layer][o]), (i, layer)
 
 
+@pytest.mark.slow  # the fast suite kills the HF backend's loop (test_e2e_generation); paged restores run in test_device_restore
 def test_sigkill_paged_generation_resumes_into_new_blocks(tmp_path):
     r = rng("paged")
     expected, total = reference_generation(WORK, "paged")

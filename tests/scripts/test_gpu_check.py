@@ -146,6 +146,7 @@ def test_a_wait_deleted_from_the_training_snapshot_fails_the_lora_check(tmp_path
     assert proc.returncode == 1 and lora["status"] == "FAIL", lora
 
 
+@pytest.mark.slow  # it waits out a 30 s limit
 def test_a_check_that_hangs_is_killed_at_its_limit_and_the_next_check_still_runs(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("PYTHONPATH", _mutant_site(tmp_path, (
         "import sys, time\nimport kvj.segments.device as d\n"
