@@ -144,24 +144,12 @@ def parse_group(data: bytes, off: int, path: str, salt: int = 0, origin: int = 0
     when = time_ns / 1e9 if time_ns is not None else None
     pos = off + GROUP_HEADERS[version].size
     end = pos + body_len
-    if end > len(data) or count == 0:
+    spans = _records(data, pos, end, first_lsn, count) if end <= len(data) else None
+    if spans is None or not all(good for _start, _stop, good in spans):
         return None
-    records: List[RawRecord] = []
-    lsn = first_lsn
-    for _ in range(count):
-        if pos + RECORD_HEADER_SIZE > end:
-            return None
-        crc, length, rtype, _flags, rec_lsn = RECORD_HEADER.unpack_from(data, pos)
-        stop = pos + RECORD_HEADER_SIZE + length
-        if rtype == 0 or rec_lsn != lsn or length > MAX_RECORD_PAYLOAD or stop > end:
-            return None
-        if crc32c(data[pos + RECORD_HEADER_SIZE:stop], crc32c(data[pos + 4:pos + RECORD_HEADER_SIZE])) != crc:
-            return None
-        records.append(RawRecord(lsn, rtype, bytes(data[pos + RECORD_HEADER_SIZE:stop]), path, origin + pos, when))
-        pos = stop
-        lsn += 1
-    if pos != end:
-        return None
+    records = [RawRecord(first_lsn + i, RECORD_HEADER.unpack_from(data, start)[2],
+                         bytes(data[start + RECORD_HEADER_SIZE:stop]), path, origin + start, when)
+               for i, (start, stop, _good) in enumerate(spans)]
     return records, end
 
 
