@@ -11,7 +11,7 @@ one that outlives its limit is killed, with its Python stacks on stderr, and the
 
 environment    GPU, driver, torch, CUDA, the Python packages found; calibrates torch.cuda._sleep.
 device         kvj.segments.device's download, upload, gather and scatter, the flusher's downloads,
-               restore.load / load_many / restore_paged, on NHD-permuted caches
+               load.load / load_many / restore_paged, on NHD-permuted caches
                (``torch.empty(nb, N, H, C).permute(0, 2, 1, 3)``) under a non-default current stream.
                Races are made deterministic with ``torch.cuda._sleep`` (about 20 ms): before each
                producer (so a copy that does not wait for it reads stale bytes) and, on the other
@@ -623,7 +623,7 @@ def check_device(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
     from kvj.segments import device as kd
     from kvj.segments.device import BlockRing, block_buffers, gather_blocks, scatter_blocks
     from kvj.segments.flusher import Flusher
-    from kvj.segments.restore import load, load_many, paged_layout, restore_paged
+    from kvj.segments.load import load, load_many, paged_layout, restore_paged
     from kvj.segments.staging import StagingPool
     from kvj.segments.store import SegmentStore
 
@@ -1285,7 +1285,7 @@ def check_timing(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
 
     from kvj.segments import device as kd
     from kvj.segments.flusher import Flusher
-    from kvj.segments.restore import load
+    from kvj.segments.load import load
     from kvj.segments.staging import StagingPool
     from kvj.segments.store import SegmentStore
 
@@ -1344,7 +1344,7 @@ def check_timing(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
     with SegmentStore(os.path.join(ctx.tmp, "timing-store")) as store:
         key = store.put(want, codec="raw").key
         pool = StagingPool(2 * nbytes, pinned=True)
-        measure("H2D", "kvj: restore.load of a stored segment (read, CRC-checked, copied)",
+        measure("H2D", "kvj: segments.load.load of a stored segment (read, CRC-checked, copied)",
                 lambda: load(store, key, ctx.device, staging=pool), want)
         block = torch.empty(ctx.sizes.flushed_block, dtype=dt, device=ctx.device).normal_()
         count = ctx.sizes.submits

@@ -52,7 +52,7 @@ import zstandard
 
 from kvj.segments.codecs import codec_names
 from kvj.segments.flusher import Flusher
-from kvj.segments.restore import paged_layout
+from kvj.segments.load import paged_layout
 from kvj.segments.store import SegmentStore
 
 BLOCK_TOKENS = 16

@@ -23,7 +23,7 @@ from kvj.errors import CacheFull, FormatError
 from kvj.integrations.hf import build_cache, cache_block, cache_kwarg, layout_for
 from kvj.segments import device
 from kvj.segments.kvblock import KVBlockLayout
-from kvj.segments.restore import gather_block
+from kvj.segments.load import gather_block
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -32,7 +32,7 @@ import torch
 from kvj.errors import FormatError, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.journal.state import JournalState, RequestState
 from kvj.segments.kvblock import KVBlockLayout
-from kvj.segments.restore import load as load_segment
+from kvj.segments.load import load as load_segment
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal

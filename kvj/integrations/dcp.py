@@ -8,7 +8,7 @@
 Every rank stores its shards as kvj segments through a ``Flusher`` (a CUDA shard leaves
 through pinned staging and kvj's device-to-host copy; content-addressed, checksummed,
 compressed by the codec that pays, durable when ``write_data`` returns; an unchanged shard is
-not written again) and loads them back through ``kvj.segments.restore.load`` (onto a CUDA
+not written again) and loads them back through ``kvj.segments.load.load`` (onto a CUDA
 shard through pinned staging and kvj's upload). The coordinator then stores DCP's ``Metadata`` (encoded as msgpack, no pickle) as one
 more segment and appends **one** journal checkpoint record naming the metadata and every
 shard, durably: that record is the commit point. DCP runs ``finish`` only after every rank's
@@ -44,7 +44,7 @@ from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.replay import replay
 from kvj.segments import device as cuda
 from kvj.segments.flusher import Flusher
-from kvj.segments.restore import load
+from kvj.segments.load import load
 from kvj.segments.store import SegmentStore
 
 FORMAT = "kvj-dcp/1"

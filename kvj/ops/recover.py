@@ -383,7 +383,7 @@ def load_manifest(manifest: Dict[str, Any], store: Any, device: str, *, workers:
     import torch
 
     from kvj.segments import device as cuda
-    from kvj.segments.restore import load
+    from kvj.segments.load import load
     from kvj.segments.staging import StagingPool
 
     dev = check_device(device)

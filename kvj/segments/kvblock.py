@@ -23,7 +23,7 @@ one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a bl
   view in C order, so it loads into any physical layout. Blocks move through
   ``kvj.segments.device.gather_blocks`` and ``scatter_blocks`` (one indexed copy per layer
   and one transfer, device-correct), which travel in exactly this ``[n, layers, *block]``
-  form: the restore of paged caches (``kvj.segments.restore.restore_paged``), the demo's
+  form: the restore of paged caches (``kvj.segments.load.restore_paged``), the demo's
   paged engine and the vLLM connector all use them.
 """
 

@@ -275,7 +275,7 @@ def check_segments(path: str, state: JournalState, truth: Truth, where: str = ""
         return 0
     import torch
 
-    from kvj.segments.restore import load
+    from kvj.segments.load import load
     from kvj.segments.store import SegmentStore
     with SegmentStore(os.path.join(path, "segments"), threads=1) as store:
         for rid, ref in refs:

@@ -487,7 +487,7 @@ class FakeCuda:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> "FakeCuda":
         """Patch torch (and give kvj a fresh ``device.CUDA``, whose streams are this one's)."""
-        from kvj.segments import device, restore
+        from kvj.segments import device, load as segload
 
         _register_backend()
         monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", self)
@@ -511,7 +511,7 @@ class FakeCuda:
         for name, method in self._future_methods().items():
             monkeypatch.setattr(concurrent.futures.Future, name, method)
         monkeypatch.setattr(device, "CUDA", device.Cuda())
-        monkeypatch.setattr(restore, "_default_staging", None)  # pinned memory of no other "machine"
+        monkeypatch.setattr(segload, "_default_staging", None)  # pinned memory of no other "machine"
         return self
 
     def sleep(self, cycles: int) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.writer import CommitPolicy
-from kvj.segments.restore import load
+from kvj.segments.load import load
 from kvj.segments.store import SegmentStore
 
 TOKENS = 16

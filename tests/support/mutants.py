@@ -56,7 +56,7 @@ class Site:
         return f"{self.module.rsplit('.', 1)[-1]}.{self.function}: {self.old} -> {self.new}"
 
 
-D, R, F, S = "kvj.segments.device", "kvj.segments.restore", "kvj.segments.flusher", "kvj.segments.store"
+D, R, F, S = "kvj.segments.device", "kvj.segments.load", "kvj.segments.flusher", "kvj.segments.store"
 T = "kvj.integrations.training"
 V = "kvj.integrations.vllm_worker"
 NO_EVENT = "torch.cuda.Event()"  # never recorded: waits on it return at once, queries say done

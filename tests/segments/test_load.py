@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvj.errors import LayoutMismatch
-from kvj.segments.restore import gather_block, load, load_many, paged_layout, restore_paged
+from kvj.segments.load import gather_block, load, load_many, paged_layout, restore_paged
 from kvj.segments.store import SegmentStore
 
 L, NB, BS, H, D = 3, 10, 4, 2, 8

@@ -1,4 +1,4 @@
-"""Restore: segments back onto a device, and into a paged KV cache in the right slots.
+"""Load: segments back onto a device, and into a paged KV cache in the right slots.
 
 Paged-cache convention (``kvj.segments.kvblock``, spec in ``man/kvj-segment.5``): a
 vLLM-like cache is one tensor per layer shaped ``[num_blocks, 2, block_size, num_kv_heads,
