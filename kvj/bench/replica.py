@@ -66,7 +66,7 @@ def run(size_mib: int = 256, segment_mib: int = 4, directory: Optional[str] = No
 
     from kvj.journal.journal import Journal
     from kvj.replica.remote import open_remote
-    from kvj.replica.restore import restore
+    from kvj.replica.pull import restore
     from kvj.replica.ship import Replicator
 
     proc, endpoint = _start_moto()

@@ -21,7 +21,7 @@ from kvj.cli.common import (
 )
 from kvj.ops.inspection import human_size
 from kvj.replica.remote import open_remote
-from kvj.replica.restore import restore as restore_replica
+from kvj.replica.pull import restore as restore_replica
 from kvj.trust import check_owner
 
 

@@ -18,7 +18,7 @@ from kvj.errors import CorruptionError, FormatError
 from kvj.journal.replay import replay
 from kvj.replica import manifest as mf
 from kvj.replica.remote import Remote
-from kvj.replica.restore import download_journal, load_manifest, segment_sizes
+from kvj.replica.pull import download_journal, load_manifest, segment_sizes
 
 Progress = Callable[[str, int, int], None]
 

@@ -16,7 +16,7 @@ from kvj.journal.reader import list_logs
 from kvj.journal.replay import RecordStream, replay
 from kvj.journal.writer import CommitPolicy
 from kvj.replica import manifest as mf
-from kvj.replica.restore import trim_log
+from kvj.replica.pull import trim_log
 
 
 A, B, C = mf.part_object(1, 0, 60, 3), mf.part_object(1, 60, 100, 3), mf.part_object(2, 0, 50, 3)

@@ -24,7 +24,7 @@ from kvj.journal.writer import CommitPolicy
 from kvj.replica import manifest as mf
 from kvj.replica.lease import LEASE_OBJECT
 from kvj.replica.remote import RemoteUnavailable, open_remote
-from kvj.replica.restore import restore
+from kvj.replica.pull import restore
 from kvj.replica.ship import Replicator
 from kvj.replica.verify import verify_remote
 from kvj.segments.store import SegmentStore

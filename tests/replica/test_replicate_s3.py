@@ -20,7 +20,7 @@ from kvj.ops.compact import compact
 from kvj.replica import manifest as mf
 from kvj.replica.lease import Fenced, LeaseHeld
 from kvj.replica.remote import LostRace, open_remote
-from kvj.replica.restore import restore
+from kvj.replica.pull import restore
 from kvj.replica.ship import Diverged, Replicator
 from kvj.replica.verify import verify_remote
 from kvj.segments.store import SegmentStore

@@ -21,7 +21,7 @@ from kvj.journal.replay import replay
 from kvj.journal.writer import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.replica.remote import open_remote
-from kvj.replica.restore import STAGING, restore
+from kvj.replica.pull import STAGING, restore
 from kvj.replica.ship import Replicator
 from support.cli_helpers import KVJ, env
 from support.s3 import s3_env
@@ -193,7 +193,7 @@ def test_as_root_restore_refuses_another_users_directory_unless_trusted(s3, moto
 
 CUT_SHORT = textwrap.dedent("""
     import os, sys
-    import kvj.replica.restore as r
+    import kvj.replica.pull as r
     from kvj.replica.remote import open_remote
     real, left = r.rename_durable, int(sys.argv[3])
     def rename_then_die(src, dst, *a, **k):

@@ -1,4 +1,4 @@
-"""Restore a journal from its replica onto a new or empty directory, verifying every object.
+"""Pull: a journal from its replica onto a new or empty directory, verifying every object.
 
 Each log part and the snapshot must have the size and the BLAKE3 the manifest recorded
 (an object of another size is refused before it is read), the log files are then read
