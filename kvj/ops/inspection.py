@@ -168,6 +168,8 @@ def describe(rec: Record) -> str:
         return f"step={p['step']}{base} tensors={len(p['keys'])}"
     if t == RecordType.TOKENS:
         return f"id={p['id']} at={p['at']} tokens={len(p['tokens'])}"
+    if t == RecordType.HANDOFF:
+        return f"id={p['id']} moved to {p['to']}"
     if t == RecordType.EPOCH:
         return f"epoch={p['epoch']} recovered_lsn={p['recovered_lsn']} manifest={p.get('manifest')}"
     return f"unknown record type {t}: {sorted(p)}"
