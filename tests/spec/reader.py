@@ -224,7 +224,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[str, ...]]] = {
     7: {"step": (_INT,), "base_step": (_INT,), "keys": ("keys",), "meta": (_MAP,)},
     8: {"epoch": (_INT,), "recovered_lsn": (_INT,), "time": (_FLOAT,), "manifest": (_STR, "nil")},
     9: {"id": (_ID,), "at": (_INT,), "tokens": ("ints",)},
-    10: {"id": (_ID,), "to": (_STR,)},
+    10: {"id": (_ID,), "to": (_ID,)},
 }
 OPTIONAL = {8: {"salvage": (_MAP,)}}
 

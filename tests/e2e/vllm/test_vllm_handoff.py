@@ -1,0 +1,147 @@
+"""Live handoff: engine A (a real vLLM engine on the CPU backend) is drained mid-batch and a
+second engine B, another process with a journal of its own, continues A's requests from A's
+store, read-only; another model on B loads nothing and says why.
+
+Engines run in child processes (``support.vllm_engine``), as in ``test_vllm_connector``: the
+uninterrupted reference and A run side by side, then B and the other-model engine C; every
+comparison is of tokens and float32 logprobs. Prompts come from a printed seed
+(``KVJ_VLLM_SEED=N`` replays one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import signal
+from typing import Any, Dict, List
+
+import pytest
+
+import kvj
+from kvj.integrations.vllm_resume import resume_plans
+from test_vllm_connector import (BLOCK, ENGINE, PACE, SEEDED, kvj_cli, lines, make_model, same,
+                                 start_engine)
+
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {"main": make_model(str(root / "main"), 0), "other": make_model(str(root / "other"), 1)}
+
+
+@pytest.fixture(scope="module")
+def seed() -> int:
+    seed = int(os.environ.get("KVJ_VLLM_SEED") or random.SystemRandom().randrange(1 << 20))
+    print(f"KVJ_VLLM_SEED={seed}")
+    return seed
+
+
+def batch(seed: int) -> List[List[int]]:
+    """Three short requests (S0 seeded, the others greedy) that decode first, and a long one
+    (added late) that is still in prefill when A is drained."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(1024) for _ in range(n)]  # noqa: E731
+    return [ids(8), ids(60), ids(90), ids(440)]
+
+
+def sampling() -> List[Any]:
+    return [SEEDED, None, None, None]
+
+
+def finish(procs: Dict[str, subprocess.Popen], tmp: str) -> Dict[str, List[Dict[str, Any]]]:
+    """Wait for every engine; their job results (each must exit 0)."""
+    out = {}
+    for name, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        with open(os.path.join(tmp, f"{name}.log")) as f:
+            assert rc == 0, f"engine {name} exited {rc}:\n{f.read()[-6000:]}"
+        out[name] = lines(tmp, name)[1:]
+    return out
+
+
+def tree(path: str) -> Dict[str, Any]:
+    """Every file under ``path`` with its size and mtime: what "nothing written there" compares."""
+    found = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            found[os.path.relpath(os.path.join(root, name), path)] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="module")
+def handoff(models: Dict[str, str], seed: int, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    tmp = str(tmp_path_factory.mktemp("handoff"))
+    ps = batch(seed)
+    ja = os.path.join(tmp, "journal-a")
+    settings = {**ENGINE, "max_model_len": 640}
+    ref = start_engine(tmp, "ref", models["main"], [{"generate": ps, "max_tokens": MAX_NEW, "sampling": sampling()}],
+                       os.path.join(tmp, "journal-ref"), in_process=True, **settings)
+    a = start_engine(tmp, "a", models["main"], [{"drain": ps[:3], "late": ps[3], "at": 40, "after": 2, "to": "b",
+                                                  "max_tokens": MAX_NEW, "sampling": sampling()}],
+                     ja, pace=PACE * 4, **settings)
+    first = finish({"ref": ref, "a": a}, tmp)
+    manifest = first["a"][0]["manifest"]
+    with open(manifest) as f:
+        plans = resume_plans(json.load(f))
+    a_files = tree(ja)
+    b = start_engine(tmp, "b", models["main"], [{"resume": manifest}], os.path.join(tmp, "journal-b"),
+                     sources=[ja], **settings)
+    c = start_engine(tmp, "c", models["other"], [{"resume": manifest}], os.path.join(tmp, "journal-c"),
+                     sources=[ja], **settings)
+    second = finish({"b": b, "c": c}, tmp)
+    return {"tmp": tmp, "prompts": ps, "ref": first["ref"][0]["requests"], "manifest": manifest, "plans": plans,
+            "ja": ja, "a_files": a_files, "b": second["b"][0]["requests"], "c": second["c"][0]["requests"]}
+
+
+def test_drained_requests_continue_on_another_engine_as_if_uninterrupted(handoff: Dict[str, Any]) -> None:
+    ps, ref = handoff["prompts"], handoff["ref"]
+    plans = {tuple(p.prompt): p for p in handoff["plans"]}
+    assert sorted(ps.index(list(k)) for k in plans) == [0, 1, 2, 3], "not every request was handed off"
+    phases = {ps.index(list(k)): (p.durable_tokens, len(p.prompt), len(p.generated)) for k, p in plans.items()}
+    print("request: (durable tokens, prompt, generated) at the handoff", phases)
+    assert any(d > n for d, n, _ in phases.values()), f"no request was mid-decode with a durable block: {phases}"
+    assert any(g == 0 and d < n for d, n, g in phases.values()), f"no request was mid-prefill: {phases}"
+    for r in handoff["b"]:
+        i = ps.index(r["prompt"])
+        want = ref[i]
+        assert r["all_token_ids"] == want["token_ids"], f"request {i}: output after the handoff differs"
+        same(r, want, f"request {i}", offset=r["resumed_at"])
+        prompt_len = len(r["prompt"]) + r["resumed_at"]
+        usable = min(r["durable_tokens"], prompt_len - 1) // BLOCK * BLOCK  # vLLM computes the last token
+        print(f"request {i}: prompt {len(r['prompt'])}, {r['resumed_at']} generated on A, durable {r['durable_tokens']}"
+              f" tokens; on B restored {r['restored']}, reused {r['reused']}, recomputed {r['recomputed']}")
+        # B computed only what follows the request's last durable block: everything before it was loaded
+        # from A's store (or, for a block two requests share, found in B's own prefix cache).
+        assert r["restored"] + r["reused"] == usable, f"request {i}: restored {r['restored']} of {usable}"
+        assert r["recomputed"] == prompt_len - usable
+
+
+def test_the_first_engine_records_the_move_and_is_never_written_by_the_second(handoff: Dict[str, Any]) -> None:
+    ja = handoff["ja"]
+    state = kvj.replay(ja)
+    moved = [r for r in state.requests.values() if r.status == "handoff"]
+    assert len(moved) == 4 and all(r.moved_to == "b" for r in moved) and not state.in_flight()
+    assert tree(ja) == handoff["a_files"], "engine B wrote into engine A's journal or store"
+    rec = kvj_cli("recover", "-j", ja, "--json")  # nothing of A's is A's to resume
+    assert rec.returncode == 0, rec.stderr
+    assert json.loads(rec.stdout)["manifest"]["requests"] == []
+    b = kvj.replay(os.path.join(handoff["tmp"], "journal-b"))
+    assert not b.in_flight() and not b.warnings, b.warnings
+    assert sorted(r.meta["resumes"] for r in b.requests.values()) == sorted(r.id for r in moved)
+    assert {r.meta["from"] for r in b.requests.values()} == {ja}
+
+
+def test_another_model_loads_nothing_and_says_why(handoff: Dict[str, Any]) -> None:
+    assert handoff["c"] and all(r.get("restored", 0) == 0 for r in handoff["c"])
+    with open(os.path.join(handoff["tmp"], "c.log")) as f:
+        log = f.read()
+    assert "holds KV blocks of another layout" in log and "none will load" in log
