@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from kvj.errors import InvalidArgument
+from kvj.errors import InvalidArgument, KvjError
 from kvj.fileio import atomic_write, makedirs_durable
 from kvj.journal import ranks
 from kvj.journal.journal import default_store_path
@@ -133,3 +133,43 @@ def pending(state: JournalState, vllm_ids: List[str]) -> List[str]:
     for r in sorted(state.requests.values(), key=lambda r: r.start_lsn):
         latest[str((r.meta or {}).get("vllm_id"))] = r
     return [v for v in vllm_ids if v not in latest or not latest[v].ended]
+
+
+class HandoffTimeout(KvjError):
+    """Requests of an armed handoff were not all journaled as ended in time (the engine was not paused?)."""
+
+
+def pause_server(url: str, mode: str) -> None:
+    """Ask a ``vllm serve`` (started with ``VLLM_SERVER_DEV_MODE=1``, which mounts ``POST /pause``)
+    to pause: ``abort`` stops its requests (handed off, the handoff being armed), ``finish`` lets them finish."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    target = url.rstrip("/") + "/pause?" + urllib.parse.urlencode({"mode": "abort" if mode == "abort" else "wait"})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(target, method="POST"), timeout=600) as reply:
+            reply.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise KvjError(f"cannot pause the server at {url}: {exc} (POST /pause needs VLLM_SERVER_DEV_MODE=1)") from None
+
+
+def hand_off(journal: str, to: str, *, mode: str = "abort", url: Optional[str] = None,
+             timeout: float = 600.0, poll: float = 0.2) -> Tuple[str, Dict[str, Any]]:
+    """Arm a handoff, pause the server at ``url`` if given (else the operator pauses it), wait until
+    every request in flight when it was armed is journaled as ended (moved, or finished), and
+    write the manifest; returns its path and the manifest."""
+    arm(journal, to, mode)
+    waiting = [r.id for r in replay(journal).in_flight()]
+    if url is not None:
+        pause_server(url, mode)
+    deadline = time.monotonic() + timeout
+    while True:
+        state = replay(journal)
+        left = [rid for rid in waiting if rid in state.requests and not state.requests[rid].ended]
+        if not left:
+            return write_manifest(journal, to)
+        if time.monotonic() > deadline:
+            raise HandoffTimeout(f"handoff to {to}: {len(left)} request(s) still in flight after {timeout:g} s "
+                                 "(is the engine paused with mode=abort?); the handoff stays armed")
+        time.sleep(poll)
