@@ -21,7 +21,9 @@ import pytest
 
 import kvj
 from kvj.integrations.vllm_resume import resume_plans
-from test_vllm_connector import (BLOCK, ENGINE, PACE, SEEDED, kvj_cli, lines, make_model, same,
+from kvj.ops.handoff import write_manifest
+from support.wait import wait_for
+from test_vllm_connector import (BLOCK, ENGINE, PACE, SEEDED, journal_state, kvj_cli, lines, make_model, same,
                                  start_engine)
 
 MAX_NEW = 48
@@ -77,29 +79,55 @@ def tree(path: str) -> Dict[str, Any]:
     return found
 
 
+def moved_some(journal: str) -> bool:
+    state = journal_state(journal)
+    return state is not None and any(r.status == "handoff" for r in state.requests.values())
+
+
 @pytest.fixture(scope="module")
 def handoff(models: Dict[str, str], seed: int, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """The reference, A (drained to B) and K (drained, SIGKILLed once a first request is journaled
+    as moved) side by side; then B and C (another model) continue A's requests, K' (a fresh
+    engine on K's journal) resumes what ``kvj recover`` finds in flight there and L (another
+    engine) continues the requests K had journaled as moved."""
     tmp = str(tmp_path_factory.mktemp("handoff"))
     ps = batch(seed)
-    ja = os.path.join(tmp, "journal-a")
+    ja, jk = os.path.join(tmp, "journal-a"), os.path.join(tmp, "journal-k")
     settings = {**ENGINE, "max_model_len": 640}
+    drain = {"drain": ps[:3], "late": ps[3], "at": 40, "after": 2, "to": "b", "max_tokens": MAX_NEW,
+             "sampling": sampling()}
     ref = start_engine(tmp, "ref", models["main"], [{"generate": ps, "max_tokens": MAX_NEW, "sampling": sampling()}],
                        os.path.join(tmp, "journal-ref"), in_process=True, **settings)
-    a = start_engine(tmp, "a", models["main"], [{"drain": ps[:3], "late": ps[3], "at": 40, "after": 2, "to": "b",
-                                                  "max_tokens": MAX_NEW, "sampling": sampling()}],
-                     ja, pace=PACE * 4, **settings)
+    a = start_engine(tmp, "a", models["main"], [drain], ja, pace=PACE * 4, **settings)
+    k = start_engine(tmp, "k", models["main"], [drain], jk, pace=PACE * 4, **settings)
+    try:
+        wait_for(lambda: k.poll() is not None or moved_some(jk), "a request journaled as moved", timeout=900,
+                 interval=0.01)
+    finally:
+        os.killpg(k.pid, signal.SIGKILL)
+        k.wait()
     first = finish({"ref": ref, "a": a}, tmp)
     manifest = first["a"][0]["manifest"]
     with open(manifest) as f:
         plans = resume_plans(json.load(f))
     a_files = tree(ja)
-    b = start_engine(tmp, "b", models["main"], [{"resume": manifest}], os.path.join(tmp, "journal-b"),
-                     sources=[ja], **settings)
-    c = start_engine(tmp, "c", models["other"], [{"resume": manifest}], os.path.join(tmp, "journal-c"),
-                     sources=[ja], **settings)
-    second = finish({"b": b, "c": c}, tmp)
+    killed = kvj.replay(jk)
+    rec = kvj_cli("recover", "-j", jk, "--json")
+    assert rec.returncode == 0, rec.stderr
+    recovered = json.loads(rec.stdout)["manifest_path"]
+    moved_manifest, _ = write_manifest(jk, "b")  # what kvj handoff writes once every move is durable
+    procs = {
+        "b": start_engine(tmp, "b", models["main"], [{"resume": manifest}], os.path.join(tmp, "journal-b"),
+                          sources=[ja], in_process=True, **settings),
+        "c": start_engine(tmp, "c", models["other"], [{"resume": manifest}], os.path.join(tmp, "journal-c"),
+                          sources=[ja], in_process=True, **settings),
+        "k2": start_engine(tmp, "k2", models["main"], [{"resume": recovered}], jk, in_process=True, **settings),
+        "l": start_engine(tmp, "l", models["main"], [{"resume": moved_manifest}], os.path.join(tmp, "journal-l"),
+                          sources=[jk], in_process=True, **settings)}
+    second = finish(procs, tmp)
     return {"tmp": tmp, "prompts": ps, "ref": first["ref"][0]["requests"], "manifest": manifest, "plans": plans,
-            "ja": ja, "a_files": a_files, "b": second["b"][0]["requests"], "c": second["c"][0]["requests"]}
+            "ja": ja, "a_files": a_files, "b": second["b"][0]["requests"], "c": second["c"][0]["requests"],
+            "jk": jk, "killed": killed, "k2": second["k2"][0]["requests"], "l": second["l"][0]["requests"]}
 
 
 def test_drained_requests_continue_on_another_engine_as_if_uninterrupted(handoff: Dict[str, Any]) -> None:
@@ -145,3 +173,22 @@ def test_another_model_loads_nothing_and_says_why(handoff: Dict[str, Any]) -> No
     with open(os.path.join(handoff["tmp"], "c.log")) as f:
         log = f.read()
     assert "holds KV blocks of another layout" in log and "none will load" in log
+
+
+def test_killed_mid_drain_each_request_resumes_exactly_once(handoff: Dict[str, Any]) -> None:
+    """A request whose handoff record is durable is the target's; one whose record is not is
+    still in flight in the killed engine's journal, and its recovery resumes it."""
+    killed, ps, ref = handoff["killed"], handoff["prompts"], handoff["ref"]
+    moved = {r.id for r in killed.requests.values() if r.status == "handoff"}
+    in_flight = {r.id for r in killed.in_flight()}
+    print(f"killed mid-drain: {len(moved)} moved, {len(in_flight)} in flight, "
+          f"{len(killed.requests) - len(moved) - len(in_flight)} ended otherwise")
+    assert moved and len(moved | in_flight) == 4
+    here = {r["id"] for r in handoff["k2"]}
+    there = {r["id"] for r in handoff["l"]}
+    assert here == in_flight and there == moved and not here & there
+    for r in handoff["k2"] + handoff["l"]:
+        assert r["all_token_ids"] == ref[ps.index(r["prompt"])]["token_ids"], f"request {r['id']} differs"
+    assert not kvj.replay(handoff["jk"]).in_flight()  # resumed once: nothing left for a later recover
+    again = kvj_cli("recover", "-j", handoff["jk"], "--dry-run", "--json")
+    assert json.loads(again.stdout)["manifest"]["requests"] == []
