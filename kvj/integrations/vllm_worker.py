@@ -597,7 +597,8 @@ class WorkerJournal:
             if not failed and exc is None:
                 info = read.result()
                 with self._lock:
-                    self._known[(chain, int(info.layout["token_ids"][-1]))] = info
+                    if "store" not in self._durable.get(chain, {}):  # a source's block is saved here anew
+                        self._known[(chain, int(info.layout["token_ids"][-1]))] = info
                 ld.good += 1
                 continue
             if not failed:

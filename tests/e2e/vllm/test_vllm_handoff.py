@@ -162,8 +162,13 @@ def test_the_first_engine_records_the_move_and_is_never_written_by_the_second(ha
     rec = kvj_cli("recover", "-j", ja, "--json")  # nothing of A's is A's to resume
     assert rec.returncode == 0, rec.stderr
     assert json.loads(rec.stdout)["manifest"]["requests"] == []
+    for name in ("b", "c", "k2", "l"):  # journaling never stopped (B saves loaded blocks in its own store)
+        with open(os.path.join(handoff["tmp"], f"{name}.log")) as f:
+            assert "journaling stopped" not in f.read(), f"engine {name}: journaling stopped"
+    for name in ("b", "c", "l"):
+        other = kvj.replay(os.path.join(handoff["tmp"], f"journal-{name}"))
+        assert not other.in_flight() and not other.warnings, (name, other.warnings)
     b = kvj.replay(os.path.join(handoff["tmp"], "journal-b"))
-    assert not b.in_flight() and not b.warnings, b.warnings
     assert sorted(r.meta["resumes"] for r in b.requests.values()) == sorted(r.id for r in moved)
     assert {r.meta["from"] for r in b.requests.values()} == {ja}
 
