@@ -197,3 +197,23 @@ def test_killed_mid_drain_each_request_resumes_exactly_once(handoff: Dict[str, A
     assert not kvj.replay(handoff["jk"]).in_flight()  # resumed once: nothing left for a later recover
     again = kvj_cli("recover", "-j", handoff["jk"], "--dry-run", "--json")
     assert json.loads(again.stdout)["manifest"]["requests"] == []
+
+
+def test_keys_travel_between_paths_and_not_between_layouts(models: Dict[str, str], tmp_path) -> None:
+    """The chain seed names the weights by their bytes (not the directory's path): a copy of the
+    model elsewhere has the same seed; another model, dtype, block size or TP size does not."""
+    import shutil
+
+    from kvj.integrations.vllm import weights_digest
+    from kvj.segments.kvblock import LHNC, KVBlockLayout
+
+    copy = shutil.copytree(models["main"], str(tmp_path / "elsewhere" / "model"))
+    here, there = weights_digest(models["main"], str(tmp_path / "j1")), weights_digest(copy, str(tmp_path / "j2"))
+    assert here == there and here != weights_digest(models["other"], str(tmp_path / "j1"))
+    base = dict(model=here, dtype="float32", layers=2, kv_heads=2, head_dim=32, block_size=BLOCK, order=LHNC)
+    seed = KVBlockLayout(**base).seed()
+    assert KVBlockLayout(**{**base, "tp_size": 2, "tp_rank": 0}).seed() == KVBlockLayout(
+        **{**base, "tp_size": 2, "tp_rank": 1}).seed()  # rank-free: one name for all ranks' shards
+    for change in ({"model": "blake3:" + "0" * 64}, {"dtype": "bfloat16"},
+                   {"block_size": 2 * BLOCK}, {"tp_size": 2}):
+        assert KVBlockLayout(**{**base, **change}).seed() != seed, change
