@@ -35,6 +35,10 @@ def test_handoff_waits_for_the_moves_then_writes_a_manifest_recovery_never_resum
     assert json.loads(shown.stdout)["handoff"]["state"] == "armed"
     with kvj.Journal.open(path) as j:  # what the connector does once the engine aborts them
         j.handoff("r-1", "b")
+    # killed here: r-1's record is durable (the target's to resume), r-2's is not (still this engine's)
+    mid = cli("recover", "-j", path, "--dry-run", "--json")
+    assert [r["id"] for r in json.loads(mid.stdout)["manifest"]["requests"]] == ["r-2"]
+    with kvj.Journal.open(path) as j:
         j.end("r-2", "ok")
     done = cli("handoff", "-j", path, "--to", "b", "--json")
     assert done.returncode == 0, done.stderr
