@@ -217,3 +217,15 @@ def test_keys_travel_between_paths_and_not_between_layouts(models: Dict[str, str
     for change in ({"model": "blake3:" + "0" * 64}, {"dtype": "bfloat16"},
                    {"block_size": 2 * BLOCK}, {"tp_size": 2}):
         assert KVBlockLayout(**{**base, **change}).seed() != seed, change
+
+
+def test_sources_are_checked(tmp_path) -> None:
+    from kvj.errors import InvalidArgument
+    from kvj.integrations.vllm import KvjConfig
+
+    own = str(tmp_path / "b")
+    config = KvjConfig.from_extra({"journal": own, "sources": [str(tmp_path / "a")]})
+    assert config.sources == (str(tmp_path / "a"),)
+    for bad in (str(tmp_path / "a"), [own], [1]):
+        with pytest.raises(InvalidArgument, match="sources"):
+            KvjConfig.from_extra({"journal": own, "sources": bad})
