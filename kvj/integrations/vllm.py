@@ -373,6 +373,11 @@ class KvjConnector(KVConnectorBase_V1):
             self._durable_chains: Set[str] = durable_on_all_ranks(path, self._seed, tp, pp)
             for source in self.config.sources:
                 self._durable_chains |= source_chains(source, self._seed, tp, pp)
+            target = armed_target(path)
+            if target is not None:
+                logger.warning("kvj: a handoff to %s is armed on %s (handoff.json, left by a drain that did not "
+                               "finish): requests vLLM aborts are handed off; kvj handoff -j %s --to %s finishes it",
+                               target, path, path, target)
             self._partly: Dict[str, Set[int]] = {}  #: chain -> ranks that reported it, until all have
             self._engine = os.urandom(4).hex()  #: prefixes this engine's journal ids
             self._requests: Dict[str, _Tracked] = {}
