@@ -7,7 +7,9 @@ Load it out of tree (``kv_connector_module_path``) with a journal directory::
                      kv_connector_extra_config={"journal": "/var/lib/kvj/serve"})
 
 After a crash, ``kvj recover`` and :func:`resume` (``kvj.integrations.vllm_resume``, which
-imports without vLLM) continue every request that was in flight.
+imports without vLLM) continue every request that was in flight. Without a crash, :func:`drain`
+(``kvj.integrations.vllm_handoff``) hands live requests to another engine, whose
+``"sources": [JOURNAL]`` lets it load this one's blocks read-only.
 
 **Scheduler side** (one per engine) plans each step (``build_connector_meta``, a
 :class:`~kvj.integrations.vllm_worker.StepPlan`): the START of every request that arrived
