@@ -7,6 +7,7 @@ journal means.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -145,8 +146,11 @@ class JournalState:
                 self._warn(lsn, f"segment {p['seg']} for a request that is not in flight: {p['id']}")
                 return
             tokens = (p["tokens"][0], p["tokens"][1]) if p["tokens"] is not None else None
-            req.segments[p["seg"]] = SegmentRef(p["seg"], p["key"], tokens, p["layout"], p["raw_size"],
-                                                p["stored_size"], p["digest"], p["codec"], lsn)
+            key, digest = p["key"], p["digest"]
+            # one string object where the digest is the key (kvj writes it so) and one per codec
+            # name: a request in flight holds a ref per block, and replay's memory is mostly these
+            req.segments[p["seg"]] = SegmentRef(p["seg"], key, tokens, p["layout"], p["raw_size"], p["stored_size"],
+                                                key if digest == key else digest, sys.intern(p["codec"]), lsn)
         elif rtype == _END:
             req = self.requests.get(p["id"])
             if req is None:
