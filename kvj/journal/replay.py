@@ -74,9 +74,9 @@ class RecordStream:
     def fold(self, state: JournalState, at_lsn: Optional[int] = None) -> None:
         """Apply the records (up to ``at_lsn``) to ``state``: what iterating and applying each
         does, without a ``Record`` per record, and with the cycle collector paused (see
-        ``_collector_paused``)."""
+        ``collector_paused``)."""
         apply = state.apply
-        with _collector_paused():
+        with collector_paused():
             for raw in self._scan:
                 if at_lsn is not None and raw.lsn > at_lsn:
                     break
@@ -84,8 +84,8 @@ class RecordStream:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cycle collector: a fold allocates a few acyclic objects per record and
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cycle collector (replay's fold and fsck's walk): a fold allocates a few acyclic objects per record and
     keeps many of them, and the collector's passes over the growing state took ~40% of
     replay's time (1,000,000 records: hundreds of passes). Nothing a fold builds is a cycle,
     so nothing waits for the collector; it runs again afterwards (unless it was off)."""

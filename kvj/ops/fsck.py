@@ -65,11 +65,11 @@ from kvj.journal.reader import (
     Scan,
     TornTail,
     check_mode,
-    decode,
     list_logs,
+    payload_of,
     read_header,
 )
-from kvj.journal.replay import check_journal
+from kvj.journal.replay import check_journal, collector_paused
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
 
@@ -230,26 +230,28 @@ class _Checker:
         scan = Scan(self.path, covered_lsn=snap_lsn, reporter=self._report, verify_copies=True)
         r.logs = len(scan.logs)
         total = sum(_size(log) for log in scan.logs)
-        for raw in scan:
-            r.records += 1
-            if self.progress and r.records % 4096 == 0:
-                self.progress("reading the log", scan.bytes_read, total)
-            try:
-                rec = decode(raw)
-            except CorruptionError as exc:
-                self.add("error", "corruption", exc.reason, exc.path, exc.offset)
-                continue
-            if r.first_lsn is None:
-                r.first_lsn = rec.lsn
-            r.last_lsn = rec.lsn
-            if rec.lsn > snap_lsn:
-                state.apply(rec.rtype, rec.payload, rec.lsn)
-            elif check is not None and rec.lsn >= check_next:
-                if rec.lsn != check_next:
-                    check = None  # the log the newest snapshot came from is gone (compacted): nothing to compare
+        with collector_paused():
+            for raw in scan:
+                r.records += 1
+                if self.progress and r.records % 4096 == 0:
+                    self.progress("reading the log", scan.bytes_read, total)
+                try:
+                    payload = payload_of(raw)
+                except CorruptionError as exc:
+                    self.add("error", "corruption", exc.reason, exc.path, exc.offset)
                     continue
-                check.apply(rec.rtype, rec.payload, rec.lsn)
-                check_next += 1
+                lsn = raw.lsn
+                if r.first_lsn is None:
+                    r.first_lsn = lsn
+                r.last_lsn = lsn
+                if lsn > snap_lsn:
+                    state.apply(raw.rtype, payload, lsn)
+                elif check is not None and lsn >= check_next:
+                    if lsn != check_next:
+                        check = None  # the log the newest snapshot came from is gone (compacted): nothing to compare
+                        continue
+                    check.apply(raw.rtype, payload, lsn)
+                    check_next += 1
         if snap is not None:
             self._check_snapshot(snap.snapshot_lsn, snap_canon, check, scan.next_lsn, valid)
         return state
