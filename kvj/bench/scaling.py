@@ -55,6 +55,7 @@ OPERATIONS: List[Tuple[str, List[str], bool]] = [
     ("recover", ["recover", "--json"], True),
     ("fsck", ["fsck", "--json"], False),
     ("inspect --stats", ["inspect", "--stats", "--json"], False),
+    ("status", ["status", "--json"], False),
     ("compact", ["compact", "--grace", "0", "--json"], False),  # last: it changes the journal and store
 ]
 STORE_OPTION = {"replay": False, "inspect": False}
@@ -235,6 +236,7 @@ def run(directory: Optional[str] = None, records: Sequence[int] = JOURNAL_SIZES,
     work = tempfile.mkdtemp(prefix="kvj-bench-scaling-", dir=directory)
     rows: List[Dict[str, Any]] = []
     builds: List[Dict[str, Any]] = []
+    load_before = os.getloadavg()[0]
     try:
         baseline = run_child(["--version"])
         say(f"baseline: kvj --version {baseline['wall']:.2f} s, {baseline['rss_mib']:.0f} MiB")
@@ -262,7 +264,8 @@ def run(directory: Optional[str] = None, records: Sequence[int] = JOURNAL_SIZES,
             shutil.rmtree(store)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"baseline": baseline, "builds": builds, "rows": rows}
+    return {"baseline": baseline, "builds": builds, "rows": rows,
+            "load": {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}}
 
 
 def format_table(result: Dict[str, Any]) -> str:
@@ -296,4 +299,9 @@ def format_table(result: Dict[str, Any]) -> str:
     lines.append("x time, x RSS: against the previous size of the same operation (10x the size: 10.0 is linear)")
     for b in result["builds"]:
         lines.append(f"built {b['what']} in {b['seconds']:.1f} s")
+    load = result.get("load")
+    if load:
+        lines.append(f"{load['cpus']} CPUs, load average {load['before']:.2f} before the run, {load['after']:.2f} "
+                     "after; every command runs on one thread, except fsck's and recover's segment checks "
+                     "(8 threads); no row fsyncs except recover's and compact's own writes")
     return "\n".join(lines)
