@@ -11,9 +11,11 @@ contender runs two rounds in fresh directories, two loads each; the best save an
   also the real flush path, per 16-token block: one segment (a file, an fsync and a directory
   fsync) per block through ``Flusher.submit``, and packs, a step's ``STEP_BLOCKS`` blocks as
   one job through ``Flusher.submit_many`` (one file, one fdatasync, one directory fsync per
-  step); their load reads every block back verified into its slot of one host buffer on as
-  many threads as kvj's pool (what a loader does before its device copy; the scatter into a
-  paged cache is left out here as the whole tensor's is). The kvj rows count the fsyncs
+  step); their load reads every block back as the vLLM connector's load does
+  (``WorkerJournal._read_block``: the stored bytes, decoded with every chunk CRC and the digest
+  checked into its slot of one host buffer) on the connector's loader threads (``min(8, CPUs)``),
+  what it does before its device copy (the scatter into a paged cache is left out here as the
+  whole tensor's is). The kvj rows count the fsyncs
   (file and directory) and bytes their saves asked of the disk;
 - torch.save / torch.load(weights_only=True); safetensors save_file / load_file, twice:
   ``safetensors (mmap)`` maps the file and reads every byte through the map (no copy), and
@@ -50,6 +52,8 @@ import numpy as np
 import torch
 import zstandard
 
+from kvj.errors import SegmentCorrupt
+from kvj.segments import tensors
 from kvj.segments.codecs import codec_names
 from kvj.segments.flusher import Flusher
 from kvj.segments.load import paged_layout
@@ -58,6 +62,8 @@ from kvj.segments.store import SegmentStore
 BLOCK_TOKENS = 16
 #: Blocks per engine step in the packed per-block row (a decode step at batch 64).
 STEP_BLOCKS = 64
+#: The vLLM connector's loader threads (``WorkerJournal``'s default: ``min(8, CPUs)``).
+LOAD_THREADS = min(8, os.cpu_count() or 1)
 
 
 # --------------------------------------------------------------------------- data
@@ -251,11 +257,20 @@ def bench_kvj_blocks(kv: torch.Tensor, d: str, packed: bool) -> Result:
         for i, key in enumerate(keys):
             first_of.setdefault(key, i)
 
+        def read_block(i: int) -> None:
+            # what the vLLM connector's load does per block (``WorkerJournal._read_block``): the
+            # stored bytes, every chunk CRC and the digest checked while decoding into the slot
+            key = keys[i]
+            header, _ = tensors.decode_into(store.read_stored(key), slots[i], name=store.backend.describe(key),
+                                            max_raw=store.max_segment_bytes)
+            if header.digest.hex() != key:
+                raise SegmentCorrupt(key, None, "segment digest does not match the key")
+
         def load() -> None:
-            # A step's blocks read back as a loader does before its one device copy: each block
-            # verified and decoded into its slot of one host buffer, a shared block once.
-            with ThreadPoolExecutor(max_workers=_threads()) as ex:
-                list(ex.map(lambda i: store.get(keys[i], out=slots[i]), first_of.values()))
+            # A step's blocks read back as the connector's loader threads read them before its one
+            # device copy: each decoded into its slot of one host buffer, a shared block once.
+            with ThreadPoolExecutor(max_workers=LOAD_THREADS) as ex:
+                list(ex.map(read_block, first_of.values()))
             for i, key in enumerate(keys):
                 if first_of[key] != i:
                     np.copyto(slots[i].numpy(), slots[first_of[key]].numpy())  # torch.copy_ wakes its thread pool
@@ -531,6 +546,11 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def load_note(load_before: float) -> str:
-    """The line printed under the table: CPUs and the load average before and after the run."""
-    return (f"{os.cpu_count()} CPUs, load average {load_before:.2f} before the run, "
+    """The lines printed under the table: which rows fsync, the threads each side had, CPUs and
+    the load average before and after the run."""
+    return (f"every save fsyncs (file and directory) for every contender; loads read the page cache. Threads: "
+            f"kvj's store {_threads()} (chunk pool), the per-block loads {LOAD_THREADS} (the connector's loader), "
+            f"zstd-1 compresses on {_threads()} and decompresses on 1, ZipNN and blosc2 (when installed) {_threads()}, "
+            f"torch and safetensors 1\n"
+            f"{os.cpu_count()} CPUs, load average {load_before:.2f} before the run, "
             f"{os.getloadavg()[0]:.2f} after (other processes skew the speed columns)")

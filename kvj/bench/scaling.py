@@ -55,9 +55,12 @@ OPERATIONS: List[Tuple[str, List[str], bool]] = [
     ("recover", ["recover", "--json"], True),
     ("fsck", ["fsck", "--json"], False),
     ("inspect --stats", ["inspect", "--stats", "--json"], False),
+    ("status", ["status", "--json"], False),
     ("compact", ["compact", "--grace", "0", "--json"], False),  # last: it changes the journal and store
 ]
 STORE_OPTION = {"replay": False, "inspect": False}
+#: The row of the library call ``kvj.journal.replay.replay`` (in a fresh process, before the commands).
+LIBRARY_REPLAY = "kvj.replay()"
 #: (name, kvj arguments after the journal and store options): timed as whole processes.
 STARTUP: List[Tuple[str, List[str]]] = [
     ("status (process)", ["status", "--json"]),
@@ -81,6 +84,12 @@ _CHILD = ("import sys, time\n" + _REPORT +
           "status = run(app, sys.argv[1:], 'kvj')\n"
           "report(t0)\n"
           "sys.exit(status)\n")
+#: ``kvj.journal.replay.replay`` itself, the library call (``kvj replay --json`` adds printing every request).
+_LIBRARY_CHILD = ("import sys, time\n" + _REPORT +
+                  "from kvj.journal.replay import replay\n"
+                  "t0 = time.perf_counter()\n"
+                  "state = replay(sys.argv[1])\n"
+                  "report(t0)\n")
 #: A plain ``kvj`` process, imports and all.
 _PLAIN_CHILD = ("import sys, time\n" + _REPORT +
                 "t0 = time.perf_counter()\n"
@@ -165,12 +174,15 @@ def build_journal(path: str, store: str, infos: Sequence[Any], records: int, liv
         j.sync()
 
 
-def run_child(argv: List[str], cwd: Optional[str] = None, plain: bool = False) -> Dict[str, Any]:
+def run_child(argv: List[str], cwd: Optional[str] = None, plain: bool = False,
+              child: Optional[str] = None) -> Dict[str, Any]:
     """Run ``kvj argv`` in a fresh interpreter; its exit status, seconds (inside; with ``plain``
-    the whole process from its first line, and whether it imported torch) and peak RSS."""
+    the whole process from its first line, and whether it imported torch) and peak RSS.
+    ``child``: another child script, given ``argv``, instead."""
+    script = child or (_PLAIN_CHILD if plain else _CHILD)
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", _PLAIN_CHILD if plain else _CHILD, *argv],
+        proc = subprocess.Popen([sys.executable, "-c", script, *argv],
                                 stdout=subprocess.DEVNULL, stderr=err,
                                 cwd=cwd, env={**os.environ, "COLUMNS": "200"})
         _pid, status, usage = os.wait4(proc.pid, 0)
@@ -197,8 +209,8 @@ def run_child(argv: List[str], cwd: Optional[str] = None, plain: bool = False) -
 
 def measure(axis: str, size: int, unit: str, journal: str, store: str, work: str,
             log: Any = None) -> List[Dict[str, Any]]:
-    """Run every operation on ``journal`` and ``store`` (the start-up rows first, compact last: it
-    changes both); one row each."""
+    """Run every operation on ``journal`` and ``store`` (the start-up rows first, then the library's
+    replay, compact last: it changes both); one row each."""
     rows = []
     def argv(args: List[str], target: str) -> List[str]:
         return [args[0], "-j", target] + (["--store", store] if STORE_OPTION.get(args[0], True) else []) + args[1:]
@@ -209,6 +221,11 @@ def measure(axis: str, size: int, unit: str, journal: str, store: str, work: str
         if log:
             torch = "imported" if child["torch"] else "not imported"
             log(f"{name} on {size} {unit}s: {child['seconds'] or 0:.3f} s, torch {torch}, exit {child['status']}")
+    child = run_child([journal], child=_LIBRARY_CHILD)
+    rows.append({"axis": axis, "operation": LIBRARY_REPLAY, "size": size, "unit": unit, **child})
+    if log:
+        log(f"{LIBRARY_REPLAY} on {size} {unit}s: {child['seconds'] or 0:.3f} s, {child['rss_mib']:.0f} MiB, "
+            f"exit {child['status']}")
     for name, args, on_copy in OPERATIONS:
         target = journal
         if on_copy:
@@ -235,6 +252,7 @@ def run(directory: Optional[str] = None, records: Sequence[int] = JOURNAL_SIZES,
     work = tempfile.mkdtemp(prefix="kvj-bench-scaling-", dir=directory)
     rows: List[Dict[str, Any]] = []
     builds: List[Dict[str, Any]] = []
+    load_before = os.getloadavg()[0]
     try:
         baseline = run_child(["--version"])
         say(f"baseline: kvj --version {baseline['wall']:.2f} s, {baseline['rss_mib']:.0f} MiB")
@@ -262,7 +280,8 @@ def run(directory: Optional[str] = None, records: Sequence[int] = JOURNAL_SIZES,
             shutil.rmtree(store)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"baseline": baseline, "builds": builds, "rows": rows}
+    return {"baseline": baseline, "builds": builds, "rows": rows,
+            "load": {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}}
 
 
 def format_table(result: Dict[str, Any]) -> str:
@@ -296,4 +315,9 @@ def format_table(result: Dict[str, Any]) -> str:
     lines.append("x time, x RSS: against the previous size of the same operation (10x the size: 10.0 is linear)")
     for b in result["builds"]:
         lines.append(f"built {b['what']} in {b['seconds']:.1f} s")
+    load = result.get("load")
+    if load:
+        lines.append(f"{load['cpus']} CPUs, load average {load['before']:.2f} before the run, {load['after']:.2f} "
+                     "after; every command runs on one thread, except fsck's and recover's segment checks "
+                     "(8 threads); no row fsyncs except recover's and compact's own writes")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from crc32c import crc32c
 
@@ -104,9 +104,8 @@ def encode_group_header(body_len: int, count: int, first_lsn: int, salt: int = 0
     return GROUP_MAGIC + CRC.pack(crc32c(tail, salt)) + tail
 
 
-@dataclass(frozen=True)
-class RawRecord:
-    """One framed record as found on disk."""
+class RawRecord(NamedTuple):
+    """One framed record as found on disk (a named tuple: replay builds one per record)."""
 
     lsn: int
     rtype: int
@@ -144,13 +143,23 @@ def parse_group(data: bytes, off: int, path: str, salt: int = 0, origin: int = 0
     when = time_ns / 1e9 if time_ns is not None else None
     pos = off + GROUP_HEADERS[version].size
     end = pos + body_len
-    spans = _records(data, pos, end, first_lsn, count) if end <= len(data) else None
-    if spans is None or not all(good for _start, _stop, good in spans):
+    if end > len(data) or count == 0:
         return None
-    records = [RawRecord(first_lsn + i, RECORD_HEADER.unpack_from(data, start)[2],
-                         bytes(data[start + RECORD_HEADER_SIZE:stop]), path, origin + start, when)
-               for i, (start, stop, _good) in enumerate(spans)]
-    return records, end
+    view = memoryview(data)
+    unpack, size = RECORD_HEADER.unpack_from, RECORD_HEADER_SIZE
+    records: List[RawRecord] = []
+    append = records.append
+    for lsn in range(first_lsn, first_lsn + count):  # the checks of ``_records``, in one pass
+        if pos + size > end:
+            return None
+        crc, length, rtype, _flags, rec_lsn = unpack(data, pos)
+        stop = pos + size + length
+        if rtype == 0 or rec_lsn != lsn or length > MAX_RECORD_PAYLOAD or stop > end \
+                or crc32c(view[pos + 4:stop]) != crc:
+            return None
+        append(RawRecord(lsn, rtype, bytes(view[pos + size:stop]), path, origin + pos, when))
+        pos = stop
+    return (records, end) if pos == end else None
 
 
 def later_group_exists(data: bytes, off: int, after_lsn: int, salt: int = 0,

@@ -76,11 +76,16 @@ class Record:
 
 def decode(raw: RawRecord) -> Record:
     """Decode and validate a framed record's payload; a malformed one is ``CorruptionError``."""
+    return Record(raw.lsn, raw.rtype, payload_of(raw), raw.path, raw.offset, raw.time)
+
+
+def payload_of(raw: RawRecord) -> Dict[str, Any]:
+    """The decoded, validated payload of a framed record (``decode`` without the ``Record``
+    around it, for replay's fold); a malformed one is ``CorruptionError``."""
     try:
-        payload = decode_payload(raw.rtype, raw.payload)
+        return decode_payload(raw.rtype, raw.payload)
     except FormatError as exc:
         raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
-    return Record(raw.lsn, raw.rtype, payload, raw.path, raw.offset, raw.time)
 
 
 @dataclass(frozen=True)

@@ -248,17 +248,21 @@ def decode_payload(rtype: int, data: bytes) -> Dict[str, Any]:
     if not isinstance(payload, dict):
         raise FormatError("payload is not a map")
     decoder = _DECODERS.get(rtype)
-    name = NAMES[RecordType(rtype)] if decoder is not None else f"type {rtype}"
     try:
         if decoder is None:
             _walk(payload, "payload", False)
         else:
             decoder.decode(data).check(False)
     except (msgspec.DecodeError, InvalidName) as exc:  # read back, an unsafe name is damage
-        raise FormatError(f"{name} record: {exc}") from None
+        raise FormatError(f"{_name(rtype)} record: {exc}") from None
     except RecursionError:
-        raise FormatError(f"{name} record: a map is nested too deeply") from None
+        raise FormatError(f"{_name(rtype)} record: a map is nested too deeply") from None
     return payload
+
+
+def _name(rtype: int) -> str:
+    """A record type's name in messages ("type N" for one this kvj does not know)."""
+    return NAMES[RecordType(rtype)] if rtype in _STRUCTS else f"type {rtype}"
 
 
 _CONTAINERS = (dict, list)

@@ -7,13 +7,23 @@ journal means.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvj.journal.records import NAMES, RecordType
 
 
-@dataclass
+#: The record types as plain ints, and their names: ``apply`` runs once per record, and an
+#: ``IntEnum`` member's lookup and comparison cost more than an int's.
+_START, _SEGMENT, _END, _ALLOC, _FREE, _CHECKPOINT, _DELTA, _EPOCH, _TOKENS, _HANDOFF = (
+    int(t) for t in (RecordType.START, RecordType.SEGMENT, RecordType.END, RecordType.ALLOC, RecordType.FREE,
+                     RecordType.CHECKPOINT, RecordType.DELTA, RecordType.EPOCH, RecordType.TOKENS,
+                     RecordType.HANDOFF))
+_NAMES: Dict[int, str] = {int(t): name for t, name in NAMES.items()}
+
+
+@dataclass(slots=True)
 class SegmentRef:
     """A durable segment of a request: which tokens it covers and where its bytes are."""
 
@@ -40,7 +50,7 @@ class SegmentRef:
                    d.get("stored_size", 0), d.get("digest"), d.get("codec", ""), d["lsn"], d.get("ptr"))
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """One request: its prompt, the tokens it generated, its durable segments and whether it ended."""
 
@@ -86,7 +96,7 @@ class RequestState:
         return req
 
 
-@dataclass
+@dataclass(slots=True)
 class Allocation:
     addr: int
     size: int
@@ -126,51 +136,55 @@ class JournalState:
         if self.first_lsn is None:
             self.first_lsn = lsn
         self.last_lsn = lsn
-        name = NAMES.get(rtype, f"type{rtype}")  # type: ignore[call-overload]
-        self.counts[name] = self.counts.get(name, 0) + 1
-        if rtype == RecordType.START:
+        name = _NAMES.get(rtype) or f"type{rtype}"
+        counts = self.counts
+        counts[name] = counts.get(name, 0) + 1
+        if rtype == _START:
             if p["id"] in self.requests and not self.requests[p["id"]].ended:
                 self._warn(lsn, f"request {p['id']} started again; the earlier start is replaced")
             self.requests[p["id"]] = RequestState(p["id"], p["prompt_hash"], p["tokens"], p["meta"], lsn)
-        elif rtype == RecordType.SEGMENT:
+        elif rtype == _SEGMENT:
             req = self.requests.get(p["id"])
             if req is None or req.ended:
                 self._warn(lsn, f"segment {p['seg']} for a request that is not in flight: {p['id']}")
                 return
             tokens = (p["tokens"][0], p["tokens"][1]) if p["tokens"] is not None else None
-            req.segments[p["seg"]] = SegmentRef(p["seg"], p["key"], tokens, p["layout"], p["raw_size"],
-                                                p["stored_size"], p["digest"], p["codec"], lsn)
-        elif rtype == RecordType.END:
+            key, digest = p["key"], p["digest"]
+            # one string object where the digest is the key (kvj writes it so) and one per codec
+            # name: a request in flight holds a ref per block, and replay's memory is mostly these
+            req.segments[p["seg"]] = SegmentRef(p["seg"], key, tokens, p["layout"], p["raw_size"], p["stored_size"],
+                                                key if digest == key else digest, sys.intern(p["codec"]), lsn)
+        elif rtype == _END:
             req = self.requests.get(p["id"])
             if req is None:
                 self._warn(lsn, f"end of a request that never started: {p['id']}")
                 return
             req.ended, req.status, req.end_lsn = True, p["status"], lsn
-        elif rtype == RecordType.HANDOFF:
+        elif rtype == _HANDOFF:
             req = self.requests.get(p["id"])
             if req is None or req.ended:
                 self._warn(lsn, f"handoff of a request that is not in flight: {p['id']}")
                 return
             req.ended, req.status, req.end_lsn, req.moved_to = True, "handoff", lsn, p["to"]
-        elif rtype == RecordType.ALLOC:
+        elif rtype == _ALLOC:
             device = self.allocations.setdefault(p["device"], {})
             if p["addr"] in device:
                 self._warn(lsn, f"allocation at {p['device']}:{p['addr']:#x} replaces a live one")
             device[p["addr"]] = Allocation(p["addr"], p["size"], p["tag"], lsn)
-        elif rtype == RecordType.FREE:
+        elif rtype == _FREE:
             if self.allocations.get(p["device"], {}).pop(p["addr"], None) is None:
                 self._warn(lsn, f"free of unknown allocation {p['device']}:{p['addr']:#x}")
-        elif rtype == RecordType.CHECKPOINT:
+        elif rtype == _CHECKPOINT:
             self.checkpoint = {"step": p["step"], "keys": p["keys"], "meta": p["meta"], "lsn": lsn}
             self.deltas = []
-        elif rtype == RecordType.DELTA:
+        elif rtype == _DELTA:
             self.deltas.append({"step": p["step"], "base_step": p["base_step"], "keys": p["keys"],
                                 "meta": p["meta"], "lsn": lsn})
-        elif rtype == RecordType.EPOCH:
+        elif rtype == _EPOCH:
             self.epochs.append({"epoch": p["epoch"], "recovered_lsn": p["recovered_lsn"],
                                 "time": p["time"], "manifest": p["manifest"], "lsn": lsn,
                                 **({"salvage": p["salvage"]} if p.get("salvage") is not None else {})})
-        elif rtype == RecordType.TOKENS:
+        elif rtype == _TOKENS:
             req = self.requests.get(p["id"])
             if req is None or req.ended:
                 self._warn(lsn, f"tokens for a request that is not in flight: {p['id']}")

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, SegmentMissing
 from kvj.fileio import list_dir
-from kvj.journal.framing import RECORD_HEADER_SIZE
+from kvj.journal.framing import RECORD_HEADER_SIZE, RawRecord
 from kvj.journal.recovery import TORN_DIR
 from kvj.ops.handoff import moved, read_control
 from kvj.journal.config import config_max_store_bytes, config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
-from kvj.journal.reader import Scan, list_logs, log_end, read_header
+from kvj.journal.reader import LogEnd, Scan, TornTail, list_logs, log_end, read_header
 from kvj.journal.records import RecordType
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots
@@ -75,9 +75,9 @@ def _writer_opened(directory: str) -> Optional[float]:
         return None
 
 
-def _last_minute(directory: str, logs: List[str], now: float) -> Dict[str, Any]:
-    """Records, bytes and commit groups written in the last ``WINDOW`` seconds, from the newest
-    log files back.
+def _newest(directory: str, logs: List[str], now: float, snapshot_lsn: int) -> Tuple[LogEnd, Dict[str, Any]]:
+    """Where the log ends (``reader.log_end``) and the records, bytes and commit groups written in
+    the last ``WINDOW`` seconds, from one walk of the newest log files back (each group read once).
 
     The commit lag is the longest interval between consecutive groups of one writer in the
     window: a record appended right after the first of two waited at most that long to be
@@ -87,29 +87,43 @@ def _last_minute(directory: str, logs: List[str], now: float) -> Dict[str, Any]:
     writer opened the journal (its lock file's mtime)."""
     records = nbytes = 0
     groups: Dict[float, bool] = {}  # group time -> whether it holds a recovery epoch record
-    for path in reversed(logs):
-        header = read_header(path)
+    end: Optional[LogEnd] = None
+    tail: Optional[TornTail] = None
+    for index in range(len(logs) - 1, -1, -1):
+        path = logs[index]
+        try:
+            header = read_header(path)
+        except FileNotFoundError:
+            continue
         if header is None:
             continue
         seen_old = False
-        for raw in Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None):
-            if raw.time is None or raw.time < now - WINDOW:
+        last: Optional[RawRecord] = None
+        scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None)
+        for group in scan.groups():
+            last = group.records[-1]
+            when = last.time  # every record of a group carries the group's time
+            if when is None or when < now - WINDOW:
                 seen_old = True
                 continue
-            records += 1
-            nbytes += RECORD_HEADER_SIZE + len(raw.payload)
-            # every record of a group carries the group's time
-            groups[raw.time] = groups.get(raw.time, False) or raw.rtype == RecordType.EPOCH
-        if seen_old:  # this file reaches back past the window: older files cannot add to it
+            records += len(group.records)
+            nbytes += sum(RECORD_HEADER_SIZE + len(raw.payload) for raw in group.records)
+            groups[when] = groups.get(when, False) or any(raw.rtype == RecordType.EPOCH for raw in group.records)
+        if index == len(logs) - 1:
+            tail = scan.tail
+        if end is None and last is not None:
+            end = LogEnd(last.lsn, last.time, path, tail)
+        if seen_old and end is not None:  # this file reaches back past the window: older files cannot add to it
             break
     times = sorted(groups)
     opened = _writer_opened(directory)
     gaps = [b - a for a, b in zip(times, times[1:])
             if not (groups[a] or groups[b] or (opened is not None and a < opened <= b))]
-    return {"seconds": WINDOW, "records": records, "bytes": nbytes,
-            "records_per_s": records / WINDOW, "bytes_per_s": nbytes / WINDOW,
-            "groups": len(times), "records_per_group": records / len(times) if times else None,
-            "commit_lag": max(gaps) if gaps else None}
+    minute = {"seconds": WINDOW, "records": records, "bytes": nbytes,
+              "records_per_s": records / WINDOW, "bytes_per_s": nbytes / WINDOW,
+              "groups": len(times), "records_per_group": records / len(times) if times else None,
+              "commit_lag": max(gaps) if gaps else None}
+    return end or LogEnd(snapshot_lsn, None, None, tail), minute
 
 
 def status(journal: str, store_root: Optional[str], now: Optional[float] = None) -> Dict[str, Any]:
@@ -120,13 +134,13 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
     logs = list_logs(journal)
     snaps = list_snapshots(journal)
     snapshot_lsn = snaps[0][0] if snaps else 0
-    end = log_end(journal, snapshot_lsn)
+    end, last_minute = _newest(journal, logs, now, snapshot_lsn)
     out: Dict[str, Any] = {
         "journal": journal, "now": now,
         "writer": _holder(journal, LOCK_NAME, "writer"), "compactor": _holder(journal, COMPACT_LOCK, "compactor"),
         "last_lsn": end.lsn, "last_write": end.time, "last_write_age": (now - end.time) if end.time else None,
         "incomplete_tail": end.tail.length if end.tail else 0,
-        "last_minute": _last_minute(journal, logs, now),
+        "last_minute": last_minute,
         "logs": len(logs), "log_bytes": _size(logs), "snapshots": len(snaps), "snapshot_bytes": _size([p for _l, p in snaps]),
         "last_compaction": ({"snapshot_lsn": snaps[0][0], "time": os.stat(snaps[0][1]).st_mtime} if snaps else None),
         "set_aside": {folder: _size(_files(os.path.join(journal, folder))) for folder in (TORN_DIR, RECOVERY_DIR)},

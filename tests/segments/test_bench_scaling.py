@@ -24,7 +24,7 @@ def test_built_store_and_journal_then_every_operation(tmp_path):
     assert referenced == {i.key for i in infos[:8]}
 
     rows = scaling.measure("store", 16, "segment", journal, store, str(tmp_path))
-    assert [r["operation"] for r in rows] == [name for name, _args in scaling.STARTUP] + \
+    assert [r["operation"] for r in rows] == [name for name, _args in scaling.STARTUP] + [scaling.LIBRARY_REPLAY] + \
         [name for name, _args, _copy in scaling.OPERATIONS]
     for r in rows:
         assert r["status"] == 0, r
@@ -43,9 +43,11 @@ def test_run_builds_measures_and_cleans_up(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling, "OPERATIONS", scaling.OPERATIONS[:1])
     result = scaling.run(str(tmp_path), records=[19], segments=[])
     assert [(r["operation"], r["size"]) for r in result["rows"]] == \
-        [(name, 19) for name, _args in scaling.STARTUP] + [(name, 19) for name, _args, _copy in scaling.OPERATIONS]
+        [(name, 19) for name, _args in scaling.STARTUP] + [(scaling.LIBRARY_REPLAY, 19)] + \
+        [(name, 19) for name, _args, _copy in scaling.OPERATIONS]
     assert all(r["status"] == 0 for r in result["rows"]) and result["baseline"]["status"] == 0
-    assert "built journal of 19 records" in scaling.format_table(result)
+    table = scaling.format_table(result)
+    assert "built journal of 19 records" in table and "load average" in table and "CPUs" in table
     assert os.listdir(tmp_path) == []  # the work directory is removed
 
 

@@ -1,0 +1,102 @@
+"""The replay fast paths against the plain ones they stand for: ``parse_group``'s one-pass walk
+against the record walk tail evidence uses (``framing._records``), and ``RecordStream.fold``
+against decoding every record and applying it."""
+
+import gc
+import os
+import tempfile
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvj.journal import framing as F
+from kvj.journal.journal import Journal
+from kvj.journal.records import RecordType
+from kvj.journal.replay import RecordStream
+from kvj.journal.state import JournalState
+
+
+def plain_parse(data, off, path, salt):
+    """A group as the spec defines it, through ``_records``: header checks, every record chains
+    and passes its CRC, and the records fill the body exactly."""
+    head = F.group_header_at(data, off, salt)
+    if head is None:
+        return None
+    body_len, count, first_lsn, time_ns = head
+    pos = off + F.GROUP_HEADER_SIZE
+    end = pos + body_len
+    spans = F._records(data, pos, end, first_lsn, count) if end <= len(data) else None
+    if spans is None or not all(good for _a, _b, good in spans):
+        return None
+    return [(first_lsn + i, F.RECORD_HEADER.unpack_from(data, a)[2], data[a + F.RECORD_HEADER_SIZE:b], path, a,
+             time_ns / 1e9) for i, (a, b, _g) in enumerate(spans)], end
+
+
+records = st.lists(st.tuples(st.integers(0, 9), st.binary(max_size=40)), min_size=0, max_size=6)
+
+
+@given(records, st.integers(1, 10**6), st.integers(0, 2**32 - 1),
+       st.one_of(st.none(), st.tuples(st.integers(0, 10**6), st.integers(0, 7))),
+       st.one_of(st.none(), st.integers(0, 400)), st.integers(-1, 2))
+@settings(max_examples=400, deadline=None)
+def test_parse_group_accepts_exactly_what_the_record_walk_accepts(recs, first_lsn, salt, flip, cut, miscount):
+    body = b"".join(F.encode_record(t, first_lsn + i, p) for i, (t, p) in enumerate(recs))
+    data = bytearray(F.encode_group_header(len(body), max(0, len(recs) + miscount), first_lsn, salt, 5 * 10**9)
+                     + body + b"\0" * 8)
+    if flip is not None:
+        data[flip[0] % len(data)] ^= 1 << flip[1]
+    if cut is not None:
+        data = data[:cut]
+    fast = F.parse_group(bytes(data), 0, "f", salt)
+    plain = plain_parse(bytes(data), 0, "f", salt)
+    if plain is None:
+        assert fast is None
+    else:
+        assert fast is not None and ([tuple(r) for r in fast[0]], fast[1]) == plain
+
+
+ops = st.lists(st.tuples(st.sampled_from(["start", "segment", "end", "tokens", "alloc", "free"]),
+                         st.integers(0, 4), st.integers(0, 3)), max_size=40)
+
+
+def append(journal, op, rid_n, n, at):
+    rid = f"r{rid_n}"
+    if op == "start":
+        journal.append(RecordType.START, {"id": rid, "prompt_hash": None, "tokens": [1, 2], "meta": {"n": n}})
+    elif op == "segment":
+        journal.append(RecordType.SEGMENT, {"id": rid, "seg": n, "key": f"{n:064x}", "tokens": [16 * n, 16 * n + 16],
+                                            "layout": {"block": n}, "raw_size": 1, "stored_size": 1,
+                                            "digest": f"{n:064x}", "codec": "raw"})
+    elif op == "end":
+        journal.append(RecordType.END, {"id": rid, "status": "ok"})
+    elif op == "tokens":
+        journal.append(RecordType.TOKENS, {"id": rid, "at": at, "tokens": [n]})
+    elif op == "alloc":
+        journal.append(RecordType.ALLOC, {"device": "cuda:0", "addr": n, "size": 4, "tag": rid})
+    else:
+        journal.append(RecordType.FREE, {"device": "cuda:0", "addr": n})
+
+
+@given(ops, st.one_of(st.none(), st.integers(0, 45)), st.booleans())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_fold_equals_applying_every_decoded_record(sequence, at_lsn, collector_on):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "j")
+        with Journal.open(path) as journal:
+            for i, (op, rid_n, n) in enumerate(sequence):
+                append(journal, op, rid_n, n, i % 3)
+            journal.sync()
+        plain = JournalState()
+        for rec in RecordStream(path):
+            if at_lsn is not None and rec.lsn > at_lsn:
+                break
+            plain.apply(rec.rtype, rec.payload, rec.lsn)
+        fast = JournalState()
+        (gc.enable if collector_on else gc.disable)()
+        try:
+            RecordStream(path).fold(fast, at_lsn)
+            assert gc.isenabled() == collector_on  # the collector is back as it was
+        finally:
+            gc.enable()
+        assert fast.to_dict() == plain.to_dict()
+        assert fast.counts == plain.counts
