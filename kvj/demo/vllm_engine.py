@@ -1,0 +1,99 @@
+"""``python -m kvj.demo.vllm_engine SPEC.json``: a vLLM engine journaling through ``KvjConnector``.
+
+The demo runs it as a child process, SIGKILLs it mid-generation and starts another that
+resumes (``kvj.integrations.vllm.resume``) from ``kvj recover``'s manifest. ``SPEC`` names
+the model directory, the journal, the output file and a list of jobs:
+
+* ``{"generate": [[ids...], ...], "max_tokens": N}``: one greedy ``LLM.generate`` call;
+* ``{"resume": MANIFEST}``: resume every request of a recovery manifest.
+
+Each job's result (tokens, their logprobs; for a resume, KV restored / recomputed tokens) is
+written to ``SPEC["out"]/job-N.json`` (durably, ``kvj.fileio.atomic_write``) once the job is
+done, so a parent that kills the engine mid-job still has the jobs before it; ``ready.json``
+comes first, when the engine has started. ``build_model`` writes the random-weight
+Qwen2 the demo serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict
+
+from kvj.fileio import atomic_write, makedirs_durable
+
+BLOCK_SIZE = 32  #: vLLM's CPU attention backend takes multiples of 32
+
+
+def build_model(path: str, seed: int = 0) -> str:
+    """A small random-weight Qwen2 saved at ``path`` (weights scaled up: at init scale a random
+    model's next token barely depends on the context, and a resume that lost it would pass)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the demo's console shows its own progress
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(path)
+    return path
+
+
+def _write(out: str, name: str, obj: Dict[str, Any]) -> None:
+    atomic_write(os.path.join(out, f"{name}.json"), json.dumps(obj).encode())
+
+
+def _output(out: Any) -> Dict[str, Any]:
+    comp = out.outputs[0]
+    return {"token_ids": list(comp.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)]}
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    # The CPU backend reserves a core for NIXL when a KV connector is configured: on 2 cores that
+    # would leave the engine's scheduler none.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    if spec.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvj.integrations.vllm import resume
+
+    transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
+                                kv_role="kv_both", kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"journal": spec["journal"]})
+    # float32: vLLM's CPU bfloat16 kernels are not batch-invariant (a resumed request is batched
+    # otherwise than in the uninterrupted run).
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
+              enforce_eager=True, seed=0, block_size=BLOCK_SIZE, max_num_batched_tokens=spec.get("step_tokens", 64),
+              kv_transfer_config=transfer, kv_cache_memory_bytes=1 << 30)
+    makedirs_durable(spec["out"])
+    _write(spec["out"], "ready", {"ready": True})
+    for n, job in enumerate(spec["jobs"]):
+        t0 = time.perf_counter()
+        if "generate" in job:
+            params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, logprobs=1)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["generate"]], params, use_tqdm=False)
+            result: Dict[str, Any] = {"requests": [_output(o) for o in outs]}
+        else:
+            result = {"requests": [{**(_output(r.output) if r.output else {}), "id": r.request_id,
+                                    "prompt": r.plan.prompt, "resumed_at": len(r.plan.generated),
+                                    "all_token_ids": r.token_ids, "restored": r.restored_tokens,
+                                    "reused": r.reused_tokens, "recomputed": r.recomputed_tokens}
+                                   for r in resume(llm, job["resume"])]}
+        _write(spec["out"], f"job-{n}", {**result, "seconds": time.perf_counter() - t0})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
