@@ -316,4 +316,6 @@ def demo(out: str = "demo-out", seed: Optional[int] = None, device: str = "cpu",
 
     if not 1 <= requests <= 8 or max_new < 16 or steps < 4:
         raise InvalidArgument("the demo takes 1 to 8 requests, at least 16 new tokens and at least 4 steps")
+    if device != "cpu":
+        raise InvalidArgument("--device is for --quick: the vLLM engine picks its own device")
     return Stacks(console, prepare(out), seed, requests, max_new, steps).run()

@@ -24,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -40,6 +39,9 @@ from kvj.demo.run import operator_recover
 #: Logprobs of a resumed request against the uninterrupted engine's: float32 on the CPU
 #: backend, batched otherwise after the resume (the e2e tests' tolerance).
 LOGPROB_TOL = 5e-5
+#: Seconds each step of the served engine lasts at least, as a larger model's would: the kill
+#: lands mid-decode however busy the machine is (the parent reacts to a step within a few).
+PACE = 0.05
 ENGINE_TIMEOUT = 900.0  #: seconds an engine may take (start-up is 30-90 s on a loaded 2-core machine)
 
 
@@ -55,16 +57,23 @@ class Engine:
     """A ``python -m kvj.demo.vllm_engine`` child process and its results directory."""
 
     def __init__(self, root: str, name: str, model: str, journal: str, jobs: List[Dict[str, Any]],
-                 in_process: bool = False):
+                 in_process: bool = False, events: bool = False):
         self.name, self.out = name, os.path.join(root, f"{name}-out")
         self.log = os.path.join(root, f"{name}.log")
-        spec = {"model": model, "journal": journal, "out": self.out, "jobs": jobs, "in_process": in_process}
+        read, write = os.pipe() if events else (None, None)
+        spec = {"model": model, "journal": journal, "out": self.out, "jobs": jobs, "in_process": in_process,
+                "events_fd": write}
         path = os.path.join(root, f"{name}.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
         with open(self.log, "w", encoding="utf-8") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvj.demo.vllm_engine", path], stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         pass_fds=(write,) if events else ())
+        self.events = None
+        if events:
+            os.close(write)
+            self.events = os.fdopen(read, "r")
 
     def result(self, n: int) -> Optional[Dict[str, Any]]:
         path = os.path.join(self.out, f"job-{n}.json")
@@ -86,16 +95,17 @@ class Engine:
         if self.proc.returncode != 0:
             raise self._failed()
 
-    def kill_when(self, now: Callable[[], bool]) -> bool:
-        """SIGKILL it (its whole process group) once ``now()``; False if it exited first."""
-        deadline = time.monotonic() + ENGINE_TIMEOUT
+    def kill_when(self, now: Callable[[Dict[str, Any]], bool]) -> bool:
+        """SIGKILL it (its whole process group) at the first of its step events for which
+        ``now(event)``; False if it exited first."""
+        assert self.events is not None
         try:
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                if now():
+            for line in self.events:
+                if now(json.loads(line)):
                     return True
-                time.sleep(0.02)
         finally:
             self.kill()
+            self.events.close()
         if self.proc.returncode not in (0, -signal.SIGKILL):
             raise self._failed()
         return False
@@ -107,12 +117,8 @@ class Engine:
 
 
 def _in_flight(journal: str) -> Dict[int, Tuple[int, int]]:
-    """Prompt length -> (generated tokens journaled, tokens of KV durable) of each request in
-    flight (empty while the journal is being created)."""
-    try:
-        state = kvj.replay(journal)
-    except kvj.KvjError:
-        return {}
+    """Prompt length -> (generated tokens journaled, tokens of KV durable) of each request in flight."""
+    state = kvj.replay(journal)
     return {int(r.meta.get("prompt_len", 0)): (len(r.output), r.resume_position) for r in state.in_flight()}
 
 
@@ -128,29 +134,28 @@ class VllmPart:
         lengths = [60, 90, 124, 200, 150, 40, 180, 100][:requests]
         self.prompts = [[rng.randrange(1024) for _ in range(n)] for n in lengths]
         self.target = demo.rng.randint(8, max(8, max_new * 2 // 3))  # generated tokens journaled at the kill
-        self.jobs = [{"generate": self.prompts, "max_tokens": max_new}]
+        self.job = {"serve": self.prompts, "max_tokens": max_new}
 
     def intro(self) -> str:
         return (f"Server: vLLM (CPU backend) with KvjConnector serves {len(self.prompts)} requests "
                 f"(prompts of {', '.join(str(len(p)) for p in self.prompts)} tokens, {self.max_new} new tokens each) "
                 f"with a random-weight Qwen2; every 32 tokens of KV are a journaled block. SIGKILL once a request "
-                f"has {self.target} generated tokens journaled.")
+                f"has generated {self.target} tokens.")
 
     def run(self) -> None:
         from kvj.demo.vllm_engine import build_model
 
         self.model = build_model(os.path.join(self.root, "qwen2"))
         self.reference = Engine(self.root, "reference", self.model, os.path.join(self.root, "reference-journal"),
-                                self.jobs, in_process=True)
-        self.engine = Engine(self.root, "served", self.model, self.journal, self.jobs)
+                                [self.job], in_process=True)
+        # In process: the engine core steps when the driver does (in its own process it runs ahead).
+        self.engine = Engine(self.root, "served", self.model, self.journal, [{**self.job, "pace": PACE}],
+                             in_process=True, events=True)
 
     def crash(self) -> None:
-        self.at_kill: Dict[int, Tuple[int, int]] = {}
-
-        def now() -> bool:
-            self.at_kill = _in_flight(self.journal)
-            return max((n for n, _ in self.at_kill.values()), default=0) >= self.target
-        self.missed = not self.engine.kill_when(now)
+        killed = self.engine.kill_when(lambda e: max(e["generated"]) >= self.target)
+        self.at_kill = _in_flight(self.journal)
+        self.missed = not killed or not self.at_kill
 
     def crash_rows(self, table: Table) -> None:
         for p in self.prompts:
@@ -234,13 +239,12 @@ class TrainerPart:
     def resume(self) -> None:
         from kvj.demo.hf_training import uninterrupted
 
-        self.events = None if self.killed.finished else crashrun.finish(self.argv + ["--resume"])
-        with self.d.torch_lock:
-            import torch
+        import torch
 
-            torch.set_num_threads(1)  # as the worker runs (bit-identical arithmetic)
-            torch.use_deterministic_algorithms(True)
-            self.expected = uninterrupted(self.run_spec, os.path.join(self.root, "reference-out"))
+        self.events = None if self.killed.finished else crashrun.finish(self.argv + ["--resume"])
+        torch.set_num_threads(1)  # as the worker runs (bit-identical arithmetic)
+        torch.use_deterministic_algorithms(True)
+        self.expected = uninterrupted(self.run_spec, os.path.join(self.root, "reference-out"))
 
     def proof(self) -> bool:
         if self.events is None:
@@ -280,7 +284,6 @@ class Stacks:
     def __init__(self, console: Console, out: str, seed: int, requests: int, max_new: int, steps: int):
         self.c, self.out, self.seed = console, out, seed
         self.rng = random.Random(seed)
-        self.torch_lock = threading.Lock()
         self.parts: List[Any] = []
         if vllm_available():
             self.parts.append(VllmPart(self, requests, max_new))
@@ -334,9 +337,10 @@ class Stacks:
 
     def run(self) -> bool:
         t0 = time.perf_counter()
-        self.c.print(Panel.fit("[bold]kvj demo[/]: a vLLM server and a Hugging Face fine-tune crash mid-flight "
-                               "(SIGKILL);\nkvj brings both back exactly where the disk says they were.",
-                               border_style="cyan"))
+        what = "a vLLM server and a Hugging Face fine-tune crash" if len(self.parts) > 1 else \
+            "a Hugging Face fine-tune crashes"
+        self.c.print(Panel.fit(f"[bold]kvj demo[/]: {what} mid-flight (SIGKILL);\nkvj brings "
+                               "them back exactly where the disk says they were.", border_style="cyan"))
         for n, (title, step) in enumerate(self.steps, 1):
             self.c.print()
             self.c.rule(f"[bold]{n}. {title}", align="left")

@@ -4,7 +4,11 @@ The demo runs it as a child process, SIGKILLs it mid-generation and starts anoth
 resumes (``kvj.integrations.vllm.resume``) from ``kvj recover``'s manifest. ``SPEC`` names
 the model directory, the journal, the output file and a list of jobs:
 
-* ``{"generate": [[ids...], ...], "max_tokens": N}``: one greedy ``LLM.generate`` call;
+* ``{"serve": [[ids...], ...], "max_tokens": N, "pace": S}``: the prompts (greedy) added at
+  once, the engine stepped until all are done, each step at least ``S`` seconds (as a larger
+  model's step would last: the parent's kill then lands mid-decode on a loaded machine too);
+  after every step, ``{"step": n, "generated": [tokens of each request]}`` is written as one
+  line to file descriptor ``SPEC["events_fd"]`` when given, for a parent picking its moment;
 * ``{"resume": MANIFEST}``: resume every request of a recovery manifest.
 
 Each job's result (tokens, their logprobs; for a resume, KV restored / recomputed tokens) is
@@ -20,7 +24,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict
+from typing import IO, Any, Dict, List, Optional
 
 from kvj.fileio import atomic_write, makedirs_durable
 
@@ -56,17 +60,44 @@ def _output(out: Any) -> Dict[str, Any]:
             "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)]}
 
 
+def _serve(llm: Any, job: Dict[str, Any], events: Optional[IO[str]]) -> List[Dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, logprobs=1)
+    index = {}
+    for i, prompt in enumerate(job["serve"]):
+        index[engine.add_request(f"demo-{i}", TokensPrompt(prompt_token_ids=prompt), params)] = i
+        index[f"demo-{i}"] = i
+    done: Dict[int, Dict[str, Any]] = {}
+    generated = [0] * len(job["serve"])
+    step = 0
+    while len(done) < len(job["serve"]):
+        t0 = time.perf_counter()
+        for out in engine.step():
+            i = index[out.request_id]
+            generated[i] = len(out.outputs[0].token_ids)
+            if out.finished:
+                done[i] = _output(out)
+        step += 1
+        if events is not None:
+            events.write(json.dumps({"step": step, "generated": generated}) + "\n")
+            events.flush()
+        time.sleep(max(0.0, job.get("pace", 0.0) - (time.perf_counter() - t0)))
+    return [done[i] for i in range(len(job["serve"]))]
+
+
 def main(spec_path: str) -> None:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
     # The CPU backend reserves a core for NIXL when a KV connector is configured: on 2 cores that
     # would leave the engine's scheduler none.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    if spec.get("in_process"):
+    if spec.get("in_process"):  # the engine core in this process: it steps when ``serve`` steps it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     from kvj.integrations.vllm import resume
 
@@ -78,14 +109,13 @@ def main(spec_path: str) -> None:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               enforce_eager=True, seed=0, block_size=BLOCK_SIZE, max_num_batched_tokens=spec.get("step_tokens", 64),
               kv_transfer_config=transfer, kv_cache_memory_bytes=1 << 30)
+    events = os.fdopen(spec["events_fd"], "w") if spec.get("events_fd") is not None else None
     makedirs_durable(spec["out"])
     _write(spec["out"], "ready", {"ready": True})
     for n, job in enumerate(spec["jobs"]):
         t0 = time.perf_counter()
-        if "generate" in job:
-            params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, logprobs=1)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["generate"]], params, use_tqdm=False)
-            result: Dict[str, Any] = {"requests": [_output(o) for o in outs]}
+        if "serve" in job:
+            result: Dict[str, Any] = {"requests": _serve(llm, job, events)}
         else:
             result = {"requests": [{**(_output(r.output) if r.output else {}), "id": r.request_id,
                                     "prompt": r.plan.prompt, "resumed_at": len(r.plan.generated),
