@@ -14,7 +14,8 @@ from typing import Annotated, Callable, List, NoReturn, Optional
 import typer
 
 from kvj import __version__
-from kvj.cli import bench, compact, demo, dump, flush, fsck, init, inspect, prune, record, recover, replay, status
+from kvj.cli import bench, compact, demo, dump, flush, fsck, handoff, init, inspect, prune, record, recover, replay
+from kvj.cli import status
 from kvj.cli import replicate, restore, verify
 from kvj.cli.common import OutputClosed, OutputFailed, StdoutGuard, click, reset_done, usage_and_exit, work_done
 from kvj.cli.errors import (DONE_UNREPORTED, EXIT_CODES, FSCK_USAGE, INTERRUPTED, IOERR, OK, USAGE, classify, debug,
@@ -56,6 +57,7 @@ app.add_typer(record.app, name="record")
 app.command("flush")(flush.flush)
 app.command("replay")(replay.replay)
 app.command("recover")(recover.recover)
+app.command("handoff")(handoff.handoff)
 app.command("inspect")(inspect.inspect)
 app.command("compact")(compact.compact)
 app.command("prune")(prune.prune)

@@ -173,8 +173,15 @@ def stats_view(stats: Dict[str, Any], path: str) -> RenderableType:
             big.add_column(col, justify="left" if col in ("request", "state") else "right")
         for r in stats["largest_requests"]:
             big.add_row(r["id"], str(r["segments"]), str(r["tokens"]), size(r["raw"]), size(r["stored"]),
-                        "ended" if r["ended"] else "in flight")
+                        f"moved to {r['moved_to']}" if r.get("moved_to") else "ended" if r["ended"] else "in flight")
         parts.append(big)
+    if stats.get("moved"):
+        moved = Table(title="handed off", box=None, header_style="bold", title_justify="left")
+        moved.add_column("request", justify="left")
+        moved.add_column("moved to", justify="left")
+        for rid, to in sorted(stats["moved"].items()):
+            moved.add_row(rid, to)
+        parts.append(moved)
     return Group(*parts)
 
 

@@ -125,6 +125,15 @@ def view(s: Dict[str, Any]) -> RenderableType:
     if epoch:
         rows.append(["last recovery", f"epoch {epoch['epoch']} at LSN {epoch['lsn']}, {ago(epoch['time'], s['now'])}, "
                                       f"manifest {epoch['manifest']}"])
+    handoff = s.get("handoff")
+    if handoff:
+        if handoff.get("state") == "done":
+            rows.append(["handoff", f"done: {handoff.get('requests', 0)} request(s) moved to {handoff['to']}, "
+                                    f"manifest {handoff.get('manifest')}"])
+        else:
+            rows.append(["handoff", Text(f"in progress to {handoff['to']} (mode {handoff.get('mode')}): "
+                                         f"{s.get('moved') or 0} moved, {s.get('in_flight')} in flight",
+                                         style="bold yellow")])
     if s.get("salvage_pending"):
         rows.append(["salvage", Text("a salvaging recovery was interrupted after setting files aside (kvj recover, "
                                      "with --until-damage while the log is damaged, completes its report of what "

@@ -7,7 +7,9 @@ Load it out of tree (``kv_connector_module_path``) with a journal directory::
                      kv_connector_extra_config={"journal": "/var/lib/kvj/serve"})
 
 After a crash, ``kvj recover`` and :func:`resume` (``kvj.integrations.vllm_resume``, which
-imports without vLLM) continue every request that was in flight.
+imports without vLLM) continue every request that was in flight. Without a crash, :func:`drain`
+(``kvj.integrations.vllm_handoff``) hands live requests to another engine, whose
+``"sources": [JOURNAL]`` lets it load this one's blocks read-only.
 
 **Scheduler side** (one per engine) plans each step (``build_connector_meta``, a
 :class:`~kvj.integrations.vllm_worker.StepPlan`): the START of every request that arrived
@@ -87,7 +89,9 @@ from kvj.fileio import atomic_write, makedirs_durable
 from kvj.journal import ranks as rank_journals
 from kvj.names import check_request_id
 from kvj.segments.tensors import dtype_name
+from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
+from kvj.integrations.vllm_handoff import armed_target, drain
 from kvj.integrations.vllm_resume import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
 from kvj.integrations.vllm_worker import (
     GATHER_BYTES,
@@ -110,7 +114,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvjConnector", "KvjConnectorMetadata", "KvjWorkerMetadata", "ResumePlan", "Resumed", "resume",
+__all__ = ["KvjConnector", "KvjConnectorMetadata", "KvjWorkerMetadata", "ResumePlan", "Resumed", "resume", "drain",
            "resume_plans", "SUPPORTED_VLLM", "START_FORMAT"]
 
 logger = init_logger(__name__)
@@ -153,6 +157,8 @@ class KvjConfig:
     staging_bytes: int = STAGING_BYTES  #: host staging for saves, and for loads
     admission: str = "arrival"  #: "durable": no request starts before its START is durable
     max_store_bytes: Optional[int] = None  #: the store's byte budget (each worker keeps its store within it)
+    #: other engines' journals whose durable blocks this one may load, read-only (a handoff's source)
+    sources: Tuple[str, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> "KvjConfig":
@@ -173,8 +179,14 @@ class KvjConfig:
                                   f"not {budget!r}")
         if extra.get("admission", "arrival") not in _ADMISSIONS:
             raise InvalidArgument(f"kv_connector_extra_config['admission'] must be one of {_ADMISSIONS}")
-        return cls(**{**{k: v for k, v in extra.items() if v is not None},
-                      "journal": os.path.abspath(str(extra["journal"]))})
+        journal = os.path.abspath(str(extra["journal"]))
+        sources = extra.get("sources") or ()
+        if isinstance(sources, str) or not all(isinstance(d, (str, os.PathLike)) for d in sources):
+            raise InvalidArgument("kv_connector_extra_config['sources'] must be a list of journal directories")
+        sources = tuple(os.path.abspath(os.fspath(d)) for d in sources)
+        if journal in sources:
+            raise InvalidArgument(f"kv_connector_extra_config['sources'] names the engine's own journal {journal}")
+        return cls(**{**{k: v for k, v in extra.items() if v is not None}, "journal": journal, "sources": sources})
 
 
 def refusal(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> Optional[str]:
@@ -361,6 +373,13 @@ class KvjConnector(KVConnectorBase_V1):
                                "cores that leaves its scheduler none: set VLLM_CPU_NUM_OF_RESERVED_CPU=1")
             path = self.config.journal
             self._durable_chains: Set[str] = durable_on_all_ranks(path, self._seed, tp, pp)
+            for source in self.config.sources:
+                self._durable_chains |= source_chains(source, self._seed, tp, pp)
+            target = armed_target(path)
+            if target is not None:
+                logger.warning("kvj: a handoff to %s is armed on %s (handoff.json, left by a drain that did not "
+                               "finish): requests vLLM aborts are handed off; kvj handoff -j %s --to %s finishes it",
+                               target, path, path, target)
             self._partly: Dict[str, Set[int]] = {}  #: chain -> ranks that reported it, until all have
             self._engine = os.urandom(4).hex()  #: prefixes this engine's journal ids
             self._requests: Dict[str, _Tracked] = {}
@@ -373,7 +392,9 @@ class KvjConnector(KVConnectorBase_V1):
             self.worker = WorkerJournal(rank_journals.rank_journal(c.journal, tp_rank, pp_rank, tp, pp), self.layout,
                                         codec=c.codec, threads=c.threads,
                                         load_threads=c.load_threads, gather_bytes=c.gather_bytes,
-                                        staging_bytes=c.staging_bytes, max_store_bytes=c.max_store_bytes)
+                                        staging_bytes=c.staging_bytes, max_store_bytes=c.max_store_bytes,
+                                        sources=[rank_journals.rank_journal(d, tp_rank, pp_rank, tp, pp)
+                                                 for d in c.sources])
             self.worker.last_plan = self._last_plan
             self._finished_seen: Set[str] = set()
             self._unreported: Set[str] = set()
@@ -407,6 +428,8 @@ class KvjConnector(KVConnectorBase_V1):
                 "sampling": sampling,
                 "max_tokens": int(extra.get("kvj_max_tokens", params.max_tokens if params else 0) or 0),
                 "prompt_len": int(extra.get("kvj_prompt_len", len(prompt))), "resumes": extra.get("kvj_resumes")}
+        if extra.get("kvj_from"):  # handed off: the journal it continues from (its ``resumes`` are ids there)
+            meta["from"] = str(extra["kvj_from"])
         return Start(request.request_id, tracked.jid, prompt, meta)
 
     def _chains(self, tracked: _Tracked) -> List[str]:
@@ -549,8 +572,11 @@ class KvjConnector(KVConnectorBase_V1):
         self._tokens(tracked, self._leftover)
         extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
         status = request.status.name.lower().replace("finished_", "")
-        resumes = [r for r in str(extra.get("kvj_resumes") or "").split(",") if r]
-        self._finishing.append(Finish(request.request_id, tracked.jid, status, resumes))
+        # what it resumes is ended here only if it was in flight here (not if another engine's)
+        resumes = [r for r in str(extra.get("kvj_resumes") or "").split(",") if r] if not extra.get("kvj_from") else []
+        target = armed_target(self.config.journal) if status == "aborted" else None  # one stat per abort
+        self._finishing.append(Finish(request.request_id, tracked.jid, "handoff" if target else status, resumes,
+                                      target))
         return True, {RESTORED: self._restored(tracked), REUSED: tracked.local_hit}
 
     # ------------------------------------------------------------------ worker side
@@ -633,6 +659,26 @@ def durable_on_all_ranks(path: str, seed: str, tp_size: int, pp_size: int) -> Se
             mine = set(durable_blocks(state, seed))
             found = mine if found is None else found & mine
     return found or set()
+
+
+def source_chains(source: str, seed: str, tp_size: int, pp_size: int) -> Set[str]:
+    """Chain keys of this seed durable in another engine's journal (read, never written); when it
+    holds blocks but none of this layout, say why in one line: nothing of it will load."""
+    found = durable_on_all_ranks(source, seed, tp_size, pp_size)
+    if not found:
+        others = {lay.get("seed") for req in _source_states(source) for ref in req.segments.values()
+                  for lay in [ref.layout or {}] if lay.get("format") == kvblock.FORMAT}
+        if others:
+            logger.warning("kvj: source %s holds KV blocks of another layout (model weights, dtype, block size or "
+                           "parallel sizes differ: its layout seed %s, this engine's %s): none will load, its "
+                           "requests are computed here", source, ",".join(sorted(map(str, others)))[:40], seed[:16])
+    return found
+
+
+def _source_states(source: str) -> List["kvj.RequestState"]:
+    """Every request of every rank journal under ``source`` (for the one line above)."""
+    journals = list(rank_journals.rank_journals(source).values()) or [source]
+    return [req for j in journals if os.path.isdir(j) for req in kvj.replay(j).requests.values()]
 
 
 def _caller_model_runner() -> Any:

@@ -142,7 +142,8 @@ def _resumed_ids(meta: Mapping[str, Any]) -> List[str]:
 
 
 def resume(llm: "LLM", manifest: Manifest, *, use_tqdm: bool = False) -> List[Resumed]:
-    """Resubmit every request that was in flight (``kvj recover``'s manifest) and finish it.
+    """Resubmit every request that was in flight (``kvj recover``'s manifest), or was handed off
+    to this engine (a handoff manifest: ``kvj.integrations.vllm_handoff``), and finish it.
 
     Each continues as its prompt plus its durable generated tokens, with the rest of its
     token budget; ``llm``'s KvjConnector loads the durable blocks and vLLM computes only what
@@ -152,13 +153,16 @@ def resume(llm: "LLM", manifest: Manifest, *, use_tqdm: bool = False) -> List[Re
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    manifest = _load_manifest(manifest)
     plans = resume_plans(manifest)
+    origin = manifest.get("handoff")  # handed off by another engine: its journal, where its ids live
     prompts, params = [], []
     for plan in plans:
         budget = plan.max_tokens - len(plan.generated)
         sampling = {k: v for k, v in plan.sampling.items() if k in SAMPLING and v is not None}
         extra = {"kvj_resumes": ",".join([plan.request_id, *plan.superseded]), "kvj_prompt_len": len(plan.prompt),
-                 "kvj_max_tokens": plan.max_tokens, "kvj_draws": plan.draws}
+                 "kvj_max_tokens": plan.max_tokens, "kvj_draws": plan.draws,
+                 **({"kvj_from": origin["from"]} if origin else {})}
         # A request already complete is still submitted, for one token, so that its
         # connector ends it in the journal; that token is not part of its output.
         params.append(SamplingParams(**{**sampling, "max_tokens": max(1, budget) if not plan.complete else 1,

@@ -102,6 +102,7 @@ class Finish:
     jid: str
     status: str
     resumes: List[str]  #: earlier incarnations it carries, ended "resumed" before it
+    to: Optional[str] = None  #: with status "handoff": the engine that continues it (a HANDOFF record, not an END)
 
 
 @dataclass
@@ -226,13 +227,22 @@ class WorkerJournal:
     def __init__(self, path: str, layout: KVBlockLayout, *, codec: str = "auto", threads: Optional[int] = None,
                  load_threads: Optional[int] = None, gather_bytes: int = GATHER_BYTES,
                  staging_bytes: int = STAGING_BYTES, max_store_bytes: Optional[int] = None,
-                 budget_every: float = BUDGET_EVERY):
+                 budget_every: float = BUDGET_EVERY, sources: Sequence[str] = ()):
         cpus = os.cpu_count() or 1
         self.layout = layout
         self.seed = layout.seed()
         self.fs = CountingFS()
+        #: other engines' journals' stores, read-only: blocks of theirs this worker may load (a handoff)
+        self._sources: List[SegmentStore] = []
+        self._durable: Dict[str, Dict[str, Any]] = {}
+        for source in sources:
+            found = durable_blocks(kvj.replay(source), self.seed) if os.path.isdir(source) else {}
+            if found:
+                ro = SegmentStore(default_store_path(source), threads=1)
+                self._sources.append(ro)
+                self._durable.update({chain: {**entry, "store": ro} for chain, entry in found.items()})
         state = kvj.replay(path) if os.path.isdir(path) else kvj.JournalState()
-        self._durable = durable_blocks(state, self.seed)
+        self._durable.update(durable_blocks(state, self.seed))
         # loads are counted (kvj status: the hit rate) and every load or reference is a use (the budget's LRU)
         store = SegmentStore(default_store_path(path), fs=self.fs, threads=threads or cpus, count_loads=True)
         self.journal = kvj.Journal.open(path, store=store, fs=self.fs)
@@ -484,7 +494,10 @@ class WorkerJournal:
             if self._failed is None:
                 for earlier in fin.resumes:
                     self.journal.end(earlier, "resumed")
-                self.journal.end(fin.jid, fin.status)
+                if fin.to is not None:
+                    self.journal.handoff(fin.jid, fin.to)
+                else:
+                    self.journal.end(fin.jid, fin.status)
         except BaseException as exc:
             self._fail(exc)
         finally:
@@ -538,7 +551,7 @@ class WorkerJournal:
             raise SegmentCorrupt(chain, None, "no durable block of this chain")
         key, layout = entry["key"], entry["layout"]
         self.layout.check(layout, f"segment {key}")
-        store = self.journal.store
+        store = entry.get("store") or self.journal.store  # another engine's, read-only: never touched
         name = store.backend.describe(key)
         with store.counted_load(key):
             header, _ = seg.decode_into(store.read_stored(key), out, name=name, max_raw=store.max_segment_bytes)
@@ -547,7 +560,8 @@ class WorkerJournal:
             if header.layout != layout or tuple(header.shape) != self.layout.shape or header.dtype != self.layout.dtype:
                 raise LayoutMismatch(f"segment {name} holds {header.dtype} {header.shape} {header.layout}, "
                                      f"the journal says {self.layout.shape} {layout}")
-        store.backend.touch(key)  # claimed: collection keeps it while requests name it again
+        if store is self.journal.store:
+            store.backend.touch(key)  # claimed: collection keeps it while requests name it again
         return SegmentInfo.from_header(header)
 
     def poll(self) -> Tuple[Set[str], Set[str]]:
@@ -583,7 +597,8 @@ class WorkerJournal:
             if not failed and exc is None:
                 info = read.result()
                 with self._lock:
-                    self._known[(chain, int(info.layout["token_ids"][-1]))] = info
+                    if "store" not in self._durable.get(chain, {}):  # a source's block is saved here anew
+                        self._known[(chain, int(info.layout["token_ids"][-1]))] = info
                 ld.good += 1
                 continue
             if not failed:
@@ -693,6 +708,8 @@ class WorkerJournal:
                 self._fail(exc)
             finally:
                 self.journal.store.close()
+                for ro in self._sources:
+                    ro.close()
 
 
 def spare_cpus() -> Set[int]:

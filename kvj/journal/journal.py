@@ -208,6 +208,11 @@ class Journal:
         """
         return self._request_record(request_id, RecordType.END, {"id": request_id, "status": status}, durable)
 
+    def handoff(self, request_id: str, to: str, durable: bool = False) -> Union[int, "Future[int]"]:
+        """Record that a request ended here because engine ``to`` continues it (after its
+        flushes, as ``end``); recovery of this journal never resumes it."""
+        return self._request_record(request_id, RecordType.HANDOFF, {"id": request_id, "to": to}, durable)
+
     def tokens(self, request_id: str, at: int, tokens: Sequence[int]) -> Union[int, "Future[int]"]:
         """Record tokens a request generated, the first at position ``at`` of its tokens (the
         start record's come first); returns its LSN, or a future of it as ``end`` does."""
@@ -278,7 +283,7 @@ class Journal:
         """Keep ``InFlight`` current with a request record about to be appended (already checked)."""
         if rtype == RecordType.START:
             self._inflight.started(payload["id"])
-        elif rtype == RecordType.END:
+        elif rtype in (RecordType.END, RecordType.HANDOFF):
             self._inflight.ended(payload["id"])
         elif rtype == RecordType.SEGMENT:
             self._inflight.segment(payload["id"], payload["seg"], tuple(payload["tokens"]))  # type: ignore[arg-type]

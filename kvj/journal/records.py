@@ -32,6 +32,7 @@ class RecordType(IntEnum):
     DELTA = 7  # optimizer/model delta against a base step
     EPOCH = 8  # recovery epoch, written by recovery
     TOKENS = 9  # tokens a request generated (durable whatever its KV)
+    HANDOFF = 10  # request end: handed off to another engine, which continues it
 
 
 #: Short names used by the CLI, NDJSON output and ``kvj record``.
@@ -45,6 +46,7 @@ NAMES: Dict[RecordType, str] = {
     RecordType.DELTA: "delta",
     RecordType.EPOCH: "epoch",
     RecordType.TOKENS: "tokens",
+    RecordType.HANDOFF: "handoff",
 }
 BY_NAME: Dict[str, RecordType] = {v: k for k, v in NAMES.items()}
 
@@ -165,11 +167,20 @@ class Tokens(Schema):
         check_request_id(self.id)
 
 
+class Handoff(Schema):
+    id: str
+    to: str  # the engine that continues it (the name the operator gave the handoff)
+
+    def check(self, new: bool) -> None:
+        check_request_id(self.id)
+        check_request_id(self.to)  # an engine's name: the characters of a request id
+
+
 #: The schema: each record type's payload struct.
 SCHEMA: Dict[RecordType, Type[Schema]] = {
     RecordType.START: Start, RecordType.SEGMENT: Segment, RecordType.END: End, RecordType.ALLOC: Alloc,
     RecordType.FREE: Free, RecordType.CHECKPOINT: Checkpoint, RecordType.DELTA: Delta, RecordType.EPOCH: Epoch,
-    RecordType.TOKENS: Tokens,
+    RecordType.TOKENS: Tokens, RecordType.HANDOFF: Handoff,
 }
 
 _STRUCTS: Dict[int, Type[Schema]] = {int(rtype): struct for rtype, struct in SCHEMA.items()}

@@ -55,6 +55,7 @@ class RequestState:
     ended: bool = False
     status: Optional[str] = None
     end_lsn: Optional[int] = None
+    moved_to: Optional[str] = None  #: the engine a handoff record moved it to (it ended here, status "handoff")
 
     @property
     def resume_position(self) -> int:
@@ -71,13 +72,14 @@ class RequestState:
                 "start_lsn": self.start_lsn, "ended": self.ended, "status": self.status,
                 "end_lsn": self.end_lsn, "resume_position": self.resume_position,
                 "segments": [self.segments[k].to_dict() for k in sorted(self.segments)],
-                **({"output": self.output} if self.output else {})}
+                **({"output": self.output} if self.output else {}),
+                **({"moved_to": self.moved_to} if self.moved_to else {})}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RequestState":
         req = cls(d["id"], d.get("prompt_hash"), d.get("tokens"), d.get("meta") or {}, d["start_lsn"],
                   ended=d.get("ended", False), status=d.get("status"), end_lsn=d.get("end_lsn"),
-                  output=list(d.get("output") or []))
+                  output=list(d.get("output") or []), moved_to=d.get("moved_to"))
         for s in d.get("segments", []):
             ref = SegmentRef.from_dict(s)
             req.segments[ref.seg] = ref
@@ -144,6 +146,12 @@ class JournalState:
                 self._warn(lsn, f"end of a request that never started: {p['id']}")
                 return
             req.ended, req.status, req.end_lsn = True, p["status"], lsn
+        elif rtype == RecordType.HANDOFF:
+            req = self.requests.get(p["id"])
+            if req is None or req.ended:
+                self._warn(lsn, f"handoff of a request that is not in flight: {p['id']}")
+                return
+            req.ended, req.status, req.end_lsn, req.moved_to = True, "handoff", lsn, p["to"]
         elif rtype == RecordType.ALLOC:
             device = self.allocations.setdefault(p["device"], {})
             if p["addr"] in device:

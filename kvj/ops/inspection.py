@@ -168,6 +168,8 @@ def describe(rec: Record) -> str:
         return f"step={p['step']}{base} tensors={len(p['keys'])}"
     if t == RecordType.TOKENS:
         return f"id={p['id']} at={p['at']} tokens={len(p['tokens'])}"
+    if t == RecordType.HANDOFF:
+        return f"id={p['id']} moved to {p['to']}"
     if t == RecordType.EPOCH:
         return f"epoch={p['epoch']} recovered_lsn={p['recovered_lsn']} manifest={p.get('manifest')}"
     return f"unknown record type {t}: {sorted(p)}"
@@ -224,6 +226,8 @@ class Stats:
                 req["tokens"] = max(req["tokens"], p["tokens"][1])
         elif rec.rtype == RecordType.END:
             self._request(p["id"])["ended"] = True
+        elif rec.rtype == RecordType.HANDOFF:
+            self._request(p["id"]).update(ended=True, moved_to=p["to"])
 
     def _request(self, rid: str) -> Dict[str, Any]:
         return self.requests.setdefault(rid, {"id": rid, "segments": 0, "raw": 0, "stored": 0, "tokens": 0,
@@ -242,4 +246,5 @@ class Stats:
                          "ratio": round(self.raw_bytes / self.stored_bytes, 3) if self.stored_bytes else None,
                          "by_codec": self.by_codec},
             "requests": len(self.requests), "largest_requests": self.largest(),
+            "moved": {r["id"]: r["moved_to"] for r in self.requests.values() if r.get("moved_to")},
         }

@@ -16,6 +16,7 @@ from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, Se
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.recovery import TORN_DIR
+from kvj.ops.handoff import moved, read_control
 from kvj.journal.config import config_max_store_bytes, config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
@@ -133,6 +134,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "mirror": _mirror(journal, snapshot_lsn),
         "salvage_pending": os.path.lexists(os.path.join(journal, PENDING_NAME)),
         "config_error": _config_error(journal),
+        "handoff": read_control(journal),
     }
     try:
         state = replay(journal)
@@ -143,7 +145,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                    ended=len(state.ended()) + state.ended_compacted, warnings=len(state.warnings),
                    last_epoch=state.epochs[-1] if state.epochs else None,
                    needed_segments=len(state.referenced_keys()),
-                   training_step=state.training_step())
+                   training_step=state.training_step(), moved=len(moved(state)))
     out["store"] = _store(store_root)
     out["store"]["max_store_bytes"] = _budget(journal)
     return out

@@ -152,6 +152,7 @@ VALID = {
                                              "manifest": st.none() | st.text(max_size=8)}),
     RecordType.TOKENS: st.fixed_dictionaries({"id": ids, "at": naturals, "tokens": st.lists(naturals, min_size=1,
                                                                                              max_size=5)}),
+    RecordType.HANDOFF: st.fixed_dictionaries({"id": ids, "to": ids}),
 }
 
 

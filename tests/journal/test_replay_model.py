@@ -30,6 +30,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("start"), IDS, st.lists(st.integers(0, 50000), max_size=5)),
     st.tuples(st.just("flush"), IDS, st.integers(0, 6), KEY),
     st.tuples(st.just("end"), IDS, st.sampled_from(["ok", "aborted"])),
+    st.tuples(st.just("handoff"), IDS, st.sampled_from(["engine-b", "b2"])),
     st.tuples(st.just("alloc"), st.sampled_from(["cuda:0", "cuda:1"]), st.integers(0, 8), st.integers(1, 1 << 40)),
     st.tuples(st.just("free"), st.sampled_from(["cuda:0", "cuda:1"]), st.integers(0, 8)),
     st.tuples(st.just("checkpoint"), st.integers(0, 100), KEY),
@@ -48,11 +49,13 @@ class Model:
     def apply(self, op):
         kind = op[0]
         if kind == "start":
-            self.requests[op[1]] = {"tokens": op[2], "segs": {}, "ended": None}
+            self.requests[op[1]] = {"tokens": op[2], "segs": {}, "ended": None, "moved_to": None}
         elif kind == "flush" and op[1] in self.requests and self.requests[op[1]]["ended"] is None:
             self.requests[op[1]]["segs"][op[2]] = (op[3], (op[2] * 16, op[2] * 16 + 16))
         elif kind == "end" and op[1] in self.requests:
             self.requests[op[1]]["ended"] = op[2]
+        elif kind == "handoff" and op[1] in self.requests and self.requests[op[1]]["ended"] is None:
+            self.requests[op[1]].update(ended="handoff", moved_to=op[2])  # ends it here; else ignored
         elif kind == "alloc":
             self.allocs.setdefault(op[1], {})[op[2]] = op[3]
         elif kind == "free":
@@ -96,6 +99,9 @@ def run_ops(path, sequence):
             elif kind == "end":
                 j.end(op[1], op[2])
                 live.discard(op[1])
+            elif kind == "handoff":
+                j.handoff(op[1], op[2])
+                live.discard(op[1])
             elif kind == "alloc":
                 j.alloc(op[1], op[2], op[3], "t")
             elif kind == "free":
@@ -129,6 +135,7 @@ def test_replay_equals_the_model(sequence):
             req = state.requests[rid]
             assert req.tokens == m["tokens"]
             assert (req.status if req.ended else None) == m["ended"]
+            assert req.moved_to == m["moved_to"]
             assert {s: (ref.key, ref.tokens) for s, ref in req.segments.items()} == m["segs"]
             assert req.resume_position == model.resume(rid)
         live = {dev: {a: al.size for a, al in allocs.items()} for dev, allocs in state.allocations.items()}

@@ -77,7 +77,7 @@ SNAP_NAME = re.compile(r"snapshot-(\d{16})\.snap")
 REQUEST_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
 KEY = re.compile(r"[0-9a-f]{64}")
 TYPES = {1: "start", 2: "segment", 3: "end", 4: "alloc", 5: "free", 6: "checkpoint", 7: "delta", 8: "epoch",
-         9: "tokens"}
+         9: "tokens", 10: "handoff"}
 
 
 @dataclass
@@ -224,6 +224,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[str, ...]]] = {
     7: {"step": (_INT,), "base_step": (_INT,), "keys": ("keys",), "meta": (_MAP,)},
     8: {"epoch": (_INT,), "recovered_lsn": (_INT,), "time": (_FLOAT,), "manifest": (_STR, "nil")},
     9: {"id": (_ID,), "at": (_INT,), "tokens": ("ints",)},
+    10: {"id": (_ID,), "to": (_ID,)},
 }
 OPTIONAL = {8: {"salvage": (_MAP,)}}
 
@@ -376,7 +377,7 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
             requests[p["id"]]["segments"][p["seg"]] = {
                 **{k: p[k] for k in ("seg", "key", "tokens", "layout", "raw_size", "stored_size", "digest", "codec")},
                 "lsn": rec.lsn, "ptr": None}
-        elif rec.rtype == 3:
+        elif rec.rtype in (3, 10):  # an end, or a handoff: it ended here (RECORDS)
             requests.pop(p["id"], None)
         elif rec.rtype == 4:
             allocs.setdefault(p["device"], {})[p["addr"]] = {"addr": p["addr"], "size": p["size"], "tag": p["tag"],

@@ -76,6 +76,8 @@ def test_every_record_type_over_rotated_files_reads_as_kvj_replays_it(tmp_path, 
         j.flush("r-1", 1, torch.ones(4, 4), token_range=(16, 32), layout={"model": "m", "n": 2}).result()
         j.start("r-2", None, None, {})
         j.end("r-2", "cancelled")
+        j.start("r-4", None, [5], {})
+        j.handoff("r-4", "engine-b")
         j.alloc("cuda:0", 0x1000, 4096, "kv:r-1")
         j.alloc("cuda:0", 0x9000, 512, "kv:r-2")
         j.free("cuda:0", 0x9000)

@@ -7,7 +7,14 @@ parallelism: N worker processes, one core each), and a list of jobs:
 
 * ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy, or
   with ``"sampling": [{"temperature": T, "seed": S} or null, ...]`` per prompt;
-* ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``.
+* ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``;
+* ``{"drain": [[ids...], ...], "late": [ids...], "at": N, "after": K, "to": NAME, "max_tokens": M}``:
+  the prompts (greedy, or per ``"sampling"``) are added to the engine and stepped until one
+  has generated ``at`` tokens; then ``late`` is added, K more steps run, and
+  ``kvj.integrations.vllm.drain`` hands everything off to NAME (result: the manifest's path
+  and each request's tokens so far).
+
+``"sources"`` in the spec names journals the connector may load blocks from (a handoff's).
 
 Each job's result (tokens, the sampled tokens' logprobs, cached-token counts) is appended
 to ``SPEC["out"]`` as one JSON line as soon as the job is done, so a parent that SIGKILLs
@@ -37,6 +44,28 @@ def _request(out: Any) -> Dict[str, Any]:
             "cached": out.num_cached_tokens or 0}
 
 
+def _drain(llm: Any, job: Dict[str, Any], SamplingParams: Any, TokensPrompt: Any, drain: Any) -> Dict[str, Any]:
+    engine = llm.llm_engine
+    prompts = job["drain"] + [job["late"]]
+    sampling = job.get("sampling") or [None] * len(prompts)
+    params = [SamplingParams(**(s or {"temperature": 0}), max_tokens=job["max_tokens"], detokenize=False,
+                             logprobs=1) for s in sampling]
+    got: Dict[str, int] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            got[out.request_id] = len(out.outputs[0].token_ids)
+
+    for i, prompt in enumerate(job["drain"]):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), params[i])
+    while max(got.values(), default=0) < job["at"]:
+        step()
+    engine.add_request(str(len(prompts) - 1), TokensPrompt(prompt_token_ids=job["late"]), params[-1])
+    for _ in range(job["after"]):
+        step()
+    return {"manifest": drain(llm, job["to"]), "seen": got}
+
+
 def main(spec_path: str) -> None:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -53,7 +82,7 @@ def main(spec_path: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvj.integrations.vllm import resume
+    from kvj.integrations.vllm import drain, resume
 
     transfer = None
     if spec.get("connector") == "kvj":
@@ -62,7 +91,8 @@ def main(spec_path: str) -> None:
                                     kv_connector_extra_config={"journal": spec["journal"],
                                                                "record": spec.get("record"),
                                                                "pace": spec.get("pace"),
-                                                               "drop": spec.get("drop")})
+                                                               "drop": spec.get("drop"),
+                                                               "sources": spec.get("sources")})
     elif spec.get("connector") == "example":
         transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                     kv_connector_extra_config={"shared_storage_path": spec["journal"]})
@@ -75,7 +105,9 @@ def main(spec_path: str) -> None:
     _write(spec["out"], {"ready": True})
     for job in spec["jobs"]:
         t0 = time.perf_counter()
-        if "generate" in job:
+        if "drain" in job:
+            result = _drain(llm, job, SamplingParams, TokensPrompt, drain)
+        elif "generate" in job:
             sampling = job.get("sampling") or [None] * len(job["generate"])
             params = [SamplingParams(**(s or {"temperature": 0}), max_tokens=job["max_tokens"], detokenize=False,
                                      logprobs=1) for s in sampling]

@@ -1,0 +1,175 @@
+"""Live handoff of a serving engine's requests to another engine: arming, the manifest, the status.
+
+An operator arms a handoff to a named target (``arm``): a small control file,
+``JOURNAL/handoff.json``, written atomically. While it is armed, the vLLM connector journals
+every request vLLM aborts as a HANDOFF record to that target (after its last blocks'
+segments, as an END would be) instead of an END. Once they are all durable, ``write_manifest``
+writes ``JOURNAL/handoff/manifest-<target>.json``: the schema of ``kvj recover``'s manifest
+(its requests are those moved to the target, each with its verified segments, resume
+position and durable tokens), so ``resume(llm_b, manifest)`` takes it as it is. The control
+file then records the result (``state: "done"``, the manifest, the request count), which
+``kvj status`` shows. A request whose HANDOFF record is durable has ended in this journal:
+``kvj recover`` of it never resumes it; one whose record is not durable was never in a
+manifest, and recovery resumes it here.
+
+This module reads journals and writes only the control file and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from kvj.errors import InvalidArgument, KvjError
+from kvj.fileio import atomic_write, makedirs_durable
+from kvj.journal import ranks
+from kvj.journal.journal import default_store_path
+from kvj.journal.replay import replay
+from kvj.journal.state import JournalState, RequestState
+from kvj.names import check_request_id
+from kvj.ops.recover import MANIFEST_VERSION, _request_entry, plan_request
+from kvj.segments.check import Problem, opened_store, verify_many
+
+#: The control file an armed handoff leaves in the journal directory (JSON: to, mode, state, ...).
+CONTROL = "handoff.json"
+#: Where the handoff manifests are written, inside the journal directory.
+MANIFEST_DIR = "handoff"
+#: What an armed engine does with its requests: hand them all off (vLLM aborts them), or let them finish.
+MODES = ("abort", "finish")
+
+
+def control_path(journal: str) -> str:
+    return os.path.join(journal, CONTROL)
+
+
+def arm(journal: str, to: str, mode: str = "abort") -> Dict[str, Any]:
+    """Arm a handoff of ``journal``'s engine to engine ``to`` (a name: the characters of a
+    request id); returns the control record written."""
+    check_request_id(to)
+    if mode not in MODES:
+        raise InvalidArgument(f"handoff mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if not os.path.isdir(journal):
+        raise InvalidArgument(f"{journal} is not a journal directory")
+    sizes = ranks.read_sizes(journal)
+    if sizes is not None and sizes != (1, 1):
+        raise InvalidArgument(f"{journal} is a tensor- or pipeline-parallel engine's journal "
+                              f"({sizes[0]} x {sizes[1]} ranks): kvj hands off engines of one rank only")
+    control = {"to": to, "mode": mode, "state": "armed", "armed_at": time.time()}
+    atomic_write(control_path(journal), (json.dumps(control, sort_keys=True) + "\n").encode())
+    return control
+
+
+def read_control(journal: str) -> Optional[Dict[str, Any]]:
+    """The handoff control record, or None when no handoff was ever armed (or it is unreadable)."""
+    try:
+        with open(control_path(journal), encoding="utf-8") as f:
+            control = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return control if isinstance(control, dict) and isinstance(control.get("to"), str) else None
+
+
+def armed_target(journal: str) -> Optional[str]:
+    """The engine an armed handoff moves requests to; None when none is armed (one stat then)."""
+    if not os.path.exists(control_path(journal)):
+        return None
+    control = read_control(journal)
+    return control["to"] if control is not None and control.get("state") == "armed" else None
+
+
+def moved(state: JournalState, to: Optional[str] = None) -> List[RequestState]:
+    """Requests a durable HANDOFF record moved (to ``to``, or anywhere), in start order."""
+    return sorted((r for r in state.requests.values() if r.moved_to and (to is None or r.moved_to == to)),
+                  key=lambda r: r.start_lsn)
+
+
+def build_manifest(journal: str, to: str, state: Optional[JournalState] = None) -> Dict[str, Any]:
+    """The manifest of the requests moved to ``to``: ``kvj recover``'s schema, each segment verified."""
+    state = replay(journal) if state is None else state
+    requests = moved(state, to)
+    store_root = default_store_path(journal)
+    needed = [(ref.key, ref.digest) for r in requests for ref in r.segments.values() if ref.key]
+    problems: Dict[str, Optional[Problem]] = {}
+    if needed:
+        with opened_store(None, store_root) as store:
+            problems = verify_many(store, needed)
+    entries = [_request_entry(r, plan_request(r, problems)) for r in requests]
+    fallbacks = [f"request {e['id']}: resumes at token {e['resume_position']} instead of {e['recorded_position']}"
+                 for e in entries if e["fallback"]]
+    return {
+        "kvj_recovery_manifest": MANIFEST_VERSION, "journal": journal, "store": store_root, "epoch": None,
+        "created": time.time(), "recovered_lsn": state.last_lsn, "first_lsn": state.first_lsn,
+        "snapshot_lsn": state.snapshot_lsn, "torn_tail": state.tail, "requests": entries,
+        "ended_requests": len(state.ended()) + state.ended_compacted,
+        "training": {"checkpoint": None, "deltas": [], "step": None, "fallback": None},
+        "segments_verified": sum(1 for p in problems.values() if p is None),
+        "segments_unusable": sum(1 for p in problems.values() if p is not None),
+        "fallbacks": fallbacks, "warnings": state.warnings,
+        "tokens": {"restorable": sum(e["resume_position"] for e in entries), "lost": 0},
+        "handoff": {"from": journal, "to": to},
+    }
+
+
+def write_manifest(journal: str, to: str) -> Tuple[str, Dict[str, Any]]:
+    """Write the handoff manifest (atomically, fsynced) and record the result in the control file."""
+    check_request_id(to)
+    manifest = build_manifest(journal, to)
+    directory = os.path.join(journal, MANIFEST_DIR)
+    makedirs_durable(directory)
+    path = os.path.join(directory, f"manifest-{to}.json")
+    atomic_write(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    control = {**(read_control(journal) or {"to": to}), "state": "done", "manifest": path,
+               "requests": len(manifest["requests"]), "done_at": time.time()}
+    atomic_write(control_path(journal), (json.dumps(control, sort_keys=True) + "\n").encode())
+    return path, manifest
+
+
+def pending(state: JournalState, vllm_ids: List[str]) -> List[str]:
+    """The vLLM ids whose request is not journaled as ended yet (its START, or its HANDOFF or END,
+    is not durable yet)."""
+    latest: Dict[str, RequestState] = {}
+    for r in sorted(state.requests.values(), key=lambda r: r.start_lsn):
+        latest[str((r.meta or {}).get("vllm_id"))] = r
+    return [v for v in vllm_ids if v not in latest or not latest[v].ended]
+
+
+class HandoffTimeout(KvjError):
+    """Requests of an armed handoff were not all journaled as ended in time (the engine was not paused?)."""
+
+
+def pause_server(url: str, mode: str) -> None:
+    """Ask a ``vllm serve`` (started with ``VLLM_SERVER_DEV_MODE=1``, which mounts ``POST /pause``)
+    to pause: ``abort`` stops its requests (handed off, the handoff being armed), ``finish`` lets them finish."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    target = url.rstrip("/") + "/pause?" + urllib.parse.urlencode({"mode": "abort" if mode == "abort" else "wait"})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(target, method="POST"), timeout=600) as reply:
+            reply.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise KvjError(f"cannot pause the server at {url}: {exc} (POST /pause needs VLLM_SERVER_DEV_MODE=1)") from None
+
+
+def hand_off(journal: str, to: str, *, mode: str = "abort", url: Optional[str] = None,
+             timeout: float = 600.0, poll: float = 0.2) -> Tuple[str, Dict[str, Any]]:
+    """Arm a handoff, pause the server at ``url`` if given (else the operator pauses it), wait until
+    every request in flight when it was armed is journaled as ended (moved, or finished), and
+    write the manifest; returns its path and the manifest."""
+    arm(journal, to, mode)
+    waiting = [r.id for r in replay(journal).in_flight()]
+    if url is not None:
+        pause_server(url, mode)
+    deadline = time.monotonic() + timeout
+    while True:
+        state = replay(journal)
+        left = [rid for rid in waiting if rid in state.requests and not state.requests[rid].ended]
+        if not left:
+            return write_manifest(journal, to)
+        if time.monotonic() > deadline:
+            raise HandoffTimeout(f"handoff to {to}: {len(left)} request(s) still in flight after {timeout:g} s "
+                                 "(is the engine paused with mode=abort?); the handoff stays armed")
+        time.sleep(poll)
