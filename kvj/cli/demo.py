@@ -24,10 +24,10 @@ def demo(out: Annotated[str, typer.Option("--out", metavar="DIR", help="Director
 
     A vLLM engine with KvjConnector (a random-weight Qwen2) is SIGKILLed mid-generation and a
     transformers.Trainer + PEFT LoRA fine-tune with KvjCallback mid-run; kvj fsck and kvj
-    recover run; a fresh engine resumes every request from the recovery manifest and the
-    fine-tune resumes through KvjCallback.resume. Every request's tokens and logprobs must
-    equal an uninterrupted engine's, the adapter and optimizer state must be bit-identical
-    and every loss equal. A few minutes on 2 CPU cores; nothing is downloaded; without vLLM
+    recover run; a fresh engine resumes every request from the recovery manifest, then hands
+    live requests off (drain) to a second engine, and the fine-tune resumes through
+    KvjCallback.resume. Every request's tokens and logprobs must equal an uninterrupted
+    engine's, the adapter and optimizer state must be bit-identical and every loss equal. A few minutes on 2 CPU cores; nothing is downloaded; without vLLM
     the serving part is left out. Exit status 1 when a proof fails.
     """
     from kvj.demo.run import demo as run_demo

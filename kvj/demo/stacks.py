@@ -3,7 +3,9 @@
 * Serving: a vLLM engine (a random-weight Qwen2, CPU backend) with ``KvjConnector`` serves a
   batch of requests in a child process and is SIGKILLed mid-generation (some requests
   mid-decode); ``kvj fsck`` and ``kvj recover`` run through the real command line; a fresh
-  engine resumes every request from the manifest (``kvj.integrations.vllm.resume``).
+  engine resumes every request from the manifest (``kvj.integrations.vllm.resume``); then it
+  takes live requests and hands them off (``kvj.integrations.vllm.drain``) mid-decode to a
+  second engine, which continues them loading their KV from the first engine's store.
 * Training: the nightly LoRA fine-tune, ``transformers.Trainer`` + PEFT with ``KvjCallback``,
   is SIGKILLed mid-run, recovered and resumed with ``KvjCallback.resume(trainer)``.
 * The proof: every request's tokens (and logprobs) equal an uninterrupted engine's, with the
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from rich.console import Console
 from rich.panel import Panel
@@ -57,12 +59,12 @@ class Engine:
     """A ``python -m kvj.demo.vllm_engine`` child process and its results directory."""
 
     def __init__(self, root: str, name: str, model: str, journal: str, jobs: List[Dict[str, Any]],
-                 in_process: bool = False, events: bool = False):
+                 in_process: bool = False, events: bool = False, sources: Sequence[str] = ()):
         self.name, self.out = name, os.path.join(root, f"{name}-out")
         self.log = os.path.join(root, f"{name}.log")
         read, write = os.pipe() if events else (None, None)
         spec = {"model": model, "journal": journal, "out": self.out, "jobs": jobs, "in_process": in_process,
-                "events_fd": write}
+                "events_fd": write, "sources": list(sources)}
         path = os.path.join(root, f"{name}.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
@@ -135,6 +137,10 @@ class VllmPart:
         self.prompts = [[rng.randrange(1024) for _ in range(n)] for n in lengths]
         self.target = demo.rng.randint(8, max(8, max_new * 2 // 3))  # generated tokens journaled at the kill
         self.job = {"serve": self.prompts, "max_tokens": max_new}
+        #: The handoff: live requests the resumed engine takes, handed off to a second engine once
+        #: one of them has generated ``self.at`` tokens.
+        self.live = [[rng.randrange(1024) for _ in range(n)] for n in [70, 110, 45][:min(3, requests)]]
+        self.at = demo.rng.randint(4, max(4, max_new // 3))
 
     def intro(self) -> str:
         return (f"Server: vLLM (CPU backend) with KvjConnector serves {len(self.prompts)} requests "
@@ -147,7 +153,7 @@ class VllmPart:
 
         self.model = build_model(os.path.join(self.root, "qwen2"))
         self.reference = Engine(self.root, "reference", self.model, os.path.join(self.root, "reference-journal"),
-                                [self.job], in_process=True)
+                                [self.job, {"serve": self.live, "max_tokens": self.max_new}], in_process=True)
         # In process: the engine core steps when the driver does (in its own process it runs ahead).
         self.engine = Engine(self.root, "served", self.model, self.journal, [{**self.job, "pace": PACE}],
                              in_process=True, events=True)
@@ -167,18 +173,44 @@ class VllmPart:
         _, self.manifest, self.cli_s = operator_recover(self.d.c, self.journal)
 
     def resume(self) -> None:
-        self.resumed = Engine(self.root, "resumed", self.model, self.journal, [{"resume": self.manifest}])
+        """The resumed engine continues the killed one's requests, then takes live requests and hands
+        them off (``kvj.integrations.vllm.drain``) to a second engine, which continues them from
+        the handoff manifest, loading their KV from the first engine's store (the blocks its
+        connector finds there when it starts: so it starts once the drain is done)."""
+        handoff = {"handoff": self.live, "max_tokens": self.max_new, "at": self.at, "to": "takeover"}
+        self.resumed = Engine(self.root, "resumed", self.model, self.journal, [{"resume": self.manifest}, handoff])
         self.resumed.wait()
+        self.takeover = Engine(self.root, "takeover", self.model, os.path.join(self.root, "takeover-journal"),
+                               [{"resume": self.resumed.result(1)["manifest"]}], sources=[self.journal])
+        self.takeover.wait()
         self.reference.wait()
 
+    def show_handoff(self) -> None:
+        drained = self.resumed.result(1)
+        self.d.say(f"The resumed engine took {len(self.live)} more requests (prompts of "
+                   f"{', '.join(str(len(p)) for p in self.live)} tokens); once one had generated {self.at} tokens, "
+                   f"`drain(llm, \"takeover\")` handed all of them off (generated so far: "
+                   f"{', '.join(map(str, drained['generated']))}) to a second engine with its "
+                   f"own journal, which continued them from {os.path.relpath(drained['manifest'])}, loading their KV "
+                   "from the first engine's store (read-only).")
+
     def proof(self) -> bool:
-        ref = {tuple(p): r for p, r in zip(self.prompts, self.reference.result(0)["requests"])}
+        ok = self._compare("vLLM + KvjConnector: every request against an uninterrupted engine",
+                           self.resumed.result(0), self.prompts, self.reference.result(0))
         job = self.resumed.result(0)
-        table = Table(title="vLLM + KvjConnector: every request against an uninterrupted engine", title_justify="left")
-        for col in ("request", "tokens identical", "logprobs (max diff)", "tokens journaled before kill",
+        self.d.say(f"`kvj fsck` + `kvj recover` took {self.cli_s:.1f} s as commands; the resumed engine "
+                   f"finished every request {job['seconds']:.1f} s after it started serving.")
+        ok &= self._compare("Handoff: every live request, continued on the second engine, against an "
+                            "uninterrupted engine", self.takeover.result(0), self.live, self.reference.result(1))
+        return ok
+
+    def _compare(self, title: str, job: Dict[str, Any], prompts: List[List[int]], reference: Dict[str, Any]) -> bool:
+        ref = {tuple(p): r for p, r in zip(prompts, reference["requests"])}
+        table = Table(title=title, title_justify="left")
+        for col in ("request", "tokens identical", "logprobs (max diff)", "tokens journaled before",
                     "KV restored", "recomputed"):
             table.add_column(col, justify="left" if col in ("request", "tokens identical") else "right")
-        ok, restored, recomputed = True, 0, 0
+        ok, restored, recomputed = bool(job["requests"]), 0, 0
         for r in job["requests"]:
             want = ref[tuple(r["prompt"])]
             same = r["all_token_ids"] == want["token_ids"]
@@ -192,12 +224,8 @@ class VllmPart:
                           f"[green]yes[/] ({len(r['all_token_ids'])}/{len(want['token_ids'])})" if same else "[red]NO[/]",
                           f"{diff:.1e}" if lp_ok else f"[red]{diff:.1e}[/]", str(r["resumed_at"]),
                           str(r["restored"] + r["reused"]), str(r["recomputed"]))
-        if not job["requests"]:
-            ok = False
         self.d.c.print(table)
-        self.d.say(f"KV tokens restored from kvj's journal: {restored}; recomputed by vLLM: {recomputed}. "
-                   f"`kvj fsck` + `kvj recover` took {self.cli_s:.1f} s as commands; the resumed engine "
-                   f"finished every request {job['seconds']:.1f} s after it started serving.")
+        self.d.say(f"KV tokens restored from kvj's journal: {restored}; recomputed by vLLM: {recomputed}.")
         return ok
 
 
@@ -330,10 +358,12 @@ class Stacks:
 
     @property
     def steps(self) -> List[Tuple[str, Callable[[], Any]]]:
-        """The demo's steps, in order (a handoff of live requests slots in after the resume)."""
+        """The demo's steps, in order (the handoff's engines run during the resume; its step shows it)."""
         return [("Serving and fine-tuning under kvj", self.start), ("Crash: SIGKILL mid-flight", self.show_crash),
                 ("After the reboot: kvj fsck, kvj recover", self.recover),
-                ("Resume from the journal", self.resume)]
+                ("Resume from the journal", self.resume)] + (
+                    [("Handoff of live requests to a second engine", self.parts[0].show_handoff)]
+                    if isinstance(self.parts[0], VllmPart) else [])
 
     def run(self) -> bool:
         t0 = time.perf_counter()

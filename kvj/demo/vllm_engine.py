@@ -9,7 +9,12 @@ the model directory, the journal, the output file and a list of jobs:
   model's step would last: the parent's kill then lands mid-decode on a loaded machine too);
   after every step, ``{"step": n, "generated": [tokens of each request]}`` is written as one
   line to file descriptor ``SPEC["events_fd"]`` when given, for a parent picking its moment;
-* ``{"resume": MANIFEST}``: resume every request of a recovery manifest.
+* ``{"resume": MANIFEST}``: resume every request of a recovery (or handoff) manifest;
+* ``{"handoff": [[ids...], ...], "max_tokens": N, "at": K, "to": NAME}``: the prompts added
+  and stepped until one has generated ``K`` tokens, then ``kvj.integrations.vllm.drain``
+  hands every request off to engine ``NAME`` (the result: the handoff manifest's path).
+
+``SPEC["sources"]``: journals of other engines whose blocks the connector may load (a handoff's).
 
 Each job's result (tokens, their logprobs; for a resume, KV restored / recomputed tokens) is
 written to ``SPEC["out"]/job-N.json`` (durably, ``kvj.fileio.atomic_write``) once the job is
@@ -88,6 +93,23 @@ def _serve(llm: Any, job: Dict[str, Any], events: Optional[IO[str]]) -> List[Dic
     return [done[i] for i in range(len(job["serve"]))]
 
 
+def _handoff(llm: Any, job: Dict[str, Any]) -> Dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvj.integrations.vllm import drain
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], detokenize=False, logprobs=1)
+    for i, prompt in enumerate(job["handoff"]):
+        engine.add_request(f"live-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    generated: Dict[str, int] = {}
+    while max(generated.values(), default=0) < job["at"]:
+        for out in engine.step():
+            generated[out.request_id] = len(out.outputs[0].token_ids)
+    return {"manifest": drain(llm, job["to"]), "generated": sorted(generated.values())}
+
+
 def main(spec_path: str) -> None:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -103,7 +125,8 @@ def main(spec_path: str) -> None:
 
     transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"journal": spec["journal"]})
+                                kv_connector_extra_config={"journal": spec["journal"],
+                                                           **({"sources": spec["sources"]} if spec.get("sources") else {})})
     # float32: vLLM's CPU bfloat16 kernels are not batch-invariant (a resumed request is batched
     # otherwise than in the uninterrupted run).
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
@@ -116,6 +139,8 @@ def main(spec_path: str) -> None:
         t0 = time.perf_counter()
         if "serve" in job:
             result: Dict[str, Any] = {"requests": _serve(llm, job, events)}
+        elif "handoff" in job:
+            result = _handoff(llm, job)
         else:
             result = {"requests": [{**(_output(r.output) if r.output else {}), "id": r.request_id,
                                     "prompt": r.plan.prompt, "resumed_at": len(r.plan.generated),
