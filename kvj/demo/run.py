@@ -1,5 +1,6 @@
-"""``kvj demo`` (or ``python -m kvj.demo``, the quick start's): pull the plug on a model server and a fine-tuning run, then prove
-that kvj brings both back exactly.
+"""``kvj demo --quick``: pull the plug on kvj's own model server and fine-tuning loop, then
+prove that kvj brings both back exactly (``kvj demo`` without ``--quick`` runs the stacks
+people run instead: ``kvj.demo.stacks``).
 
 1. Two processes start under kvj: one serves several chat requests with a transformers
    Llama (KV cache journaled block by block), one fine-tunes a Qwen2 with AdamW (state
@@ -76,6 +77,25 @@ def _mb(n: float) -> str:
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def operator_recover(console: Console, journal: str) -> Tuple[Dict[str, Any], str, float]:
+    """Run ``kvj fsck`` and ``kvj recover`` on ``journal`` as an operator would, printing both;
+    the recovery manifest, its path and the seconds both commands took."""
+    t0 = time.perf_counter()
+    fsck = crashrun.kvj("fsck", "--journal", journal, check_codes=(0, 1))
+    fsck_s = time.perf_counter() - t0
+    console.print(f"[bold]$ kvj fsck --journal {os.path.relpath(journal)}[/]  (exit {fsck.returncode}, {_ms(fsck_s)})")
+    console.print(fsck.stdout.strip(), style="dim", markup=False, highlight=False)
+    t0 = time.perf_counter()
+    rec = crashrun.kvj("recover", "--journal", journal)
+    rec_s = time.perf_counter() - t0
+    console.print(f"[bold]$ kvj recover --journal {os.path.relpath(journal)}[/]  ({_ms(rec_s)})")
+    console.print(rec.stdout.strip(), style="dim", markup=False, highlight=False)
+    folder = os.path.join(journal, "recovery")
+    path = os.path.join(folder, sorted(os.listdir(folder))[-1])
+    with open(path, encoding="utf-8") as f:
+        return json.load(f), path, fsck_s + rec_s
 
 
 class Demo:
@@ -156,20 +176,7 @@ class Demo:
     # -- 3: recovery through the command line -----------------------------------------------
 
     def recover(self, journal: str) -> Tuple[Dict[str, Any], str, float]:
-        t0 = time.perf_counter()
-        fsck = crashrun.kvj("fsck", "--journal", journal, check_codes=(0, 1))
-        fsck_s = time.perf_counter() - t0
-        self.say(f"[bold]$ kvj fsck --journal {os.path.relpath(journal)}[/]  (exit {fsck.returncode}, {_ms(fsck_s)})")
-        self.c.print(fsck.stdout.strip(), style="dim", markup=False, highlight=False)
-        t0 = time.perf_counter()
-        rec = crashrun.kvj("recover", "--journal", journal)
-        rec_s = time.perf_counter() - t0
-        self.say(f"[bold]$ kvj recover --journal {os.path.relpath(journal)}[/]  ({_ms(rec_s)})")
-        self.c.print(rec.stdout.strip(), style="dim", markup=False, highlight=False)
-        folder = os.path.join(journal, "recovery")
-        path = os.path.join(folder, sorted(os.listdir(folder))[-1])
-        with open(path, encoding="utf-8") as f:
-            return json.load(f), path, fsck_s + rec_s
+        return operator_recover(self.c, journal)
 
     # -- 4: resume --------------------------------------------------------------------------
 
@@ -294,9 +301,21 @@ class Demo:
         return ok
 
 
-def demo(out: str = "demo-out", seed: Optional[int] = None, device: str = "cpu") -> bool:
-    """Run the demo into ``out``; True when every proof held. Without ``seed`` the kill points
-    are drawn at random (the seed is printed, so a run can be replayed)."""
+def demo(out: str = "demo-out", seed: Optional[int] = None, device: str = "cpu", quick: bool = False,
+         requests: int = 4, max_new: int = 96, steps: int = 24) -> bool:
+    """Run the demo into ``out``; True when every proof held. The default is the stacks people
+    run (``kvj.demo.stacks``: vLLM with KvjConnector, HF Trainer + PEFT with KvjCallback;
+    ``requests`` prompts of ``max_new`` tokens each, a fine-tune of ``steps`` steps); ``quick``
+    is kvj's own transformers loop and AdamW loop (this module, on ``device``). Without
+    ``seed`` the kill points are drawn at random (the seed is printed, so a run can be replayed)."""
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 110)
     seed = seed if seed is not None else random.randrange(1_000_000)
-    return Demo(console, prepare(out), seed, device).run()
+    if quick:
+        return Demo(console, prepare(out), seed, device).run()
+    from kvj.demo.stacks import Stacks
+
+    if not 1 <= requests <= 8 or max_new < 16 or steps < 4:
+        raise InvalidArgument("the demo takes 1 to 8 requests, at least 16 new tokens and at least 4 steps")
+    if device != "cpu":
+        raise InvalidArgument("--device is for --quick: the vLLM engine picks its own device")
+    return Stacks(console, prepare(out), seed, requests, max_new, steps).run()

@@ -14,10 +14,6 @@ line, flushed at once) so the parent can pick its moment to kill and read what w
 
 ``--resume`` continues from ``--manifest`` (written by ``kvj recover``) or, without one,
 from a replay of the journal.
-
-Test hook: with ``KVJ_DEMO_DIE_IN_SAVE=n`` set, a training worker SIGKILLs itself inside its
-``n``-th save, right after that save's state document is durable and before its journal
-record, having written ``{"event": "dying", "key"}`` (the document's segment key) first.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -172,25 +167,6 @@ def train_main(args: argparse.Namespace) -> None:
          params_sha256=params_sha256, state_sha256=state_sha256)
 
 
-def die_in_save(n: int) -> None:
-    """Arm the ``KVJ_DEMO_DIE_IN_SAVE`` hook: a kill that lands inside the ``n``-th save."""
-    from kvj.integrations.training import TREE
-    from kvj.segments.store import SegmentStore
-
-    put, docs = SegmentStore.put, [0]
-
-    def put_then_die(self: SegmentStore, tensor: torch.Tensor, **kwargs: Any) -> Any:
-        info = put(self, tensor, **kwargs)
-        if (kwargs.get("layout") or {}).get("name") == TREE:
-            docs[0] += 1
-            if docs[0] == n:
-                emit(event="dying", key=info.key)
-                os.kill(os.getpid(), signal.SIGKILL)
-        return info
-
-    SegmentStore.put = put_then_die  # type: ignore[method-assign]
-
-
 def hf_train_main(args: argparse.Namespace) -> None:
     from kvj.demo.hf_training import LoraRun, build_trainer, digests, progress_callback
     from kvj.integrations.hf_trainer import KvjCallback
@@ -266,8 +242,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.set_num_threads(args.threads)
     # Deterministic cuBLAS (read when CUDA starts): a resumed process recomputes bit for bit.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if os.environ.get("KVJ_DEMO_DIE_IN_SAVE") and args.command != "generate":
-        die_in_save(int(os.environ["KVJ_DEMO_DIE_IN_SAVE"]))
     if args.command == "generate":
         generate(args)
     elif args.command == "hf-train":

@@ -62,10 +62,11 @@ def kill_and_resume(run: LoraRun, tmp_path, kills: Sequence[str], seed_name: str
         last = max(1, (run.steps - reached) * (run.grad_accum - 1 if kind == "substep" else 1) - 3)
         n = r.randint(min(3, last), last)
         if kind == "save":
-            env, now = inside_save(n), crashrun.nth_event("dying", 1)
+            cmd, env = inside_save(argv + resume, n)
+            now = crashrun.nth_event("dying", 1)
         else:
-            env, now = None, crashrun.nth_event(kind, n)
-        killed = crashrun.kill_when(crashrun.start(argv + resume, env), now)
+            cmd, env, now = argv + resume, None, crashrun.nth_event(kind, n)
+        killed = crashrun.kill_when(crashrun.start(cmd, env), now)
         if killed.finished:
             break
         if kind == "save":

@@ -51,7 +51,7 @@ def test_sigkill_at_random_step_and_inside_a_save_continues_bit_identical(tmp_pa
         kind = "save" if kinds else "step"
         n = r.randint(2, max(2, SPEC.steps - held - 4))  # of this process's steps (saves)
         if kind == "save":
-            killed = crashrun.kill_when(crashrun.start(argv + resume, inside_save(n)), crashrun.nth_event("dying", 1))
+            killed = crashrun.kill_when(crashrun.start(*inside_save(argv + resume, n)), crashrun.nth_event("dying", 1))
         else:
             killed = crashrun.kill_when(crashrun.start(argv + resume), crashrun.nth_step(n))
         steps = [e["step"] for e in killed.last("step")]
