@@ -1,4 +1,4 @@
-"""The README's incident walkthrough, run line by line through the real ``kvj``: a server
+"""The incident walkthrough (docs/operations.md, linked from the README), run line by line through the real ``kvj``: a server
 process SIGKILLed mid-write, a sealed log hit by bit rot, and a disk full of other data,
 from ``kvj status`` to a server serving again.
 
@@ -23,9 +23,9 @@ import pytest
 from support.cli_helpers import KVJ, env, tree
 from support.wait import wait_for
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+WALKTHROUGH = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md")
 SERVER = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "support", "incident_server.py"))
-JOURNAL = "/var/lib/kvj"  # as the README writes it
+JOURNAL = "/var/lib/kvj"  # as docs/operations.md writes it
 
 #: An earlier incident's request: a 512 KiB segment (damaged, then quarantined) and a small one.
 HISTORY = """
@@ -52,10 +52,10 @@ def _namespaces_work() -> bool:
 
 
 def walkthrough() -> List[List[str]]:
-    """The command lines of the README's "Incident walkthrough" block, comments removed."""
-    with open(README) as f:
+    """The command lines of the "Incident walkthrough" block, comments removed."""
+    with open(WALKTHROUGH) as f:
         text = f.read()
-    block = text.split("### Incident walkthrough", 1)[1].split("```", 2)[1]
+    block = text.split("## Incident walkthrough", 1)[1].split("```", 2)[1]
     return [line.split(" #", 1)[0].split() for line in block.strip().splitlines()]
 
 
@@ -155,7 +155,7 @@ def test_incident_walkthrough(disk):
     out = {}
     for step, argv in enumerate(commands):
         argv = [a.replace(JOURNAL, journal) for a in argv]
-        # 7d in the README: older than the earlier incident, younger than this one.
+        # 7d in the walkthrough: older than the earlier incident, younger than this one.
         argv = [f"{time.time() - (set_aside_before + incident) / 2:.1f}s" if a == "7d" else a for a in argv]
         if argv[0] == "server":
             server = disk.start(sys.executable, SERVER, journal, "--manifest", argv[2])
