@@ -4,8 +4,8 @@ trainers in child processes, real SIGKILLs, and the proof table it prints.
 The default demo (a vLLM engine with KvjConnector killed and resumed, live requests handed off
 to a second engine, HF Trainer + PEFT with KvjCallback killed and resumed) runs
 in CI with fewer requests, tokens and steps (the same code path, demo parameters); the full
-default behind ``-m slow``. ``--quick`` (kvj's own loops) and a machine without vLLM run in CI
-too. Kill seeds are printed by the demo (``--seed`` replays one).
+default and ``--quick`` (kvj's own loops, whose parts the generation and training e2e tests
+cover in CI) behind ``-m slow``; a machine without vLLM runs in CI too. Kill seeds are printed by the demo (``--seed`` replays one).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def test_kvj_demo_full_default(tmp_path):
     check_default(run_demo(tmp_path), 4)
 
 
+@pytest.mark.slow
 def test_kvj_demo_quick_runs_kvjs_own_loops(tmp_path):
     proc = run_demo(tmp_path, "--quick")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
