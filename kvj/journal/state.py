@@ -202,13 +202,20 @@ class JournalState:
         steps = ([self.checkpoint["step"]] if self.checkpoint else []) + [d["step"] for d in self.deltas]
         return max(steps) if steps else None
 
+    def moved(self) -> List[RequestState]:
+        """Requests a HANDOFF record ended here: another engine continues them from their blocks."""
+        return [r for r in self.requests.values() if r.moved_to is not None]
+
     def referenced_keys(self) -> Dict[str, str]:
-        """Segment keys the live state needs, mapped to a description of who needs them."""
+        """Segment keys the live state needs, mapped to a description of who needs them: those of
+        requests in flight and of requests moved to another engine (which loads their blocks from
+        this store, or from its replica restored, until compaction drops the moved requests)."""
         keys: Dict[str, str] = {}
-        for req in self.in_flight():
+        for req in self.in_flight() + self.moved():
             for ref in req.segments.values():
                 if ref.key:
-                    keys[ref.key] = f"request {req.id} segment {ref.seg}"
+                    keys[ref.key] = f"request {req.id} segment {ref.seg}" + (
+                        f" (moved to {req.moved_to})" if req.moved_to is not None else "")
         for entry in ([self.checkpoint] if self.checkpoint else []) + self.deltas:
             for name, key in entry["keys"].items():
                 if isinstance(key, str):

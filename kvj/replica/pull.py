@@ -166,7 +166,7 @@ def segment_sizes(remote: Remote, state: JournalState) -> SegmentSizes:
     the journal declares (a request segment's stored size, plus at most a header)."""
     listed = {k: o.size for o in remote.list("segments/") for k in [mf.segment_key(o.path)] if k}
     declared: Dict[str, int] = {}
-    for req in state.in_flight():
+    for req in state.in_flight() + state.moved():
         for ref in req.segments.values():
             if ref.key:
                 declared[ref.key] = max(declared.get(ref.key, 0), ref.stored_size)

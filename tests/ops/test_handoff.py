@@ -68,3 +68,28 @@ def test_a_bad_target_is_refused_and_touches_nothing(tmp_path):
     assert not os.path.exists(os.path.join(path, "handoff.json"))
     assert cli("handoff", "-j", path).returncode == 64
     assert cli("handoff", "-j", path, "--to", "b", "--mode", "later").returncode == 64
+
+
+def test_a_moved_request_s_blocks_stay_referenced_until_a_snapshot_drops_it(tmp_path):
+    """The target loads them from this store or its restored replica: compaction keeps them,
+    and ``kvj restore`` downloads them (both go by ``referenced_keys``)."""
+    path = str(tmp_path / "j")
+    meta = {"format": "kvj-vllm-request/1", "prompt_len": 3, "max_tokens": 8, "sampling": {}, "stop_ids": []}
+    with kvj.Journal.open(path) as j:
+        j.start("r-1", None, [1, 2, 3], meta)
+        j.flush("r-1", 0, torch.ones(4, 4), token_range=(0, 4), layout={"token_ids": [1, 2, 3, 4]}).result()
+        j.start("r-2", None, [7], meta)
+        j.flush("r-2", 0, torch.zeros(4, 4), token_range=(0, 4), layout={"token_ids": [7, 8, 9, 10]}).result()
+        j.handoff("r-1", "b")
+        j.end("r-2", "ok")
+        j.sync()
+    state = kvj.replay(path)
+    key, other = state.requests["r-1"].segments[0].key, state.requests["r-2"].segments[0].key
+    assert [r.id for r in state.moved()] == ["r-1"] and not state.in_flight()
+    assert list(state.referenced_keys()) == [key] and "moved to b" in state.referenced_keys()[key]
+    done = cli("compact", "-j", path, "--grace", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    with kvj.Journal.open(path) as j:
+        assert j.store.exists(key), "compaction collected a moved request's block"
+        assert not j.store.exists(other), "compaction collected nothing: the check above shows nothing"
+

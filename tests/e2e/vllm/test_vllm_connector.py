@@ -133,8 +133,9 @@ def durable_tokens(journal: str, prompts: List[List[int]]) -> Dict[int, int]:
     return covered
 
 
-def kvj_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvj.cli.main", *args], capture_output=True, text=True)
+def kvj_cli(*args: str, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvj.cli.main", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
 
 
 def recover(journal: str) -> str:

@@ -1,6 +1,8 @@
 """Live handoff: engine A (a real vLLM engine on the CPU backend) is drained mid-batch and a
-second engine B, another process with a journal of its own, continues A's requests from A's
-store, read-only; another model on B loads nothing and says why.
+second engine B, another process with a journal of its own, continues A's requests, read-only,
+from A's journal replicated to object storage (moto) and restored onto B's disk while A's disk
+is gone; another model on B loads nothing and says why; an engine killed mid-drain hands each
+request to exactly one of its own recovery and the target, which reads it by path.
 
 Engines run in child processes (``support.vllm_engine``), as in ``test_vllm_connector``: the
 uninterrupted reference and A run side by side, then B and the other-model engine C; every
@@ -14,6 +16,7 @@ import json
 import os
 import random
 import subprocess
+import shutil
 import signal
 from typing import Any, Dict, List
 
@@ -22,6 +25,7 @@ import pytest
 import kvj
 from kvj.integrations.vllm_resume import resume_plans
 from kvj.ops.handoff import write_manifest
+from support.s3 import MotoEndpoint, s3_env
 from support.wait import wait_for
 from test_vllm_connector import (BLOCK, ENGINE, PACE, SEEDED, journal_state, kvj_cli, lines, make_model, same,
                                  start_engine)
@@ -107,10 +111,22 @@ def handoff(models: Dict[str, str], seed: int, tmp_path_factory: pytest.TempPath
         os.killpg(k.pid, signal.SIGKILL)
         k.wait()
     first = finish({"ref": ref, "a": a}, tmp)
-    manifest = first["a"][0]["manifest"]
-    with open(manifest) as f:
+    with open(first["a"][0]["manifest"]) as f:
         plans = resume_plans(json.load(f))
-    a_files = tree(ja)
+    # Across nodes: A's journal goes to object storage (``kvj replicate``) and comes back on B's
+    # disk (``kvj restore``) with the manifest; A's disk is gone while B and C run.
+    s3 = MotoEndpoint()
+    try:
+        url = f"s3://{s3.new_bucket()}/a"
+        for args in (("replicate", "-j", ja, "--to", url), ("restore", "--from", url, "-j", os.path.join(tmp, "node-b", "a"))):
+            done = kvj_cli(*args, env=s3_env(s3.url))
+            assert done.returncode == 0, f"kvj {args[0]}: {done.stderr}"
+    finally:
+        s3.stop()
+    restored = os.path.join(tmp, "node-b", "a")
+    manifest = shutil.copy(first["a"][0]["manifest"], os.path.join(tmp, "node-b", "manifest-b.json"))
+    a_files, restored_files = tree(ja), tree(restored)
+    os.rename(ja, ja + ".gone")
     killed = kvj.replay(jk)
     rec = kvj_cli("recover", "-j", jk, "--json")
     assert rec.returncode == 0, rec.stderr
@@ -118,15 +134,18 @@ def handoff(models: Dict[str, str], seed: int, tmp_path_factory: pytest.TempPath
     moved_manifest, _ = write_manifest(jk, "b")  # what kvj handoff writes once every move is durable
     procs = {
         "b": start_engine(tmp, "b", models["main"], [{"resume": manifest}], os.path.join(tmp, "journal-b"),
-                          sources=[ja], in_process=True, **settings),
+                          sources=[restored], in_process=True, **settings),
         "c": start_engine(tmp, "c", models["other"], [{"resume": manifest}], os.path.join(tmp, "journal-c"),
-                          sources=[ja], in_process=True, **settings),
+                          sources=[restored], in_process=True, **settings),
         "k2": start_engine(tmp, "k2", models["main"], [{"resume": recovered}], jk, in_process=True, **settings),
         "l": start_engine(tmp, "l", models["main"], [{"resume": moved_manifest}], os.path.join(tmp, "journal-l"),
                           sources=[jk], in_process=True, **settings)}
-    second = finish(procs, tmp)
+    try:
+        second = finish(procs, tmp)
+    finally:
+        os.rename(ja + ".gone", ja)
     return {"tmp": tmp, "prompts": ps, "ref": first["ref"][0]["requests"], "manifest": manifest, "plans": plans,
-            "ja": ja, "a_files": a_files, "b": second["b"][0]["requests"], "c": second["c"][0]["requests"],
+            "ja": ja, "a_files": a_files, "restored": restored, "restored_files": restored_files, "b": second["b"][0]["requests"], "c": second["c"][0]["requests"],
             "jk": jk, "killed": killed, "k2": second["k2"][0]["requests"], "l": second["l"][0]["requests"]}
 
 
@@ -158,7 +177,8 @@ def test_the_first_engine_records_the_move_and_is_never_written_by_the_second(ha
     state = kvj.replay(ja)
     moved = [r for r in state.requests.values() if r.status == "handoff"]
     assert len(moved) == 4 and all(r.moved_to == "b" for r in moved) and not state.in_flight()
-    assert tree(ja) == handoff["a_files"], "engine B wrote into engine A's journal or store"
+    assert tree(ja) == handoff["a_files"], "something wrote into engine A's journal or store"
+    assert tree(handoff["restored"]) == handoff["restored_files"], "engine B wrote into the journal it continued from"
     rec = kvj_cli("recover", "-j", ja, "--json")  # nothing of A's is A's to resume
     assert rec.returncode == 0, rec.stderr
     assert json.loads(rec.stdout)["manifest"]["requests"] == []
