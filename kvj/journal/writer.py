@@ -128,37 +128,34 @@ class LogWriter:
         """
         body = payload if type(payload) is bytes else encode_payload(payload)
         with self._lock:
-            lsn = self._next_lsn
-            buf = self._buf
-            if lsn > self._room_lsn or len(buf) >= self._max_buffer:
-                lsn, buf = self._wait_for_room()
-            self._next_lsn = lsn + 1
-            buf += encode_record(rtype, lsn, body)
-            count = self._count = self._count + 1
-            if count == 1 or count == self._max_records:
-                self._group_due(count)
+            lsn = self._frame(rtype, body)
         if durable:
             self.wait_durable(lsn)
         return lsn
+
     def append_many(self, records: Iterable[Tuple[int, bytes]], durable: bool = False) -> List[int]:
         """Frame encoded records in order under one lock and return their LSNs (consecutive
         unless the buffer filled on the way and another thread appended meanwhile)."""
         lsns: List[int] = []
         with self._lock:
             for rtype, body in records:
-                lsn = self._next_lsn
-                buf = self._buf
-                if lsn > self._room_lsn or len(buf) >= self._max_buffer:
-                    lsn, buf = self._wait_for_room()
-                self._next_lsn = lsn + 1
-                buf += encode_record(rtype, lsn, body)
-                lsns.append(lsn)
-                count = self._count = self._count + 1
-                if count == 1 or count == self._max_records:
-                    self._group_due(count)
+                lsns.append(self._frame(rtype, body))
         if durable and lsns:
             self.wait_durable(lsns[-1])
         return lsns
+
+    def _frame(self, rtype: int, body: bytes) -> int:
+        """(Lock held) frame one record into the buffer, waiting for room, and return its LSN."""
+        lsn = self._next_lsn
+        buf = self._buf
+        if lsn > self._room_lsn or len(buf) >= self._max_buffer:
+            lsn, buf = self._wait_for_room()
+        self._next_lsn = lsn + 1
+        buf += encode_record(rtype, lsn, body)
+        count = self._count = self._count + 1
+        if count == 1 or count == self._max_records:
+            self._group_due(count)
+        return lsn
 
     def _group_due(self, count: int) -> None:
         """(Lock held) wake the committer for a group's first record (its max_delay starts)

