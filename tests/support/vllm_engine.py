@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 
 def _write(path: str, obj: Dict[str, Any]) -> None:
