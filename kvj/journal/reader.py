@@ -410,6 +410,18 @@ class LogEnd:
     tail: Optional[TornTail]  #: incomplete bytes after it in the newest file (a live writer's, or a crash's)
 
 
+def newest_first(logs: List[str]) -> Iterator[Tuple[str, FileHeader, bool]]:
+    """The log files ``logs`` names, newest first, with their headers and whether each is the
+    newest file: one removed meanwhile (compaction) or still without a header is passed over."""
+    for index in range(len(logs) - 1, -1, -1):
+        try:
+            header = read_header(logs[index])
+        except FileNotFoundError:
+            continue
+        if header is not None:
+            yield logs[index], header, index == len(logs) - 1
+
+
 def log_end(directory: str, snapshot_lsn: int = 0, mirror: Union[bool, str] = True) -> LogEnd:
     """The last complete group of the log, reading only the newest log files (newest first,
     until one holds a group): what ``kvj status`` shows as the last durable write and its age.
@@ -418,21 +430,13 @@ def log_end(directory: str, snapshot_lsn: int = 0, mirror: Union[bool, str] = Tr
     for a journal no writer holds, it is what replay will return. ``mirror`` is as for
     ``Scan``: False reads the one copy at ``directory`` (how far each copy reaches).
     """
-    logs = list_logs(directory)
     tail: Optional[TornTail] = None
-    for index in range(len(logs) - 1, -1, -1):
-        path = logs[index]
-        try:
-            header = read_header(path)
-        except FileNotFoundError:
-            continue
-        if header is None:
-            continue
+    for path, header, newest in newest_first(list_logs(directory)):
         scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None, mirror=mirror)
         last: Optional[RawRecord] = None
         for raw in scan:
             last = raw
-        if index == len(logs) - 1:
+        if newest:
             tail = scan.tail
         if last is not None:
             return LogEnd(last.lsn, last.time, path, tail)

@@ -20,7 +20,7 @@ from kvj.ops.handoff import moved, read_control
 from kvj.journal.config import config_max_store_bytes, config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
-from kvj.journal.reader import LogEnd, Scan, TornTail, list_logs, log_end, read_header
+from kvj.journal.reader import LogEnd, Scan, TornTail, list_logs, log_end, newest_first
 from kvj.journal.records import RecordType
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots
@@ -89,14 +89,7 @@ def _newest(directory: str, logs: List[str], now: float, snapshot_lsn: int) -> T
     groups: Dict[float, bool] = {}  # group time -> whether it holds a recovery epoch record
     end: Optional[LogEnd] = None
     tail: Optional[TornTail] = None
-    for index in range(len(logs) - 1, -1, -1):
-        path = logs[index]
-        try:
-            header = read_header(path)
-        except FileNotFoundError:
-            continue
-        if header is None:
-            continue
+    for path, header, newest in newest_first(logs):
         seen_old = False
         last: Optional[RawRecord] = None
         scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None)
@@ -109,7 +102,7 @@ def _newest(directory: str, logs: List[str], now: float, snapshot_lsn: int) -> T
             records += len(group.records)
             nbytes += sum(RECORD_HEADER_SIZE + len(raw.payload) for raw in group.records)
             groups[when] = groups.get(when, False) or any(raw.rtype == RecordType.EPOCH for raw in group.records)
-        if index == len(logs) - 1:
+        if newest:
             tail = scan.tail
         if end is None and last is not None:
             end = LogEnd(last.lsn, last.time, path, tail)
