@@ -33,6 +33,7 @@ Limits: engines of one rank (tensor- and pipeline-parallel handoff is refused by
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -48,8 +49,6 @@ __all__ = ["arm", "armed_target", "drain", "engine_journal"]
 
 def engine_journal(llm: "LLM") -> str:
     """The journal of ``llm``'s KvjConnector (its ``kv_connector_extra_config["journal"]``)."""
-    import os
-
     transfer = llm.llm_engine.vllm_config.kv_transfer_config
     journal = (transfer.kv_connector_extra_config or {}).get("journal") if transfer is not None else None
     if not journal:
