@@ -79,6 +79,13 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def print_verdict(console: Console, ok: bool) -> None:
+    """The demo's last word: the proof held (every request and the fine-tune), or it did not."""
+    verdict = ("[bold green]PROOF: every request continued token for token, and the fine-tune ended "
+               "bit-identical.[/]" if ok else "[bold red]MISMATCH: see above.[/]")
+    console.print(Panel(verdict, expand=False))
+
+
 def operator_recover(console: Console, journal: str) -> Tuple[Dict[str, Any], str, float]:
     """Run ``kvj fsck`` and ``kvj recover`` on ``journal`` as an operator would, printing both;
     the recovery manifest, its path and the seconds both commands took."""
@@ -279,9 +286,7 @@ class Demo:
                          f"{_mb(stats['delta_stored'] / stats['deltas'])} each "
                          f"(parameters: {_mb(_model_stream(stats)['delta_stored'] / stats['deltas'])} "
                          f"as XOR vs {_mb(_model_stream(stats)['full_stored'] / stats['fulls'])} full).")
-        verdict = ("[bold green]PROOF: every request continued token for token, and the fine-tune ended "
-                   "bit-identical.[/]" if ok else "[bold red]MISMATCH: see above.[/]")
-        self.c.print(Panel(verdict, expand=False))
+        print_verdict(self.c, ok)
         self.say(f"[dim]Journals and segments are in {os.path.relpath(self.out)}/; try "
                  f"`kvj inspect --journal {os.path.relpath(self.gen_journal)} --timeline`.")
         return ok

@@ -36,7 +36,7 @@ from rich.table import Table
 
 import kvj
 from kvj.demo import crashrun
-from kvj.demo.run import operator_recover
+from kvj.demo.run import operator_recover, print_verdict
 
 #: Logprobs of a resumed request against the uninterrupted engine's: float32 on the CPU
 #: backend, batched otherwise after the resume (the e2e tests' tolerance).
@@ -381,9 +381,7 @@ class Stacks:
         self.c.print()
         self.c.rule(f"[bold]{len(self.steps) + 1}. The proof", align="left")
         ok = all([p.proof() for p in self.parts])
-        verdict = ("[bold green]PROOF: every request continued token for token, and the fine-tune ended "
-                   "bit-identical.[/]" if ok else "[bold red]MISMATCH: see above.[/]")
-        self.c.print(Panel(verdict, expand=False))
+        print_verdict(self.c, ok)
         self.say(f"[dim]Journals and segments are in {os.path.relpath(self.out)}/. Demo took "
                  f"{time.perf_counter() - t0:.0f} s.")
         return ok

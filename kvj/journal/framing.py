@@ -277,16 +277,18 @@ def _repair_chain(data: bytes, pos: int, end: int, first_lsn: int, count: int) -
     return None
 
 
-def _tearable(record: Tuple[int, int, bool], unverified: List[Tuple[int, int]], ws: int, we: int,
+def _tearable(data: bytes, record: Tuple[int, int, bool], unverified: List[Tuple[int, int]], ws: int, we: int,
               origin: int) -> bool:
     """Whether a torn write can have made ``record`` fail: some sector piece of the write at
     [ws, we) that overlaps the record lies wholly in bytes nothing verified (``unverified``:
-    merged ranges), as a lost sector's must. Offsets are in ``data``; sectors align in the file."""
+    merged ranges), as a lost sector's must, or reads as zeros throughout (a zeroed sector
+    over header fields whose true bytes were zeros too, such as an LSN's high bytes, still
+    chains). Offsets are in ``data``; sectors align in the file."""
     start, stop, _good = record
     sector = (origin + start) // SECTOR * SECTOR - origin
     while sector < stop:
         a, b = max(sector, ws), min(sector + SECTOR, we)
-        if a < b and any(u <= a and b <= v for u, v in unverified):
+        if a < b and (any(u <= a and b <= v for u, v in unverified) or data.count(0, a, b) == b - a):
             return True
         sector += SECTOR
     return False
@@ -362,7 +364,7 @@ def tail_evidence(data: bytes, pos: int, salt: int = 0, version: int = FORMAT_VE
             return TailEvidence(True, f"{what}, whole, whose record LSN {lsn} fails its CRC by one flipped bit at "
                                 f"{_bit_at(origin + start + 4, bit, origin + start)}: damage, not a torn write",
                                 count, first_lsn)
-        if not _tearable(record, unverified, pos, end, origin):
+        if not _tearable(data, record, unverified, pos, end, origin):
             return TailEvidence(True, f"{what}, whole, whose record LSN {lsn} fails its CRC although every sector it "
                                 "lies in also holds bytes that verify: damage, not a torn write", count, first_lsn)
     return TailEvidence(False, f"{what}, whole, whose records fail their CRC only where whole sectors may have been "

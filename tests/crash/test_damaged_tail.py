@@ -131,6 +131,30 @@ def test_bytes_overwritten_inside_one_sector_are_damage_a_lost_sector_is_not():
     assert not tail_evidence(data[:start] + bytes(3000), start, SALT).damaged  # preallocated, never written
 
 
+def test_a_zeroed_sector_over_header_bytes_that_were_zeros_is_torn():
+    """The crash suite's seed 107: a sector boundary falls inside the last record's LSN, whose
+    high bytes are zeros; the crash zeroes the rest of the write. The header still chains (its
+    zeroed bytes read as they were), so the lost piece is not wholly in unverified bytes: a torn
+    write all the same, never damage."""
+    def build(filler: int) -> "tuple[bytes, int, int]":
+        head = encode_file_header(1, 1, SALT)
+        body = encode_record(RecordType.ALLOC, 4, bytes(range(256)) + bytes(filler))
+        last_at = len(head) + 32 + len(body)  # the group header is 32 bytes
+        body += encode_record(RecordType.ALLOC, 5, b"\x07" * 41)
+        return head + encode_group_header(len(body), 2, 4, SALT, 1_700_000_000_000_000_000) + body, len(head), last_at
+    for filler in range(SECTOR):
+        data, start, last_at = build(filler)
+        if (last_at + 14) % SECTOR == 0:  # the boundary between the LSN's second and third bytes
+            break
+    else:
+        raise AssertionError("no filler puts a sector boundary inside the last record's LSN")
+    boundary = last_at + 14
+    assert data[boundary:last_at + 20] == bytes(6)
+    crashed = data[:boundary] + bytes(len(data) - boundary)
+    evidence = tail_evidence(crashed, start, SALT)
+    assert not evidence.damaged, evidence.why
+
+
 # -- through the library and the CLI ------------------------------------------------------
 
 BATCH = 300
