@@ -57,6 +57,7 @@ class Site:
 
 
 D, R, F, S = "kvj.segments.device", "kvj.segments.load", "kvj.segments.flusher", "kvj.segments.store"
+K = "kvj.segments.kvblock"
 T, TR = "kvj.integrations.training.host", "kvj.integrations.training.recover"
 V = "kvj.integrations.vllm_worker"
 NO_EVENT = "torch.cuda.Event()"  # never recorded: waits on it return at once, queries say done
@@ -95,7 +96,7 @@ SITES: List[Site] = [
     Site(D, "Transfer.fence", "CUDA.gpu_wait(waiter, self.event)", hint=("scatter_loads",)),
     Site(D, "BlockBuffers.busy", "not self.transfer.done()", "False", hint=("ring",)),
     Site(D, "BlockRing.take", "bufs.transfer.wait()", hint=("ring",)),
-    Site(R, "restore_paged", "moved.wait()", hint=("two_restores",)),
+    Site(K, "restore_paged", "moved.wait()", hint=("two_restores",)),
     Site(R, "load_many", "with cuda.CUDA.use(stream):", "if True:", hint=("worker_threads_are_fenced",)),
     # the training capture (StateJournal's saves, recovery onto a device)
     Site(T, "StateBuffers._download", "cuda.CUDA.gpu_wait_stream(side, current)", hint=("one_copy",)),
