@@ -122,7 +122,8 @@ TRAINING_SURVIVORS = {"host.StateBuffers._download: early = cuda.CUDA.record(sid
                       "host.StateBuffers._download: cuda.CUDA.gpu_wait(current, early) -> None",
                       "host.StateBuffers._download: cuda.CUDA.gpu_wait(current, gathered) -> None",
                       'recover._placed: cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d")) -> None'}
-TRAINING_SITES = [s for s in SITES if s.module.startswith("kvj.integrations.training.") and s.name not in TRAINING_SURVIVORS]
+TRAINING_SITES = [s for s in SITES
+                  if s.module.startswith("kvj.integrations.training.") and s.name not in TRAINING_SURVIVORS]
 
 
 def _mutant_site(tmp_path, code: str) -> str:
