@@ -623,7 +623,8 @@ def check_device(ctx: Ctx, parts: Parts) -> Dict[str, Any]:
     from kvj.segments import device as kd
     from kvj.segments.device import BlockRing, block_buffers, gather_blocks, scatter_blocks
     from kvj.segments.flusher import Flusher
-    from kvj.segments.load import load, load_many, paged_layout, restore_paged
+    from kvj.segments.kvblock import paged_layout, restore_paged
+    from kvj.segments.load import load, load_many
     from kvj.segments.staging import StagingPool
     from kvj.segments.store import SegmentStore
 

@@ -56,7 +56,7 @@ from kvj.errors import SegmentCorrupt
 from kvj.segments import tensors
 from kvj.segments.codecs import codec_names
 from kvj.segments.flusher import Flusher
-from kvj.segments.load import paged_layout
+from kvj.segments.kvblock import paged_layout
 from kvj.segments.store import SegmentStore
 
 BLOCK_TOKENS = 16

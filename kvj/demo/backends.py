@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from kvj.errors import CacheFull, FormatError
 from kvj.integrations.hf import build_cache, cache_block, cache_kwarg, layout_for
 from kvj.segments import device
-from kvj.segments.kvblock import KVBlockLayout
-from kvj.segments.load import gather_block
+from kvj.segments.kvblock import KVBlockLayout, gather_block
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

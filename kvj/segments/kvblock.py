@@ -23,15 +23,24 @@ one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a bl
   view in C order, so it loads into any physical layout. Blocks move through
   ``kvj.segments.device.gather_blocks`` and ``scatter_blocks`` (one indexed copy per layer
   and one transfer, device-correct), which travel in exactly this ``[n, layers, *block]``
-  form: the restore of paged caches (``kvj.segments.load.restore_paged``), the demo's
-  paged engine and the vLLM connector all use them.
+  form: the restore of paged caches (:func:`restore_paged`), the demo's paged engine and
+  the vLLM connector all use them;
+* its **paged cache** and **scatter**: kvj's own paged cache (vLLM-like) is one tensor per
+  layer shaped ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K at index 0, V at
+  1). :func:`gather_block` takes one block of every layer out of it (to flush, with the layout
+  :func:`paged_layout`), and :func:`restore_paged` scatters a request's blocks into a new
+  cache: block ``i`` into ``new_block_ids[i]``, whatever ids it had before (a block's content
+  does not depend on where it sat, so identical prefix blocks of different requests share one
+  key).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import blake3
 import numpy as np
@@ -39,7 +48,12 @@ import torch
 
 from kvj.errors import InvalidArgument, LayoutMismatch
 from kvj.segments import device as cuda
+from kvj.segments.load import default_staging
+from kvj.segments.staging import StagingPool
 from kvj.segments.tensors import dtype_name
+
+if TYPE_CHECKING:
+    from kvj.segments.store import SegmentStore
 
 #: Layout ``format`` of a KV block segment written now.
 FORMAT = "kvj-kv-block/2"
@@ -232,3 +246,88 @@ def of_caches(model: str, caches: Sequence[torch.Tensor], order: str = L2NHD) ->
     lay = KVBlockLayout(str(model), dtype_name(first.dtype), len(caches), heads, head_dim, block, order)
     lay.check_caches(caches)
     return lay
+
+
+def paged_layout(model: str, kv_caches: Sequence[torch.Tensor]) -> Dict[str, Any]:
+    """The layout every block segment of ``kv_caches`` carries (restore also takes 0.2's)."""
+    _check_caches(kv_caches)
+    return of_caches(model, kv_caches).segment_layout()
+
+
+def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not kv_caches:
+        raise InvalidArgument("kv_caches is empty")
+    first = kv_caches[0]
+    if first.dim() != 5 or first.shape[1] != 2:
+        raise InvalidArgument("each cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim]")
+    for c in kv_caches:
+        if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+            raise InvalidArgument("all layer caches must share shape, dtype and device")
+    return first
+
+
+def gather_block(kv_caches: Sequence[torch.Tensor], block_id: int) -> torch.Tensor:
+    """One block of every layer, ``[num_layers, 2, block_size, heads, head_dim]`` (to flush)."""
+    _check_caches(kv_caches)
+    return torch.stack([c[block_id] for c in kv_caches])
+
+
+def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[torch.Tensor],
+                  new_block_ids: Sequence[int], *, model: str, workers: Optional[int] = None,
+                  staging: Optional[StagingPool] = None) -> None:
+    """Scatter a request's block segments into ``kv_caches`` at ``new_block_ids``.
+
+    ``keys[i]`` (see the module convention) goes to block ``new_block_ids[i]`` of every layer.
+    Blocks are decoded in parallel into one staging buffer (pinned when the cache is on CUDA),
+    each checked against the cache's layout before it is decoded and its shape after; only
+    when all are in does anything reach the cache (a segment of another model or layout raises
+    LayoutMismatch with every slot untouched), then ``kvj.segments.device.scatter_blocks`` puts
+    them in: on the CPU one row copy per layer, on a GPU one non-blocking transfer on a side
+    stream and one ``index_copy_`` per layer, which the host waits for (its event, not a stream).
+    """
+    first = _check_caches(kv_caches)
+    if len(keys) != len(new_block_ids):
+        raise InvalidArgument("keys and new_block_ids differ in length")
+    ids = [int(b) for b in new_block_ids]
+    if len(set(ids)) != len(ids) or any(not 0 <= b < first.shape[0] for b in ids):
+        raise InvalidArgument("new_block_ids must be distinct slots of the cache")
+    if not keys:
+        return
+    expected = of_caches(model, kv_caches)
+    block_shape = (len(kv_caches),) + tuple(first.shape[1:])
+    is_cuda = cuda.CUDA.is_device_tensor(first)
+    block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
+    total = block_bytes * len(keys)
+    ids_at = -(-total // 8) * 8  # the block ids go up from the same pinned buffer, 8-aligned
+    pool = staging or (default_staging() if is_cuda else StagingPool(total))
+    buf = pool.acquire(ids_at + 8 * len(keys), pinned=is_cuda)
+    try:
+        # A key that recurs (a shared prefix block) is decoded once and its bytes copied.
+        first_of: Dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first_of.setdefault(key, i)
+        slot = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
+
+        def one(i: int) -> None:
+            layout = store.info(keys[i]).layout  # checked before decoding, the size on the way in
+            expected.check(layout or {}, f"segment {keys[i]}")
+            try:
+                block = store.get(keys[i], expect_layout=layout, out=slot[i])
+            except InvalidArgument:
+                raise LayoutMismatch(f"segment {keys[i]} holds more than one block of this cache") from None
+            if tuple(block.shape) != block_shape or block.dtype != first.dtype:
+                raise LayoutMismatch(f"segment {keys[i]} holds {block.dtype} {list(block.shape)}, this cache's "
+                                     f"blocks are {first.dtype} {list(block_shape)}")
+
+        with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as ex:
+            list(ex.map(one, first_of.values()))
+        for i, key in enumerate(keys):
+            if first_of[key] != i:
+                np.copyto(slot[i].numpy(), slot[first_of[key]].numpy())
+        host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
+        bufs = cuda.block_buffers(kv_caches, len(ids), buf[ids_at:ids_at + 8 * len(ids)].view(torch.long))
+        moved = cuda.scatter_blocks(kv_caches, ids, host, bufs)
+        moved.wait()  # the staging buffer is reused once the copy from it is done (and, the host
+        # having waited, the caller's later work on any stream comes after the scatter)
+    finally:
+        pool.release(buf)  # scatter_blocks raises only once nothing reads the buffer

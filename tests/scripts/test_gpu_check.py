@@ -102,7 +102,7 @@ SURVIVORS = {"device.Cuda.settle: stream.synchronize() -> None",
 
 #: The mutation sites of the device layer and its callers (the training capture's run inside the
 #: lora check's Trainer processes, out of reach of an in-process mutant).
-DEVICE_SITES = [s for s in SITES + [CPU_INTO_CUDA] if s.module != "kvj.integrations.training"]
+DEVICE_SITES = [s for s in SITES + [CPU_INTO_CUDA] if not s.module.startswith("kvj.integrations.training.")]
 
 
 @pytest.mark.slow
@@ -118,11 +118,12 @@ def test_every_wait_of_the_mutation_list_fails_a_check_or_is_a_known_survivor(gp
 #: gather and its wait (no GradScaler: the fine-tune runs without mixed precision); the wait
 #: for a capture without an optimizer step hook (KvjCallback always has one); recovery onto a
 #: device (KvjCallback recovers on the host and loads the adapter into the model).
-TRAINING_SURVIVORS = {"training.StateBuffers._download: early = cuda.CUDA.record(side) -> early = torch.cuda.Event()",
-                      "training.StateBuffers._download: cuda.CUDA.gpu_wait(current, early) -> None",
-                      "training.StateBuffers._download: cuda.CUDA.gpu_wait(current, gathered) -> None",
-                      'training._placed: cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d")) -> None'}
-TRAINING_SITES = [s for s in SITES if s.module == "kvj.integrations.training" and s.name not in TRAINING_SURVIVORS]
+TRAINING_SURVIVORS = {"host.StateBuffers._download: early = cuda.CUDA.record(side) -> early = torch.cuda.Event()",
+                      "host.StateBuffers._download: cuda.CUDA.gpu_wait(current, early) -> None",
+                      "host.StateBuffers._download: cuda.CUDA.gpu_wait(current, gathered) -> None",
+                      'recover._placed: cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d")) -> None'}
+TRAINING_SITES = [s for s in SITES
+                  if s.module.startswith("kvj.integrations.training.") and s.name not in TRAINING_SURVIVORS]
 
 
 def _mutant_site(tmp_path, code: str) -> str:

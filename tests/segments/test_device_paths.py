@@ -20,7 +20,8 @@ from support.fakecuda import POISON, gpu  # noqa: F401
 
 from kvj.segments import device
 from kvj.segments.flusher import Flusher
-from kvj.segments.load import gather_block, load, load_many, paged_layout, restore_paged
+from kvj.segments.kvblock import gather_block, paged_layout, restore_paged
+from kvj.segments.load import load, load_many
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore
 

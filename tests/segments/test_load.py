@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvj.errors import LayoutMismatch
-from kvj.segments.load import gather_block, load, load_many, paged_layout, restore_paged
+from kvj.segments.kvblock import gather_block, paged_layout, restore_paged
+from kvj.segments.load import load, load_many
 from kvj.segments.store import SegmentStore
 
 L, NB, BS, H, D = 3, 10, 4, 2, 8

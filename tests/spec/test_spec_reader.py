@@ -303,7 +303,7 @@ def test_kv_blocks_of_the_block_journal(tmp_path):
 
 
 def test_paged_kv_blocks_gathered_from_a_paged_cache(tmp_path):
-    from kvj.segments.load import gather_block, paged_layout, restore_paged
+    from kvj.segments.kvblock import gather_block, paged_layout, restore_paged
 
     gen = torch.Generator().manual_seed(2)
     caches = [torch.randn(6, 2, 4, 2, 8, generator=gen).to(torch.float16) for _ in range(3)]

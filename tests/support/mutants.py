@@ -57,7 +57,8 @@ class Site:
 
 
 D, R, F, S = "kvj.segments.device", "kvj.segments.load", "kvj.segments.flusher", "kvj.segments.store"
-T = "kvj.integrations.training"
+K = "kvj.segments.kvblock"
+T, TR = "kvj.integrations.training.host", "kvj.integrations.training.recover"
 V = "kvj.integrations.vllm_worker"
 NO_EVENT = "torch.cuda.Event()"  # never recorded: waits on it return at once, queries say done
 
@@ -95,7 +96,7 @@ SITES: List[Site] = [
     Site(D, "Transfer.fence", "CUDA.gpu_wait(waiter, self.event)", hint=("scatter_loads",)),
     Site(D, "BlockBuffers.busy", "not self.transfer.done()", "False", hint=("ring",)),
     Site(D, "BlockRing.take", "bufs.transfer.wait()", hint=("ring",)),
-    Site(R, "restore_paged", "moved.wait()", hint=("two_restores",)),
+    Site(K, "restore_paged", "moved.wait()", hint=("two_restores",)),
     Site(R, "load_many", "with cuda.CUDA.use(stream):", "if True:", hint=("worker_threads_are_fenced",)),
     # the training capture (StateJournal's saves, recovery onto a device)
     Site(T, "StateBuffers._download", "cuda.CUDA.gpu_wait_stream(side, current)", hint=("one_copy",)),
@@ -108,7 +109,7 @@ SITES: List[Site] = [
     Site(T, "StateBuffers._before_step", "cuda.CUDA.gpu_wait(cuda.CUDA.current_stream(device), gathered)",
          hint=("only_the_next_optimizer_step",)),
     Site(T, "Capture.wait", "cuda.CUDA.finish(event, stream)", hint=("one_copy",)),
-    Site(T, "_placed", 'cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))',
+    Site(TR, "_placed", 'cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))',
          hint=("recovered_onto_the_device",)),
     # the vLLM connector's worker side (a step's saves written from pinned staging; a load reported done)
     Site(V, "WorkerJournal._write_round", "moved.wait()", hint=("device_a_step_saves",)),

@@ -3,7 +3,8 @@
 Values that change little keep their sign and exponent, so the XOR's high byte planes are
 nearly all zeros and the chunk codec (byte planes) stores them in almost nothing. The base is
 another segment, so this filter is not named in a segment header: its caller applies it and
-records the base (``kvj-train-xor/1`` in kvj-segment(5), XOR DELTA).
+records the base (``kvj-train-xor/1`` in kvj-segment(5), XOR DELTA):
+``kvj.integrations.training.delta`` for training state, through ``apply``.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class XorDelta(Filter):
         self._check(out_size)
         return _Unxor(self.base)
 
-    def apply(self, raw: Buffer) -> bytes:
-        """``raw`` XOR the base, whole (the delta to store, or the bytes a stored delta stands for)."""
+    def apply(self, raw: Buffer) -> np.ndarray:
+        """``raw`` XOR the base, whole, in a new byte array (the delta to store, or the bytes a
+        stored delta stands for): training journals its deltas through this."""
         self._check(len(raw))
-        return np.bitwise_xor(_u8(raw), self.base).tobytes()
+        return np.bitwise_xor(_u8(raw), self.base)
 
 
 class _Xored(Filtered):

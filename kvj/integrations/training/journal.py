@@ -1,0 +1,255 @@
+"""Journaling training saves: a checkpoint every ``full_every`` steps, XOR deltas between.
+
+Every ``full_every`` steps each stream of a save (``kvj.integrations.training.host``) bigger
+than ``INLINE_BYTES`` is stored as a segment and the save is journaled as a checkpoint; at
+other steps such a stream is XORed, as raw bits, against the last full state
+(``kvj.integrations.training.delta``) and stored through the automatic codec when that pays
+(a value that moved a little keeps its sign and exponent, so the XOR's high planes are nearly
+all zeros), whole otherwise. Smaller streams (a step counter, the RNG states) travel inside
+the save's document: a file and an fsync each would cost more than they hold. Deltas are
+against the last full state, not chained, so recovery reads one checkpoint and one delta.
+``StateJournal`` stores on a background thread: the loop waits neither for the disk nor for
+the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
+
+import msgpack
+import torch
+
+from kvj.errors import FormatError
+from kvj.integrations.training.delta import xor, xorable
+from kvj.integrations.training.host import FORMAT, Capture, StateBuffers
+from kvj.segments.tensors import dtype_name
+
+if TYPE_CHECKING:
+    from kvj.integrations.training.recover import RecoveredState
+    from kvj.journal.journal import Journal
+
+FULL_FORMAT = "kvj-train-full/1"
+DELTA_FORMAT = "kvj-train-xor/1"
+#: The record key of the document segment (structure and plain values); streams are "s:<name>".
+TREE = "tree"
+STREAM_PREFIX = "s:"
+#: Streams this small (a step counter, the RNG states) travel inside the save's document
+#: instead of a segment of their own, which would cost a file and an fsync per save.
+INLINE_BYTES = 64 << 10
+
+
+@dataclass
+class SaveStats:
+    """Bytes written by full checkpoints and by deltas (raw = before the codec), in total and
+    per stream; ``whole`` counts streams a delta stored whole (their XOR did not pay)."""
+
+    fulls: int = 0
+    full_raw: int = 0
+    full_stored: int = 0
+    deltas: int = 0
+    delta_raw: int = 0
+    delta_stored: int = 0
+    per_stream: Dict[str, Dict[str, int]] = field(default_factory=dict)
+
+    def add(self, name: str, full: bool, whole: bool, info: Any) -> None:
+        entry = self.per_stream.setdefault(name, {"full_stored": 0, "delta_stored": 0, "xor": 0, "whole": 0})
+        if full:
+            self.full_raw += info.raw_size
+            self.full_stored += info.stored_size
+            entry["full_stored"] += info.stored_size
+        else:
+            self.delta_raw += info.raw_size
+            self.delta_stored += info.stored_size
+            entry["delta_stored"] += info.stored_size
+            entry["whole" if whole else "xor"] += 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"fulls": self.fulls, "full_raw": self.full_raw, "full_stored": self.full_stored,
+                "deltas": self.deltas, "delta_raw": self.delta_raw, "delta_stored": self.delta_stored,
+                "per_stream": {n: dict(v) for n, v in self.per_stream.items()}}
+
+
+class StateJournal:
+    """Journals training state: a checkpoint every ``full_every`` steps, a delta otherwise.
+
+    ``save`` captures the state (host copies, on the caller's thread) and hands it to one
+    background thread (at most ``max_pending`` saves queue; more block the caller), which
+    stores the segments durably and then appends the checkpoint or delta record, durably: the
+    record is the commit point (``durable_step`` tells how far that has come). A delta stores
+    each stream as its XOR against the last full save when that is stored smaller than the
+    stream itself, else whole (``meta.whole`` lists those). Which pays is learnt from what was
+    stored, without trial compressions: the 1st, 2nd, 4th, 8th... delta on a base stores the
+    XOR and compares its stored size with the stream's last whole one (the full save's, until a
+    delta stores it whole); deltas between repeat that choice. A save whose streams differ
+    from the base's (the optimizer's state appears at its first step) is a full one. ``close``
+    (or leaving a ``with`` block) waits for every save. Resuming, pass the ``RecoveredState``
+    so the next deltas are taken against its base. Pass the ``optimizer`` whose state is
+    saved, and on a GPU only its next step waits for a save's gather (``StateBuffers``).
+    """
+
+    def __init__(self, journal: "Journal", full_every: int, *, model: str,
+                 resume: Optional["RecoveredState"] = None, max_pending: int = 2,
+                 optimizer: Optional[torch.optim.Optimizer] = None):
+        if full_every < 1:
+            raise FormatError("full_every must be at least 1")
+        if max_pending < 1:
+            raise FormatError("max_pending must be at least 1")
+        self.journal = journal
+        self.full_every = full_every
+        self.model = model
+        self.stats = SaveStats()
+        self._buffers = StateBuffers(max_pending, optimizer)
+        # The last full save's streams, in host memory of the journal's own (the capture's
+        # buffer goes back to the next capture): what deltas are XORed against.
+        self._base: Optional[Tuple[int, Dict[str, torch.Tensor]]] = None
+        self._base_owned = False  # whether the base's buffers are ours to overwrite
+        if resume is not None:
+            self._base = (resume.base_step, dict(resume.base.streams))
+        self._base_signature = resume.base.signature() if resume is not None else None
+        # Whether a stream's XOR paid, and the deltas taken against the current base: the
+        # choice is tried again at the 1st, 2nd, 4th, 8th... delta (as values drift), against
+        # the stream's stored size when last stored whole (unknown after a resume: XOR).
+        self._xor_pays: Dict[str, bool] = {}
+        self._whole_size: Dict[str, int] = {}
+        self._deltas_on_base = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvj-train-save")
+        self._io = ThreadPoolExecutor(4, thread_name_prefix="kvj-train-put")
+        self._slots = threading.Semaphore(max_pending)
+        self._pending: List["Future[None]"] = []
+        self._lock = threading.Lock()
+        self._durable: Optional[int] = resume.step if resume is not None else None
+        self._appended: Deque[Tuple[int, int]] = deque()  # (step, LSN) of records maybe not yet durable
+        self._failure: Optional[BaseException] = None  # the first save that failed
+
+    def save(self, step: int, state: Union[Mapping[str, Any], Capture]) -> "Future[None]":
+        """Journal ``state`` (e.g. ``training_state(...)``) as the state after ``step``. The
+        host copy is queued before this returns, so the caller may go on at once: the next
+        ``optimizer.step`` (given an ``optimizer``), or else any later work on the caller's
+        stream, waits on the GPU until the copy has read the state (``StateBuffers``). After
+        a save failed, every later one raises that failure: nothing after it is durable."""
+        self._slots.acquire()
+        try:
+            if self._failure is not None:
+                raise self._failure
+            snap = state if isinstance(state, Capture) else self._buffers.capture(state)
+        except BaseException:
+            self._slots.release()
+            raise
+        signature = snap.signature()
+        full = step % self.full_every == 0 or signature != self._base_signature
+        if full:
+            self._base_signature = signature  # the thread installs the base itself once durable
+        fut = self._pool.submit(self._write, step, snap, full)
+        fut.add_done_callback(lambda _: self._slots.release())
+        self._pending = [f for f in self._pending if not f.done()] + [fut]
+        return fut
+
+    def _layout(self, fmt: str, name: str, t: torch.Tensor, **extra: Any) -> Dict[str, Any]:
+        return {"format": fmt, "model": self.model, "name": name, "dtype": str(t.dtype).replace("torch.", ""),
+                "numel": t.numel(), **extra}
+
+    def _put(self, name: str, t: torch.Tensor, full: bool) -> Tuple[Any, bool]:
+        """Store one stream of a save; (its SegmentInfo, whether a delta stored it whole)."""
+        store = self.journal.store
+        n = self._deltas_on_base
+        can_xor = xorable(t)
+        trial = not full and can_xor and (n & (n - 1) == 0 or name not in self._xor_pays)
+        if trial or (not full and can_xor and self._xor_pays[name]):
+            base_step, base = self._base  # type: ignore[misc]
+            layout = self._layout(DELTA_FORMAT, name, t, base_step=base_step)
+            info = store.put(xor(t, base[name]), layout=layout)
+            if trial:
+                whole = self._whole_size.get(name)
+                self._xor_pays[name] = whole is None or info.stored_size < whole
+            return info, False
+        info = store.put(t, layout=self._layout(FULL_FORMAT, name, t))
+        self._whole_size[name] = info.stored_size
+        return info, not full
+
+    def _write(self, step: int, snap: Capture, full: bool) -> None:
+        landed = False
+        try:
+            snap.wait()  # the device-to-host copies may still be running
+            landed = True
+            self._store(step, snap, full)
+        except BaseException as exc:
+            with self._lock:
+                self._failure = self._failure or exc
+            raise
+        finally:
+            snap.release(landed)
+
+    def _store(self, step: int, snap: Capture, full: bool) -> None:
+        self._deltas_on_base = 0 if full else self._deltas_on_base + 1
+        names = [n for n, t in snap.streams.items() if t.numel() * t.element_size() > INLINE_BYTES]
+        inline = {n: [dtype_name(t.dtype), t.view(torch.uint8).numpy().tobytes()]
+                  for n, t in snap.streams.items() if n not in names}
+        document = {**snap.document, "inline": inline} if inline else snap.document
+        doc = torch.frombuffer(bytearray(msgpack.packb(document, use_bin_type=True)), dtype=torch.uint8)
+        # Segments are stored concurrently, so their fsyncs overlap; the record follows them all.
+        doc_put = self._io.submit(self.journal.store.put, doc, layout=self._layout(FORMAT, TREE, doc))
+        results = list(self._io.map(lambda name: self._put(name, snap.streams[name], full), names))
+        keys: Dict[str, str] = {TREE: doc_put.result().key}
+        whole: List[str] = []
+        for name, (info, stored_whole) in zip(names, results):
+            keys[STREAM_PREFIX + name] = info.key
+            self.stats.add(name, full, stored_whole, info)
+            if stored_whole:
+                whole.append(name)
+        # Durable at once (not after the group-commit delay): a crash loses only what is queued.
+        if full:
+            lsn = self.journal.checkpoint(step, keys, {"format": FORMAT, "model": self.model}, durable=True)
+            self._keep_base(step, snap)
+            self.stats.fulls += 1
+        else:
+            lsn = self.journal.delta(step, self._base[0], keys,  # type: ignore[index]
+                                     {"format": FORMAT, "model": self.model, "whole": whole}, durable=True)
+            self.stats.deltas += 1
+        with self._lock:
+            self._appended.append((step, lsn))
+
+    def _keep_base(self, step: int, snap: Capture) -> None:
+        """Copy the full save ``snap`` into the base buffers (reused while the streams keep
+        their sizes; a resumed base is the caller's, never overwritten)."""
+        old = self._base[1] if self._base is not None and self._base_owned else {}
+        base = {}
+        for name, t in snap.streams.items():
+            keep = old.get(name)
+            if keep is None or keep.dtype != t.dtype or keep.numel() != t.numel():
+                keep = torch.empty(t.numel(), dtype=t.dtype)
+            base[name] = keep.copy_(t)
+        self._base, self._base_owned = (step, base), True
+
+    @property
+    def durable_step(self) -> Optional[int]:
+        """The newest step whose save is durable, so where a crash now would resume (None
+        before the first). It trails the step just saved by the saves still queued or being
+        stored and the journal's group-commit delay."""
+        durable_lsn = self.journal.durable_lsn
+        with self._lock:
+            while self._appended and self._appended[0][1] <= durable_lsn:
+                self._durable = self._appended.popleft()[0]
+            return self._durable
+
+    def __enter__(self) -> "StateJournal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for every save (re-raising the first failure) and stop the threads."""
+        try:
+            for fut in self._pending:
+                fut.exception()
+            if self._failure is not None:
+                raise self._failure
+        finally:
+            self._buffers.close()
+            self._pool.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+
