@@ -29,7 +29,7 @@ from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, fsync_path
 from kvj.journal.config import config_max_store_bytes
 from kvj.journal.journal import default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
-from kvj.journal.reader import Scan, list_logs, payload_of, read_header
+from kvj.journal.reader import Scan, fields_of, list_logs, read_header
 from kvj.journal.replay import check_journal, collector_paused, replay
 from kvj.journal.snapshot import encode_snapshot, list_snapshots, load_latest, snapshot_name, write_snapshot
 from kvj.journal.state import JournalState
@@ -78,7 +78,7 @@ def fold_sealed(directory: str, sealed: List[str]) -> JournalState:
         return state
     with collector_paused():  # replay's fold: no Record per record, the cycle collector paused
         for raw in Scan(directory, after_lsn=state.snapshot_lsn, strict=True, logs=sealed):
-            state.apply(raw.rtype, payload_of(raw), raw.lsn)
+            state.apply(raw.rtype, fields_of(raw), raw.lsn)
     return state
 
 
