@@ -148,8 +148,8 @@ def collect_segments(directory: str, store: Any, result: CompactResult, folded: 
     """Delete segments that no live record references and that are older than ``grace`` seconds.
 
     ``folded``: the journal's state as ``compact_logs`` left it (its snapshot and sealed logs
-    folded), so that only the log after it is read here, not the whole journal again (the rest
-    of the log is folded into it).
+    folded), so that only the log after it is read here (and folded into it), not the snapshot
+    just written and the log after it again.
 
     Candidates are listed *before* the journal is replayed for references, so a segment
     stored after the listing is never a candidate, and one stored before it is either
