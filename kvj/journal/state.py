@@ -24,16 +24,14 @@ _NAMES: Dict[int, str] = {int(t): name for t, name in NAMES.items()}
 
 
 class _Fields:
-    """A payload map read by field name, as ``apply`` reads a record's struct (a field a map
-    leaves out, as it may a default's, is None: its default)."""
+    """A payload map read by field name, as ``apply`` reads a record's struct: the map is the
+    object's attribute dict (no copy, looked up in C); the one field a map may leave out, an
+    epoch's salvage, defaults to None as in the struct."""
 
-    __slots__ = ("_map",)
+    salvage = None
 
     def __init__(self, payload: Dict[str, Any]):
-        self._map = payload
-
-    def __getattr__(self, name: str) -> Any:
-        return self._map.get(name)
+        self.__dict__ = payload
 
 
 @dataclass(slots=True)
