@@ -3,7 +3,8 @@
 Each type's payload is a ``msgspec.Struct``; on disk it is a MessagePack map with the
 field names as keys. The same schema checks a record on every path: ``encode`` before
 anything is appended (the typed ``Journal`` methods, ``Journal.append``, ``kvj record``),
-``decode_payload`` when a record is read back, so a well-framed but malformed record is
+``decode_payload`` when a record is read back (``decode_fields`` for replay's fold: the same
+checks, one decode), so a well-framed but malformed record is
 refused at the call or reported as damage, never trusted. msgspec checks the types in C,
 converting a new payload or decoding a stored one; what types cannot express (names that
 become paths, token order, plain data in nested maps) is each struct's ``check``.
