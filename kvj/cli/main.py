@@ -7,6 +7,8 @@ traceback reaches the user unless KVJ_DEBUG=1.
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 import traceback
 from typing import Annotated, Callable, List, NoReturn, Optional
@@ -14,9 +16,6 @@ from typing import Annotated, Callable, List, NoReturn, Optional
 import typer
 
 from kvj import __version__
-from kvj.cli import bench, compact, demo, dump, flush, fsck, handoff, init, inspect, prune, record, recover, replay
-from kvj.cli import status
-from kvj.cli import replicate, restore, verify
 from kvj.cli.common import OutputClosed, OutputFailed, StdoutGuard, click, reset_done, usage_and_exit, work_done
 from kvj.cli.errors import (DONE_UNREPORTED, EXIT_CODES, FSCK_USAGE, INTERRUPTED, IOERR, OK, USAGE, classify, debug,
                             report)
@@ -50,39 +49,57 @@ def root(ctx: typer.Context,
         usage_and_exit(ctx)
 
 
-app.command("status")(status.status)
-app.command("init")(init.init)
-app.command("migrate")(init.migrate)
-app.add_typer(record.app, name="record")
-app.command("flush")(flush.flush)
-app.command("replay")(replay.replay)
-app.command("recover")(recover.recover)
-app.command("handoff")(handoff.handoff)
-app.command("inspect")(inspect.inspect)
-app.command("compact")(compact.compact)
-app.command("prune")(prune.prune)
-app.command("fsck")(fsck.fsck)
-app.command("dump")(dump.dump)
-app.command("replicate")(replicate.replicate)
-app.command("restore")(restore.restore)
-app.command("verify")(verify.verify)
-app.add_typer(bench.app, name="bench")
-app.command("demo")(demo.demo)
+#: The commands, in the order help lists them: name -> (module under kvj.cli, its function, or
+#: None for a module whose typer app is a group of commands). A command's module is imported
+#: only when it runs (``kvj status`` pays for no other command's imports) or when help,
+#: completion or the docs need them all.
+COMMANDS = {
+    "status": ("status", "status"), "init": ("init", "init"), "migrate": ("init", "migrate"),
+    "record": ("record", None), "flush": ("flush", "flush"), "replay": ("replay", "replay"),
+    "recover": ("recover", "recover"), "handoff": ("handoff", "handoff"), "inspect": ("inspect", "inspect"),
+    "compact": ("compact", "compact"), "prune": ("prune", "prune"), "fsck": ("fsck", "fsck"),
+    "dump": ("dump", "dump"), "replicate": ("replicate", "replicate"), "restore": ("restore", "restore"),
+    "verify": ("verify", "verify"), "bench": ("bench", None), "demo": ("demo", "demo"),
+}
 
 #: ``journal_replay``: the recovery command under the name of the well-known write-up.
 legacy_app = typer.Typer(name="journal_replay", add_completion=False, pretty_exceptions_enable=False,
                          context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_STATUS_HELP)
-legacy_app.command()(recover.journal_replay)
 
 
-def command(typer_app: typer.Typer) -> "click.Command":
-    """The click command behind a typer app (what docs and completions are generated from).
+def _register(typer_app: typer.Typer, argv: Optional[List[str]]) -> None:
+    """Give ``typer_app`` its commands: for ``kvj``, only the command ``argv`` begins with, if it
+    begins with one (and no shell completion is asking), else all of them, in ``COMMANDS`` order."""
+    if typer_app is legacy_app:
+        if not legacy_app.registered_commands:
+            legacy_app.command()(importlib.import_module("kvj.cli.recover").journal_replay)
+        return
+    if typer_app is not app:
+        return
+    named = argv[0] if argv else None
+    only = named in COMMANDS and "_KVJ_COMPLETE" not in os.environ
+    app.registered_commands.clear()
+    app.registered_groups.clear()
+    for name, (module, function) in COMMANDS.items():
+        if only and name != named:
+            continue
+        loaded = importlib.import_module(f"kvj.cli.{module}")
+        if function is None:
+            app.add_typer(loaded.app, name=name)
+        else:
+            app.command(name)(getattr(loaded, function))
+
+
+def command(typer_app: typer.Typer, argv: Optional[List[str]] = None) -> "click.Command":
+    """The click command behind a typer app (what docs and completions are generated from): for
+    ``kvj``, with every command, or with only the one ``argv`` begins with (see ``_register``).
 
     Help shows what a user types, never typer's internal type names: a flag has no type
     column (not ``<bool>``), an argument only the metavar it was given (not ``<list[str]>``),
     and the usage line names arguments as man pages do (``FILE...``, ``[KEY]``, not
     ``{FILE}...``).
     """
+    _register(typer_app, argv)
     root = typer.main.get_command(typer_app)
     todo = [root]
     while todo:
@@ -133,7 +150,7 @@ def run(typer_app: typer.Typer, argv: Optional[List[str]], prog: str) -> int:
         completion_init()  # shell completion scripts call back with _KVJ_COMPLETE set
     except ImportError:  # pragma: no cover - older typer registers completion on import
         pass
-    cmd = command(typer_app)
+    cmd = command(typer_app, sys.argv[1:] if argv is None else argv)
     guard = StdoutGuard(sys.stdout)
     sys.stdout = guard  # type: ignore[assignment]
     reset_done()

@@ -31,7 +31,7 @@ from kvj.fileio import open_read
 from kvj.journal.framing import (FILE_HEADER_SIZE, FORMAT_VERSION, READABLE_VERSIONS, FileHeader, RawRecord,
                                  decode_file_header)
 from kvj.journal.mirror import mirror_of
-from kvj.journal.records import decode_payload
+from kvj.journal.records import decode_fields, decode_payload
 from kvj.journal.source import GroupSource, copy_paths
 
 LOG_RE = re.compile(r"^(\d{16})\.log$")
@@ -84,6 +84,15 @@ def payload_of(raw: RawRecord) -> Dict[str, Any]:
     around it, for replay's fold); a malformed one is ``CorruptionError``."""
     try:
         return decode_payload(raw.rtype, raw.payload)
+    except FormatError as exc:
+        raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
+
+
+def fields_of(raw: RawRecord) -> Any:
+    """The payload of a framed record decoded once and validated, for a fold (``JournalState.apply``
+    takes it): its type's struct, or an unknown type's map; a malformed one is ``CorruptionError``."""
+    try:
+        return decode_fields(raw.rtype, raw.payload)
     except FormatError as exc:
         raise CorruptionError(raw.path, raw.offset, f"LSN {raw.lsn}: {exc}") from None
 

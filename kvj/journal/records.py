@@ -3,7 +3,8 @@
 Each type's payload is a ``msgspec.Struct``; on disk it is a MessagePack map with the
 field names as keys. The same schema checks a record on every path: ``encode`` before
 anything is appended (the typed ``Journal`` methods, ``Journal.append``, ``kvj record``),
-``decode_payload`` when a record is read back, so a well-framed but malformed record is
+``decode_payload`` when a record is read back (``decode_fields`` for replay's fold: the same
+checks, one decode), so a well-framed but malformed record is
 refused at the call or reported as damage, never trusted. msgspec checks the types in C,
 converting a new payload or decoding a stored one; what types cannot express (names that
 become paths, token order, plain data in nested maps) is each struct's ``check``.
@@ -12,6 +13,7 @@ become paths, token order, plain data in nested maps) is each struct's ``check``
 from __future__ import annotations
 
 import math
+import types
 from enum import IntEnum
 from typing import Annotated, Any, Dict, List, Mapping, Optional, Tuple, Type
 
@@ -185,6 +187,11 @@ SCHEMA: Dict[RecordType, Type[Schema]] = {
 
 _STRUCTS: Dict[int, Type[Schema]] = {int(rtype): struct for rtype, struct in SCHEMA.items()}
 _DECODERS = {int(rtype): msgspec.msgpack.Decoder(struct) for rtype, struct in SCHEMA.items()}
+#: Decoders of payloads holding only their type's fields (``decode_fields``): a subclass of each
+#: struct that refuses unknown fields, which msgspec would skip without checking their bytes.
+_EXACT_DECODERS = {int(rtype): msgspec.msgpack.Decoder(types.new_class(struct.__name__, (struct,),
+                                                                       {"forbid_unknown_fields": True}))
+                   for rtype, struct in SCHEMA.items()}
 _decode_any = msgspec.msgpack.Decoder().decode
 _encode = msgspec.msgpack.Encoder().encode
 _convert = msgspec.convert
@@ -258,6 +265,28 @@ def decode_payload(rtype: int, data: bytes) -> Dict[str, Any]:
     except RecursionError:
         raise FormatError(f"{_name(rtype)} record: a map is nested too deeply") from None
     return payload
+
+
+def decode_fields(rtype: int, data: bytes) -> Any:
+    """Decode and validate a payload, for replay's fold, refusing exactly what ``decode_payload``
+    refuses (``FormatError``). A known type's payload with no field this kvj does not know (what
+    kvj writes) is decoded once, into its type's struct: msgspec checks the types while decoding,
+    ``check`` the rest. Any other payload (unknown fields, an unknown type, damage) goes the way
+    of ``decode_payload`` and is returned as its map. ``JournalState.apply`` takes either."""
+    decoder = _EXACT_DECODERS.get(rtype)
+    if decoder is None:
+        return decode_payload(rtype, data)
+    try:
+        fields = decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return decode_payload(rtype, data)
+    try:
+        fields.check(False)
+    except InvalidName as exc:  # read back, an unsafe name is damage
+        raise FormatError(f"{_name(rtype)} record: {exc}") from None
+    except RecursionError:
+        raise FormatError(f"{_name(rtype)} record: a map is nested too deeply") from None
+    return fields
 
 
 def _name(rtype: int) -> str:

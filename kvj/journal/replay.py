@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from kvj.errors import CorruptionError, FormatError, KvjError
 from kvj.journal.legacy import SEED_SUFFIXES, is_seed, refused
 from kvj.journal.mirror import mirror_of
-from kvj.journal.reader import LOG_RE, Record, Scan, list_logs, payload_of
+from kvj.journal.reader import LOG_RE, Record, Scan, fields_of, list_logs
 from kvj.journal.snapshot import SNAP_RE, list_snapshots, load_latest
 from kvj.journal.state import JournalState
 
@@ -73,14 +73,19 @@ class RecordStream:
 
     def fold(self, state: JournalState, at_lsn: Optional[int] = None) -> None:
         """Apply the records (up to ``at_lsn``) to ``state``: what iterating and applying each
-        does, without a ``Record`` per record, and with the cycle collector paused (see
-        ``collector_paused``)."""
+        does, group by group, without a ``Record`` per record, each payload decoded once
+        (``fields_of``), and with the cycle collector paused (see ``collector_paused``)."""
         apply = state.apply
+        after = self._scan.after_lsn
+        last = float("inf") if at_lsn is None else at_lsn
         with collector_paused():
-            for raw in self._scan:
-                if at_lsn is not None and raw.lsn > at_lsn:
-                    break
-                apply(raw.rtype, payload_of(raw), raw.lsn)
+            for group in self._scan.groups():
+                for raw in group.records:
+                    lsn = raw.lsn
+                    if lsn > after:
+                        if lsn > last:
+                            return
+                        apply(raw.rtype, fields_of(raw), lsn)
 
 
 @contextlib.contextmanager

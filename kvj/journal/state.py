@@ -23,6 +23,17 @@ _START, _SEGMENT, _END, _ALLOC, _FREE, _CHECKPOINT, _DELTA, _EPOCH, _TOKENS, _HA
 _NAMES: Dict[int, str] = {int(t): name for t, name in NAMES.items()}
 
 
+class _Fields:
+    """A payload map read by field name, as ``apply`` reads a record's struct: the map is the
+    object's attribute dict (no copy, looked up in C); the one field a map may leave out, an
+    epoch's salvage, defaults to None as in the struct."""
+
+    salvage = None
+
+    def __init__(self, payload: Dict[str, Any]):
+        self.__dict__ = payload
+
+
 @dataclass(slots=True)
 class SegmentRef:
     """A durable segment of a request: which tokens it covers and where its bytes are."""
@@ -131,69 +142,74 @@ class JournalState:
         if len(self.warnings) < 1000:
             self.warnings.append(f"LSN {lsn}: {message}")
 
-    def apply(self, rtype: int, p: Dict[str, Any], lsn: int) -> None:
-        """Fold one decoded, validated record into the state."""
+    def apply(self, rtype: int, p: Any, lsn: int) -> None:
+        """Fold one decoded, validated record into the state: its payload as a map
+        (``records.decode_payload``) or, replay's one-decode form, its type's struct
+        (``records.decode_fields``); both are read through the struct's field names."""
+        if type(p) is dict:
+            p = _Fields(p)
         if self.first_lsn is None:
             self.first_lsn = lsn
         self.last_lsn = lsn
         name = _NAMES.get(rtype) or f"type{rtype}"
         counts = self.counts
         counts[name] = counts.get(name, 0) + 1
-        if rtype == _START:
-            if p["id"] in self.requests and not self.requests[p["id"]].ended:
-                self._warn(lsn, f"request {p['id']} started again; the earlier start is replaced")
-            self.requests[p["id"]] = RequestState(p["id"], p["prompt_hash"], p["tokens"], p["meta"], lsn)
-        elif rtype == _SEGMENT:
-            req = self.requests.get(p["id"])
+        if rtype == _SEGMENT:
+            req = self.requests.get(p.id)
             if req is None or req.ended:
-                self._warn(lsn, f"segment {p['seg']} for a request that is not in flight: {p['id']}")
+                self._warn(lsn, f"segment {p.seg} for a request that is not in flight: {p.id}")
                 return
-            tokens = (p["tokens"][0], p["tokens"][1]) if p["tokens"] is not None else None
-            key, digest = p["key"], p["digest"]
+            tokens = p.tokens
+            key, digest = p.key, p.digest
             # one string object where the digest is the key (kvj writes it so) and one per codec
             # name: a request in flight holds a ref per block, and replay's memory is mostly these
-            req.segments[p["seg"]] = SegmentRef(p["seg"], key, tokens, p["layout"], p["raw_size"], p["stored_size"],
-                                                key if digest == key else digest, sys.intern(p["codec"]), lsn)
+            req.segments[p.seg] = SegmentRef(p.seg, key, (tokens[0], tokens[1]) if tokens is not None else None,
+                                             p.layout, p.raw_size, p.stored_size, key if digest == key else digest,
+                                             sys.intern(p.codec), lsn)
+        elif rtype == _START:
+            requests = self.requests
+            if p.id in requests and not requests[p.id].ended:
+                self._warn(lsn, f"request {p.id} started again; the earlier start is replaced")
+            requests[p.id] = RequestState(p.id, p.prompt_hash, p.tokens, p.meta, lsn)
         elif rtype == _END:
-            req = self.requests.get(p["id"])
+            req = self.requests.get(p.id)
             if req is None:
-                self._warn(lsn, f"end of a request that never started: {p['id']}")
+                self._warn(lsn, f"end of a request that never started: {p.id}")
                 return
-            req.ended, req.status, req.end_lsn = True, p["status"], lsn
+            req.ended, req.status, req.end_lsn = True, p.status, lsn
         elif rtype == _HANDOFF:
-            req = self.requests.get(p["id"])
+            req = self.requests.get(p.id)
             if req is None or req.ended:
-                self._warn(lsn, f"handoff of a request that is not in flight: {p['id']}")
+                self._warn(lsn, f"handoff of a request that is not in flight: {p.id}")
                 return
-            req.ended, req.status, req.end_lsn, req.moved_to = True, "handoff", lsn, p["to"]
+            req.ended, req.status, req.end_lsn, req.moved_to = True, "handoff", lsn, p.to
         elif rtype == _ALLOC:
-            device = self.allocations.setdefault(p["device"], {})
-            if p["addr"] in device:
-                self._warn(lsn, f"allocation at {p['device']}:{p['addr']:#x} replaces a live one")
-            device[p["addr"]] = Allocation(p["addr"], p["size"], p["tag"], lsn)
+            device = self.allocations.setdefault(p.device, {})
+            if p.addr in device:
+                self._warn(lsn, f"allocation at {p.device}:{p.addr:#x} replaces a live one")
+            device[p.addr] = Allocation(p.addr, p.size, p.tag, lsn)
         elif rtype == _FREE:
-            if self.allocations.get(p["device"], {}).pop(p["addr"], None) is None:
-                self._warn(lsn, f"free of unknown allocation {p['device']}:{p['addr']:#x}")
+            if self.allocations.get(p.device, {}).pop(p.addr, None) is None:
+                self._warn(lsn, f"free of unknown allocation {p.device}:{p.addr:#x}")
         elif rtype == _CHECKPOINT:
-            self.checkpoint = {"step": p["step"], "keys": p["keys"], "meta": p["meta"], "lsn": lsn}
+            self.checkpoint = {"step": p.step, "keys": p.keys, "meta": p.meta, "lsn": lsn}
             self.deltas = []
         elif rtype == _DELTA:
-            self.deltas.append({"step": p["step"], "base_step": p["base_step"], "keys": p["keys"],
-                                "meta": p["meta"], "lsn": lsn})
+            self.deltas.append({"step": p.step, "base_step": p.base_step, "keys": p.keys, "meta": p.meta, "lsn": lsn})
         elif rtype == _EPOCH:
-            self.epochs.append({"epoch": p["epoch"], "recovered_lsn": p["recovered_lsn"],
-                                "time": p["time"], "manifest": p["manifest"], "lsn": lsn,
-                                **({"salvage": p["salvage"]} if p.get("salvage") is not None else {})})
+            self.epochs.append({"epoch": p.epoch, "recovered_lsn": p.recovered_lsn, "time": p.time,
+                                "manifest": p.manifest, "lsn": lsn,
+                                **({"salvage": p.salvage} if p.salvage is not None else {})})
         elif rtype == _TOKENS:
-            req = self.requests.get(p["id"])
+            req = self.requests.get(p.id)
             if req is None or req.ended:
-                self._warn(lsn, f"tokens for a request that is not in flight: {p['id']}")
+                self._warn(lsn, f"tokens for a request that is not in flight: {p.id}")
                 return
             known = len(req.tokens or []) + len(req.output)
-            if p["at"] != known:
-                self._warn(lsn, f"tokens of request {p['id']} at {p['at']}, after {known} known: not used")
+            if p.at != known:
+                self._warn(lsn, f"tokens of request {p.id} at {p.at}, after {known} known: not used")
                 return
-            req.output.extend(p["tokens"])
+            req.output.extend(p.tokens)
         else:
             self._warn(lsn, f"skipped record of unknown type {rtype} (written by a newer kvj?)")
 

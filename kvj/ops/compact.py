@@ -29,8 +29,8 @@ from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, fsync_path
 from kvj.journal.config import config_max_store_bytes
 from kvj.journal.journal import default_store_path
 from kvj.journal.locks import COMPACT_LOCK, DirLock
-from kvj.journal.reader import Scan, list_logs, payload_of, read_header
-from kvj.journal.replay import check_journal, collector_paused, replay
+from kvj.journal.reader import Scan, fields_of, list_logs, read_header
+from kvj.journal.replay import RecordStream, check_journal, collector_paused
 from kvj.journal.snapshot import encode_snapshot, list_snapshots, load_latest, snapshot_name, write_snapshot
 from kvj.journal.state import JournalState
 from kvj.ops.evict import EVICT_MIN_AGE, evict_segments
@@ -78,7 +78,7 @@ def fold_sealed(directory: str, sealed: List[str]) -> JournalState:
         return state
     with collector_paused():  # replay's fold: no Record per record, the cycle collector paused
         for raw in Scan(directory, after_lsn=state.snapshot_lsn, strict=True, logs=sealed):
-            state.apply(raw.rtype, payload_of(raw), raw.lsn)
+            state.apply(raw.rtype, fields_of(raw), raw.lsn)
     return state
 
 
@@ -124,6 +124,7 @@ def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> Jou
                 result.snapshot_bytes = _size(result.snapshot)
             result.snapshot_lsn = state.last_lsn
             state.snapshot_lsn = state.last_lsn
+            _drop_ended(state)  # what the snapshot holds, as a replay from it would see it
         removed = sealed  # oldest first: a crash midway leaves a suffix that still replays
         result.bytes_reclaimed += _unlink_all(removed, directory, fs, result.dry_run)
         result.logs_removed = removed
@@ -134,9 +135,21 @@ def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> Jou
     return state
 
 
-def collect_segments(directory: str, store: Any, result: CompactResult, *, grace: float, now: float,
-                     progress: Optional[Progress] = None, fs: FS = REAL_FS) -> None:
+def _drop_ended(state: JournalState) -> None:
+    """Leave out of ``state`` the ended requests, as a snapshot of it does (``to_dict(include_ended=False)``)."""
+    ended = [rid for rid, req in state.requests.items() if req.ended]
+    for rid in ended:
+        del state.requests[rid]
+    state.ended_compacted += len(ended)
+
+
+def collect_segments(directory: str, store: Any, result: CompactResult, folded: JournalState, *, grace: float,
+                     now: float, progress: Optional[Progress] = None, fs: FS = REAL_FS) -> None:
     """Delete segments that no live record references and that are older than ``grace`` seconds.
+
+    ``folded``: the journal's state as ``compact_logs`` left it (its snapshot and sealed logs
+    folded), so that only the log after it is read here (and folded into it), not the snapshot
+    just written and the log after it again.
 
     Candidates are listed *before* the journal is replayed for references, so a segment
     stored after the listing is never a candidate, and one stored before it is either
@@ -159,7 +172,8 @@ def collect_segments(directory: str, store: Any, result: CompactResult, *, grace
             aged.append((key, stat.size))
         else:
             young.append(key)
-    referenced = replay(directory).referenced_keys()
+    RecordStream(directory, after_lsn=folded.last_lsn).fold(folded)
+    referenced = folded.referenced_keys()
     doomed = [(key, size) for key, size in aged if key not in referenced]
     result.segments_kept_young = sum(1 for key in young if key not in referenced)
     if result.dry_run:
@@ -212,12 +226,13 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
     fs = READ_ONLY_FS if dry_run else fs  # a dry run that tried to write would fail, not write
     try:
         result = CompactResult(dry_run=dry_run)
-        compact_logs(directory, result, fs)
+        state = compact_logs(directory, result, fs)
         if collect:
             with opened_store(store, default_store_path(directory), fs) as seg_store:
                 if seg_store is not None:
                     now = time.time() if now is None else now
-                    collect_segments(directory, seg_store, result, grace=grace, now=now, progress=progress, fs=fs)
+                    collect_segments(directory, seg_store, result, state, grace=grace, now=now,
+                                     progress=progress, fs=fs)
                     if max_store_bytes is not None:
                         evict_segments(directory, seg_store, result, max_bytes=max_store_bytes, now=now,
                                        min_age=min(grace, EVICT_MIN_AGE), progress=progress, fs=fs)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import torch
@@ -174,3 +176,46 @@ def test_status_shows_a_kvj_conf_it_cannot_use_instead_of_failing(tmp_path, caps
         assert needle in json.loads(proc.stdout)["config_error"]
         text = " ".join(in_process(capsys, "status", "-j", path).stdout.split())
         assert "kvj.conf" in text and needle in text
+
+
+#: Runs the ``kvj`` console script's code on ARGS, then prints, as its last stderr line, the
+#: modules of kvj's commands and of torch that the process loaded.
+_LOADED = ("import sys\n"
+           "from kvj.cli.launch import kvj\n"
+           "sys.argv[0] = 'kvj'\n"
+           "try:\n"
+           "    kvj()\n"
+           "finally:\n"
+           "    loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'\n"
+           "                    or m.startswith('kvj.cli.') and m.count('.') == 2)\n"
+           "    sys.stderr.write('\\nmodules ' + ' '.join(loaded) + '\\n')\n")
+
+
+#: kvj's commands, by the module under kvj.cli each comes from (``migrate`` is init's)
+COMMAND_MODULES = ["status", "init", "record", "flush", "replay", "recover", "handoff", "inspect", "compact",
+                   "prune", "fsck", "dump", "replicate", "restore", "verify", "bench", "demo"]
+
+
+def _modules_loaded(*args):
+    proc = subprocess.run([sys.executable, "-c", _LOADED, *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("modules"), proc.stderr
+    return proc, set(lines[-1].split()[1:])
+
+
+def test_status_imports_only_its_own_command(tmp_path):
+    """``kvj status`` (the first command in an incident) pays for no other command's imports,
+    and none of torch; ``kvj --help`` still lists every command."""
+    path = tmp_path / "j"
+    with Journal.open(path) as j:
+        j.start("r1", tokens=[1])
+        j.sync()
+    proc, loaded = _modules_loaded("status", "-j", path, "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["in_flight"] == 1
+    assert not any(m.split(".")[0] == "torch" for m in loaded), loaded
+    commands = {f"kvj.cli.{module}" for module in COMMAND_MODULES}
+    assert loaded & commands == {"kvj.cli.status"}
+    proc, loaded = _modules_loaded("--help")
+    assert proc.returncode == 0 and commands <= loaded
+    assert all(f" {name} " in proc.stdout for name in COMMAND_MODULES + ["migrate"]), proc.stdout

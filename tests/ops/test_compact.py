@@ -20,6 +20,7 @@ from kvj.fileio import FS
 from kvj.journal.journal import Journal
 from kvj.journal.locks import DirLock
 from kvj.journal.reader import list_logs
+from kvj.journal.replay import replay
 from kvj.journal.snapshot import list_snapshots
 from kvj.journal.writer import CommitPolicy
 from kvj.ops.compact import compact
@@ -182,3 +183,50 @@ def test_compaction_with_a_live_writer_in_another_process_loses_nothing(tmp_path
     assert state.snapshot_lsn > 0 and compactions >= 5
     compact(j, collect=False)
     assert sorted(kvj.replay(j).allocations["cuda:0"]) == addrs
+
+
+def _moved_and_live(path):
+    """Sealed log files holding a request handed off to another engine, one in flight and one
+    ended, each with a stored block; the newest file holds one more live request."""
+    keys = {}
+    for s, rid in enumerate(["moved", "live", "done"]):
+        with Journal.open(path, policy=CommitPolicy(file_size_limit=100)) as j:
+            j.start(rid)
+            info = j.store.put(torch.full((4, 4), float(s)))
+            j.flush(rid, 0, token_range=(0, 16), info=info).result()
+            keys[rid] = info.key
+            if rid == "moved":
+                j.handoff(rid, "engine-b")
+            elif rid == "done":
+                j.end(rid)
+    with Journal.open(path) as j:
+        j.start("newest")
+        info = j.store.put(torch.full((4, 4), 9.0))
+        j.flush("newest", 0, token_range=(0, 16), info=info).result()
+        keys["newest"] = info.key
+        j.sync()
+    return keys
+
+
+def test_compaction_reads_each_record_once_and_its_dry_run_says_what_it_collects(tmp_path, monkeypatch):
+    """One pass: compaction decodes each record of the journal once (the sealed logs for the
+    snapshot, then only the log after them for the segments still referenced, not the whole
+    journal again), and collects exactly what its dry run said: the blocks of the ended and
+    of the moved request, which the snapshot no longer holds."""
+    path = str(tmp_path / "j")
+    keys = _moved_and_live(path)
+    assert len(list_logs(path)) > 2
+    later = time.time() + 7200
+    dry = compact(path, grace=3600, now=later, dry_run=True)
+    decoded = []
+    from kvj.journal import reader
+
+    for name in ("decode_fields", "decode_payload"):
+        real = getattr(reader, name)
+        monkeypatch.setattr(reader, name, lambda rtype, data, real=real: decoded.append(data) or real(rtype, data))
+    done = compact(path, grace=3600, now=later)
+    monkeypatch.undo()
+    assert sorted(done.segments_removed) == sorted(dry.segments_removed) == sorted([keys["moved"], keys["done"]])
+    state = replay(path)
+    assert set(state.requests) == {"live", "newest"}
+    assert len(decoded) == state.last_lsn, f"{len(decoded)} decodes for {state.last_lsn} records"
