@@ -9,6 +9,9 @@ as not durable, are recomputed on both ranks, and the outputs are still identica
 engine refuses the TP=2 journal.
 
 Kept small (the machine has two cores): the tiny model, three requests, 40 new tokens each.
+Still four TP=2 and TP=1 engines, about a quarter of the fast suite's time on two cores: it
+runs with ``-m slow``; CI's fast subset for parallelism is ``test_vllm_ranks.py`` (vLLM's real
+TP/PP configuration, no engine) and ``tests/ops/test_recover_ranks.py``.
 ``KVJ_VLLM_SEED=N`` replays a kill point.
 """
 
@@ -36,6 +39,8 @@ PACE = 0.05
 RANKS = [f"rank-{t}-0" for t in range(TP)]
 #: The killed engine's rank 1 never saves block 1 of any request (support.vllm_record).
 DROP = {"rank": 1, "block": 1}
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
