@@ -419,14 +419,31 @@ class PackDir:
             self._repack(pack)
         gone = empty + crowded
         for pack in gone:
-            for path in (pack.path, self.dead_path(pack.name)):
-                try:
-                    self.fs.unlink(path)
-                except FileNotFoundError:
-                    pass
+            self._unlink(pack.path)
             self.forget(pack.name)
         if gone:
+            # The packs' unlinks are durable before their dead lists go: a crash that kept a
+            # pack but lost its dead list would bring its removed members back.
             self.fs.fsync_dir(self.dir)
+        orphans = [pack.name for pack in gone] + self._orphan_dead_lists()
+        for name in orphans:
+            self._unlink(self.dead_path(name))
+        if orphans:
+            self.fs.fsync_dir(self.dir)
+
+    def _unlink(self, path: str) -> None:
+        try:
+            self.fs.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _orphan_dead_lists(self) -> List[str]:
+        """Packs whose dead list outlived them (a crash between the two unlinks): under the
+        exclusive collection lock no dead list is written for a pack that is not there."""
+        packs = self._names()
+        return [entry[:-len(packfile.DEAD_SUFFIX)] for entry in list_dir(self.dir)
+                if entry.endswith(packfile.DEAD_SUFFIX) and entry[:-len(packfile.DEAD_SUFFIX)] not in packs
+                and packfile.NAME_RE.fullmatch(entry[:-len(packfile.DEAD_SUFFIX)])]
 
     def _repack(self, pack: _Pack) -> None:
         """Copy ``pack``'s live members into a new pack, durable before the old one goes."""

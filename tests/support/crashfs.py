@@ -531,8 +531,13 @@ def crash_state(fs: RecordingFS, upto: int, plan: CrashPlan, dest: PathLike) -> 
 def iter_crash_states(fs: RecordingFS, points: Iterable[int], plans_for: Callable[[int], Sequence[CrashPlan]],
                       scratch: PathLike) -> Iterator[Tuple[int, CrashPlan, str]]:
     """Yield (crash point, plan, directory) for every distinct crash state; the directory is
-    removed when the caller asks for the next one. Identical states are yielded once."""
-    seen: Set[str] = set()
+    removed when the caller asks for the next one. A state is yielded once per set of notes
+    before it: the same disk after more acknowledgements is checked again, against them (a
+    pack whose dead list alone was unlinked reads as it did before its first removal)."""
+    seen: Set[Tuple[str, int]] = set()
+    notes_before = [0]
+    for op in fs.ops:
+        notes_before.append(notes_before[-1] + (op.kind == "note"))
     n = 0
     for k in points:
         for plan in plans_for(k):
@@ -540,9 +545,9 @@ def iter_crash_states(fs: RecordingFS, points: Iterable[int], plans_for: Callabl
             n += 1
             digest = crash_state(fs, k, plan, dest)
             try:
-                if digest in seen:
+                if (digest, notes_before[k]) in seen:
                     continue
-                seen.add(digest)
+                seen.add((digest, notes_before[k]))
                 yield k, plan, dest
             finally:
                 shutil.rmtree(dest, ignore_errors=True)
