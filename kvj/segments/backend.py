@@ -492,7 +492,8 @@ class LocalDirBackend(StorageBackend):
     def _open(self, key: str) -> Iterator[Tuple[int, int, int, str]]:
         """(descriptor, offset, length, path) of ``key``'s bytes: its loose file, else its pack."""
         try:
-            fd = open_regular(self.path(key))
+            # O_NONBLOCK kept: it means nothing to a regular file, and clearing it costs two syscalls
+            fd = open_regular(self.path(key), os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             fd = None
         except UnsafePath as exc:  # a link, FIFO or device where a segment should be: a damaged segment
