@@ -387,7 +387,7 @@ def _validate(m: Any, file_size: int, header_len: int) -> Header:
     if chunk_size & (chunk_size - 1):
         raise FormatError("chunk_size is not a power of two")
     layout_json = _layout_json(m.get("layout"))  # FormatError unless plain JSON data
-    layout = None if layout_json == "null" else json.loads(layout_json)
+    layout = json.loads(layout_json)
     if m.get("digest_alg") != DIGEST_ALG:
         raise FormatError(f"unknown digest algorithm {m.get('digest_alg')!r}")
     digest = m.get("digest")
@@ -460,8 +460,8 @@ def as_source(data: Union[Buffer, Source], name: str = "<segment>") -> Source:
     return data if isinstance(data, Source) else BytesSource(data, name)
 
 
-#: Files up to this size are read whole, in one read, before they are parsed (a few hundred
-#: bytes each: a KV block's segment); larger ones are read by offset, chunk by chunk.
+#: Files up to this size are read whole, in one read, before they are parsed (a small tensor's
+#: segment is a few hundred bytes); larger ones are read by offset, chunk by chunk.
 WHOLE_READ_BYTES = 1 << 16
 
 
