@@ -155,6 +155,20 @@ def scaling_command(directory: DirArg = None,
     _report(result, as_json, lambda: format_table(result))
 
 
+@app.command("verify")
+def verify_command(directory: DirArg = None,
+                   segments: Annotated[int, typer.Option(min=8, metavar="N", help="Segments in the store.")] = 10_000,
+                   rounds: Annotated[int, typer.Option(min=1, help="Rounds, interleaved; the table shows medians.")] = 3,
+                   as_json: JsonArg = False) -> None:
+    """Time kvj fsck of a store of N small segments (read in full, and headers only) against
+    the floor: every file read whole and hashed with BLAKE3 on as many threads.
+    """
+    from kvj.bench.verify import format_table, run
+
+    result = run(segments, directory, rounds)
+    _report(result, as_json, lambda: format_table(result))
+
+
 @app.command("vllm")
 def vllm_command(directory: Annotated[Optional[str], typer.Option(
                      "--dir", metavar="DIR", help="Where the model, journal and logs go while it runs "

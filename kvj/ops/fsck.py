@@ -403,7 +403,7 @@ class _Checker:
         results: Dict[str, Optional[Problem]] = {}
         if not keys:
             return results
-        threads = min(8, os.cpu_count() or 1)
+        threads = verify_threads()
         # keys in batches, a task each: one task per key cost the main thread more (a future, a
         # lock, a wake-up: ~40 µs) than a small segment's check, holding the GIL the checks need
         size = max(1, min(VERIFY_BATCH, -(-len(keys) // (4 * threads))))
@@ -436,6 +436,11 @@ class _Checker:
 
 #: The most segments one verification task checks.
 VERIFY_BATCH = 256
+
+
+def verify_threads() -> int:
+    """The threads segments are verified on (their reads and hashing overlap)."""
+    return min(8, os.cpu_count() or 1)
 
 
 def _size(path: str) -> int:

@@ -19,6 +19,7 @@ segment's content address and is verified on every decode. A segment is encoded 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -46,6 +47,7 @@ END_MAGIC = b"KVJSEGOK"
 VERSION = 1
 PREAMBLE = struct.Struct("<8sHHI")
 TRAILER = struct.Struct("<II8s")
+_SIZES = struct.Struct("<QQ")
 #: Raw bytes per chunk the writer uses; also the digest's leaf size.
 CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 1 << 12
@@ -80,22 +82,31 @@ def element(dtype: str) -> Element:
         raise FormatError(f"unknown dtype {dtype!r}") from None
 
 
-def canonical_layout(layout: Layout) -> Layout:
-    """Check that ``layout`` is JSON-shaped (str keys; str/int/float/bool/None/list/map)."""
-    if layout is None:
-        return None
-    if not isinstance(layout, Mapping):
+def _layout_json(layout: Layout) -> str:
+    """``layout`` as canonical JSON (keys sorted, no spaces, ASCII escapes, no NaN); FormatError
+    unless it is JSON-shaped (str keys; str/int/float/bool/None/list/map)."""
+    if layout is not None and not isinstance(layout, (dict, Mapping)):  # dict first: typing's check is slow
         raise FormatError("layout must be a map")
     try:
-        return json.loads(json.dumps(layout, sort_keys=True, allow_nan=False))
+        return json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise FormatError(f"layout is not plain JSON data: {exc}") from None
 
 
+def canonical_layout(layout: Layout) -> Layout:
+    """Check that ``layout`` is JSON-shaped (str keys; str/int/float/bool/None/list/map)."""
+    return None if layout is None else json.loads(_layout_json(layout))
+
+
+def _descriptor(dtype: str, shape: Sequence[int], layout_json: str) -> bytes:
+    # the canonical JSON of {"dtype", "layout", "shape"} (keys in sorted order), assembled from
+    # the layout's canonical JSON so that a parsed header serialises its layout once
+    return f'{{"dtype":{json.dumps(dtype)},"layout":{layout_json},"shape":[{",".join(map(str, shape))}]}}'.encode()
+
+
 def descriptor(dtype: str, shape: Sequence[int], layout: Layout) -> bytes:
     """Canonical JSON of what the raw bytes mean; part of the digest."""
-    return json.dumps({"dtype": dtype, "shape": list(shape), "layout": layout}, sort_keys=True,
-                      separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return _descriptor(dtype, [int(d) for d in shape], _layout_json(layout))
 
 
 def _chunks(n: int, size: int) -> List[Tuple[int, int]]:
@@ -116,9 +127,13 @@ def _leaf(view: memoryview) -> bytes:
 
 def digest_from_leaves(dtype: str, shape: Sequence[int], layout: Layout, chunk_size: int,
                        raw_size: int, leaves: Iterable[bytes]) -> bytes:
+    return _digest(descriptor(dtype, shape, layout), chunk_size, raw_size, leaves)
+
+
+def _digest(desc: bytes, chunk_size: int, raw_size: int, leaves: Iterable[bytes]) -> bytes:
     h = blake3.blake3(_DIGEST_DOMAIN)
-    h.update(descriptor(dtype, shape, layout))
-    h.update(struct.pack("<QQ", chunk_size, raw_size))
+    h.update(desc)
+    h.update(_SIZES.pack(chunk_size, raw_size))
     for leaf in leaves:
         h.update(leaf)
     return h.digest()
@@ -152,6 +167,12 @@ class Header:
     #: The filter the payload went through (its name, which is also its header field), or None.
     filter: Optional[str] = None
     filter_field: Optional[Dict[str, Any]] = None
+    #: :func:`descriptor` of dtype, shape and layout, as parsing made it (empty: not made yet).
+    descriptor_json: bytes = dataclasses.field(default=b"", compare=False, repr=False)
+
+    def descriptor(self) -> bytes:
+        """What the digest says the raw bytes mean (:func:`descriptor`)."""
+        return self.descriptor_json or descriptor(self.dtype, self.shape, self.layout)
 
     def to_map(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {
@@ -355,8 +376,9 @@ def _validate(m: Any, file_size: int, header_len: int) -> Header:
     dtype = m.get("dtype")
     elem = element(dtype)
     shape = m.get("shape")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_RAW_SIZE for d in shape):
+    # ``type(x) is int``: msgpack makes plain ints, and a bool is not one
+    if type(shape) is not list or len(shape) > MAX_NDIM or not all(
+            type(d) is int and 0 <= d <= MAX_RAW_SIZE for d in shape):
         raise FormatError("bad shape")
     raw_size = field_int(m, "raw_size", 0, MAX_RAW_SIZE)
     if math.prod(shape) * elem.itemsize != raw_size:
@@ -364,7 +386,8 @@ def _validate(m: Any, file_size: int, header_len: int) -> Header:
     chunk_size = field_int(m, "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
     if chunk_size & (chunk_size - 1):
         raise FormatError("chunk_size is not a power of two")
-    layout = canonical_layout(m.get("layout"))  # FormatError unless plain JSON data
+    layout_json = _layout_json(m.get("layout"))  # FormatError unless plain JSON data
+    layout = json.loads(layout_json)
     if m.get("digest_alg") != DIGEST_ALG:
         raise FormatError(f"unknown digest algorithm {m.get('digest_alg')!r}")
     digest = m.get("digest")
@@ -385,8 +408,7 @@ def _validate(m: Any, file_size: int, header_len: int) -> Header:
     chunks = []
     total = side
     for i, entry in enumerate(table):
-        if not (isinstance(entry, list) and len(entry) == 2 and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in entry)):
+        if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not int or type(entry[1]) is not int:
             raise FormatError(f"chunk table entry {i} malformed")
         stored, crc = entry
         raw_len = min(chunk_size, payload_size - i * chunk_size)
@@ -399,7 +421,8 @@ def _validate(m: Any, file_size: int, header_len: int) -> Header:
     return Header(dtype=dtype, shape=tuple(shape), layout=layout, codec=codec.name,
                   params=dict(codec.params), raw_size=raw_size, chunk_size=chunk_size,
                   payload_size=payload_size, chunks=tuple(chunks), stored_size=stored_size,
-                  digest=digest, filter=filter_name, filter_field=filter_field)
+                  digest=digest, filter=filter_name, filter_field=filter_field,
+                  descriptor_json=_descriptor(dtype, shape, layout_json))
 
 
 def header_location(tail: bytes, file_size: int, name: str = "<segment>") -> Tuple[int, int, int]:
@@ -435,6 +458,21 @@ def parse_header(preamble: bytes, head: bytes, crc: int, file_size: int, name: s
 def as_source(data: Union[Buffer, Source], name: str = "<segment>") -> Source:
     """``data`` as a :class:`Source` (a file in memory becomes a ``BytesSource``)."""
     return data if isinstance(data, Source) else BytesSource(data, name)
+
+
+#: Files up to this size are read whole, in one read, before they are parsed (a small tensor's
+#: segment is a few hundred bytes); larger ones are read by offset, chunk by chunk.
+WHOLE_READ_BYTES = 1 << 16
+
+
+def whole_if_small(src: Source) -> Source:
+    """``src``, read into memory in one read when it is a small file (parsing it then makes no
+    more system calls: one read instead of one per part of the file)."""
+    if isinstance(src, BytesSource) or src.size > WHOLE_READ_BYTES:
+        return src
+    data = bytearray(src.size)
+    src.read_into(0, memoryview(data))
+    return BytesSource(data, src.name)
 
 
 def read_header(data: Union[Buffer, Source], name: str = "<segment>") -> Header:
@@ -544,8 +582,7 @@ def decode_into(data: Union[Buffer, Source], out: memoryview, *, name: str = "<s
             unfilter.fill(c[0], c[1])
             return _leaf(out[c[0]:c[0] + c[1]])
         leaves = _map(pool, fill_and_leaf, _chunks(header.raw_size, header.chunk_size))
-    actual = digest_from_leaves(header.dtype, header.shape, header.layout, header.chunk_size,
-                                header.raw_size, leaves)
+    actual = _digest(header.descriptor(), header.chunk_size, header.raw_size, leaves)
     if actual != header.digest:
         raise _corrupt(name, None, "digest mismatch: decoded bytes are not what was stored")
     return header

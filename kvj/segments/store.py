@@ -14,9 +14,9 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
@@ -320,14 +320,14 @@ class SegmentStore:
         least recently used segments first."""
         self._note([(USE, key, 0)])
 
-    @contextmanager
-    def counted_load(self, key: str) -> Iterator[None]:
+    def counted_load(self, key: str) -> ContextManager[None]:
         """With ``count_loads``, note a load of ``key`` (by get, verify, or a caller reading it
         with read_stored): served, or (when it raises what a missing
         or damaged segment, or one of another layout, raises) asked and not served."""
-        if not self.count_loads:
-            yield
-            return
+        return self._counting(key) if self.count_loads else nullcontext()
+
+    @contextmanager
+    def _counting(self, key: str) -> Iterator[None]:
         try:
             yield
         except (SegmentMissing, CorruptionError, FormatError, LayoutMismatch):
@@ -428,17 +428,10 @@ class SegmentStore:
         return self.backend.stat(check_key(key))
 
     def _header(self, key: str) -> seg.Header:
-        name = self.backend.describe(key)
-        size = self.backend.stat(key).size
-        if size < seg.PREAMBLE.size + seg.TRAILER.size:
-            raise SegmentCorrupt(name, None, f"file too short for a segment ({size} bytes)")
-        tail = self.backend.get_range(key, size - seg.TRAILER.size, seg.TRAILER.size)
-        off, hlen, crc = seg.header_location(tail, size, name)
-        head = self.backend.get_range(key, off, hlen)
-        pre = self.backend.get_range(key, 0, seg.PREAMBLE.size)
-        header = seg.parse_header(pre, head, crc, size, name)
+        with self.backend.open(key) as src:  # one open; a small file is read once
+            header = seg.read_header(seg.whole_if_small(src))
         if header.digest.hex() != key:
-            raise SegmentCorrupt(name, None, "header digest does not match the key")
+            raise SegmentCorrupt(src.name, None, "header digest does not match the key")
         return header
 
     def info(self, key: str) -> SegmentInfo:
@@ -459,7 +452,8 @@ class SegmentStore:
 
         check_key(key)
         with self.counted_load(key):
-            with self.backend.open(key) as src:
+            with self.backend.open(key) as opened:
+                src = seg.whole_if_small(opened)
                 name = src.name
                 header = seg.read_header(src)
                 if expect_layout is not None:
@@ -483,7 +477,7 @@ class SegmentStore:
         with self.counted_load(key):
             with self.backend.open(key) as src:
                 name = src.name
-                header, _ = seg.decode(src, pool=self.pool, max_raw=self.max_segment_bytes)
+                header, _ = seg.decode(seg.whole_if_small(src), pool=self.pool, max_raw=self.max_segment_bytes)
             if header.digest.hex() != key:
                 raise SegmentCorrupt(name, None, "segment digest does not match the key")
         return SegmentInfo.from_header(header)

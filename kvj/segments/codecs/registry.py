@@ -54,7 +54,7 @@ def codec_class(name: Any) -> Type[Codec]:
 def get_codec(name: Any, params: Optional[Mapping[str, Any]] = None) -> Codec:
     """Build the codec ``name`` with ``params``; FormatError for unknown names or bad params."""
     cls = codec_class(name)
-    if params is not None and not isinstance(params, Mapping):
+    if params is not None and not isinstance(params, (dict, Mapping)):  # dict first: typing's check is slow
         raise FormatError("codec params must be a map")
     try:
         return cls(**dict(params or {}))
