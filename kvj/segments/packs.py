@@ -421,11 +421,11 @@ class PackDir:
         for pack in gone:
             self._unlink(pack.path)
             self.forget(pack.name)
-        if gone:
-            # The packs' unlinks are durable before their dead lists go: a crash that kept a
-            # pack but lost its dead list would bring its removed members back.
+        orphans = self._orphan_dead_lists()  # these packs' and any a crash (or another collector) left
+        if gone or orphans:
+            # Every pack unlink seen above is made durable before a dead list goes: a crash
+            # that kept a pack but lost its dead list would bring its removed members back.
             self.fs.fsync_dir(self.dir)
-        orphans = [pack.name for pack in gone] + self._orphan_dead_lists()
         for name in orphans:
             self._unlink(self.dead_path(name))
         if orphans:
@@ -438,8 +438,8 @@ class PackDir:
             pass
 
     def _orphan_dead_lists(self) -> List[str]:
-        """Packs whose dead list outlived them (a crash between the two unlinks): under the
-        exclusive collection lock no dead list is written for a pack that is not there."""
+        """Packs whose dead list outlived them: garbage, since a dead list is only written for
+        a pack that is there and a pack's name is never used again."""
         packs = self._names()
         return [entry[:-len(packfile.DEAD_SUFFIX)] for entry in list_dir(self.dir)
                 if entry.endswith(packfile.DEAD_SUFFIX) and entry[:-len(packfile.DEAD_SUFFIX)] not in packs

@@ -178,6 +178,19 @@ def test_an_emptied_pack_never_comes_back_without_its_dead_list(tmp_path):
     assert n > 20
 
 
+def test_a_dead_list_left_without_its_pack_is_removed_by_the_next_collection(tmp_path):
+    root = str(tmp_path / "store")
+    with SegmentStore(root, fs=FAST_FS, threads=1) as store:
+        infos = store.put_many([item(s) for s in range(4)], codec="zstd")
+        packs = os.path.join(root, "packs")
+        orphan = os.path.join(packs, "00112233445566ff.dead")  # a crash kept it, not its pack
+        with open(orphan, "wb") as f:
+            f.write(b"\0" * 36)
+        store.delete_many([infos[0].key])
+        assert not os.path.exists(orphan)
+        assert sorted(store.keys()) == sorted(i.key for i in infos[1:])
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_pack_crash_states_fast(tmp_path, seed):
     assert run_seed(str(tmp_path), seed, steps=14, n_random=2, limit=60) > 100
