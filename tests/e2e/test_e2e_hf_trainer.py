@@ -76,7 +76,9 @@ def kill_and_resume(run: LoraRun, tmp_path, kills: Sequence[str], seed_name: str
             crashrun.recover(journal)  # kvj fsck, then kvj recover: cuts a torn tail, verifies every segment
         reached = 0
         if kvj.replay(journal).checkpoint is not None:
-            reached = max(steps, default=0)
+            # A process killed before its first step (a micro-batch in) reached where it resumed.
+            began = [e["step"] for e in killed.events if e["event"] == "resumed"]
+            reached = max(steps, default=began[-1] if began else 0)
             history.append((kind, reached, _losses(killed.events)))
         if len(history) == len(kills):
             break
