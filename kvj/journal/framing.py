@@ -294,6 +294,15 @@ def _tearable(data: bytes, record: Tuple[int, int, bool], unverified: List[Tuple
     return False
 
 
+def _zeroed(data: bytes, at: int, ws: int, we: int, origin: int) -> bool:
+    """Whether byte ``at`` lies in a sector piece of the write at [ws, we) that reads as zeros
+    throughout: a torn write may have zeroed it, so a bit that one flip would set there (a lost
+    piece of one byte whose true value had one bit set) is no evidence of damage."""
+    sector = (origin + at) // SECTOR * SECTOR - origin
+    a, b = max(sector, ws), min(sector + SECTOR, we)
+    return data.count(0, a, b) == b - a
+
+
 def _merged(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
     out: List[Tuple[int, int]] = []
     for a, b in sorted(ranges):
@@ -323,12 +332,14 @@ def tail_evidence(data: bytes, pos: int, salt: int = 0, version: int = FORMAT_VE
     head = group_header_at(data, pos, salt, version)
     if head is None:
         fixed = _header_flip(data, pos, salt, version, origin)
+        if fixed is not None and _zeroed(data, fixed[1], pos, len(data), origin):
+            fixed = None  # the header's last sector piece lost, not a flipped bit
         if fixed is None:
             if size < layout.size:
                 return TailEvidence(False, f"an incomplete group header ({size} of {layout.size} bytes)")
             return TailEvidence(False, "no valid group header: what a torn write leaves (sectors zeroed, garbage or "
                                 "never written)")
-        where, (body_len, count, first_lsn) = fixed
+        where, _byte, (body_len, count, first_lsn) = fixed
         return TailEvidence(True, f"a group header ({count} records, LSN {first_lsn}..{first_lsn + count - 1}) with "
                             f"one flipped bit at {where}: damage, not a torn write", count, first_lsn)
     body_len, count, first_lsn, _time = head
@@ -344,7 +355,7 @@ def tail_evidence(data: bytes, pos: int, salt: int = 0, version: int = FORMAT_VE
     walk = _records(data, body, end, first_lsn, count)
     if walk is None:
         bit = _repair_chain(data, body, end, first_lsn, count)
-        if bit is not None:
+        if bit is not None and not _zeroed(data, bit // 8, pos, end, origin):
             return TailEvidence(True, f"{what}, whole, whose records chain once one flipped bit at offset "
                                 f"{origin + bit // 8} (bit {bit % 8}) is undone: damage, not a torn write",
                                 count, first_lsn)
@@ -360,7 +371,8 @@ def tail_evidence(data: bytes, pos: int, salt: int = 0, version: int = FORMAT_VE
         lsn = first_lsn + lsn_index
         stored = CRC.unpack_from(data, start)[0]
         bit = _one_bit(data[start + 4:stop], stored, 0)
-        if bit is not None:
+        if bit is not None and not _zeroed(data, start + (-1 - bit) // 8 if bit < 0 else start + 4 + bit // 8,
+                                           pos, end, origin):
             return TailEvidence(True, f"{what}, whole, whose record LSN {lsn} fails its CRC by one flipped bit at "
                                 f"{_bit_at(origin + start + 4, bit, origin + start)}: damage, not a torn write",
                                 count, first_lsn)
@@ -372,9 +384,10 @@ def tail_evidence(data: bytes, pos: int, salt: int = 0, version: int = FORMAT_VE
 
 
 def _header_flip(data: bytes, pos: int, salt: int, version: int,
-                 origin: int) -> Optional[Tuple[str, Tuple[int, int, int]]]:
-    """(where, (body_len, count, first_lsn)) when one flipped bit, in the magic, the CRC or the
-    fields it covers, is all that keeps the group header at ``pos`` from checking."""
+                 origin: int) -> Optional[Tuple[str, int, Tuple[int, int, int]]]:
+    """(where, the byte's offset in ``data``, (body_len, count, first_lsn)) when one flipped bit,
+    in the magic, the CRC or the fields it covers, is all that keeps the group header at ``pos``
+    from checking."""
     layout = GROUP_HEADERS[version]
     if pos + layout.size > len(data):
         return None
@@ -387,18 +400,17 @@ def _header_flip(data: bytes, pos: int, salt: int, version: int,
             return None
         fixed = GROUP_MAGIC + head[4:]
         k = magic_diff.bit_length() - 1
-        where = f"offset {origin + pos + k // 8} (bit {k % 8})"
+        byte = pos + k // 8
+        where = f"offset {origin + byte} (bit {k % 8})"
     else:
         bit = _one_bit(covered, stored, salt)
         if bit is None:
             return None
         repaired = bytearray(head)
-        if bit < 0:
-            repaired[4 + (-1 - bit) // 8] ^= 1 << ((-1 - bit) % 8)
-        else:
-            repaired[8 + bit // 8] ^= 1 << (bit % 8)
+        byte = pos + (4 + (-1 - bit) // 8 if bit < 0 else 8 + bit // 8)
+        repaired[byte - pos] ^= 1 << ((-1 - bit) % 8 if bit < 0 else bit % 8)
         fixed, where = bytes(repaired), _bit_at(origin + pos + 8, bit, origin + pos + 4)
     parsed = group_header_at(fixed, 0, salt, version)
     if parsed is None or parsed[1] == 0:
         return None
-    return where, parsed[:3]
+    return where, byte, parsed[:3]
