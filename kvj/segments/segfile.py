@@ -88,9 +88,25 @@ def _layout_json(layout: Layout) -> str:
     if layout is not None and not isinstance(layout, (dict, Mapping)):  # dict first: typing's check is slow
         raise FormatError("layout must be a map")
     try:
-        return json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        text = json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise FormatError(f"layout is not plain JSON data: {exc}") from None
+    _check_ints(layout)
+    return text
+
+
+def _check_ints(value: Any) -> None:
+    """The header is MessagePack, whose integers are 64-bit: a larger one is refused here, before
+    anything is written, rather than failing the header's encoding."""
+    if type(value) is int:
+        if not -(1 << 63) <= value < (1 << 64):
+            raise FormatError(f"layout holds the integer {value}, outside the 64-bit range a segment header holds")
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_ints(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_ints(item)
 
 
 def canonical_layout(layout: Layout) -> Layout:

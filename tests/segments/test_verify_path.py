@@ -16,7 +16,7 @@ from kvj.segments import segfile as seg
 from kvj.segments.store import SegmentStore
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=6),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8)
@@ -99,3 +99,11 @@ def test_every_flipped_byte_of_a_stored_file_is_caught(tmp_path):
         with open(path, "r+b") as f:
             f.write(good)
         assert store.verify(key).key == key
+
+
+@pytest.mark.parametrize("value", [2**64, -2**63 - 1, [1, {"x": 2**70}]])
+def test_a_layout_integer_a_header_cannot_hold_is_refused_before_anything_is_written(tmp_path, value):
+    with SegmentStore(tmp_path / "s") as store:
+        with pytest.raises(FormatError, match="64-bit"):
+            store.put(torch.zeros(3, dtype=torch.float16), layout={"a": value}, codec="raw")
+        assert list(store.keys()) == []
