@@ -71,6 +71,10 @@ def main() -> None:
     loaded = {"w": zeros["model"]["w"].full_tensor(), "m": zeros["optim"]["m"].full_tensor(), "step": zeros["step"]}
     print(json.dumps({"event": "loaded", "rank": dist.get_rank(), "step": reader.step,
                       "tensor_step": int(loaded["step"]), "digest": digest(loaded)}), flush=True)
+    # Both ranks are done with their collectives before either tears gloo down: a rank that
+    # left first once made the other's gloo thread abort at exit ("terminate called without an
+    # active exception", SIGABRT).
+    dist.barrier()
     dist.destroy_process_group()
 
 
