@@ -82,7 +82,10 @@ def kvj() -> NoReturn:
     _install("kvj", sys.argv[1:])
     from kvj.cli.main import main
 
-    main()
+    try:
+        main()
+    finally:
+        _ending()
 
 
 def journal_replay() -> NoReturn:
@@ -90,4 +93,16 @@ def journal_replay() -> NoReturn:
     _install("journal_replay", sys.argv[1:])
     from kvj.cli.main import journal_replay_main
 
-    journal_replay_main()
+    try:
+        journal_replay_main()
+    finally:
+        _ending()
+
+
+def _ending() -> None:
+    """The process is ending: the cycle collector need not walk what the command built before
+    the interpreter frees it (after a replay of 10^5 records, its passes at exit took ~50 ms,
+    two thirds of the interpreter's shutdown). Exit handlers and threads end as ever."""
+    import gc
+
+    gc.freeze()

@@ -112,7 +112,7 @@ def command(typer_app: typer.Typer, argv: Optional[List[str]] = None) -> "click.
                 choices = _choices(param)
                 param.metavar = "|".join(choices) if choices else (param.name or "").upper()
             if param.param_type_name == "argument":
-                param._usage_display_name = _usage_name(param)  # type: ignore[attr-defined]
+                param.get_usage_pieces = _usage_pieces(param)  # type: ignore[method-assign]
         cmd.get_help_option = _typeless(cmd.get_help_option)  # type: ignore[method-assign]
     return root
 
@@ -137,9 +137,10 @@ def _no_type(ctx: object = None) -> None:
     return None
 
 
-def _usage_name(param: "click.Parameter") -> Callable[[], str]:
+def _usage_pieces(param: "click.Parameter") -> Callable[[object], List[str]]:
+    """An argument's ``get_usage_pieces``: its name as a man page writes it (``FILE...``, ``[KEY]``)."""
     name = (param.metavar or param.name or "").upper() + ("..." if param.nargs != 1 else "")
-    return lambda: name if param.required else f"[{name}]"
+    return lambda _ctx: [name if param.required else f"[{name}]"]
 
 
 def run(typer_app: typer.Typer, argv: Optional[List[str]], prog: str) -> int:

@@ -149,6 +149,7 @@ def parse_group(data: bytes, off: int, path: str, salt: int = 0, origin: int = 0
     unpack, size = RECORD_HEADER.unpack_from, RECORD_HEADER_SIZE
     records: List[RawRecord] = []
     append = records.append
+    make = tuple.__new__  # RawRecord(...) without its Python-level __new__: one per record
     for lsn in range(first_lsn, first_lsn + count):  # the checks of ``_records``, in one pass
         if pos + size > end:
             return None
@@ -157,7 +158,7 @@ def parse_group(data: bytes, off: int, path: str, salt: int = 0, origin: int = 0
         if rtype == 0 or rec_lsn != lsn or length > MAX_RECORD_PAYLOAD or stop > end \
                 or crc32c(view[pos + 4:stop]) != crc:
             return None
-        append(RawRecord(lsn, rtype, bytes(view[pos + size:stop]), path, origin + pos, when))
+        append(make(RawRecord, (lsn, rtype, data[pos + size:stop], path, origin + pos, when)))
         pos = stop
     return (records, end) if pos == end else None
 

@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import msgspec
+
 from kvj.journal.records import NAMES, RecordType
 
 
@@ -34,9 +36,10 @@ class _Fields:
         self.__dict__ = payload
 
 
-@dataclass(slots=True)
-class SegmentRef:
-    """A durable segment of a request: which tokens it covers and where its bytes are."""
+class SegmentRef(msgspec.Struct, gc=False):
+    """A durable segment of a request: which tokens it covers and where its bytes are. (A
+    struct: replay builds one per segment record, in C; it holds no cycle, so the collector
+    need not track it.)"""
 
     seg: int
     key: Optional[str]
@@ -159,11 +162,11 @@ class JournalState:
             if req is None or req.ended:
                 self._warn(lsn, f"segment {p.seg} for a request that is not in flight: {p.id}")
                 return
-            tokens = p.tokens
+            tokens = p.tokens  # a tuple as decoded into the struct; a list in a map
             key, digest = p.key, p.digest
             # one string object where the digest is the key (kvj writes it so) and one per codec
             # name: a request in flight holds a ref per block, and replay's memory is mostly these
-            req.segments[p.seg] = SegmentRef(p.seg, key, (tokens[0], tokens[1]) if tokens is not None else None,
+            req.segments[p.seg] = SegmentRef(p.seg, key, tokens if type(tokens) is not list else tuple(tokens),
                                              p.layout, p.raw_size, p.stored_size, key if digest == key else digest,
                                              sys.intern(p.codec), lsn)
         elif rtype == _START:

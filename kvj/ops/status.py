@@ -20,7 +20,7 @@ from kvj.ops.handoff import moved, read_control
 from kvj.journal.config import config_max_store_bytes, config_policy
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
-from kvj.journal.reader import LogEnd, Scan, TornTail, list_logs, log_end, newest_first
+from kvj.journal.reader import Group, LogEnd, Scan, TornTail, list_logs, log_end, newest_first
 from kvj.journal.records import RecordType
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots
@@ -75,48 +75,72 @@ def _writer_opened(directory: str) -> Optional[float]:
         return None
 
 
-def _newest(directory: str, logs: List[str], now: float, snapshot_lsn: int) -> Tuple[LogEnd, Dict[str, Any]]:
-    """Where the log ends (``reader.log_end``) and the records, bytes and commit groups written in
-    the last ``WINDOW`` seconds, from one walk of the newest log files back (each group read once).
+class _Window:
+    """The last commit group seen and the records, bytes and commit groups written in the last
+    ``WINDOW`` seconds, fed the groups of a walk. Keyed by LSN, so a group seen again (a replay
+    pass repeated after a concurrent compaction) is counted once.
 
     The commit lag is the longest interval between consecutive groups of one writer in the
     window: a record appended right after the first of two waited at most that long to be
     written. An interval across a change of writer is no wait and is left out: the one
     around a recovery's epoch group (a writer of its own, which a dead writer's last group
     precedes and the next writer's first group follows) and the one in which the newest
-    writer opened the journal (its lock file's mtime)."""
-    records = nbytes = 0
-    groups: Dict[float, bool] = {}  # group time -> whether it holds a recovery epoch record
-    end: Optional[LogEnd] = None
+    writer opened the journal (``opened``, its lock file's mtime)."""
+
+    def __init__(self, now: float, opened: Optional[float]):
+        self.since, self.opened = now - WINDOW, opened
+        self.last: Optional[RawRecord] = None  #: the last record of the group with the highest LSNs
+        self._groups: Dict[int, Tuple[float, int, int, bool]] = {}  # first LSN -> time, records, bytes, epoch
+
+    def __call__(self, group: Group) -> None:
+        records = group.records
+        last = records[-1]
+        if self.last is None or last.lsn > self.last.lsn:
+            self.last = last
+        when = last.time  # every record of a group carries the group's time
+        if when is None or when < self.since:
+            return
+        self._groups[records[0].lsn] = (when, len(records), sum(RECORD_HEADER_SIZE + len(raw.payload) for raw in records),
+                                        any(raw.rtype == _EPOCH for raw in records))
+
+    def end(self, tail: Optional[TornTail], snapshot_lsn: int) -> LogEnd:
+        """Where the log ends: the last group seen (the snapshot's LSN when there was none)."""
+        if self.last is None:
+            return LogEnd(snapshot_lsn, None, None, tail)
+        return LogEnd(self.last.lsn, self.last.time, self.last.path, tail)
+
+    def minute(self) -> Dict[str, Any]:
+        records = sum(g[1] for g in self._groups.values())
+        nbytes = sum(g[2] for g in self._groups.values())
+        groups = sorted(self._groups.values())
+        gaps = [b[0] - a[0] for a, b in zip(groups, groups[1:])
+                if not (a[3] or b[3] or (self.opened is not None and a[0] < self.opened <= b[0]))]
+        return {"seconds": WINDOW, "records": records, "bytes": nbytes,
+                "records_per_s": records / WINDOW, "bytes_per_s": nbytes / WINDOW,
+                "groups": len(groups), "records_per_group": records / len(groups) if groups else None,
+                "commit_lag": max(gaps) if gaps else None}
+
+
+_EPOCH = int(RecordType.EPOCH)
+
+
+def _newest(directory: str, logs: List[str], now: float, snapshot_lsn: int) -> Tuple[LogEnd, Dict[str, Any]]:
+    """Where the log ends and the last minute's writes (``_Window``) from the newest log files
+    back, each group read once, past any damage: what status shows of a journal replay refuses."""
+    window = _Window(now, _writer_opened(directory))
     tail: Optional[TornTail] = None
     for path, header, newest in newest_first(logs):
         seen_old = False
-        last: Optional[RawRecord] = None
         scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None)
         for group in scan.groups():
-            last = group.records[-1]
-            when = last.time  # every record of a group carries the group's time
-            if when is None or when < now - WINDOW:
-                seen_old = True
-                continue
-            records += len(group.records)
-            nbytes += sum(RECORD_HEADER_SIZE + len(raw.payload) for raw in group.records)
-            groups[when] = groups.get(when, False) or any(raw.rtype == RecordType.EPOCH for raw in group.records)
+            window(group)
+            when = group.records[-1].time
+            seen_old = seen_old or when is None or when < window.since
         if newest:
             tail = scan.tail
-        if end is None and last is not None:
-            end = LogEnd(last.lsn, last.time, path, tail)
-        if seen_old and end is not None:  # this file reaches back past the window: older files cannot add to it
+        if seen_old and window.last is not None:  # this file reaches back past the window: older files cannot add to it
             break
-    times = sorted(groups)
-    opened = _writer_opened(directory)
-    gaps = [b - a for a, b in zip(times, times[1:])
-            if not (groups[a] or groups[b] or (opened is not None and a < opened <= b))]
-    minute = {"seconds": WINDOW, "records": records, "bytes": nbytes,
-              "records_per_s": records / WINDOW, "bytes_per_s": nbytes / WINDOW,
-              "groups": len(times), "records_per_group": records / len(times) if times else None,
-              "commit_lag": max(gaps) if gaps else None}
-    return end or LogEnd(snapshot_lsn, None, None, tail), minute
+    return window.end(tail, snapshot_lsn), window.minute()
 
 
 def status(journal: str, store_root: Optional[str], now: Optional[float] = None) -> Dict[str, Any]:
@@ -127,13 +151,9 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
     logs = list_logs(journal)
     snaps = list_snapshots(journal)
     snapshot_lsn = snaps[0][0] if snaps else 0
-    end, last_minute = _newest(journal, logs, now, snapshot_lsn)
     out: Dict[str, Any] = {
         "journal": journal, "now": now,
         "writer": _holder(journal, LOCK_NAME, "writer"), "compactor": _holder(journal, COMPACT_LOCK, "compactor"),
-        "last_lsn": end.lsn, "last_write": end.time, "last_write_age": (now - end.time) if end.time else None,
-        "incomplete_tail": end.tail.length if end.tail else 0,
-        "last_minute": last_minute,
         "logs": len(logs), "log_bytes": _size(logs), "snapshots": len(snaps), "snapshot_bytes": _size([p for _l, p in snaps]),
         "last_compaction": ({"snapshot_lsn": snaps[0][0], "time": os.stat(snaps[0][1]).st_mtime} if snaps else None),
         "set_aside": {folder: _size(_files(os.path.join(journal, folder))) for folder in (TORN_DIR, RECOVERY_DIR)},
@@ -143,16 +163,22 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "config_error": _config_error(journal),
         "handoff": read_control(journal),
     }
+    window = _Window(now, _writer_opened(journal))
     try:
-        state = replay(journal)
+        state = replay(journal, on_group=window)  # one walk: the fold, where the log ends, the last minute
     except (CorruptionError, FormatError) as exc:
+        end, last_minute = _newest(journal, logs, now, snapshot_lsn)
         out.update(damage=str(exc), in_flight=None, ended=None, warnings=None, last_epoch=None, needed_segments=None)
     else:
+        end = window.end(TornTail(**state.tail) if state.tail else None, state.snapshot_lsn)
+        last_minute = window.minute()
         out.update(damage=None, tail=state.tail, in_flight=len(state.in_flight()),
                    ended=len(state.ended()) + state.ended_compacted, warnings=len(state.warnings),
                    last_epoch=state.epochs[-1] if state.epochs else None,
                    needed_segments=len(state.referenced_keys()),
                    training_step=state.training_step(), moved=len(moved(state)))
+    out.update(last_lsn=end.lsn, last_write=end.time, last_write_age=(now - end.time) if end.time else None,
+               incomplete_tail=end.tail.length if end.tail else 0, last_minute=last_minute)
     out["store"] = _store(store_root)
     out["store"]["max_store_bytes"] = _budget(journal)
     return out

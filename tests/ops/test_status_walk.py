@@ -45,3 +45,30 @@ def test_one_walk_gives_the_log_end_and_the_last_minute(tmp_path):
             assert (minute["records"], minute["bytes"], minute["groups"]) == per_record(path, now)
         assert (end.tail is not None) == torn
     assert minute["records"] == 0 and end.lsn == 1 + sum(i % 3 + 1 for i in range(12))
+
+
+def test_status_counts_the_last_minute_from_the_fold_as_the_walk_does(tmp_path):
+    """Status takes where the log ends and the last minute from replay's own walk (``on_group``);
+    it is what the walk of the newest files gives (``_newest``, what status shows past damage)."""
+    from support.cli_helpers import append_torn_tail
+
+    from kvj.ops.status import status
+
+    path = str(tmp_path)
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=300)) as j:
+        for i in range(12):
+            j.append_many([(RecordType.ALLOC, {"device": "cuda:0", "addr": 4 * i + k, "size": 1, "tag": "t"})
+                           for k in range(i % 3 + 1)], durable=True)
+    with Journal.open(path) as j:
+        j.alloc("cuda:0", 1000, 1, durable=True)
+    for torn in (False, True):
+        if torn:
+            append_torn_tail(path)
+        for now in (time.time(), time.time() + WINDOW + 3600):
+            end, minute = _newest(path, list_logs(path), now, 0)
+            s = status(path, None, now=now)
+            assert s["damage"] is None
+            assert (s["last_lsn"], s["last_write"], s["incomplete_tail"]) == (
+                end.lsn, end.time, end.tail.length if end.tail else 0)
+            assert s["last_minute"] == minute
+        assert s["incomplete_tail"] > 0 if torn else s["incomplete_tail"] == 0
