@@ -178,3 +178,63 @@ def test_one_decode_refuses_what_the_two_decodes_refuse(rec, changes, cut):
             R.decode_fields(rtype, damaged)
     else:
         R.decode_fields(rtype, damaged)
+
+
+@given(st.one_of(st.text(alphabet="0123456789abcdefABCDEFg \n", min_size=60, max_size=68), st.text(max_size=70)))
+@settings(max_examples=400, deadline=None)
+def test_the_key_check_without_a_regex_accepts_what_the_regex_accepts(key):
+    from kvj.names import KEY_RE
+
+    fast = len(key) == 64 and not key.strip(R._HEX)
+    assert fast == (KEY_RE.fullmatch(key) is not None)
+
+
+def test_ids_remembered_valid_stay_bounded_and_an_invalid_id_is_never_remembered():
+    R._GOOD_IDS.clear()
+    for i in range(R._GOOD_IDS_MAX + 10):
+        R.decode_fields(RecordType.END, msgspec.msgpack.encode({"id": f"r{i}", "status": "ok"}))
+    assert 0 < len(R._GOOD_IDS) <= R._GOOD_IDS_MAX
+    bad = msgspec.msgpack.encode({"id": "../x", "status": "ok"})
+    for _ in range(2):  # refused both times: the first refusal remembered nothing
+        with pytest.raises(FormatError, match="invalid request id"):
+            R.decode_fields(RecordType.END, bad)
+    assert "../x" not in R._GOOD_IDS
+
+
+#: In a fresh interpreter (no other test's threads allocating meanwhile): the generations the
+#: collections started right after a fold examined.
+AFTER_A_FOLD = """
+import gc
+from kvj.journal.replay import collector_paused
+starts = []
+gc.collect()
+gc.callbacks.append(lambda phase, info: starts.append(info["generation"]) if phase == "start" else None)
+with collector_paused():
+    kept = [[] for _ in range(20_000)]
+more = [[] for _ in range(min(100, gc.get_threshold()[0] - 1))]
+print(starts, gc.isenabled())
+"""
+
+
+def test_after_a_fold_the_collector_does_not_walk_what_the_fold_kept():
+    """``collector_paused`` moves what the fold made to the oldest generation without a pass:
+    the allocations right after it start no collection (else the first walked all of it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", AFTER_A_FOLD], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "True"]
+
+
+def test_a_fold_leaves_objects_the_caller_froze_frozen():
+    from kvj.journal.replay import collector_paused
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with collector_paused():
+            [[] for _ in range(1000)]
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
