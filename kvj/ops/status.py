@@ -29,6 +29,7 @@ from kvj.ops.salvage import PENDING_NAME
 
 #: The window the write rates are measured over.
 WINDOW = 60.0
+_EPOCH = int(RecordType.EPOCH)
 
 
 def _holder(directory: str, name: str, what: str) -> Optional[Dict[str, Any]]:
@@ -119,9 +120,6 @@ class _Window:
                 "records_per_s": records / WINDOW, "bytes_per_s": nbytes / WINDOW,
                 "groups": len(groups), "records_per_group": records / len(groups) if groups else None,
                 "commit_lag": max(gaps) if gaps else None}
-
-
-_EPOCH = int(RecordType.EPOCH)
 
 
 def _newest(directory: str, logs: List[str], now: float, snapshot_lsn: int) -> Tuple[LogEnd, Dict[str, Any]]:
