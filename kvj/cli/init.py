@@ -51,7 +51,7 @@ def init(journal: JournalArg = None,
     --max-records 0, --file-size under 64KiB), or a --max-store-bytes that is not a
     size, is a usage error (status 64) and nothing is created.
     """
-    from kvj.journal.writer import CommitPolicy
+    from kvj.journal.policy import CommitPolicy
     from kvj.ops.init import init as init_journal
 
     if not journal:

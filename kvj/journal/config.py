@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 
 from kvj.errors import FormatError, InvalidArgument
 from kvj.fileio import open_read
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 from kvj.untrusted import load_json
 
 CONFIG = "kvj.conf"

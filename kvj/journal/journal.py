@@ -26,7 +26,8 @@ from kvj.journal.mirror import DEGRADE, FAIL, check_policy, log, mirror_of, reso
 from kvj.journal.records import RecordType, encode
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.recovery import MirrorDown, find_end, mirror_side
-from kvj.journal.writer import CommitPolicy, LogWriter
+from kvj.journal.policy import CommitPolicy
+from kvj.journal.writer import LogWriter
 from kvj.trust import check_owner
 
 if TYPE_CHECKING:  # the store pulls in torch; the journal alone does not need it

@@ -21,7 +21,7 @@ from kvj.journal.config import CONFIG, CONFIG_VERSION
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.records import RecordType
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 from kvj.trust import check_owner
 
 def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPolicy] = None,

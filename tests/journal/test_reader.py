@@ -12,7 +12,7 @@ from kvj.journal.logfile import log_name
 from kvj.journal.reader import list_logs
 from kvj.journal.records import RecordType
 from kvj.journal.snapshot import write_snapshot
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 
 
 def write_journal(path, n, policy=None, sync_every=1):

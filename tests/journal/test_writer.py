@@ -17,7 +17,7 @@ from kvj.journal import framing as F
 from kvj.journal.journal import Journal
 from kvj.journal.reader import Scan, list_logs
 from kvj.journal.records import RecordType
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 
 
 class SlowSyncFS(FS):

@@ -18,7 +18,7 @@ from support.cli_helpers import in_process
 
 import kvj
 from kvj.journal.journal import default_store_path
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 from kvj.segments.store import SegmentStore
 from spec import reader
 

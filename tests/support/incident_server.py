@@ -22,7 +22,7 @@ import time
 import torch
 
 from kvj.journal.journal import Journal, default_store_path
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 from kvj.segments.load import load
 from kvj.segments.store import SegmentStore
 

@@ -25,7 +25,7 @@ import time
 from typing import Any, Dict, Tuple
 
 from kvj import Journal, RecordType
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 
 ALLOC_DEVICE = "r{run}t{tid}"
 
