@@ -8,7 +8,8 @@ import typer
 
 from kvj.cli.common import JournalArg, JsonArg, done, emit_json, journal_path, out, usage_error
 from kvj.cli.errors import TEMPFAIL, report
-from kvj.ops.handoff import MODES, HandoffTimeout, hand_off
+from kvj.ops.armed import MODES
+from kvj.ops.handoff import HandoffTimeout, hand_off
 
 
 def handoff(journal: JournalArg = None,

@@ -6,7 +6,7 @@ Engine A (journal ``JA``) runs ``KvjConnector``; engine B runs it with a journal
 **Drain A.** ``drain(llm_a, "B")`` (an offline ``LLM``), or for a server ``kvj handoff JA --to B``
 followed by vLLM's pause with ``mode=abort``:
 
-1. ``kvj.ops.handoff.arm`` writes ``JA/handoff.json`` (atomically): armed, target ``B``;
+1. ``kvj.ops.armed.arm`` writes ``JA/handoff.json`` (atomically): armed, target ``B``;
 2. vLLM aborts every request (``drain``: ``LLMEngine.abort_request`` of all it has;
    a server: ``pause_scheduler(mode="abort")``, which calls ``scheduler.finish_requests``):
    for each, the connector's ``request_finished`` sees the control file (one ``stat`` per
@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING
 
 from kvj.errors import KvjError
 from kvj.journal.replay import replay
-from kvj.ops.handoff import arm, armed_target, pending, write_manifest
+from kvj.ops.armed import arm, armed_target
+from kvj.ops.handoff import pending, write_manifest
 
 if TYPE_CHECKING:
     from vllm import LLM

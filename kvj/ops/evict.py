@@ -27,7 +27,8 @@ from kvj.errors import FormatError, InvalidArgument, SegmentMissing
 from kvj.fileio import FS, REAL_FS, fsync_path, list_dir, open_read
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import replay
-from kvj.ops.recover import MANIFEST_RE, RECOVERY_DIR, manifest_keys
+from kvj.journal.entries import RECOVERY_DIR
+from kvj.ops.recover import MANIFEST_RE, manifest_keys
 from kvj.untrusted import load_json
 
 #: Eviction never removes a segment stored or claimed this recently (nor, when the grace period

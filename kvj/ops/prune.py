@@ -18,7 +18,8 @@ from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, list_dir
 from kvj.journal.recovery import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, DirLock
 from kvj.journal.replay import check_journal
-from kvj.ops.recover import MANIFEST_RE, RECOVERY_DIR
+from kvj.journal.entries import RECOVERY_DIR
+from kvj.ops.recover import MANIFEST_RE
 from kvj.segments.check import opened_store
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal import ranks
+from kvj.journal.entries import RECOVERY_DIR
 from kvj.journal.journal import Journal, default_store_path
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, check_mode, list_logs
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 
 MANIFEST_VERSION = 1
 MANIFEST_RE = re.compile(r"^manifest-(\d+)\.json$")
-RECOVERY_DIR = "recovery"
 
 Progress = Callable[[str, int, int], None]
 

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, open_read, rename_durable
+from kvj.journal.entries import PENDING_NAME
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
 from kvj.journal.recovery import TORN_DIR, keep_torn_bytes, truncate_log
 from kvj.journal.mirror import mirror_of
@@ -49,9 +50,6 @@ from kvj.journal.reader import (
 )
 from kvj.journal.snapshot import load_latest
 from kvj.journal.state import JournalState
-
-#: A salvage's report while it is not yet in a durable recovery-epoch record.
-PENDING_NAME = "SALVAGE.json"
 
 
 @dataclass

@@ -16,16 +16,15 @@ from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, Se
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE, RawRecord
 from kvj.journal.recovery import TORN_DIR
-from kvj.ops.handoff import moved, read_control
 from kvj.journal.config import config_max_store_bytes, config_policy
+from kvj.journal.entries import PENDING_NAME, RECOVERY_DIR
 from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Group, LogEnd, Scan, TornTail, list_logs, log_end, newest_first
 from kvj.journal.records import RecordType
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots
-from kvj.ops.recover import RECOVERY_DIR
-from kvj.ops.salvage import PENDING_NAME
+from kvj.ops.armed import read_control
 
 #: The window the write rates are measured over.
 WINDOW = 60.0
@@ -174,7 +173,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                    ended=len(state.ended()) + state.ended_compacted, warnings=len(state.warnings),
                    last_epoch=state.epochs[-1] if state.epochs else None,
                    needed_segments=len(state.referenced_keys()),
-                   training_step=state.training_step(), moved=len(moved(state)))
+                   training_step=state.training_step(), moved=len(state.moved()))
     out.update(last_lsn=end.lsn, last_write=end.time, last_write_age=(now - end.time) if end.time else None,
                incomplete_tail=end.tail.length if end.tail else 0, last_minute=last_minute)
     out["store"] = _store(store_root)

@@ -12,7 +12,7 @@ import torch
 
 import kvj
 from kvj.integrations.vllm_resume import resume_plans
-from kvj.ops.handoff import read_control
+from kvj.ops.armed import read_control
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
