@@ -23,17 +23,18 @@ def opened_store(store: Any, default_root: str, fs: FS = REAL_FS) -> Iterator[Op
     """A ``SegmentStore`` for ``store`` (a store, a root path or None for ``default_root``).
 
     Yields None when the directory does not exist: a journal that never stored a segment
-    has none. A store opened here is closed on exit; one passed in is left open.
+    has none (and the store's modules are not imported). A store opened here is closed on
+    exit; one passed in is left open.
     """
-    from kvj.segments.store import SegmentStore
-
-    if isinstance(store, SegmentStore):
-        yield store
+    if store is not None and not isinstance(store, (str, os.PathLike)):
+        yield store  # a SegmentStore
         return
     root = os.fspath(store) if store is not None else default_root
     if not os.path.isdir(root):
         yield None
         return
+    from kvj.segments.store import SegmentStore
+
     opened = SegmentStore(root, fs=fs)
     try:
         yield opened

@@ -10,12 +10,11 @@ import subprocess
 import sys
 import time
 
-import torch
 from support.cli_helpers import Holder, append_torn_tail, assert_fails, build, in_process, kvj, tree
 
 from kvj.journal.journal import Journal
 from kvj.journal.snapshot import list_snapshots
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.recover import recover
 
@@ -179,15 +178,14 @@ def test_status_shows_a_kvj_conf_it_cannot_use_instead_of_failing(tmp_path, caps
 
 
 #: Runs the ``kvj`` console script's code on ARGS, then prints, as its last stderr line, the
-#: modules of kvj's commands and of torch that the process loaded.
+#: modules of kvj, of torch and of rich that the process loaded.
 _LOADED = ("import sys\n"
            "from kvj.cli.launch import kvj\n"
            "sys.argv[0] = 'kvj'\n"
            "try:\n"
            "    kvj()\n"
            "finally:\n"
-           "    loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'\n"
-           "                    or m.startswith('kvj.cli.') and m.count('.') == 2)\n"
+           "    loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('kvj', 'torch', 'rich'))\n"
            "    sys.stderr.write('\\nmodules ' + ' '.join(loaded) + '\\n')\n")
 
 
@@ -219,3 +217,32 @@ def test_status_imports_only_its_own_command(tmp_path):
     proc, loaded = _modules_loaded("--help")
     assert proc.returncode == 0 and commands <= loaded
     assert all(f" {name} " in proc.stdout for name in COMMAND_MODULES + ["migrate"]), proc.stdout
+
+
+#: What a reader of the journal needs none of: the writer, the segment store, recovery,
+#: salvage, the handoff manifest, and rich's tables (which only a person's view draws).
+NOT_FOR_READING = {"kvj.journal.writer", "kvj.journal.journal", "kvj.segments.store", "kvj.ops.recover",
+                   "kvj.ops.salvage", "kvj.ops.handoff", "kvj.cli.render", "rich.table"}
+
+
+def test_status_json_imports_none_of_the_writers_modules(tmp_path):
+    """``kvj status --json`` of a journal that has stored no segment imports only what reading
+    the log takes (kvj.conf's commit policy, the handoff control file and the names of
+    recovery's entries come without the modules that write them); the view for a person
+    adds rich's tables, and a store adds the store."""
+    path = tmp_path / "j"
+    with Journal.open(path) as j:
+        j.start("r1", tokens=[1])
+        j.sync()
+    (path / "kvj.conf").write_text(json.dumps({"kvj_config": 1, "policy": {"max_records": 7}}))
+    proc, loaded = _modules_loaded("status", "-j", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["in_flight"] == 1 and report["config_error"] is None and report["store"]["exists"] is False
+    assert loaded & NOT_FOR_READING == set(), loaded
+    proc, loaded = _modules_loaded("status", "-j", path)
+    assert proc.returncode == 0 and "r1" not in proc.stderr, proc.stderr
+    assert loaded & NOT_FOR_READING == {"kvj.cli.render", "rich.table"}
+    (path / "kvj.conf").write_text(json.dumps({"kvj_config": 1, "policy": {"max_records": 0}}))
+    proc, loaded = _modules_loaded("status", "-j", path, "--json")
+    assert "max_records" in json.loads(proc.stdout)["config_error"]  # the policy is still checked
