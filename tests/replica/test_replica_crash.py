@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 import obstore
 import pytest
@@ -20,7 +19,7 @@ from obstore.exceptions import GenericError, PreconditionError
 
 from kvj import Journal
 from kvj.journal.replay import replay
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 from kvj.replica import manifest as mf
 from kvj.replica.lease import LEASE_OBJECT
 from kvj.replica.remote import RemoteUnavailable, open_remote
