@@ -47,7 +47,7 @@ from kvj.journal.framing import FILE_HEADER_SIZE, GROUP_HEADERS, decode_file_hea
 from kvj.journal.journal import Journal
 from kvj.journal.reader import list_logs
 from kvj.journal.records import RecordType, encode_payload
-from kvj.journal.writer import CommitPolicy
+from kvj.journal.policy import CommitPolicy
 
 BATCH = 100
 #: Threads appending durable records at once in section 3 (a serving loop's request threads).
@@ -59,7 +59,7 @@ GROUPS_OF_BATCH = CommitPolicy(max_group_records=BATCH, max_pending_records=2 * 
 PENDING_BATCH = CommitPolicy(max_pending_records=BATCH)
 
 SAME_RATE, DEFAULT_POLICY, DURABLE = (f"1. {BATCH} records per fdatasync", "2. kvj's default policy",
-                                      f"3. every call durable")
+                                      "3. every call durable")
 SQLITE_BATCH = f"SQLite WAL, synchronous=FULL, commit per {BATCH}"
 SQLITE_DELAY = f"SQLite WAL, synchronous=FULL, commit every {DEFAULT.max_delay * 1000:.0f} ms"
 FLOOR_BATCH = f"floor: raw bytes, fdatasync per {BATCH}"
