@@ -12,10 +12,9 @@ import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, List, Optional, Tuple
 
 import typer
-from rich.console import Console
 
 try:  # typer >= 0.20 vendors click; older releases depend on it
     from typer import _click as click
@@ -29,6 +28,9 @@ from kvj.journal.config import STORE_DIR, config_store
 from kvj.journal.replay import check_journal, holds_journal
 from kvj.trust import check_owner, trusted
 from kvj.journal.ranks import holds_ranks, rank_journals, rank_name
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"
@@ -65,9 +67,36 @@ RecoveryModeArg = Annotated[str, RecoveryModeOpt]
 #: NO_COLOR (no-color.org) turns off every escape sequence, bold included, not just colours.
 _STYLES = None if os.environ.get("NO_COLOR") else "auto"
 
+
+
+class _LazyConsole:
+    """A rich ``Console`` made on first use, so that a command printing only JSON never imports
+    rich's console (a twentieth of ``kvj status --json``'s whole run); it stands in for it."""
+
+    def __init__(self, stderr: bool) -> None:
+        object.__setattr__(self, "_stderr", stderr)
+        object.__setattr__(self, "_made", None)
+
+    @property
+    def console(self) -> "Console":
+        """The console itself (made now if it was not yet), for APIs that keep one."""
+        if self._made is None:
+            from rich.console import Console
+
+            object.__setattr__(self, "_made", Console(stderr=self._stderr, highlight=False, soft_wrap=True,
+                                                      color_system=_STYLES))  # type: ignore[arg-type]
+        return self._made
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.console, name, value)
+
+
 #: Standard output for results; diagnostics and progress go to stderr.
-out = Console(highlight=False, soft_wrap=True, color_system=_STYLES)  # type: ignore[arg-type]
-err = Console(stderr=True, highlight=False, soft_wrap=True, color_system=_STYLES)  # type: ignore[arg-type]
+out: "Console" = _LazyConsole(stderr=False)  # type: ignore[assignment]
+err: "Console" = _LazyConsole(stderr=True)  # type: ignore[assignment]
 
 
 class OutputClosed(BaseException):
@@ -264,7 +293,7 @@ def progress() -> Iterator[Callable[[str, int, int], None]]:
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                   console=err, transient=True)
+                   console=err.console, transient=True)  # type: ignore[attr-defined]
     tasks: dict = {}
     started = time.monotonic()
 

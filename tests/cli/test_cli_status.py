@@ -220,16 +220,16 @@ def test_status_imports_only_its_own_command(tmp_path):
 
 
 #: What a reader of the journal needs none of: the writer, the segment store, recovery,
-#: salvage, the handoff manifest, and rich's tables (which only a person's view draws).
+#: salvage, the handoff manifest, and rich's console and tables (which only a person's view draws).
 NOT_FOR_READING = {"kvj.journal.writer", "kvj.journal.journal", "kvj.segments.store", "kvj.ops.recover",
-                   "kvj.ops.salvage", "kvj.ops.handoff", "kvj.cli.render", "rich.table"}
+                   "kvj.ops.salvage", "kvj.ops.handoff", "kvj.cli.render", "rich.console", "rich.table"}
 
 
 def test_status_json_imports_none_of_the_writers_modules(tmp_path):
     """``kvj status --json`` of a journal that has stored no segment imports only what reading
     the log takes (kvj.conf's commit policy, the handoff control file and the names of
     recovery's entries come without the modules that write them); the view for a person
-    adds rich's tables, and a store adds the store."""
+    adds rich, and a store adds the store."""
     path = tmp_path / "j"
     with Journal.open(path) as j:
         j.start("r1", tokens=[1])
@@ -242,7 +242,7 @@ def test_status_json_imports_none_of_the_writers_modules(tmp_path):
     assert loaded & NOT_FOR_READING == set(), loaded
     proc, loaded = _modules_loaded("status", "-j", path)
     assert proc.returncode == 0 and "r1" not in proc.stderr, proc.stderr
-    assert loaded & NOT_FOR_READING == {"kvj.cli.render", "rich.table"}
+    assert loaded & NOT_FOR_READING == {"kvj.cli.render", "rich.console", "rich.table"}
     (path / "kvj.conf").write_text(json.dumps({"kvj_config": 1, "policy": {"max_records": 0}}))
     proc, loaded = _modules_loaded("status", "-j", path, "--json")
     assert "max_records" in json.loads(proc.stdout)["config_error"]  # the policy is still checked
