@@ -124,14 +124,15 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False,
     if not os.path.exists(path):
         raise FormatError(f"no journal at {path}")
     check_journal(path)
-    for attempt in range(COMPACTION_RETRIES + 1):
+    for _ in range(COMPACTION_RETRIES + 1):
         before = (list_snapshots(path), list_logs(path))
         try:
             state = _replay_once(path, at_lsn, strict, on_group)
         except (CorruptionError, FileNotFoundError):
             # A compactor may have written a newer snapshot and deleted the files this pass
-            # was reading; then the journal is fine and a fresh pass sees it consistently.
-            if attempt == COMPACTION_RETRIES or (list_snapshots(path), list_logs(path)) == before:
+            # was reading; then the journal is fine and a fresh pass sees it consistently
+            # (and when the passes run out, the journal is not called corrupt for it).
+            if (list_snapshots(path), list_logs(path)) == before:
                 raise
             continue
         # A compactor that replaced the snapshot during the pass may have deleted logs after

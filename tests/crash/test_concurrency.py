@@ -234,6 +234,41 @@ def test_replay_rereads_when_compaction_runs_underneath(tmp_path, monkeypatch):
     assert state.last_lsn == last and sorted(state.allocations["parent"]) == list(range(60))
 
 
+def test_replay_under_a_compaction_every_pass_says_the_journal_kept_changing(tmp_path, monkeypatch):
+    """Regression: when a compaction deleted the logs after the snapshot of every pass, replay's
+    last pass raised its CorruptionError ("LSNs ... are missing (missing log file?)") about a
+    healthy journal (seen once in test_compaction_during_live_writing_full on a loaded machine).
+    It says the journal kept changing instead, and a replay after the compactions stop reads it whole."""
+    from kvj.errors import CorruptionError
+    from kvj.ops.compact import compact
+    replay_mod = sys.modules["kvj.journal.replay"]
+    path = str(tmp_path / "j")
+    with Journal.open(path, policy=__import__("kvj").CommitPolicy(file_size_limit=400)) as j:
+        addr = iter(range(10_000))
+        for _ in range(30):
+            j.alloc("parent", next(addr), 1, durable=True)
+        compact(path)
+        real_load = replay_mod.load_latest
+        passes = []
+
+        def load_then_compact(directory):
+            state = real_load(directory)
+            for _ in range(30):  # sealed logs after the snapshot just loaded, then a compaction deletes them
+                j.alloc("parent", next(addr), 1, durable=True)
+            compact(directory)
+            passes.append(state.snapshot_lsn)
+            return state
+
+        monkeypatch.setattr(replay_mod, "load_latest", load_then_compact)
+        with pytest.raises(KvjError, match="kept changing under replay") as raised:
+            replay(path)
+        assert not isinstance(raised.value, CorruptionError)
+        assert len(passes) == replay_mod.COMPACTION_RETRIES + 1 and passes == sorted(set(passes)), passes
+        monkeypatch.setattr(replay_mod, "load_latest", real_load)
+        state = replay(path)
+        assert state.last_lsn == j.writer.last_lsn and len(state.allocations["parent"]) == next(addr)
+
+
 def test_follower_that_falls_behind_compaction_says_so(tmp_path):
     """Follow, fall behind while the writer rotates through many files, a compaction
     folds and deletes them: the follower must not call the healthy journal corrupt. It
