@@ -7,6 +7,7 @@ traceback reaches the user unless KVJ_DEBUG=1.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import sys
@@ -113,6 +114,7 @@ def command(typer_app: typer.Typer, argv: Optional[List[str]] = None) -> "click.
                 param.metavar = "|".join(choices) if choices else (param.name or "").upper()
             if param.param_type_name == "argument":
                 param.get_usage_pieces = _usage_pieces(param)  # type: ignore[method-assign]
+                param.type = _no_metavar(param.type)
         cmd.get_help_option = _typeless(cmd.get_help_option)  # type: ignore[method-assign]
     return root
 
@@ -135,6 +137,14 @@ def _choices(param: "click.Parameter") -> List[str]:
 
 def _no_type(ctx: object = None) -> None:
     return None
+
+
+def _no_metavar(param_type: "click.ParamType") -> "click.ParamType":
+    """A copy of an argument's click type that gives no metavar, the one place typer's help
+    (0.28) takes an argument's type name from (``<str>``); it converts values as before."""
+    quiet = copy.copy(param_type)
+    quiet.get_metavar = lambda *_args, **_kwargs: ""  # type: ignore[method-assign]
+    return quiet
 
 
 def _usage_pieces(param: "click.Parameter") -> Callable[[object], List[str]]:
