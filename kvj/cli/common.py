@@ -68,7 +68,6 @@ RecoveryModeArg = Annotated[str, RecoveryModeOpt]
 _STYLES = None if os.environ.get("NO_COLOR") else "auto"
 
 
-
 class _LazyConsole:
     """A rich ``Console`` made on first use, so that a command printing only JSON never imports
     rich's console (a twentieth of ``kvj status --json``'s whole run); it stands in for it."""
