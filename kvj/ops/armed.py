@@ -37,8 +37,13 @@ def arm(journal: str, to: str, mode: str = "abort") -> Dict[str, Any]:
         raise InvalidArgument(f"{journal} is a tensor- or pipeline-parallel engine's journal "
                               f"({sizes[0]} x {sizes[1]} ranks): kvj hands off engines of one rank only")
     control = {"to": to, "mode": mode, "state": "armed", "armed_at": time.time()}
-    atomic_write(control_path(journal), (json.dumps(control, sort_keys=True) + "\n").encode())
+    write_control(journal, control)
     return control
+
+
+def write_control(journal: str, control: Dict[str, Any]) -> None:
+    """Replace the control file with ``control`` (atomically, fsynced): arming, or the result."""
+    atomic_write(control_path(journal), (json.dumps(control, sort_keys=True) + "\n").encode())
 
 
 def read_control(journal: str) -> Optional[Dict[str, Any]]:

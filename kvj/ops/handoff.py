@@ -28,7 +28,7 @@ from kvj.journal.journal import default_store_path
 from kvj.journal.replay import replay
 from kvj.journal.state import JournalState, RequestState
 from kvj.names import check_request_id
-from kvj.ops.armed import arm, control_path, read_control
+from kvj.ops.armed import arm, read_control, write_control
 from kvj.ops.recover import MANIFEST_VERSION, _request_entry, plan_request
 from kvj.segments.check import Problem, opened_store, verify_many
 
@@ -79,7 +79,7 @@ def write_manifest(journal: str, to: str) -> Tuple[str, Dict[str, Any]]:
     atomic_write(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
     control = {**(read_control(journal) or {"to": to}), "state": "done", "manifest": path,
                "requests": len(manifest["requests"]), "done_at": time.time()}
-    atomic_write(control_path(journal), (json.dumps(control, sort_keys=True) + "\n").encode())
+    write_control(journal, control)
     return path, manifest
 
 
