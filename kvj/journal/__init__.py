@@ -4,5 +4,6 @@ following a live log, and the ``Journal`` handle.
 
 Data path: ``journal.Journal`` → ``records`` (schema) → ``writer`` (group commit) → ``logfile``
 (write, fdatasync, rotate; ``mirrored`` for both copies) → log files framed by ``framing``;
-back through ``reader.Scan`` (``source`` picks each group's copy) → ``replay`` → ``state``.
+back through ``reader.Scan`` (``source`` picks each group's copy, ``pinned`` holds the files a
+pass reads) → ``replay`` → ``state``.
 """

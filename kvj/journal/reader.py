@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tuple, Union
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument
-from kvj.fileio import open_read
 from kvj.journal.framing import (FILE_HEADER_SIZE, FORMAT_VERSION, READABLE_VERSIONS, FileHeader, RawRecord,
                                  decode_file_header)
 from kvj.journal.mirror import mirror_of
+from kvj.journal.pinned import DIRECT, Files
 from kvj.journal.records import decode_fields, decode_payload
 from kvj.journal.source import GroupSource, copy_paths
 
@@ -151,10 +151,10 @@ def raise_on_damage(damage: Damage) -> None:
         raise CorruptionError(damage.path, damage.offset, damage.reason)
 
 
-def list_logs(directory: str) -> List[str]:
+def list_logs(directory: str, files: Files = DIRECT) -> List[str]:
     """Paths of the journal's log files, oldest first."""
     try:
-        names = os.listdir(directory)
+        names = files.listdir(directory)
     except FileNotFoundError:
         raise FormatError(f"no journal at {directory}") from None
     return [os.path.join(directory, n) for n in sorted(names) if LOG_RE.match(n)]
@@ -164,9 +164,9 @@ def log_seq(path: str) -> int:
     return int(os.path.basename(path)[:16])
 
 
-def read_header(path: str) -> Optional[FileHeader]:
+def read_header(path: str, files: Files = DIRECT) -> Optional[FileHeader]:
     """The header of log file ``path``; None when it is not (yet) a valid one."""
-    with open_read(path) as f:
+    with files.open(path) as f:
         return decode_file_header(f.read(FILE_HEADER_SIZE))
 
 
@@ -182,14 +182,16 @@ class Scan:
     ended on, with ``after_lsn`` the last LSN before it (how a follower polls).
     ``mirror``: True reads the mirror the journal records (if any), False the journal's
     copy alone, a path that directory as the mirror. ``copies`` lists what one copy lacked
-    or held damaged (also passed to the reporter).
+    or held damaged (also passed to the reporter). ``files``: how it lists and reads them
+    (``pinned.Pinned``: held open since one moment, as replay holds them).
     """
 
     def __init__(self, directory: str, *, after_lsn: int = 0, strict: bool = False,
                  logs: Optional[List[str]] = None, reporter: Reporter = raise_on_damage,
                  covered_lsn: Optional[int] = None, start: Optional[Tuple[str, int]] = None,
-                 mirror: Union[bool, str] = True, verify_copies: bool = False):
+                 mirror: Union[bool, str] = True, verify_copies: bool = False, files: Files = DIRECT):
         self.directory = directory
+        self.files = files
         self.after_lsn = after_lsn
         self.covered_lsn = after_lsn if covered_lsn is None else covered_lsn
         self.strict = strict
@@ -217,10 +219,10 @@ class Scan:
 
     def _list(self) -> List[str]:
         """The journal's log files, and those only its mirror still has (under the journal's name)."""
-        names = {os.path.basename(p) for p in list_logs(self.directory)}
+        names = {os.path.basename(p) for p in list_logs(self.directory, self.files)}
         if self.mirror is not None:
             try:
-                names.update(os.path.basename(p) for p in list_logs(self.mirror))
+                names.update(os.path.basename(p) for p in list_logs(self.mirror, self.files))
             except FormatError:
                 self._copy(self.mirror, None, "the mirror directory is missing; the journal's copy is read alone")
         return [os.path.join(self.directory, n) for n in sorted(names)]
@@ -231,7 +233,7 @@ class Scan:
             return decode_file_header(self._given[path][:FILE_HEADER_SIZE])
         for copy in copy_paths(path, self.mirror):
             try:
-                header = read_header(copy)
+                header = read_header(copy, self.files)
             except FileNotFoundError:
                 continue
             if header is not None:
@@ -296,7 +298,7 @@ class Scan:
         """The copies of log file ``path`` the walk reads its groups from, from byte ``origin`` on."""
         given = self._given.get(path)
         return GroupSource([path] if given is not None else copy_paths(path, self.mirror), self._copy,
-                           self._count, origin=origin, verify=self.verify_copies, data=given)
+                           self._count, origin=origin, verify=self.verify_copies, data=given, files=self.files)
 
     def _count(self, n: int) -> None:
         self.bytes_read += n

@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, KvjError
 from kvj.journal.legacy import SEED_SUFFIXES, is_seed, refused
 from kvj.journal.mirror import mirror_of
-from kvj.journal.reader import LOG_RE, Group, Record, Scan, fields_of, list_logs
-from kvj.journal.snapshot import SNAP_RE, list_snapshots, load_latest
+from kvj.journal.pinned import DIRECT, Files, Pinned
+from kvj.journal.reader import LOG_RE, Group, Record, Scan, fields_of
+from kvj.journal.snapshot import SNAP_RE, list_snapshots, load_latest, snapshot_name
 from kvj.journal.state import JournalState
 
 
@@ -51,11 +52,11 @@ def check_journal(path: str) -> None:
 class RecordStream:
     """Decoded records of a kvj journal after ``after_lsn``; ``tail`` is known once exhausted."""
 
-    def __init__(self, path: str, *, after_lsn: int = 0, strict: bool = False):
+    def __init__(self, path: str, *, after_lsn: int = 0, strict: bool = False, files: Files = DIRECT):
         if not os.path.exists(path):
             raise FormatError(f"no journal at {path}")
         check_journal(path)
-        self._scan = Scan(path, after_lsn=after_lsn, strict=strict)
+        self._scan = Scan(path, after_lsn=after_lsn, strict=strict, files=files)
         self.after_lsn = after_lsn
 
     @property
@@ -120,42 +121,83 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False,
     """Fold the kvj journal directory at ``path`` into a ``JournalState``, up to ``at_lsn`` if
     given. A seed-era JSON-lines journal is ``LegacyJournal`` (``kvj migrate`` converts it).
     ``on_group`` sees each commit group folded (``kvj status`` counts the last minute's from
-    the same walk); a pass repeated after a concurrent compaction shows its groups again."""
+    the same walk); a pass repeated after a concurrent compaction shows its groups again.
+
+    The pass reads the files it held open first (``pin``), so a compaction running meanwhile
+    does not disturb it; only a compaction that writes its snapshot while they are being
+    held (milliseconds), or deletes a log file beyond those held, makes a fresh pass."""
     if not os.path.exists(path):
         raise FormatError(f"no journal at {path}")
     check_journal(path)
     for _ in range(COMPACTION_RETRIES + 1):
-        before = (list_snapshots(path), list_logs(path))
-        try:
-            state = _replay_once(path, at_lsn, strict, on_group)
-        except (CorruptionError, FileNotFoundError):
-            # A compactor may have written a newer snapshot and deleted the files this pass
-            # was reading; then the journal is fine and a fresh pass sees it consistently
-            # (and when the passes run out, the journal is not called corrupt for it).
-            if (list_snapshots(path), list_logs(path)) == before:
-                raise
+        held = pin(path)
+        if held is None:
             continue
-        # A compactor that replaced the snapshot during the pass may have deleted logs after
-        # the old snapshot before this pass listed them; when only an empty newest log was
-        # left, nothing failed, yet records were missed. Only an unchanged snapshot counts.
-        if list_snapshots(path) == before[0]:
-            return state
+        pinned, newest = held
+        with pinned:
+            try:
+                return _replay_once(path, at_lsn, strict, on_group, pinned)
+            except (CorruptionError, FileNotFoundError):
+                # A log file not held may have been folded into a newer snapshot and deleted
+                # before the pass read it: then the journal is fine and a fresh pass sees it.
+                if newest_snapshot_lsn(path) == newest:
+                    raise
     raise KvjError(f"{path}: the journal kept changing under replay (back-to-back compactions); try again")
 
 
-#: Fresh passes replay makes when files vanish under it (a concurrent compaction).
+#: Fresh passes replay makes when a compaction changes the journal under it.
 COMPACTION_RETRIES = 20
+#: Log files a pass holds open (one descriptor per copy); it opens any after them by path.
+MAX_PINNED_LOGS = 64
+
+
+def _dirs(path: str) -> List[str]:
+    mirror = mirror_of(path)
+    return [path] + ([mirror] if mirror else [])
+
+
+def newest_snapshot_lsn(path: str, files: Files = DIRECT) -> Optional[int]:
+    """The LSN of the newest snapshot in the journal or its mirror (None: there is none)."""
+    found = []
+    for d in _dirs(path):
+        try:
+            found += [lsn for lsn, _ in list_snapshots(d, files)]
+        except FileNotFoundError:
+            continue
+    return max(found, default=None)
+
+
+def pin(path: str) -> Optional[Tuple[Pinned, Optional[int]]]:
+    """Hold the journal's listings, its newest snapshot and its log files (both copies) open,
+    with that snapshot's LSN; None when a newer snapshot appeared meanwhile. Else every file
+    the listings name and the pass cannot open was deleted by a compaction whose snapshot
+    the held one covers: unlinks follow their snapshot (``kvj.ops.compact``)."""
+    pinned = Pinned()
+    dirs = _dirs(path)
+    listings = [pinned.hold_listing(d) for d in dirs]
+    newest = newest_snapshot_lsn(path, pinned)
+    if newest is not None:
+        for d in dirs:
+            pinned.hold(os.path.join(d, snapshot_name(newest)))
+    logs = sorted({n for names in listings for n in names or () if LOG_RE.match(n)})
+    for name in logs[:MAX_PINNED_LOGS]:
+        for d in dirs:
+            pinned.hold(os.path.join(d, name))
+    if newest_snapshot_lsn(path) != newest:
+        pinned.close()
+        return None
+    return pinned, newest
 
 
 def _replay_once(path: str, at_lsn: Optional[int], strict: bool,
-                 on_group: Optional[Callable[[Group], None]]) -> JournalState:
-    state = load_latest(path)
+                 on_group: Optional[Callable[[Group], None]], files: Files) -> JournalState:
+    state = load_latest(path, files)
     if state is None:
         state = JournalState()
     elif at_lsn is not None and at_lsn < state.snapshot_lsn:
         raise FormatError(f"LSN {at_lsn} precedes the snapshot at LSN {state.snapshot_lsn}: "
                           "history before it was compacted away")
-    stream = RecordStream(path, after_lsn=state.snapshot_lsn, strict=strict)
+    stream = RecordStream(path, after_lsn=state.snapshot_lsn, strict=strict, files=files)
     stream.fold(state, at_lsn, on_group)
     state.tail = stream.tail
     state.warnings += stream.copy_warnings

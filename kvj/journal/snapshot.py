@@ -21,8 +21,9 @@ import msgpack
 from crc32c import crc32c
 
 from kvj.errors import CorruptionError, FormatError
-from kvj.fileio import FS, REAL_FS, atomic_write, open_read
+from kvj.fileio import FS, REAL_FS, atomic_write
 from kvj.journal.mirror import log, mirror_of
+from kvj.journal.pinned import DIRECT, Files
 from kvj.journal.reader import list_logs, read_header
 from kvj.journal.state import JournalState
 
@@ -37,10 +38,10 @@ def snapshot_name(lsn: int) -> str:
     return f"snapshot-{lsn:016d}.snap"
 
 
-def list_snapshots(directory: str) -> List[Tuple[int, str]]:
+def list_snapshots(directory: str, files: Files = DIRECT) -> List[Tuple[int, str]]:
     """(lsn, path) of every snapshot file, newest first."""
     found = []
-    for name in os.listdir(directory):
+    for name in files.listdir(directory):
         m = SNAP_RE.match(name)
         if m:
             found.append((int(m.group(1)), os.path.join(directory, name)))
@@ -81,14 +82,15 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
     return state
 
 
-def load_latest(directory: str) -> Optional[JournalState]:
+def load_latest(directory: str, files: Files = DIRECT) -> Optional[JournalState]:
     """The newest snapshot's state, or None. A damaged newest snapshot is an error, not
-    skipped, unless the journal's mirror holds an intact copy of it (then a warning says so)."""
+    skipped, unless the journal's mirror holds an intact copy of it (then a warning says so).
+    ``files``: how the snapshots are listed and read (``pinned.Pinned``: as replay held them)."""
     mirror = mirror_of(directory)
     found: dict = {}
     for d in [directory] + ([mirror] if mirror else []):
         try:
-            for lsn, path in list_snapshots(d):
+            for lsn, path in list_snapshots(d, files):
                 found.setdefault(lsn, []).append(path)
         except FileNotFoundError:
             continue
@@ -97,7 +99,7 @@ def load_latest(directory: str) -> Optional[JournalState]:
     paths = found[max(found)]
     for index, path in enumerate(paths):
         try:
-            with open_read(path) as f:
+            with files.open(path) as f:
                 state = decode_snapshot(f.read(), path)
         except (CorruptionError, FormatError, OSError) as exc:
             if index == len(paths) - 1:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
-from kvj.fileio import open_read
 from kvj.journal.framing import (FILE_HEADER_SIZE, FileHeader, RawRecord, TailEvidence, decode_file_header,
                                  header_torn, later_group_exists, parse_group, tail_evidence)
+from kvj.journal.pinned import DIRECT, Files
 
 #: Told of each copy that lacks, damages or differs from what the walk reads from another:
 #: (that copy's path, the offset or None, why).
@@ -38,9 +38,11 @@ class GroupSource:
     """The copies of one log file, read from byte ``origin`` on (a group boundary)."""
 
     def __init__(self, paths: List[str], report: CopyReport, counted: ReadCount, *, origin: int = 0,
-                 verify: bool = False, data: Optional[bytes] = None):
-        """``paths``: the copies, the journal's first; ``data``: the one copy's bytes, given."""
+                 verify: bool = False, data: Optional[bytes] = None, files: Files = DIRECT):
+        """``paths``: the copies, the journal's first; ``data``: the one copy's bytes, given;
+        ``files``: how they are opened."""
         self.paths = paths
+        self.files = files
         self.origin = origin
         self.report = report
         self.counted = counted
@@ -75,7 +77,7 @@ class GroupSource:
         return self._read[i]
 
     def _read_file(self, path: str) -> Tuple[bytes, bytes]:
-        with open_read(path) as f:
+        with self.files.open(path) as f:
             if self.origin == 0:
                 data = f.read()
                 self.counted(len(data))
@@ -92,7 +94,7 @@ class GroupSource:
             loaded = self._read[i]
             return -1 if loaded is None else len(loaded[1])
         try:
-            return os.stat(self.paths[i]).st_size - self.origin
+            return self.files.size(self.paths[i]) - self.origin
         except FileNotFoundError:
             return -1
 

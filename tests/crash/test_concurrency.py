@@ -203,35 +203,82 @@ def test_compaction_during_live_writing_full(tmp_path):
     assert not seen.reread_errors, f"re-reads failed while compaction ran: {seen.reread_errors[:3]}"
 
 
-def test_replay_rereads_when_compaction_runs_underneath(tmp_path, monkeypatch):
-    """Regression (fixed in kvj/replay.py): replay loaded snapshot S1, a compactor then
-    wrote S2 and deleted the logs between them, and replay reported 'log starts at LSN n,
-    but LSNs after m are needed (missing log file?)' on a healthy journal. Replay now
-    makes a fresh pass when the snapshot or log files changed under it."""
+def _journal_with_sealed_logs(path: str, records: int, snapshot: bool = True) -> None:
+    """``records`` allocations in log files of 400 bytes (many sealed files), compacted once."""
+    from kvj.ops.compact import compact
+    with Journal.open(path, policy=__import__("kvj").CommitPolicy(file_size_limit=400)) as j:
+        for i in range(records):
+            j.alloc("parent", i, 1, durable=True)
+            if snapshot and i == records // 2:
+                compact(path)
+
+
+def test_a_compaction_during_replay_does_not_disturb_its_pass(tmp_path, monkeypatch):
+    """Regression (the cause of test_compaction_during_live_writing_full's rare failure): replay
+    loaded snapshot S1, a compactor wrote S2 and deleted the logs after S1 before the pass read
+    them, and the pass started again; under back-to-back compactions every pass could. A pass
+    now holds its files open first, so it reads them all once, the compaction notwithstanding."""
+    from kvj.ops.compact import compact
+    path = str(tmp_path / "j")
+    _journal_with_sealed_logs(path, 60)
+    groups, compactions = [], []
+
+    def compact_once(group):
+        groups.append(group.records[0].lsn)
+        if not compactions:
+            compactions.append(compact(path))  # S2 replaces S1; the logs after S1 go, mid-pass
+
+    replay_mod = sys.modules["kvj.journal.replay"]
+    real_pin, pins = replay_mod.pin, []
+    monkeypatch.setattr(replay_mod, "pin", lambda p: pins.append(p) or real_pin(p))
+    state = replay(path, on_group=compact_once)
+    assert len(compactions[0].logs_removed) > 5  # the files the pass had still to read
+    assert len(pins) == 1 and groups == sorted(set(groups)), f"the pass was made again: {groups}"
+    assert state.last_lsn == 60 and sorted(state.allocations["parent"]) == list(range(60))
+
+
+def test_beyond_the_files_it_holds_a_pass_that_loses_one_to_compaction_is_made_again(tmp_path, monkeypatch):
+    """A pass holds at most MAX_PINNED_LOGS log files; one after them that a compaction deletes
+    before the pass reads it makes a fresh pass (the journal is fine), which sees it whole."""
     from kvj.ops.compact import compact
     replay_mod = sys.modules["kvj.journal.replay"]  # the package exports a function of the same name
+    monkeypatch.setattr(replay_mod, "MAX_PINNED_LOGS", 1)
     path = str(tmp_path / "j")
-    with Journal.open(path, policy=__import__("kvj").CommitPolicy(file_size_limit=400)) as j:
-        for i in range(30):
-            j.alloc("parent", i, 1, durable=True)
-        compact(path)  # snapshot S1
-        for i in range(30, 60):
-            j.alloc("parent", i, 1, durable=True)
-        last = j.writer.last_lsn
-        real_load = replay_mod.load_latest
-        calls = []
+    _journal_with_sealed_logs(path, 60)
+    groups, compactions = [], []
 
-        def load_then_compact(directory):
-            state = real_load(directory)
-            if not calls:
-                compact(directory)  # S2 replaces S1 and the logs after it go, mid-replay
-            calls.append(state.snapshot_lsn if state else 0)
-            return state
+    def compact_once(group):
+        groups.append(group.records[0].lsn)
+        if not compactions:
+            compactions.append(compact(path))
 
-        monkeypatch.setattr(replay_mod, "load_latest", load_then_compact)
-        state = replay(path)
-    assert len(calls) == 2 and calls[1] > calls[0], calls
-    assert state.last_lsn == last and sorted(state.allocations["parent"]) == list(range(60))
+    real_pin, pins = replay_mod.pin, []
+    monkeypatch.setattr(replay_mod, "pin", lambda p: pins.append(p) or real_pin(p))
+    state = replay(path, on_group=compact_once)
+    assert compactions[0].logs_removed and len(pins) == 2  # a second pass, from S2
+    assert state.last_lsn == 60 and sorted(state.allocations["parent"]) == list(range(60))
+
+
+def test_a_snapshot_written_while_a_pass_holds_its_files_makes_it_hold_them_again(tmp_path, monkeypatch):
+    """A file that vanished while the pass was holding them is one the held snapshot covers,
+    unless a newer snapshot appeared meanwhile: then the pass holds them all again."""
+    from kvj.journal.pinned import Pinned
+    from kvj.ops.compact import compact
+    path = str(tmp_path / "j")
+    _journal_with_sealed_logs(path, 60)
+    real_hold, pins = Pinned.hold, []
+
+    def hold_then_compact(self, file):
+        if not self._fds:  # the first file of a pin: a compaction lands between listing and holding
+            pins.append(file)
+            if len(pins) == 1:
+                compact(path)
+        return real_hold(self, file)
+
+    monkeypatch.setattr(Pinned, "hold", hold_then_compact)
+    state = replay(path)
+    assert len(pins) == 2 and pins[0] != pins[1], pins  # held S1, then S2
+    assert state.last_lsn == 60 and sorted(state.allocations["parent"]) == list(range(60))
 
 
 def test_replay_under_a_compaction_every_pass_says_the_journal_kept_changing(tmp_path, monkeypatch):
@@ -240,6 +287,7 @@ def test_replay_under_a_compaction_every_pass_says_the_journal_kept_changing(tmp
     healthy journal (seen once in test_compaction_during_live_writing_full on a loaded machine).
     It says the journal kept changing instead, and a replay after the compactions stop reads it whole."""
     from kvj.errors import CorruptionError
+    from kvj.journal.pinned import Pinned
     from kvj.ops.compact import compact
     replay_mod = sys.modules["kvj.journal.replay"]
     path = str(tmp_path / "j")
@@ -248,23 +296,22 @@ def test_replay_under_a_compaction_every_pass_says_the_journal_kept_changing(tmp
         for _ in range(30):
             j.alloc("parent", next(addr), 1, durable=True)
         compact(path)
-        real_load = replay_mod.load_latest
-        passes = []
+        real_hold, pins = Pinned.hold, []
 
-        def load_then_compact(directory):
-            state = real_load(directory)
-            for _ in range(30):  # sealed logs after the snapshot just loaded, then a compaction deletes them
-                j.alloc("parent", next(addr), 1, durable=True)
-            compact(directory)
-            passes.append(state.snapshot_lsn)
-            return state
+        def hold_then_compact(self, file):
+            if not self._fds:  # every pin: sealed logs after the snapshot listed, then a compaction
+                for _ in range(30):
+                    j.alloc("parent", next(addr), 1, durable=True)
+                compact(path)
+                pins.append(file)
+            return real_hold(self, file)
 
-        monkeypatch.setattr(replay_mod, "load_latest", load_then_compact)
+        monkeypatch.setattr(Pinned, "hold", hold_then_compact)
         with pytest.raises(KvjError, match="kept changing under replay") as raised:
             replay(path)
         assert not isinstance(raised.value, CorruptionError)
-        assert len(passes) == replay_mod.COMPACTION_RETRIES + 1 and passes == sorted(set(passes)), passes
-        monkeypatch.setattr(replay_mod, "load_latest", real_load)
+        assert len(pins) == replay_mod.COMPACTION_RETRIES + 1 and len(set(pins)) == len(pins), pins
+        monkeypatch.setattr(Pinned, "hold", real_hold)
         state = replay(path)
         assert state.last_lsn == j.writer.last_lsn and len(state.allocations["parent"]) == next(addr)
 

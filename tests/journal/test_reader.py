@@ -226,16 +226,17 @@ def test_replay_is_not_fooled_by_a_compaction_between_snapshot_and_log_listing(t
     real = R.load_latest
     calls = []
 
-    def racing_load_latest(directory):
-        state = real(directory)
+    def racing_load_latest(directory, files):
+        state = real(directory, files)
         if not calls:
-            compact(directory, collect=False)  # runs between the snapshot read and the log listing
+            removed = compact(directory, collect=False).logs_removed  # between the snapshot read and the logs
+            assert removed and not any(os.path.exists(p) for p in removed)
         calls.append(state.snapshot_lsn)
         return state
 
     monkeypatch.setattr(R, "load_latest", racing_load_latest)
     state = kvj.replay(path)
-    assert len(calls) == 2 and calls[1] > calls[0]
+    assert len(calls) == 1
     assert state.last_lsn == 80 and addrs(state) == list(range(80))
 
 
@@ -265,3 +266,34 @@ def test_a_reporter_hears_each_damage_and_the_scan_goes_on_past_it(tmp_path):
     with pytest.raises(CorruptionError) as info:  # the default reporter stops at the first damage
         list(Scan(str(tmp_path)))
     assert info.value.path == logs[1]
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_a_pass_holds_at_most_its_cap_of_files_open_and_closes_every_one(tmp_path, mirrored):
+    """A long-lived process (a server's drain, a status loop) replays again and again: each
+    pass holds at most MAX_PINNED_LOGS log files per copy and the snapshot, and leaks none."""
+    import importlib
+
+    from kvj.ops.compact import compact
+    R = importlib.import_module("kvj.journal.replay")
+    path, mirror = str(tmp_path / "j"), str(tmp_path / "m")
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=300), mirror=mirror if mirrored else None) as j:
+        for i in range(20):
+            j.alloc("cuda:0", i, 1, durable=True)
+        compact(path)
+        for i in range(20, 400):
+            j.alloc("cuda:0", i, 1, durable=True)
+    assert len(list_logs(path)) > R.MAX_PINNED_LOGS
+    before, during = open_fds(), []
+    state = kvj.replay(path, on_group=lambda _g: during.append(open_fds()))
+    assert addrs(state) == list(range(400)) and not state.warnings
+    copies = 2 if mirrored else 1
+    assert before < max(during) <= before + copies * (R.MAX_PINNED_LOGS + 1) + 2, (before, max(during))
+    for _ in range(3):
+        kvj.replay(path)
+    assert open_fds() == before
