@@ -178,7 +178,9 @@ class VllmPart:
         the handoff manifest, loading their KV from the first engine's store (the blocks its
         connector finds there when it starts: so it starts once the drain is done)."""
         handoff = {"handoff": self.live, "max_tokens": self.max_new, "at": self.at, "to": "takeover"}
-        self.resumed = Engine(self.root, "resumed", self.model, self.journal, [{"resume": self.manifest}, handoff])
+        # In process, so that the handoff's requests are still decoding when it drains them.
+        self.resumed = Engine(self.root, "resumed", self.model, self.journal, [{"resume": self.manifest}, handoff],
+                              in_process=True)
         self.resumed.wait()
         self.takeover = Engine(self.root, "takeover", self.model, os.path.join(self.root, "takeover-journal"),
                                [{"resume": self.resumed.result(1)["manifest"]}], sources=[self.journal])

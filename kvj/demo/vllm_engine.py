@@ -106,6 +106,8 @@ def _handoff(llm: Any, job: Dict[str, Any]) -> Dict[str, Any]:
     generated: Dict[str, int] = {}
     while max(generated.values(), default=0) < job["at"]:
         for out in engine.step():
+            if out.finished:  # nothing left to hand off: the engine ran ahead of this loop
+                raise RuntimeError(f"request {out.request_id} finished before the handoff at {job['at']} tokens")
             generated[out.request_id] = len(out.outputs[0].token_ids)
     return {"manifest": drain(llm, job["to"]), "generated": sorted(generated.values())}
 

@@ -62,18 +62,25 @@ def drain(llm: "LLM", to: str, *, timeout: float = 600.0, poll: float = 0.05) ->
 
     Arms the handoff, aborts the requests (vLLM stops them; their KV and tokens are made
     durable and each is journaled as moved to ``to``), waits until every HANDOFF record is
-    durable, and writes the manifest ``resume(llm_to, path)`` continues them from. The engine
-    keeps running: requests it takes later are served (and, while the handoff stays armed,
-    handed off again if aborted).
+    durable (stepping an engine whose core runs in this process), and writes the manifest
+    ``resume(llm_to, path)`` continues them from. The engine keeps running: requests it
+    takes later are served (and, while the handoff stays armed, handed off again if aborted).
     """
+    from vllm.v1.engine.core_client import InprocClient
+
     journal = engine_journal(llm)
     arm(journal, to)
     engine = llm.llm_engine
     ids = list(engine.output_processor.request_states)  # vLLM's internal ids: the connector's
     if ids:
         engine.abort_request(ids, internal=True)
+    # The worker journals the moves at the engine's next steps: an engine core in another
+    # process takes them on its own; one in this process only when stepped (it never blocks).
+    in_process = isinstance(engine.engine_core, InprocClient)
     deadline = time.monotonic() + timeout
     while True:
+        if in_process:
+            engine.step()
         try:
             left = pending(replay(journal), ids)
         except KvjError:
