@@ -203,14 +203,33 @@ def test_compaction_during_live_writing_full(tmp_path):
     assert not seen.reread_errors, f"re-reads failed while compaction ran: {seen.reread_errors[:3]}"
 
 
-def _journal_with_sealed_logs(path: str, records: int, snapshot: bool = True) -> None:
-    """``records`` allocations in log files of 400 bytes (many sealed files), compacted once."""
+def _journal_with_sealed_logs(path: str, records: int) -> None:
+    """``records`` allocations in log files of 400 bytes (many sealed files), compacted halfway."""
     from kvj.ops.compact import compact
     with Journal.open(path, policy=__import__("kvj").CommitPolicy(file_size_limit=400)) as j:
         for i in range(records):
             j.alloc("parent", i, 1, durable=True)
-            if snapshot and i == records // 2:
+            if i == records // 2:
                 compact(path)
+
+
+def _replay_compacting_after_its_first_group(path: str, monkeypatch):
+    """Replay ``path``, compacting it once the first group is read (S2 replaces S1, and the
+    logs after S1 go mid-pass): (the state, the first group LSN of each group read, the
+    compaction's result, how many times the pass held its files)."""
+    from kvj.ops.compact import compact
+    replay_mod = sys.modules["kvj.journal.replay"]  # the package exports a function of the same name
+    groups, compactions, pins = [], [], []
+
+    def compact_once(group):
+        groups.append(group.records[0].lsn)
+        if not compactions:
+            compactions.append(compact(path))
+
+    real_pin = replay_mod.pin
+    monkeypatch.setattr(replay_mod, "pin", lambda p: pins.append(p) or real_pin(p))
+    state = replay(path, on_group=compact_once)
+    return state, groups, compactions[0], len(pins)
 
 
 def test_a_compaction_during_replay_does_not_disturb_its_pass(tmp_path, monkeypatch):
@@ -218,44 +237,22 @@ def test_a_compaction_during_replay_does_not_disturb_its_pass(tmp_path, monkeypa
     loaded snapshot S1, a compactor wrote S2 and deleted the logs after S1 before the pass read
     them, and the pass started again; under back-to-back compactions every pass could. A pass
     now holds its files open first, so it reads them all once, the compaction notwithstanding."""
-    from kvj.ops.compact import compact
     path = str(tmp_path / "j")
     _journal_with_sealed_logs(path, 60)
-    groups, compactions = [], []
-
-    def compact_once(group):
-        groups.append(group.records[0].lsn)
-        if not compactions:
-            compactions.append(compact(path))  # S2 replaces S1; the logs after S1 go, mid-pass
-
-    replay_mod = sys.modules["kvj.journal.replay"]
-    real_pin, pins = replay_mod.pin, []
-    monkeypatch.setattr(replay_mod, "pin", lambda p: pins.append(p) or real_pin(p))
-    state = replay(path, on_group=compact_once)
-    assert len(compactions[0].logs_removed) > 5  # the files the pass had still to read
-    assert len(pins) == 1 and groups == sorted(set(groups)), f"the pass was made again: {groups}"
+    state, groups, compaction, pins = _replay_compacting_after_its_first_group(path, monkeypatch)
+    assert len(compaction.logs_removed) > 5  # the files the pass had still to read
+    assert pins == 1 and groups == sorted(set(groups)), f"the pass was made again: {groups}"
     assert state.last_lsn == 60 and sorted(state.allocations["parent"]) == list(range(60))
 
 
 def test_beyond_the_files_it_holds_a_pass_that_loses_one_to_compaction_is_made_again(tmp_path, monkeypatch):
     """A pass holds at most MAX_PINNED_LOGS log files; one after them that a compaction deletes
     before the pass reads it makes a fresh pass (the journal is fine), which sees it whole."""
-    from kvj.ops.compact import compact
-    replay_mod = sys.modules["kvj.journal.replay"]  # the package exports a function of the same name
-    monkeypatch.setattr(replay_mod, "MAX_PINNED_LOGS", 1)
+    monkeypatch.setattr(sys.modules["kvj.journal.replay"], "MAX_PINNED_LOGS", 1)
     path = str(tmp_path / "j")
     _journal_with_sealed_logs(path, 60)
-    groups, compactions = [], []
-
-    def compact_once(group):
-        groups.append(group.records[0].lsn)
-        if not compactions:
-            compactions.append(compact(path))
-
-    real_pin, pins = replay_mod.pin, []
-    monkeypatch.setattr(replay_mod, "pin", lambda p: pins.append(p) or real_pin(p))
-    state = replay(path, on_group=compact_once)
-    assert compactions[0].logs_removed and len(pins) == 2  # a second pass, from S2
+    state, _groups, compaction, pins = _replay_compacting_after_its_first_group(path, monkeypatch)
+    assert compaction.logs_removed and pins == 2  # a second pass, from S2
     assert state.last_lsn == 60 and sorted(state.allocations["parent"]) == list(range(60))
 
 
