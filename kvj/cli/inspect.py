@@ -141,7 +141,7 @@ def inspect(
         return
     keep = last if last is not None else (FOLLOW_BACKLOG if follow and from_lsn is None else None)
     shown: Deque = deque(maxlen=keep)
-    seen = entries.after_lsn
+    seen: Optional[int] = None
     table = record_table() if export_to is not None else None
     for entry in entries:
         seen = entry.record.lsn
@@ -158,7 +158,7 @@ def inspect(
     if table is not None and export_to is not None:
         export(table, str(export_to), "kvj journal records")
     if follow:
-        _follow(path, seen, flt, as_json)
+        _follow(path, entries.after_lsn if seen is None else seen, flt, as_json)
 
 
 def _segment(path: str, store: Optional[str], text: str, as_json: bool) -> None:

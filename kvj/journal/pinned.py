@@ -15,6 +15,7 @@ import errno
 import os
 from typing import BinaryIO, Dict, List, Optional
 
+from kvj.errors import KvjError
 from kvj.fileio import open_read, open_regular
 
 
@@ -53,11 +54,14 @@ class Pinned(Files):
         return names
 
     def hold(self, path: str) -> bool:
-        """Open ``path`` now and keep it; False when it does not exist."""
+        """Open ``path`` now and keep it; False when it does not exist, or cannot be opened (a
+        FIFO in its place, EIO: then it is not held, and fails as before if the pass opens it)."""
         try:
             fd: Optional[int] = open_regular(path)
         except FileNotFoundError:
             fd = None
+        except (OSError, KvjError):
+            return False
         self._fds[path] = fd
         return fd is not None
 

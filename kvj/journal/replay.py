@@ -189,6 +189,16 @@ def pin(path: str) -> Optional[Tuple[Pinned, Optional[int]]]:
     return pinned, newest
 
 
+def hold(path: str) -> Pinned:
+    """``pin``, again while compactions land during it: the files of one pass of ``path``
+    (``kvj inspect`` walks them as replay does)."""
+    for _ in range(COMPACTION_RETRIES + 1):
+        held = pin(path)
+        if held is not None:
+            return held[0]
+    raise KvjError(f"{path}: the journal kept changing under replay (back-to-back compactions); try again")
+
+
 def _replay_once(path: str, at_lsn: Optional[int], strict: bool,
                  on_group: Optional[Callable[[Group], None]], files: Files) -> JournalState:
     state = load_latest(path, files)

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.reader import Scan, decode
 from kvj.journal.records import NAMES, RecordType
-from kvj.journal.replay import Record, check_journal
+from kvj.journal.replay import Record, check_journal, hold
 from kvj.journal.snapshot import load_latest
 
 TimeWindow = Tuple[Optional[float], Optional[float]]
@@ -38,31 +38,34 @@ def type_name(rtype: int) -> str:
 
 
 class Entries:
-    """Every record after ``after_lsn`` (the snapshot's LSN by default) with size and group."""
+    """Every record after ``after_lsn`` (the snapshot's LSN by default) with size and group,
+    read, as replay reads, from the files held open when the walk begins (``replay.hold``):
+    a compaction meanwhile changes nothing. ``after_lsn`` is known once the walk began."""
 
     def __init__(self, path: str, *, after_lsn: Optional[int] = None, strict: bool = False):
         check_journal(path)
         self.path = path
-        if after_lsn is None:
-            snap = load_latest(path)
-            after_lsn = snap.snapshot_lsn if snap else 0
         self.after_lsn = after_lsn
         self.strict = strict
         self.tail: Optional[Dict[str, Any]] = None
         self.logs: List[str] = []
 
     def __iter__(self) -> Iterator[Entry]:
-        scan = Scan(self.path, after_lsn=self.after_lsn, strict=self.strict)
-        self.logs = scan.logs
-        group = 0
-        end_of_prev: Tuple[str, int] = ("", -1)
-        for raw in scan:
-            if (raw.path, raw.offset) != end_of_prev:
-                group += 1  # a group header sits between this record and the previous one
-            size = RECORD_HEADER_SIZE + len(raw.payload)
-            end_of_prev = (raw.path, raw.offset + size)
-            yield Entry(decode(raw), size, group)
-        self.tail = scan.tail.to_dict() if scan.tail else None
+        with hold(self.path) as files:
+            if self.after_lsn is None:
+                snap = load_latest(self.path, files)
+                self.after_lsn = snap.snapshot_lsn if snap else 0
+            scan = Scan(self.path, after_lsn=self.after_lsn, strict=self.strict, files=files)
+            self.logs = scan.logs
+            group = 0
+            end_of_prev: Tuple[str, int] = ("", -1)
+            for raw in scan:
+                if (raw.path, raw.offset) != end_of_prev:
+                    group += 1  # a group header sits between this record and the previous one
+                size = RECORD_HEADER_SIZE + len(raw.payload)
+                end_of_prev = (raw.path, raw.offset + size)
+                yield Entry(decode(raw), size, group)
+            self.tail = scan.tail.to_dict() if scan.tail else None
 
 
 def file_windows(logs: Iterable[str]) -> Dict[str, TimeWindow]:

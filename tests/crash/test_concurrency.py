@@ -256,6 +256,23 @@ def test_beyond_the_files_it_holds_a_pass_that_loses_one_to_compaction_is_made_a
     assert state.last_lsn == 60 and sorted(state.allocations["parent"]) == list(range(60))
 
 
+def test_kvj_inspect_walks_what_it_held_while_a_compaction_deletes_it(tmp_path):
+    """``kvj inspect``'s walk (``Entries``) holds its files as replay does: a compaction after
+    its first record deletes the logs it has still to walk, and it shows every record anyway."""
+    from kvj.ops.compact import compact
+    from kvj.ops.inspection import Entries
+    path = str(tmp_path / "j")
+    _journal_with_sealed_logs(path, 60)
+    snapshot = list_snapshots(path)[0][0]
+    entries, lsns, removed = Entries(path), [], []
+    for entry in entries:
+        lsns.append(entry.record.lsn)
+        if not removed:
+            removed = compact(path).logs_removed
+    assert len(removed) > 5 and entries.after_lsn == snapshot
+    assert lsns == list(range(snapshot + 1, 61))
+
+
 def test_a_snapshot_written_while_a_pass_holds_its_files_makes_it_hold_them_again(tmp_path, monkeypatch):
     """A file that vanished while the pass was holding them is one the held snapshot covers,
     unless a newer snapshot appeared meanwhile: then the pass holds them all again."""
