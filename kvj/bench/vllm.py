@@ -48,18 +48,13 @@ IDLE = 1.5
 
 
 def _model(path: str) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)
-    model.save_pretrained(path)
-    return path
+    from kvj.demo.vllm_engine import save_random_model
+
+    return save_random_model(path, LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768,
+                                               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                               max_position_embeddings=4096))
 
 
 class Engine:

@@ -20,7 +20,7 @@ Each job's result (tokens, their logprobs; for a resume, KV restored / recompute
 written to ``SPEC["out"]/job-N.json`` (durably, ``kvj.fileio.atomic_write``) once the job is
 done, so a parent that kills the engine mid-job still has the jobs before it; ``ready.json``
 comes first, when the engine has started. ``build_model`` writes the random-weight
-Qwen2 the demo serves.
+Qwen2 the demo serves (``save_random_model``: any such model, as the vLLM benchmark's).
 """
 
 from __future__ import annotations
@@ -36,23 +36,31 @@ from kvj.fileio import atomic_write, makedirs_durable
 BLOCK_SIZE = 32  #: vLLM's CPU attention backend takes multiples of 32
 
 
-def build_model(path: str, seed: int = 0) -> str:
-    """A small random-weight Qwen2 saved at ``path`` (weights scaled up: at init scale a random
-    model's next token barely depends on the context, and a resume that lost it would pass)."""
+def save_random_model(path: str, cfg: Any, seed: int = 0) -> str:
+    """A random-weight causal LM of config ``cfg`` saved at ``path`` (weights scaled up: at init
+    scale a random model's next token barely depends on the context, and a resume that lost
+    it would pass)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # the demo's console shows its own progress
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = Qwen2ForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0)
     model.save_pretrained(path)
     return path
+
+
+def build_model(path: str, seed: int = 0) -> str:
+    """The small random-weight Qwen2 the demo serves, saved at ``path``."""
+    from transformers import Qwen2Config
+
+    return save_random_model(path, Qwen2Config(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=1024), seed)
 
 
 def _write(out: str, name: str, obj: Dict[str, Any]) -> None:
