@@ -123,17 +123,14 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False,
     ``on_group`` sees each commit group folded (``kvj status`` counts the last minute's from
     the same walk); a pass repeated after a concurrent compaction shows its groups again.
 
-    The pass reads the files it held open first (``pin``), so a compaction running meanwhile
+    The pass reads the files it held open first (``hold``), so a compaction running meanwhile
     does not disturb it; only a compaction that writes its snapshot while they are being
     held (milliseconds), or deletes a log file beyond those held, makes a fresh pass."""
     if not os.path.exists(path):
         raise FormatError(f"no journal at {path}")
     check_journal(path)
     for _ in range(COMPACTION_RETRIES + 1):
-        held = pin(path)
-        if held is None:
-            continue
-        pinned, newest = held
+        pinned, newest = hold(path)
         with pinned:
             try:
                 return _replay_once(path, at_lsn, strict, on_group, pinned)
@@ -142,7 +139,7 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False,
                 # before the pass read it: then the journal is fine and a fresh pass sees it.
                 if newest_snapshot_lsn(path) == newest:
                     raise
-    raise KvjError(f"{path}: the journal kept changing under replay (back-to-back compactions); try again")
+    raise _kept_changing(path)
 
 
 #: Fresh passes replay makes when a compaction changes the journal under it.
@@ -189,14 +186,18 @@ def pin(path: str) -> Optional[Tuple[Pinned, Optional[int]]]:
     return pinned, newest
 
 
-def hold(path: str) -> Pinned:
-    """``pin``, again while compactions land during it: the files of one pass of ``path``
-    (``kvj inspect`` walks them as replay does)."""
+def hold(path: str) -> Tuple[Pinned, Optional[int]]:
+    """``pin``, again while compactions land during it: the files of one pass of ``path`` and
+    the held snapshot's LSN (``kvj inspect`` walks them as replay does)."""
     for _ in range(COMPACTION_RETRIES + 1):
         held = pin(path)
         if held is not None:
-            return held[0]
-    raise KvjError(f"{path}: the journal kept changing under replay (back-to-back compactions); try again")
+            return held
+    raise _kept_changing(path)
+
+
+def _kept_changing(path: str) -> KvjError:
+    return KvjError(f"{path}: the journal kept changing under replay (back-to-back compactions); try again")
 
 
 def _replay_once(path: str, at_lsn: Optional[int], strict: bool,

@@ -51,7 +51,8 @@ class Entries:
         self.logs: List[str] = []
 
     def __iter__(self) -> Iterator[Entry]:
-        with hold(self.path) as files:
+        files, _ = hold(self.path)
+        with files:
             if self.after_lsn is None:
                 snap = load_latest(self.path, files)
                 self.after_lsn = snap.snapshot_lsn if snap else 0
