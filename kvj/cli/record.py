@@ -54,7 +54,8 @@ LOCATION_FIELDS = ("lsn", "time", "file", "offset")
 
 def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[int, Dict[str, Any]]],
             as_json: bool, mirror: Optional[str], mirror_policy: str) -> None:
-    """Validate, append and sync ``records``; print their LSNs."""
+    """Validate, append (as one commit group where they fit in one) and sync ``records``;
+    print their LSNs."""
     from kvj.segments.check import require_segments
 
     path = journal_path(journal, writing=True)
@@ -63,7 +64,7 @@ def _append(journal: Optional[str], store: Optional[str], records: List[Tuple[in
         require_segments(store_path(path, store), keys)
     with Journal.open(path, create=False, mirror=mirror,
                       mirror_policy=mirror_policy) as j:
-        lsns = [j.append(rtype, payload) for rtype, payload in records]
+        lsns = j.append_many(records)
         j.sync()
     if lsns:
         done(f"{len(lsns)} records durable in {path} (LSN {lsns[0]}..{lsns[-1]})")
