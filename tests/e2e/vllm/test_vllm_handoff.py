@@ -102,8 +102,9 @@ def handoff(models: Dict[str, str], seed: int, tmp_path_factory: pytest.TempPath
              "sampling": sampling()}
     ref = start_engine(tmp, "ref", models["main"], [{"generate": ps, "max_tokens": MAX_NEW, "sampling": sampling()}],
                        os.path.join(tmp, "journal-ref"), in_process=True, **settings)
-    a = start_engine(tmp, "a", models["main"], [drain], ja, pace=PACE * 4, **settings)
-    k = start_engine(tmp, "k", models["main"], [drain], jk, pace=PACE * 4, **settings)
+    # In process: the engine core steps when the job does, so no request finishes before the drain.
+    a = start_engine(tmp, "a", models["main"], [drain], ja, pace=PACE * 4, in_process=True, **settings)
+    k = start_engine(tmp, "k", models["main"], [drain], jk, pace=PACE * 4, in_process=True, **settings)
     try:
         wait_for(lambda: k.poll() is not None or moved_some(jk), "a request journaled as moved", timeout=900,
                  interval=0.01)
