@@ -170,17 +170,22 @@ def pin(path: str) -> Optional[Tuple[Pinned, Optional[int]]]:
     the listings name and the pass cannot open was deleted by a compaction whose snapshot
     the held one covers: unlinks follow their snapshot (``kvj.ops.compact``)."""
     pinned = Pinned()
-    dirs = _dirs(path)
-    listings = [pinned.hold_listing(d) for d in dirs]
-    newest = newest_snapshot_lsn(path, pinned)
-    if newest is not None:
-        for d in dirs:
-            pinned.hold(os.path.join(d, snapshot_name(newest)))
-    logs = sorted({n for names in listings for n in names or () if LOG_RE.match(n)})
-    for name in logs[:MAX_PINNED_LOGS]:
-        for d in dirs:
-            pinned.hold(os.path.join(d, name))
-    if newest_snapshot_lsn(path) != newest:
+    try:
+        dirs = _dirs(path)
+        listings = [pinned.hold_listing(d) for d in dirs]
+        newest = newest_snapshot_lsn(path, pinned)
+        if newest is not None:
+            for d in dirs:
+                pinned.hold(os.path.join(d, snapshot_name(newest)))
+        logs = sorted({n for names in listings for n in names or () if LOG_RE.match(n)})
+        for name in logs[:MAX_PINNED_LOGS]:
+            for d in dirs:
+                pinned.hold(os.path.join(d, name))
+        changed = newest_snapshot_lsn(path) != newest
+    except BaseException:
+        pinned.close()  # no descriptor outlives a pin that failed
+        raise
+    if changed:
         pinned.close()
         return None
     return pinned, newest
