@@ -217,6 +217,15 @@ def test_durable_writes_of_several_blocks_overlap(tmp_path):
             super().fsync(fd)
 
     with SegmentStore(tmp_path, fs=MeetingFS()) as store, Flusher(store) as fl:
-        futures = [fl.submit(torch.full((1024,), float(i))) for i in range(8)]
+        # Blocks whose keys share one of the store's striped key locks write one after the
+        # other (a later one would wait for an earlier one still at the meeting): take eight
+        # blocks on eight different locks, so any four can meet.
+        blocks: dict = {}
+        for i in range(256):
+            block = torch.full((1024,), float(i))
+            blocks.setdefault(id(store._key_lock(store.key_for(block))), block)
+        chosen = list(blocks.values())[:8]
+        assert len(chosen) == 8
+        futures = [fl.submit(block) for block in chosen]
         infos = [f.result(timeout=120) for f in futures]
     assert len({i.key for i in infos}) == 8 and not meeting.broken
