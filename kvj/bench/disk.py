@@ -160,7 +160,7 @@ def run(directory: Optional[str] = None, seconds: float = 1.0, with_codecs: bool
             "fsync": fsync, "journal": journal, "codecs": codecs, "advice": recommend(fsync, journal, codecs)}
 
 
-def format_report(result: Dict[str, object]) -> str:
+def format_table(result: Dict[str, object]) -> str:
     lines = [f"kvj bench on {result['directory']} ({result['seconds']} s per test)", "",
              f"{'sync method (8 KiB writes)':<34} {'ops/s':>10} {'p50 µs':>10} {'p99 µs':>10}", "-" * 67]
     for name, r in result["fsync"].items():  # type: ignore[attr-defined]

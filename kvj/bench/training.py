@@ -201,7 +201,7 @@ def _table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_report(result: Dict[str, Any]) -> str:
+def format_table(result: Dict[str, Any]) -> str:
     return "\n".join([
         f"LoRA fine-tune ({result['size']} Llama) through transformers.Trainer, {result['steps']} steps, "
         f"CPU, 1 thread; median of {result['rounds']} interleaved rounds",
@@ -218,4 +218,4 @@ def format_report(result: Dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    print(format_report(run(os.environ.get("KVJ_BENCH_DIR"))))
+    print(format_table(run(os.environ.get("KVJ_BENCH_DIR"))))

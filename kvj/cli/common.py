@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 import typer
 
@@ -206,6 +206,16 @@ def emit_json(obj: Any) -> None:
     except ValueError:
         text = json.dumps(_finite(obj), separators=(",", ":"), default=_jsonable, allow_nan=False)
     sys.stdout.write(text + "\n")
+
+
+def show(result: Any, as_json: bool, lines: Callable[[], Iterable[str]]) -> None:
+    """Print a command's result: ``result.to_dict()`` as one JSON line, or the plain-text
+    lines that ``lines()`` makes."""
+    if as_json:
+        emit_json(result.to_dict())
+        return
+    for line in lines():
+        out.print(line, markup=False)
 
 
 def _finite(value: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -11,16 +11,15 @@ from kvj.cli.common import (
     JsonArg,
     StoreArg,
     done,
-    emit_json,
     journal_path,
-    out,
     parse_duration,
     parse_size,
     progress,
+    show,
     store_path,
     usage_error,
 )
-from kvj.ops.compact import DEFAULT_GRACE
+from kvj.ops.compact import DEFAULT_GRACE, CompactResult
 from kvj.ops.compact import compact as compact_journal
 from kvj.ops.inspection import human_size
 
@@ -65,25 +64,25 @@ def compact(journal: JournalArg = None,
                                  progress=update, dry_run=dry_run, max_store_bytes=budget)
     if not dry_run:
         done(f"compaction of {path} is done ({human_size(result.bytes_reclaimed)} reclaimed)")
-    if as_json:
-        emit_json(result.to_dict())
-        return
+    show(result, as_json, lambda: _lines(result, dry_run))
+
+
+def _lines(result: CompactResult, dry_run: bool) -> Iterator[str]:
+    """What ``kvj compact`` says it did (or, with --dry-run, would do)."""
     would = "would be " if dry_run else ""
     if result.snapshot:
-        out.print(f"snapshot at LSN {result.snapshot_lsn} {would or ''}written ({human_size(result.snapshot_bytes)})",
-                  markup=False)
+        yield f"snapshot at LSN {result.snapshot_lsn} {would}written ({human_size(result.snapshot_bytes)})"
     else:
-        out.print("no sealed records to fold: no new snapshot", markup=False)
+        yield "no sealed records to fold: no new snapshot"
     verb = "would remove" if dry_run else "removed"
-    out.print(f"{verb} {len(result.logs_removed)} log files, {len(result.snapshots_removed)} old snapshots, "
-              f"{len(result.segments_removed)} unreferenced segments "
-              f"({result.segments_kept_young} kept: younger than the grace period)", markup=False)
+    yield (f"{verb} {len(result.logs_removed)} log files, {len(result.snapshots_removed)} old snapshots, "
+           f"{len(result.segments_removed)} unreferenced segments "
+           f"({result.segments_kept_young} kept: younger than the grace period)")
     if result.max_store_bytes is not None and result.store_bytes is not None:
         evicted = "would evict" if dry_run else "evicted"
         left = (f"; {human_size(result.over_budget)} over it in segments needed or used too recently"
                 if result.over_budget else "")
-        out.print(f"{evicted} {len(result.segments_evicted)} least recently used segments: the store "
-                  f"{'would hold' if dry_run else 'holds'} {human_size(result.store_bytes)} of its "
-                  f"{human_size(result.max_store_bytes)} budget{left}", markup=False)
-    out.print(f"{'would reclaim' if dry_run else 'reclaimed'} {human_size(result.bytes_reclaimed)}", markup=False)
-
+        yield (f"{evicted} {len(result.segments_evicted)} least recently used segments: the store "
+               f"{'would hold' if dry_run else 'holds'} {human_size(result.store_bytes)} of its "
+               f"{human_size(result.max_store_bytes)} budget{left}")
+    yield f"{'would reclaim' if dry_run else 'reclaimed'} {human_size(result.bytes_reclaimed)}"

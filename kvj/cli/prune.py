@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Iterator
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, emit_json, journal_path, out, parse_duration,
-                            store_path, usage_error)
+from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, journal_path, parse_duration, show, store_path,
+                            usage_error)
 from kvj.ops.inspection import human_size
+
+if TYPE_CHECKING:
+    from kvj.ops.prune import PruneResult
 
 
 def prune(journal: JournalArg = None,
@@ -36,15 +39,16 @@ def prune(journal: JournalArg = None,
                            dry_run=dry_run)
     if not dry_run:
         done(f"pruned {path} ({human_size(result.bytes_reclaimed)} reclaimed)")
-    if as_json:
-        emit_json(result.to_dict())
-        return
+    show(result, as_json, lambda: _lines(result, dry_run))
+
+
+def _lines(result: PruneResult, dry_run: bool) -> Iterator[str]:
+    """What ``kvj prune`` says it removed (or, with --dry-run, would remove)."""
     verb = "would remove" if dry_run else "removed"
-    for folder, paths in result.removed.items():
+    for paths in result.removed.values():
         for p in paths:
-            out.print(f"{verb} {p}", markup=False)
+            yield f"{verb} {p}"
     counts = ", ".join(f"{len(paths)} from {folder}" for folder, paths in result.removed.items())
-    out.print(f"{verb} {counts}; {'would reclaim' if dry_run else 'reclaimed'} {human_size(result.bytes_reclaimed)}"
-              + (f"; {'would keep' if dry_run else 'kept'} the newest manifest {result.kept_newest_manifest}"
-                 if result.kept_newest_manifest else ""),
-              markup=False)
+    yield (f"{verb} {counts}; {'would reclaim' if dry_run else 'reclaimed'} {human_size(result.bytes_reclaimed)}"
+           + (f"; {'would keep' if dry_run else 'kept'} the newest manifest {result.kept_newest_manifest}"
+              if result.kept_newest_manifest else ""))

@@ -13,14 +13,14 @@ from kvj.cli.common import (
     JsonArg,
     StoreArg,
     done,
-    emit_json,
-    out,
     parse_time,
     progress,
+    show,
     usage_error,
 )
 from kvj.ops.inspection import human_size
 from kvj.replica.remote import open_remote
+from kvj.replica.pull import RestoreResult
 from kvj.replica.pull import restore as restore_replica
 from kvj.trust import check_owner
 
@@ -71,10 +71,12 @@ def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL
         result = restore_replica(remote, target, store=os.path.abspath(store) if store else None, at_lsn=at_lsn,
                                  at_time=at_time, progress=update)
     done(f"restored {target} through LSN {result.last_lsn}")
-    if as_json:
-        emit_json(result.to_dict())
-        return
+    show(result, as_json, lambda: [_summary(result, target)])
+
+
+def _summary(result: RestoreResult, target: str) -> str:
+    """One line: what ``kvj restore`` brought back, and how fast it verified it."""
     snap = f", snapshot at LSN {result.snapshot_lsn}" if result.snapshot_lsn is not None else ""
     rate = result.bytes / result.seconds / 1e6 if result.seconds else 0.0
-    out.print(f"restored {target} through LSN {result.last_lsn}: {result.logs} log files{snap}, "
-              f"{result.segments} segments, {human_size(result.bytes)} verified ({rate:.0f} MB/s)", markup=False)
+    return (f"restored {target} through LSN {result.last_lsn}: {result.logs} log files{snap}, "
+            f"{result.segments} segments, {human_size(result.bytes)} verified ({rate:.0f} MB/s)")

@@ -236,6 +236,11 @@ class BlockBuffers:
     def busy(self) -> bool:
         return self.transfer is not None and not self.transfer.done()
 
+    def began(self, transfer: Transfer) -> Transfer:
+        """Mark these buffers in use by ``transfer`` (until it is done), and return it."""
+        self.transfer = transfer
+        return transfer
+
 
 def _check_caches(caches: Sequence[torch.Tensor]) -> torch.Tensor:
     if not caches:
@@ -305,8 +310,10 @@ class BlockRing:
         return bufs
 
 
-def _check_move(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host: torch.Tensor,
-                bufs: BlockBuffers) -> Tuple[torch.Tensor, List[int]]:
+def _begin_move(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host: torch.Tensor,
+                bufs: BlockBuffers, distinct: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Check a gather's or scatter's arguments (``distinct``: no block id twice) and write the
+    ids into ``bufs.ids_host``; returns the first cache and that view of the ids."""
     first = _check_caches(caches)
     ids = [int(b) for b in block_ids]
     if len(ids) > bufs.max_blocks:
@@ -322,7 +329,17 @@ def _check_move(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host: 
         raise InvalidArgument("host blocks of a CUDA cache must be in pinned memory")
     if bufs.busy():
         raise InvalidArgument("these block buffers are still in use by an earlier transfer")
-    return first, ids
+    if distinct and len(set(ids)) != len(ids):
+        raise InvalidArgument("block ids to scatter into must be distinct")
+    ids_host = bufs.ids_host[:len(ids)]
+    ids_host.numpy()[:] = ids
+    return first, ids_host
+
+
+def _streams(first: torch.Tensor, side: str) -> Tuple[Any, Any]:
+    """The caller's current stream and kvj's ``side`` stream on the device of CUDA cache ``first``."""
+    dev = CUDA.device_of(first)
+    return CUDA.current_stream(dev), CUDA.side_stream(dev, side)
 
 
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host: torch.Tensor,
@@ -337,19 +354,15 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host
     Read ``host`` (and reuse ``bufs``) only once the transfer is done. On the CPU the blocks
     are gathered straight into ``host``.
     """
-    first, ids = _check_move(caches, block_ids, host, bufs)
-    n = len(ids)
+    first, ids_host = _begin_move(caches, block_ids, host, bufs)
+    n = len(ids_host)
     out = host[:n]
-    ids_host = bufs.ids_host[:n]
-    ids_host.numpy()[:] = ids
     if not CUDA.is_device_tensor(first):
         for layer, cache in enumerate(caches):
             torch.index_select(cache, 0, ids_host, out=out[:, layer])
-        bufs.transfer = Transfer()
-        return bufs.transfer
+        return bufs.began(Transfer())
     cu = CUDA
-    dev = cu.device_of(first)
-    current, side = cu.current_stream(dev), cu.side_stream(dev, "d2h")
+    current, side = _streams(first, "d2h")
     assert bufs.ids is not None and bufs.blocks is not None
     gathered = bufs.blocks[:n]
     with cu.enqueue_on(current):
@@ -363,8 +376,7 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host
         cu.copy(out, gathered)
         event = cu.record(side)
     cu.keep_alive(bufs.blocks, side)
-    bufs.transfer = Transfer(event, side)
-    return bufs.transfer
+    return bufs.began(Transfer(event, side))
 
 
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host: torch.Tensor,
@@ -378,20 +390,14 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], hos
     stream reads the blocks, or poll ``done()`` (a load across steps); ``host`` and ``bufs`` are
     in use until it is done. On the CPU the blocks are copied in before this returns.
     """
-    first, ids = _check_move(caches, block_ids, host, bufs)
-    if len(set(ids)) != len(ids):
-        raise InvalidArgument("block ids to scatter into must be distinct")
-    n = len(ids)
+    first, ids_host = _begin_move(caches, block_ids, host, bufs, distinct=True)
+    n = len(ids_host)
     src = host[:n]
-    ids_host = bufs.ids_host[:n]
-    ids_host.numpy()[:] = ids
     if not CUDA.is_device_tensor(first):
         _scatter_cpu(caches, src, ids_host)
-        bufs.transfer = Transfer()
-        return bufs.transfer
+        return bufs.began(Transfer())
     cu = CUDA
-    dev = cu.device_of(first)
-    current, side = cu.current_stream(dev), cu.side_stream(dev, "h2d")
+    current, side = _streams(first, "h2d")
     assert bufs.ids is not None and bufs.blocks is not None
     cu.gpu_wait_stream(side, current)
     with cu.enqueue_on(side):
@@ -403,8 +409,7 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], hos
         event = cu.record(side)
     for t in (*caches, bufs.ids, bufs.blocks):
         cu.keep_alive(t, side)
-    bufs.transfer = Transfer(event, side)
-    return bufs.transfer
+    return bufs.began(Transfer(event, side))
 
 
 def _scatter_cpu(caches: Sequence[torch.Tensor], host: torch.Tensor, index: torch.Tensor) -> None:
