@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 from typing import Dict, Optional, Tuple
 
@@ -27,17 +28,18 @@ from kvj.errors import (
     UnsafePath,
 )
 
-OK = 0
+# sysexits.h's values, as the os module has them, and two of the shell's.
+OK = os.EX_OK
 FAILURE = 1
-USAGE = 64
-DATAERR = 65
-NOINPUT = 66
-SOFTWARE = 70
-DONE_UNREPORTED = 73
-IOERR = 74
-TEMPFAIL = 75
-NOPERM = 77
-INTERRUPTED = 130
+USAGE = os.EX_USAGE
+DATAERR = os.EX_DATAERR
+NOINPUT = os.EX_NOINPUT
+SOFTWARE = os.EX_SOFTWARE
+DONE_UNREPORTED = os.EX_CANTCREAT  # "can't create (user) output file": the work itself is done
+IOERR = os.EX_IOERR
+TEMPFAIL = os.EX_TEMPFAIL
+NOPERM = os.EX_NOPERM
+INTERRUPTED = 128 + signal.SIGINT  # as a shell reports a command that SIGINT ended
 
 #: status -> meaning, for help text and man pages.
 EXIT_CODES: Dict[int, str] = {

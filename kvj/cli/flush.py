@@ -7,22 +7,8 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    MirrorArg,
-    MirrorPolicyArg,
-    StoreArg,
-    done,
-    emit_json,
-    journal_path,
-    out,
-    parse_pairs,
-    parse_range,
-    progress,
-    store_path,
-    usage_error,
-)
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, done, emit_json, journal_path,
+                            out, parse_pairs, parse_range, progress, store_path, usage_error)
 from kvj.journal.journal import Journal
 from kvj.ops.inspection import human_size, short_key
 from kvj.segments.codecs import codec_names

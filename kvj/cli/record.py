@@ -8,22 +8,8 @@ from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    MirrorArg,
-    MirrorPolicyArg,
-    StoreArg,
-    done,
-    emit_json,
-    journal_path,
-    loads_strict,
-    out,
-    parse_int,
-    parse_pairs,
-    store_path,
-    usage_and_exit,
-)
+from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, done, emit_json, journal_path,
+                            loads_strict, out, parse_int, parse_pairs, store_path, usage_and_exit)
 from kvj.errors import FormatError, InvalidArgument, KvjError, LegacyJournal
 from kvj.journal.journal import Journal
 from kvj.journal.records import BY_NAME, NAMES, RecordType, encode

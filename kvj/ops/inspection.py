@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.reader import Scan, decode
@@ -145,38 +145,41 @@ def short_key(key: str) -> str:
     return key[:SHORT_KEY]
 
 
+def _start(p: Dict[str, Any]) -> str:
+    tokens = f" tokens={len(p['tokens'])}" if p.get("tokens") is not None else ""
+    meta = f" meta={p['meta']}" if p.get("meta") else ""
+    prompt = p.get("prompt_hash")
+    if isinstance(prompt, str) and len(prompt) > 16:
+        prompt = prompt[:12] + "…"  # a full digest is noise on a line; --json has it whole
+    return f"id={p['id']} prompt_hash={prompt}{tokens}{meta}"
+
+
+def _segment(p: Dict[str, Any]) -> str:
+    ratio = p["raw_size"] / p["stored_size"] if p["stored_size"] else 0.0
+    tokens = p["tokens"] or [None, None]
+    return (f"id={p['id']} seg={p['seg']} tokens={tokens[0]}..{tokens[1]} key={short_key(p['key'])} "
+            f"{human_size(p['raw_size'])}->{human_size(p['stored_size'])} ({ratio:.2f}x {p['codec']})")
+
+
+#: Record type -> its line's fields, from the payload.
+_LINES: Dict[RecordType, Callable[[Dict[str, Any]], str]] = {
+    RecordType.START: _start,
+    RecordType.SEGMENT: _segment,
+    RecordType.END: lambda p: f"id={p['id']} status={p['status']}",
+    RecordType.ALLOC: lambda p: f"{p['device']} addr={p['addr']:#x} size={human_size(p['size'])} tag={p['tag']}",
+    RecordType.FREE: lambda p: f"{p['device']} addr={p['addr']:#x}",
+    RecordType.CHECKPOINT: lambda p: f"step={p['step']} tensors={len(p['keys'])}",
+    RecordType.DELTA: lambda p: f"step={p['step']} base={p['base_step']} tensors={len(p['keys'])}",
+    RecordType.EPOCH: lambda p: f"epoch={p['epoch']} recovered_lsn={p['recovered_lsn']} manifest={p.get('manifest')}",
+    RecordType.TOKENS: lambda p: f"id={p['id']} at={p['at']} tokens={len(p['tokens'])}",
+    RecordType.HANDOFF: lambda p: f"id={p['id']} moved to {p['to']}",
+}
+
+
 def describe(rec: Record) -> str:
     """One line in the spirit of pg_waldump: the fields that matter for this type."""
-    p = rec.payload
-    t = rec.rtype
-    if t == RecordType.START:
-        tokens = f" tokens={len(p['tokens'])}" if p.get("tokens") is not None else ""
-        meta = f" meta={p['meta']}" if p.get("meta") else ""
-        prompt = p.get("prompt_hash")
-        if isinstance(prompt, str) and len(prompt) > 16:
-            prompt = prompt[:12] + "…"  # a full digest is noise on a line; --json has it whole
-        return f"id={p['id']} prompt_hash={prompt}{tokens}{meta}"
-    if t == RecordType.SEGMENT:
-        ratio = p["raw_size"] / p["stored_size"] if p["stored_size"] else 0.0
-        tokens = p["tokens"] or [None, None]
-        return (f"id={p['id']} seg={p['seg']} tokens={tokens[0]}..{tokens[1]} key={short_key(p['key'])} "
-                f"{human_size(p['raw_size'])}->{human_size(p['stored_size'])} ({ratio:.2f}x {p['codec']})")
-    if t == RecordType.END:
-        return f"id={p['id']} status={p['status']}"
-    if t == RecordType.ALLOC:
-        return f"{p['device']} addr={p['addr']:#x} size={human_size(p['size'])} tag={p['tag']}"
-    if t == RecordType.FREE:
-        return f"{p['device']} addr={p['addr']:#x}"
-    if t in (RecordType.CHECKPOINT, RecordType.DELTA):
-        base = f" base={p['base_step']}" if t == RecordType.DELTA else ""
-        return f"step={p['step']}{base} tensors={len(p['keys'])}"
-    if t == RecordType.TOKENS:
-        return f"id={p['id']} at={p['at']} tokens={len(p['tokens'])}"
-    if t == RecordType.HANDOFF:
-        return f"id={p['id']} moved to {p['to']}"
-    if t == RecordType.EPOCH:
-        return f"epoch={p['epoch']} recovered_lsn={p['recovered_lsn']} manifest={p.get('manifest')}"
-    return f"unknown record type {t}: {sorted(p)}"
+    line = _LINES.get(rec.rtype)
+    return line(rec.payload) if line else f"unknown record type {rec.rtype}: {sorted(rec.payload)}"
 
 
 @dataclass

@@ -27,21 +27,24 @@ import crc32c
 
 from kvj.errors import SegmentCorrupt
 
+#: The preamble: magic, u16 version, u16 flags, u32 reserved (a segment file's layout).
 MAGIC = b"\x89KVJPAK\n"
-END_MAGIC = b"KVJPAKOK"
 VERSION = 1
 PREAMBLE = struct.Struct("<8sHHI")
+#: The members: no segment file is shorter than its preamble and trailer (16 + 16 bytes).
+MIN_MEMBER = 32
+MAX_MEMBERS = 1 << 20
+#: The index, an entry a member: its key, offset and length.
 ENTRY = struct.Struct("<32sQQ")
+#: The trailer: index offset, member count, CRC32C, end magic.
 TRAILER = struct.Struct("<QII8s")
+END_MAGIC = b"KVJPAKOK"
 #: One dead-list entry: a member's key and the CRC32C of those 32 bytes.
 DEAD = struct.Struct("<32sI")
 SUFFIX = ".kvjpack"
 DEAD_SUFFIX = ".dead"
 #: A pack's name (without suffix): 16 lowercase hex digits, random.
 NAME_RE = re.compile(r"[0-9a-f]{16}")
-#: No segment file is shorter (its preamble and trailer).
-MIN_MEMBER = 32
-MAX_MEMBERS = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -111,13 +111,13 @@ def test_deltas_cost_less_than_full_checkpoints(tmp_path):
     parameters' XOR deltas are well under their full checkpoints."""
     with workload_threads(deterministic=True), kvj.Journal.open(tmp_path / "j") as journal:
         _, stats = train(TrainSpec(ModelSpec("llama", "tiny"), steps=16, full_every=8), journal)
-    assert stats.fulls == 3 and stats.deltas == 13  # fulls at steps 1 (the first), 8 and 16
+    assert stats.full.count == 3 and stats.delta.count == 13  # fulls at steps 1 (the first), 8 and 16
     per = stats.per_stream
     assert {"model.float32", "optimizer.exp_avg.float32", "optimizer.exp_avg_sq.float32"} <= set(per)
-    full_avg = {n: per[n]["full_stored"] / stats.fulls for n in per}
-    delta_avg = {n: per[n]["delta_stored"] / stats.deltas for n in per}
-    assert all(per[n]["xor"] + per[n]["whole"] == stats.deltas for n in per)
-    assert per["model.float32"]["xor"] == stats.deltas
+    full_avg = {n: per[n]["full_stored"] / stats.full.count for n in per}
+    delta_avg = {n: per[n]["delta_stored"] / stats.delta.count for n in per}
+    assert all(per[n]["xor"] + per[n]["whole"] == stats.delta.count for n in per)
+    assert per["model.float32"]["xor"] == stats.delta.count
     assert delta_avg["model.float32"] < 0.9 * full_avg["model.float32"]
     print("training bytes per save:", {n: (round(full_avg[n]), round(delta_avg[n])) for n in per})
 

@@ -18,6 +18,7 @@ from support.fakecuda import gpu  # noqa: F401
 
 from kvj.errors import InvalidArgument, SegmentCorrupt, SegmentMissing
 from kvj.segments import device, packfile
+from kvj.segments import segfile as seg
 from kvj.segments.flusher import Flusher
 from kvj.segments.store import SegmentStore
 
@@ -117,6 +118,13 @@ def test_pack_layout_is_the_spec_and_is_listed_from_its_tail(tmp_path):
         assert member[:8] == b"\x89KVJSEG\n" and member[-8:] == b"KVJSEGOK"
         pos += length
     assert pos == index_offset
+
+
+def test_the_pack_format_agrees_with_the_segment_format_it_holds():
+    """A pack's preamble has a segment file's layout, and its least member is the smallest
+    segment file (a preamble and a trailer): the two modules state them apart, so check."""
+    assert packfile.PREAMBLE.format == seg.PREAMBLE.format
+    assert packfile.MIN_MEMBER == seg.PREAMBLE.size + seg.TRAILER.size
 
 
 def test_a_pack_written_by_another_process_is_found(tmp_path):

@@ -43,33 +43,36 @@ INLINE_BYTES = 64 << 10
 
 
 @dataclass
-class SaveStats:
-    """Bytes written by full checkpoints and by deltas (raw = before the codec), in total and
-    per stream; ``whole`` counts streams a delta stored whole (their XOR did not pay)."""
+class Tally:
+    """Saves of one kind: how many, and their bytes before (raw) and after the codec (stored)."""
 
-    fulls: int = 0
-    full_raw: int = 0
-    full_stored: int = 0
-    deltas: int = 0
-    delta_raw: int = 0
-    delta_stored: int = 0
+    count: int = 0
+    raw: int = 0
+    stored: int = 0
+
+
+@dataclass
+class SaveStats:
+    """Bytes written by full checkpoints and by deltas, in total and per stream; ``whole``
+    counts streams a delta stored whole (their XOR did not pay)."""
+
+    full: Tally = field(default_factory=Tally)
+    delta: Tally = field(default_factory=Tally)
     per_stream: Dict[str, Dict[str, int]] = field(default_factory=dict)
 
     def add(self, name: str, full: bool, whole: bool, info: Any) -> None:
+        """Count stream ``name``'s segment ``info`` in a full save or a delta."""
         entry = self.per_stream.setdefault(name, {"full_stored": 0, "delta_stored": 0, "xor": 0, "whole": 0})
-        if full:
-            self.full_raw += info.raw_size
-            self.full_stored += info.stored_size
-            entry["full_stored"] += info.stored_size
-        else:
-            self.delta_raw += info.raw_size
-            self.delta_stored += info.stored_size
-            entry["delta_stored"] += info.stored_size
+        tally = self.full if full else self.delta
+        tally.raw += info.raw_size
+        tally.stored += info.stored_size
+        entry["full_stored" if full else "delta_stored"] += info.stored_size
+        if not full:
             entry["whole" if whole else "xor"] += 1
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"fulls": self.fulls, "full_raw": self.full_raw, "full_stored": self.full_stored,
-                "deltas": self.deltas, "delta_raw": self.delta_raw, "delta_stored": self.delta_stored,
+        return {"fulls": self.full.count, "full_raw": self.full.raw, "full_stored": self.full.stored,
+                "deltas": self.delta.count, "delta_raw": self.delta.raw, "delta_stored": self.delta.stored,
                 "per_stream": {n: dict(v) for n, v in self.per_stream.items()}}
 
 
@@ -204,11 +207,11 @@ class StateJournal:
         if full:
             lsn = self.journal.checkpoint(step, keys, {"format": FORMAT, "model": self.model}, durable=True)
             self._keep_base(step, snap)
-            self.stats.fulls += 1
+            self.stats.full.count += 1
         else:
             lsn = self.journal.delta(step, self._base[0], keys,  # type: ignore[index]
                                      {"format": FORMAT, "model": self.model, "whole": whole}, durable=True)
-            self.stats.deltas += 1
+            self.stats.delta.count += 1
         with self._lock:
             self._appended.append((step, lsn))
 
