@@ -6,7 +6,8 @@ vLLM's in-tree ExampleConnector, or none), the engine settings (``"tp": N`` for 
 parallelism: N worker processes, one core each), and a list of jobs:
 
 * ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy, or
-  with ``"sampling": [{"temperature": T, "seed": S} or null, ...]`` per prompt;
+  with ``"sampling": [{"temperature": T, "seed": S} or null, ...]`` per prompt; every request
+  generates N tokens (EOS is ignored);
 * ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``;
 * ``{"drain": [[ids...], ...], "late": [ids...], "at": N, "after": K, "to": NAME, "max_tokens": M}``:
   the prompts (greedy, or per ``"sampling"``) are added to the engine and stepped until one
@@ -27,7 +28,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 
 def _write(path: str, obj: Dict[str, Any]) -> None:
@@ -44,12 +45,20 @@ def _request(out: Any) -> Dict[str, Any]:
             "cached": out.num_cached_tokens or 0}
 
 
+def _params(SamplingParams: Any, sampling: List[Optional[Dict[str, Any]]], max_tokens: int) -> List[Any]:
+    """Each prompt's sampling (greedy unless given), running to ``max_tokens`` whatever it samples:
+    the random-weight models sample their EOS (token 2) now and then, and a request that stopped
+    early would not be in flight when a test kills or drains the engine (seed 743069's P0 did, 4
+    tokens in). A resume keeps ``ignore_eos``: it is journaled with the rest of the sampling."""
+    return [SamplingParams(**(s or {"temperature": 0}), max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                           logprobs=1) for s in sampling]
+
+
 def _drain(llm: Any, job: Dict[str, Any], SamplingParams: Any, TokensPrompt: Any, drain: Any) -> Dict[str, Any]:
     engine = llm.llm_engine
     prompts = job["drain"] + [job["late"]]
     sampling = job.get("sampling") or [None] * len(prompts)
-    params = [SamplingParams(**(s or {"temperature": 0}), max_tokens=job["max_tokens"], detokenize=False,
-                             logprobs=1) for s in sampling]
+    params = _params(SamplingParams, sampling, job["max_tokens"])
     got: Dict[str, int] = {}
 
     def step() -> None:
@@ -109,8 +118,7 @@ def main(spec_path: str) -> None:
             result = _drain(llm, job, SamplingParams, TokensPrompt, drain)
         elif "generate" in job:
             sampling = job.get("sampling") or [None] * len(job["generate"])
-            params = [SamplingParams(**(s or {"temperature": 0}), max_tokens=job["max_tokens"], detokenize=False,
-                                     logprobs=1) for s in sampling]
+            params = _params(SamplingParams, sampling, job["max_tokens"])
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["generate"]], params, use_tqdm=False)
             result = {"requests": [_request(o) for o in outs]}
         else:
