@@ -13,6 +13,12 @@ traceback and no thread pool waiting for its workers delays or swallows it. (Bef
 this, while the Python interpreter itself starts and reads its site-packages, Ctrl-C
 meets Python's own default; no kvj code has run, nothing has been read or written.)
 
+Python runs a signal's handler in the main thread only, and the kernel may deliver a
+process's SIGINT to any of its threads: one that landed in a worker left a main thread asleep
+for good in a wait without a timeout (a thread pool's result, its shutdown), and ``kvj
+recover`` ran on. So a watcher thread, woken through Python's wakeup fd whichever thread the
+signal landed in, sends it on to the main thread, which that wakes.
+
 It also gives a closed standard descriptor (``kvj ... >&-``) /dev/null, so that no file kvj
 opens later can become descriptor 1 and receive output meant for the terminal; writing
 the output then fails as ``OutputFailed`` (see ``kvj.cli.common``).
@@ -21,6 +27,7 @@ the output then fails as ``OutputFailed`` (see ``kvj.cli.common``).
 from __future__ import annotations
 
 import _signal  # the C module: ``signal`` would import enum first, time in which Ctrl-C would be Python's
+import _thread
 import os
 import sys
 
@@ -42,7 +49,14 @@ def on_interrupt(status: int, message: Optional[str] = "interrupted") -> None:
     _status, _message = status, message
 
 
+#: Held by the one handler run that ends the process: Ctrl-C comes twice (sent on by the
+#: watcher), and a second handler run inside the first must not print its line again.
+_ending = _thread.allocate_lock()
+
+
 def _interrupted(_signum: int, _frame: Any) -> None:
+    if not _ending.acquire(False):
+        return
     try:
         sys.stdout.flush()
     except BaseException:  # a closed pipe, or a flush the signal arrived in the middle of
@@ -60,10 +74,27 @@ def _command(argv: List[str]) -> Optional[str]:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
+def _forward(wakeup: int, main: int) -> None:
+    """The watcher: on the first SIGINT whichever thread it landed in, send it to ``main``."""
+    while os.read(wakeup, 1) != bytes([_signal.SIGINT]):
+        pass
+    _signal.pthread_kill(main, _signal.SIGINT)
+
+
+def _watch() -> None:
+    """Start the watcher on Python's wakeup fd (a byte for each signal a Python handler takes)."""
+    wakeup, notify = os.pipe()
+    os.set_blocking(notify, False)  # as set_wakeup_fd requires: a full pipe drops a byte, never blocks
+    _signal.set_wakeup_fd(notify)
+    os.register_at_fork(after_in_child=lambda: _signal.set_wakeup_fd(-1))  # a forked child's is not ours
+    _thread.start_new_thread(_forward, (wakeup, _thread.get_ident()))
+
+
 def _install(prog: str, argv: List[str]) -> None:
     global _prog, _status
     _prog = prog
-    if _signal.getsignal(_signal.SIGINT) is not _signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, &): keep it so
+    handled = _signal.getsignal(_signal.SIGINT) is not _signal.SIG_IGN  # started with Ctrl-C ignored (nohup, &): keep it so
+    if handled:
         _signal.signal(_signal.SIGINT, _interrupted)
     if prog == "kvj":
         _status = FIRST_STATUS.get(_command(argv) or "", _status)
@@ -75,6 +106,8 @@ def _install(prog: str, argv: List[str]) -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+    if handled:
+        _watch()  # after the standard descriptors: its pipe must not take one's number
 
 
 def kvj() -> NoReturn:

@@ -5,6 +5,7 @@ exits cleanly; ``kvj`` alone is a usage error."""
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -134,6 +135,53 @@ def test_ctrl_c_while_verifying_segments(tmp_path, big_journal, args, status):
     again = kvj("recover", "-j", journal)
     assert again.returncode == 0, again.stderr
     assert "requests to resume: 24" in again.stdout and "192 verified, 0 unusable" in again.stdout
+
+
+#: As STUCK, but the Ctrl-C lands in a worker thread verifying a segment, as the kernel may
+#: deliver a process's SIGINT to any of its threads, once the main thread sleeps in the thread
+#: pool's result: in a futex wait without a timeout (x86-64's syscall 202, argument 4 NULL).
+#: Python runs a handler in the main thread only, and that sleep never ended.
+STUCK_IN_WORKER = textwrap.dedent("""
+    import signal, sys, threading, time
+    sys.argv = ["kvj", *sys.argv[1:]]
+    from kvj.segments.store import SegmentStore
+    first = threading.Lock()
+
+    def main_sleeps_for_good():
+        with open(f"/proc/self/task/{threading.main_thread().native_id}/syscall") as f:
+            call = f.read().split()
+        return call[0] == "202" and call[4] == "0x0"
+
+    def stuck(self, key):
+        assert threading.current_thread() is not threading.main_thread()
+        if first.acquire(blocking=False):
+            while not main_sleeps_for_good():
+                time.sleep(0.001)
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        threading.Event().wait()
+
+    SegmentStore.verify = stuck
+    from kvj.cli.launch import kvj
+    kvj()
+""")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/proc/self/syscall"),
+                    reason="reads x86-64 Linux's /proc/<tid>/syscall to see the main thread asleep")
+@pytest.mark.parametrize("args", [["recover", "--dry-run"], ["recover"]], ids=" ".join)
+def test_ctrl_c_that_lands_in_a_worker_thread_still_ends_the_command(tmp_path, big_journal, args):
+    import shutil
+
+    journal = tmp_path / "j"
+    shutil.copytree(big_journal, journal)
+    proc = interruptible([sys.executable, "-c", STUCK_IN_WORKER, *args, "-j", str(journal)])
+    try:
+        out, err = proc.communicate(timeout=60)  # ended by the one Ctrl-C its worker took
+    finally:
+        if proc.poll() is None:  # the Ctrl-C was lost: the test fails, and leaves no stuck child behind
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err == INTERRUPTED_LINE and out == "", (proc.returncode, err)
 
 
 def test_ctrl_c_stops_follow_quietly(big_journal):
