@@ -4,12 +4,14 @@ exits cleanly; ``kvj`` alone is a usage error."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import signal
 import subprocess
 import sys
 import textwrap
+from typing import Iterator
 
 import pytest
 import torch
@@ -46,15 +48,23 @@ def _start(*args: object) -> subprocess.Popen:
     return interruptible([*KVJ, *map(str, args)])
 
 
-def _interrupt(proc: subprocess.Popen, when, what: str):  # type: ignore[no-untyped-def]
+@contextlib.contextmanager
+def _reaped(proc: subprocess.Popen) -> Iterator[None]:
+    """Kill the child if it is still running at the end (it ignored Ctrl-C): the test fails,
+    and leaves no stuck child behind."""
     try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _interrupt(proc: subprocess.Popen, when, what: str):  # type: ignore[no-untyped-def]
+    with _reaped(proc):
         wait_for(lambda: proc.poll() is not None or when(proc.pid), what)
         proc.send_signal(signal.SIGINT)
         return proc.communicate(timeout=30)  # honoured at once: never runs on to the end of a long job
-    finally:
-        if proc.poll() is None:  # it ignored Ctrl-C: the test fails, and leaves no stuck child behind
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to see what the child is doing")
@@ -175,12 +185,8 @@ def test_ctrl_c_that_lands_in_a_worker_thread_still_ends_the_command(tmp_path, b
     journal = tmp_path / "j"
     shutil.copytree(big_journal, journal)
     proc = interruptible([sys.executable, "-c", STUCK_IN_WORKER, *args, "-j", str(journal)])
-    try:
+    with _reaped(proc):
         out, err = proc.communicate(timeout=60)  # ended by the one Ctrl-C its worker took
-    finally:
-        if proc.poll() is None:  # the Ctrl-C was lost: the test fails, and leaves no stuck child behind
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 130 and err == INTERRUPTED_LINE and out == "", (proc.returncode, err)
 
 
