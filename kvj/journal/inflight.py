@@ -4,16 +4,14 @@
 log could never make sense of is refused at the call and nothing is appended: a request
 that is not in flight (never started, or ended), or tokens
 that overlap another segment of the request (flushing a segment number again replaces
-that segment, as replay reads it). Requests started through this writer are known from
-their ``start``; a flush naming one it does not know (a request in flight before it opened
-the journal, being resumed; one started by a record written around the ``Journal``) looks
-the journal itself up first: one replay, which finds every resumed request at once.
+that segment, as replay reads it). Requests in flight when the journal was opened come from
+the replay ``Journal.open`` makes; those started since, from their ``start``.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 from kvj.errors import InvalidArgument
 
@@ -23,11 +21,9 @@ Range = Tuple[int, int]
 class InFlight:
     """Request id -> {segment number: token range} for every request known to be in flight."""
 
-    def __init__(self, load: Callable[[], Dict[str, Dict[int, Range]]]):
-        """``load`` returns the requests in flight in the journal as written so far (called
-        when a flush names a request not known here)."""
-        self._load = load
-        self._live: Dict[str, Dict[int, Range]] = {}
+    def __init__(self, live: Dict[str, Dict[int, Range]]):
+        """``live``: the requests in flight in the journal when it was opened, with their segments."""
+        self._live = live
         self._lock = threading.Lock()
 
     def started(self, request_id: str) -> None:
@@ -49,9 +45,6 @@ class InFlight:
         """Check a flush of segment ``seg`` over ``tokens`` and remember it; ``InvalidArgument``
         says why one is refused."""
         with self._lock:
-            if request_id not in self._live:
-                for rid, segments in self._load().items():
-                    self._live.setdefault(rid, segments)  # what this writer did itself wins
             segments = self._live.get(request_id)
             if segments is None:
                 raise InvalidArgument(f"request {request_id} is not in flight (never started, or ended): record its "

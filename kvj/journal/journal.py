@@ -10,6 +10,7 @@ goes on, and the repairs made first (torn tails, the mirror's copies), is ``reco
 from __future__ import annotations
 
 import errno
+import heapq
 import operator
 import os
 import time
@@ -76,11 +77,56 @@ def _token_range(token_range: Tuple[int, int]) -> Tuple[int, int]:
     return _integer(token_range[0], "a token position"), _integer(token_range[1], "a token position")
 
 
+def segment_keys(rtype: int, payload: Mapping[str, Any]) -> List[str]:
+    """The segment keys a record names (a segment flush's, a checkpoint's or a delta's)."""
+    if rtype == RecordType.SEGMENT:
+        return [payload["key"]]
+    if rtype in (RecordType.CHECKPOINT, RecordType.DELTA):
+        return [key for key in payload["keys"].values() if isinstance(key, str)]
+    return []
+
+
+class _Claims:
+    """The store's claims (``kvj.segments.claims``) on segments this journal's records name, each
+    given back once its record is durable: until then a collector must not take the segment."""
+
+    def __init__(self) -> None:
+        self.journal: Optional["Journal"] = None
+        self._due: List[Tuple[int, List[str]]] = []  # a heap of (LSN, keys)
+        self._durable = 0
+        self._lock = threading.Lock()
+
+    def hold(self, lsn: int, keys: List[str]) -> None:
+        """Give back one claim on each of ``keys`` once ``lsn`` is durable."""
+        if not keys:
+            return
+        with self._lock:
+            if lsn > self._durable:
+                heapq.heappush(self._due, (lsn, keys))
+                return
+        self._release(keys)
+
+    def durable(self, lsn: int) -> None:
+        """Every LSN up to ``lsn`` is durable (the writer's committer thread says so)."""
+        due: List[str] = []
+        with self._lock:
+            self._durable = lsn
+            while self._due and self._due[0][0] <= lsn:
+                due += heapq.heappop(self._due)[1]
+        if due:
+            self._release(due)
+
+    def _release(self, keys: List[str]) -> None:
+        store = self.journal._store if self.journal is not None else None
+        if store is not None:
+            store.release(keys)
+
+
 class Journal:
     """A kvj journal opened for writing. Use ``Journal.open(path)`` as a context manager."""
 
     def __init__(self, path: str, writer: LogWriter, locks: List[DirLock], store: Any, fs: FS,
-                 cut_tail: Optional[str]):
+                 cut_tail: Optional[str], in_flight: Dict[str, Dict[int, Tuple[int, int]]], claims: "_Claims"):
         self.path = path
         self.writer = writer
         self.fs = fs
@@ -88,6 +134,9 @@ class Journal:
         self._locks = locks  # the journal's writer lock, and its mirror's
         self._store_arg = store
         self._store: Optional["SegmentStore"] = None
+        if store is not None and not isinstance(store, (str, os.PathLike)):  # a SegmentStore, given
+            store.journaled = True  # its puts claim what they store; this journal gives the claims back
+            self._store = store
         self._flusher: Optional["Flusher"] = None
         self._closed = False
         self._order = threading.Lock()
@@ -95,7 +144,9 @@ class Journal:
         self._waiting: Dict[str, "Future[int]"] = {}
         self._deferred: "set[Future[int]]" = set()
         #: the requests in flight and their segments' tokens, so that ``flush`` refuses at the call
-        self._inflight = InFlight(self._in_flight_on_disk)
+        self._inflight = InFlight(in_flight)
+        self._claims = claims
+        claims.journal = self
 
     @classmethod
     def open(cls, path: Union[str, "os.PathLike[str]"], *, store: Union[None, str, "SegmentStore"] = None,
@@ -136,6 +187,9 @@ class Journal:
         locks = [DirLock(path, LOCK_NAME, "writer").acquire()]
         try:
             policy = policy or config_policy(path) or CommitPolicy()
+            # The one rule readers judge a journal by: a writer that went on where recovery stops
+            # would acknowledge records recovery throws away (a torn tail is cut below).
+            state = replay(path)
             chosen: Optional[str] = None
             try:
                 with mirror_side(os.fspath(mirror) if mirror is not None else mirror_of(path)):
@@ -152,13 +206,16 @@ class Journal:
                 del locks[1:]
                 chosen = None
                 seq, lsn, aside, salt = find_end(path, fs, policy.file_size_limit)
+            claims = _Claims()
             writer = LogWriter(path, next_seq=seq, next_lsn=lsn, policy=policy, fs=fs, resume_salt=salt,
-                               mirror=chosen, mirror_policy=mirror_policy)
+                               mirror=chosen, mirror_policy=mirror_policy, on_durable=claims.durable)
         except BaseException:
             for lock in locks:
                 lock.release()
             raise
-        return cls(path, writer, locks, store, fs, aside)
+        in_flight = {rid: {seg: ref.tokens for seg, ref in req.segments.items() if ref.tokens is not None}
+                     for rid, req in state.requests.items() if not req.ended}
+        return cls(path, writer, locks, store, fs, aside, in_flight, claims)
 
     @property
     def mirror(self) -> Optional[str]:
@@ -267,9 +324,7 @@ class Journal:
     def append(self, rtype: int, payload: Mapping[str, Any], durable: bool = False) -> int:
         """Append a record given as a plain payload, validated against its type's schema
         (``FormatError`` at the call, nothing appended)."""
-        body = encode(rtype, payload)
-        self._track(rtype, payload)
-        return self.writer.append(rtype, body, durable)
+        return self._append(rtype, payload, durable)
 
     def append_many(self, records: Iterable[Tuple[int, Mapping[str, Any]]], durable: bool = False) -> List[int]:
         """Append (type, payload) records in order, as ``append`` does each, and return their LSNs.
@@ -278,7 +333,10 @@ class Journal:
         encoded = [(rtype, encode(rtype, payload)) for rtype, payload in records]
         for rtype, payload in records:
             self._track(rtype, payload)
-        return self.writer.append_many(encoded, durable)
+        lsns = self.writer.append_many(encoded, durable)
+        for lsn, (rtype, payload) in zip(lsns, records):
+            self._claims.hold(lsn, segment_keys(rtype, payload))
+        return lsns
 
     def _track(self, rtype: int, payload: Mapping[str, Any]) -> None:
         """Keep ``InFlight`` current with a request record about to be appended (already checked)."""
@@ -289,19 +347,14 @@ class Journal:
         elif rtype == RecordType.SEGMENT:
             self._inflight.segment(payload["id"], payload["seg"], tuple(payload["tokens"]))  # type: ignore[arg-type]
 
-    def _in_flight_on_disk(self) -> Dict[str, Dict[int, Tuple[int, int]]]:
-        """The requests in flight in the journal as written so far, with their segments' tokens:
-        what ``flush`` looks up for a request this writer does not know (one being resumed)."""
-        self.writer.sync()
-        with self._order:
-            pending = set(self._waiting)  # an end among their records is not in the log yet
-        state = replay(self.path)
-        return {rid: {seg: ref.tokens for seg, ref in req.segments.items() if ref.tokens is not None}
-                for rid, req in state.requests.items() if not req.ended and rid not in pending}
-
     def _append(self, rtype: int, payload: Mapping[str, Any], durable: bool) -> int:
-        """Check ``payload`` against the schema (``FormatError`` at the call, nothing appended), then append."""
-        return self.writer.append(rtype, encode(rtype, payload), durable)
+        """Check ``payload`` against the schema (``FormatError`` at the call, nothing appended), then
+        append; the claims on the segments it names are given back once it is durable."""
+        body = encode(rtype, payload)
+        self._track(rtype, payload)
+        lsn = self.writer.append(rtype, body, durable)
+        self._claims.hold(lsn, segment_keys(rtype, payload))
+        return lsn
 
     # -- segments ------------------------------------------------------------------------
 
@@ -310,10 +363,14 @@ class Journal:
         """The segment store: the one given at open, else the one ``kvj.conf`` names, else
         ``segments/`` inside the journal."""
         if self._store is None:
+            if self._closed:
+                raise JournalClosed("journal is closed")
             from kvj.segments.store import SegmentStore
             arg = self._store_arg
-            self._store = arg if isinstance(arg, SegmentStore) else SegmentStore(
-                arg or default_store_path(self.path), fs=self.fs)
+            store = arg if isinstance(arg, SegmentStore) else SegmentStore(arg or default_store_path(self.path),
+                                                                           fs=self.fs)
+            store.journaled = True  # its puts claim what they store; this journal gives the claims back
+            self._store = store
         return self._store
 
     def flush(self, request_id: str, segment: int, tensor: Optional["torch.Tensor"] = None, *,
@@ -331,9 +388,11 @@ class Journal:
         token range (``FormatError``, as every malformed argument); a request that is not in
         flight (never started, or ended) and a token range overlapping another segment of
         the request (``InvalidArgument``; flushing a segment number again replaces that
-        segment). A request this writer did not start (one in flight before the journal
-        was opened, being resumed) is looked up in the journal itself: one replay, which
-        finds every resumed request at once.
+        segment). A request in flight before the journal was opened (one being resumed) is
+        known from the replay ``open`` makes.
+
+        With ``info``, the caller holds a claim on its segment (a put returned it, or
+        ``SegmentStore.claim_existing``): the journal gives it back once the record is durable.
         """
         if self._closed:
             raise JournalClosed("journal is closed")
@@ -369,13 +428,14 @@ class Journal:
             try:
                 stored = self._flusher.submit(tensor, payload["layout"])
             except OSError as exc:  # an earlier flush failed to reach the disk: final
-                raise JournalFailed(f"a segment flush failed earlier: {exc}") from exc
+                raise self._fail(exc, "a segment flush failed earlier") from exc
+
         def stored_info() -> "SegmentInfo":
             """The stored segment's info; a failed write or fsync of it is final: ``JournalFailed``."""
             try:
                 return stored.result()
             except OSError as exc:
-                raise JournalFailed(f"a segment flush failed: {exc}") from exc
+                raise self._fail(exc, "a segment flush failed") from exc
 
         later = self._in_order(request_id, [stored], lambda: record(stored_info()))
         if later is None:
@@ -427,6 +487,12 @@ class Journal:
 
     # -- durability ----------------------------------------------------------------------
 
+    def _fail(self, error: OSError, what: str) -> JournalFailed:
+        """A segment the journal needed could not be made durable: the journal fails as a whole
+        (the writer stops; every later call raises), as after a failed fsync of its own log."""
+        self.writer.fail(error)
+        return JournalFailed(f"{what}: {error}")
+
     def sync(self) -> int:
         """Wait for pending segment flushes, then until every record so far is durable.
 
@@ -446,7 +512,7 @@ class Journal:
             try:
                 self._flusher.drain()
             except OSError as exc:
-                raise JournalFailed(f"a segment flush failed: {exc}") from exc
+                raise self._fail(exc, "a segment flush failed") from exc
         while True:
             with self._order:
                 deferred = list(self._deferred)
@@ -474,6 +540,8 @@ class Journal:
                 try:
                     if self._store is not None and self._store is not self._store_arg:
                         self._store.close()  # the store (and its thread pool) this journal opened
+                    elif self._store is not None:
+                        self._store.unjournaled()  # the caller's: it claims nothing more for this journal
                 finally:
                     for lock in self._locks:
                         lock.release()

@@ -21,7 +21,7 @@ import errno
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Iterable, List, Mapping, Optional, Tuple, Union
 
 from kvj.errors import JournalClosed, JournalFailed
 from kvj.fileio import FS, REAL_FS, DurabilityError
@@ -38,11 +38,15 @@ class LogWriter:
 
     def __init__(self, directory: str, *, next_seq: int, next_lsn: int,
                  policy: CommitPolicy = CommitPolicy(), fs: FS = REAL_FS, resume_salt: Optional[int] = None,
-                 mirror: Optional[str] = None, mirror_policy: str = FAIL):
+                 mirror: Optional[str] = None, mirror_policy: str = FAIL,
+                 on_durable: Optional[Callable[[int], None]] = None):
         """Write LSNs from ``next_lsn`` on: appending to log file ``next_seq`` when
         ``resume_salt`` (its salt) is given, else in a new file of that number; in the
-        directory ``mirror`` too when given (whose copy of that file is the same)."""
+        directory ``mirror`` too when given (whose copy of that file is the same).
+        ``on_durable(lsn)`` runs on the committer thread after each group, once every LSN up
+        to ``lsn`` is durable."""
         self.directory = directory
+        self._on_durable = on_durable
         self.policy = policy
         dest: Destination = FileDestination(directory, fs)
         if mirror is not None:
@@ -214,6 +218,16 @@ class LogWriter:
         if self._error is not None:
             raise JournalFailed(f"journal writer failed: {self._error}") from self._error
 
+    def fail(self, error: BaseException) -> None:
+        """Enter the failed state for ``error`` (a segment the journal needed could not be made
+        durable): nothing more is written, every waiter and every later call gets ``JournalFailed``."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._room_lsn = -1
+            self._wake.notify()
+            self._done.notify_all()
+
     def _raise_state(self) -> None:
         if self._error is not None:
             raise JournalFailed(f"journal writer failed earlier and accepts nothing more: {self._error}")
@@ -226,6 +240,8 @@ class LogWriter:
         policy = self.policy
         with self._lock:
             while True:
+                if self._error is not None:
+                    return None
                 if self._sealed:  # full groups come first: they are older than the buffer
                     data, count, first = self._sealed.popleft()
                     self._sealed_bytes -= len(data)
@@ -264,6 +280,8 @@ class LogWriter:
                     if not self._closing:
                         self._room_lsn = self._durable_lsn + self._max_pending
                     self._done.notify_all()
+                if self._on_durable is not None:
+                    self._on_durable(first + count - 1)
                 if log.size >= self.policy.file_size_limit:
                     log.rotate(first + count)
         except BaseException as exc:  # an I/O error is final: never retry fsync

@@ -8,8 +8,10 @@ Safe to run from cron while the writer runs:
 - the snapshot is durable (temp file, fsync, rename, fsync directory) before any log file
   or older snapshot it covers is unlinked, oldest first, so a crash at any point leaves a
   journal that replays to the same state;
-- a segment is collected only when no live record references it and its file is older
-  than the grace period, so a segment written just before its record is never collected;
+- a segment is collected only when no live record references it, no writer claims it and
+  its file is older than the grace period: a writer claims what it stores until the record
+  naming it is durable (``kvj.segments.claims``), so a segment stored just before its record
+  is never collected, whatever the grace period;
 - with a byte budget (``max_store_bytes``, or ``kvj.conf``'s), segments that nothing needs are
   then evicted least recently used first until the store fits it (``kvj.ops.evict``).
 
@@ -33,7 +35,7 @@ from kvj.journal.reader import Scan, fields_of, list_logs, read_header
 from kvj.journal.replay import RecordStream, check_journal, collector_paused
 from kvj.journal.snapshot import encode_snapshot, list_snapshots, load_latest, snapshot_name, write_snapshot
 from kvj.journal.state import JournalState
-from kvj.ops.evict import EVICT_MIN_AGE, evict_segments
+from kvj.ops.evict import EVICT_MIN_AGE, LateReferences, evict_segments
 from kvj.segments.check import opened_store
 
 DEFAULT_GRACE = 3600.0
@@ -152,11 +154,12 @@ def collect_segments(directory: str, store: Any, result: CompactResult, folded: 
     just written and the log after it again.
 
     Candidates are listed *before* the journal is replayed for references, so a segment
-    stored after the listing is never a candidate, and one stored before it is either
-    older than the grace period or skipped. Each candidate is deleted only if it is still
-    that old, checked and unlinked atomically with respect to a writer's dedup claim
-    (``SegmentStore.delete_many(older_than=...)``): a segment that a writer in any process has
-    just deduplicated against survives, and one deleted first is written anew by that writer.
+    stored after the listing is never a candidate. Each candidate is deleted only if it is
+    still that old, no writer claims it, and no record appended since the replay names it,
+    checked and unlinked under the store's exclusive collection lock
+    (``SegmentStore.delete_many(older_than=..., keep=...)``): a segment a writer in any process
+    has stored or deduplicated against and not yet journaled survives, whatever the grace
+    period, and one deleted first is written anew by that writer.
     The deletions are made durable a batch at a time (one fsync per directory per batch); one
     a crash undoes is an unreferenced segment again, collected by the next compaction.
     """
@@ -184,9 +187,10 @@ def collect_segments(directory: str, store: Any, result: CompactResult, folded: 
     # live or killed writer; make it durable before deleting what it released.
     for log in list_logs(directory):
         fsync_path(log, fs)
+    late = LateReferences(directory, folded.last_lsn)
     for done in range(0, len(doomed), COLLECT_BATCH):
         batch = doomed[done:done + COLLECT_BATCH]
-        removed = set(store.delete_many([key for key, _size in batch], older_than=cutoff))
+        removed = set(store.delete_many([key for key, _size in batch], older_than=cutoff, keep=late))
         for key, size in batch:
             if key in removed:
                 result.segments_removed.append(key)

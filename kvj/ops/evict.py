@@ -6,11 +6,11 @@ used first, segments that nothing needs until the store holds at most ``max_byte
 
 - never one that an in-flight request or a training checkpoint references (the journal's
   live state) or that a recovery manifest in ``recovery/`` plans to load;
-- never one stored or claimed (a put that found it stored) less than ``min_age`` seconds
-  before ``now``, nor after the candidates were listed: removal goes through
-  ``SegmentStore.delete_many(older_than=...)`` under the store's exclusive collection lock,
-  exactly as collection does, so a writer that claims a segment concurrently either keeps it
-  or finds it gone and writes it anew;
+- never one a writer claims (stored or deduplicated, its record not yet durable), nor one a
+  record appended since the replay names, nor one stored or claimed less than ``min_age``
+  seconds before ``now``: removal goes through ``SegmentStore.delete_many(older_than=...,
+  keep=...)`` under the store's exclusive collection lock, exactly as collection does, so a
+  writer that claims a segment concurrently either keeps it or finds it gone and writes it anew;
 - last use is the newest record of the key in the store's use log (stored, claimed or
   loaded; ``kvj.segments.uses``), else its file time (a pack's, for a member).
 
@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import FormatError, InvalidArgument, SegmentMissing
 from kvj.fileio import FS, REAL_FS, fsync_path, list_dir, open_read
+from kvj.journal.follow import Follower
+from kvj.journal.journal import segment_keys
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import replay
 from kvj.journal.entries import RECOVERY_DIR
@@ -41,6 +43,23 @@ EVICT_BATCH = 4096
 MAX_MANIFEST_BYTES = 256 << 20
 
 Progress = Callable[[str, int, int], None]
+
+
+class LateReferences:
+    """The ``keep`` of a collector's removals (``SegmentStore.delete_many``): the keys that records
+    appended since its replay (up to ``after_lsn``) name. Asked under the store's collection lock
+    once the claims were checked, it reads the log as far as it goes then: a writer gives a claim
+    back only once the record naming its key is in the log (man/kvj-segment.5, CLAIMS). An END
+    read here releases nothing: only what the replay saw, made durable first, does."""
+
+    def __init__(self, directory: str, after_lsn: int):
+        self._follower = Follower(directory, after_lsn=after_lsn)
+        self.keys: Set[str] = set()
+
+    def __call__(self, batch: List[str]) -> Set[str]:
+        for rec in self._follower.poll():
+            self.keys.update(segment_keys(rec.rtype, rec.payload))
+        return self.keys.intersection(batch)
 
 
 def manifest_needs(journal: str) -> Set[str]:
@@ -61,13 +80,14 @@ def manifest_needs(journal: str) -> Set[str]:
     return keys
 
 
-def needed_keys(journal: str) -> Dict[str, str]:
+def needed_keys(journal: str) -> Tuple[Dict[str, str], int]:
     """Keys eviction must keep, mapped to who needs them: the live state's references, then
-    the recovery manifests'."""
-    needed = dict(replay(journal).referenced_keys())
+    the recovery manifests'; and the last LSN the replay read."""
+    state = replay(journal)
+    needed = dict(state.referenced_keys())
     for key in manifest_needs(journal):
         needed.setdefault(key, "a recovery manifest")
-    return needed
+    return needed, state.last_lsn
 
 
 def evict_segments(journal: str, store: Any, result: Any, *, max_bytes: int, now: float,
@@ -94,17 +114,18 @@ def evict_segments(journal: str, store: Any, result: Any, *, max_bytes: int, now
     total = sum(size for _key, size, _used in listed)
     result.max_store_bytes = max_bytes
     if total > max_bytes:
-        needed = needed_keys(journal)  # read after the listing: a segment stored since is no candidate
+        needed, lsn = needed_keys(journal)  # read after the listing: a segment stored since is no candidate
         uses = store.backend.uses.read().last if store.backend.uses is not None else {}
         candidates = sorted(((uses.get(key, used), key, size) for key, size, used in listed
                              if key not in needed and used <= cutoff))
-        total -= _evict(journal, store, result, candidates, total - max_bytes, cutoff, progress, fs)
+        total -= _evict(journal, store, result, candidates, total - max_bytes, cutoff, progress, fs,
+                        LateReferences(journal, lsn))
     result.store_bytes = total
     result.over_budget = max(0, total - max_bytes)
 
 
 def _evict(journal: str, store: Any, result: Any, candidates: List[Tuple[float, str, int]], excess: int,
-           cutoff: float, progress: Optional[Progress], fs: FS) -> int:
+           cutoff: float, progress: Optional[Progress], fs: FS, late: LateReferences) -> int:
     """Remove ``candidates`` (last use, key, size; oldest first) until ``excess`` bytes are gone;
     the bytes removed."""
     freed = 0
@@ -128,7 +149,7 @@ def _evict(journal: str, store: Any, result: Any, candidates: List[Tuple[float, 
             batch.append(candidates[pos])
             want -= candidates[pos][2]
             pos += 1
-        removed = set(store.delete_many([key for _used, key, _size in batch], older_than=cutoff))
+        removed = set(store.delete_many([key for _used, key, _size in batch], older_than=cutoff, keep=late))
         for _used, key, size in batch:
             if key in removed:  # kept ones were claimed since the listing: the next candidates stand in
                 result.segments_evicted.append(key)

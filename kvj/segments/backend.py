@@ -19,18 +19,21 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
 from kvj.fileio import (DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, FS, REAL_FS, Buffer, DurabilityError, PathLike,
                         discard_temp, list_dir, makedirs_durable, open_regular, rename_durable)
 from kvj.names import KEY_RE
+from kvj.segments.claims import Claims, claimed
 from kvj.segments.packs import PackDir, PackWriter
 from kvj.segments.uses import UseLog
 
 SEGMENT_SUFFIX = ".kvjseg"
 #: The store's collection lock (see ``LocalDirBackend.collection_lock``).
 GC_LOCK = "gc.lock"
+#: Told, under the collection lock, the keys about to be removed; returns those to keep.
+Keep = Callable[[List[str]], Set[str]]
 #: Collection unlinks this many files per hold of the collection lock, on this many threads.
 UNLINK_BATCH = 64
 UNLINK_THREADS = 8
@@ -219,10 +222,22 @@ class StorageBackend(ABC):
         this, so a segment that a writer's dedup has just claimed is never removed.
         """
 
-    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None) -> List[str]:
+    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None,
+                    keep: Optional[Keep] = None) -> List[str]:
         """``delete`` each of ``keys``; the ones removed, all durably gone when this returns.
-        A backend may make the removals durable together (one directory sync, not one each)."""
-        return [key for key in keys if self.delete(key, older_than)]
+        A backend may make the removals durable together (one directory sync, not one each).
+        ``keep(keys)``, asked once the claims were checked, names keys to keep after all (a
+        collector's journal records appended since its replay: man/kvj-segment.5, CLAIMS)."""
+        keys = list(keys)
+        spared = keep(keys) if keep is not None else set()
+        return [key for key in keys if key not in spared and self.delete(key, older_than)]
+
+    def claim(self, keys: Iterable[str]) -> None:
+        """Claim ``keys`` until :meth:`release` (``kvj.segments.claims``; a backend without
+        claims has no collector to keep them from)."""
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Give back one claim on each of ``keys``."""
 
     @abstractmethod
     def keys(self) -> Iterator[str]: ...
@@ -400,6 +415,7 @@ class LocalDirBackend(StorageBackend):
         self.packs = PackDir(self)
         #: Not counted in ``io_counts``: those are the segments' own disk work.
         self.uses = UseLog(self.root, fs, self.collection_lock)
+        self.claims = Claims(self.root)
         self._writing = False
         self._writing_lock = threading.Lock()
 
@@ -427,6 +443,17 @@ class LocalDirBackend(StorageBackend):
     def begin(self) -> Upload:
         self._start_writing()
         return _LocalUpload(self)
+
+    def claim(self, keys: Iterable[str]) -> None:
+        self._start_writing()  # the store's root, where the claims file lives
+        self.claims.claim(keys)
+
+    def release(self, keys: Iterable[str]) -> None:
+        self.claims.release(keys)
+
+    def close(self) -> None:
+        """Drop every claim this backend still holds."""
+        self.claims.close()
 
     def begin_many(self) -> ManyUpload:
         """One pack for all the segments added (``packs.PackWriter``)."""
@@ -585,11 +612,16 @@ class LocalDirBackend(StorageBackend):
     def delete(self, key: str, older_than: Optional[float] = None) -> bool:
         return bool(self.delete_many([key], older_than))
 
-    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None) -> List[str]:
+    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None,
+                    keep: Optional[Keep] = None) -> List[str]:
         """Remove every copy of the keys (loose files unlinked, packed members named dead),
         then make it durable: each directory that lost a file fsynced once, each dead list
         fdatasynced once; packs left with no live member are unlinked and mostly dead ones
         repacked. A key counts as removed when no copy of it is left.
+
+        Under the exclusive collection lock, a key some writer claims is kept, and then so is
+        every key ``keep`` names (man/kvj-segment.5, CLAIMS): in that order, since a claim is
+        released only once the journal record that references its key is in the log.
 
         Unlinks run on a few threads (an unlink that frees blocks takes ~1 ms on a busy disk and
         they overlap), ``UNLINK_BATCH`` keys per hold of the collection lock, so a writer's
@@ -604,6 +636,11 @@ class LocalDirBackend(StorageBackend):
             for start in range(0, len(keys), UNLINK_BATCH):
                 batch = keys[start:start + UNLINK_BATCH]
                 with self.collection_lock(exclusive=True):
+                    spared = claimed(self.root, batch)
+                    if keep is not None:
+                        spared |= keep([key for key in batch if key not in spared])
+                    kept |= spared
+                    batch = [key for key in batch if key not in spared]
                     fates = list(pool.map(lambda key: self._unlink(key, older_than), batch))
                     dead, young, packs = self.packs.mark_dead(batch, older_than)
                 loose += [key for key, fate in zip(batch, fates) if fate == "removed"]

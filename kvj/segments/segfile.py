@@ -109,9 +109,10 @@ def _check_ints(value: Any) -> None:
             _check_ints(item)
 
 
-def canonical_layout(layout: Layout) -> Layout:
-    """Check that ``layout`` is JSON-shaped (str keys; str/int/float/bool/None/list/map)."""
-    return None if layout is None else json.loads(_layout_json(layout))
+def canonical_layout(layout: Layout) -> Dict[str, Any]:
+    """``layout`` as every writer keys it: checked JSON-shaped (str keys; str/int/float/bool/None/
+    list/map), and no layout at all as the empty map, so one tensor has one key however it is stored."""
+    return {} if layout is None else json.loads(_layout_json(layout))
 
 
 def _descriptor(dtype: str, shape: Sequence[int], layout_json: str) -> bytes:

@@ -18,11 +18,12 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from kvj.errors import CorruptionError, FormatError, InvalidArgument, LayoutMismatch, SegmentCorrupt, SegmentMissing
+from kvj.errors import (CorruptionError, FormatError, InvalidArgument, LayoutMismatch, SegmentCorrupt, SegmentMissing,
+                        JournalClosed)
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
 from kvj.names import check_key
 from kvj.segments import segfile as seg
-from kvj.segments.backend import LocalDirBackend, ObjectStat, StorageBackend, Upload
+from kvj.segments.backend import Keep, LocalDirBackend, ObjectStat, StorageBackend, Upload
 from kvj.segments.codecs import auto
 from kvj.segments.codecs.base import Backpressure, Codec
 from kvj.segments.layout import check_layout
@@ -117,15 +118,22 @@ class SegmentStore:
                                        thread_name_prefix="kvj-chunk")
         self._locks = [threading.Lock() for _ in range(64)]
         self._failed: Optional[BaseException] = None
+        self._closed = False
         #: Puts answered by a stored copy (nothing written).
         self.dedup_hits = 0
         self._auto = auto.AutoChoices()
+        #: Whether puts claim what they store until a journal's record names it (``kvj.segments.claims``):
+        #: set by the ``Journal`` that writes through this store, which gives the claims back.
+        self.journaled = False
         #: Keys a ``put_many`` of this store is writing now -> set once that put is over.
         self._in_flight: Dict[str, threading.Event] = {}
         self._in_flight_lock = threading.Lock()
 
     def close(self) -> None:
+        """Stop the pool and drop every claim still held."""
+        self._closed = True
         self.pool.shutdown(wait=True)
+        self.unjournaled()
 
     def __enter__(self) -> "SegmentStore":
         return self
@@ -180,7 +188,7 @@ class SegmentStore:
         if len(raw) <= self.HASH_FIRST_BYTES:
             # Small (a KV block): hash first, so a duplicate costs no compression and no write.
             key = seg.compute_digest(raw, name, shape, layout, self.pool).hex()
-            with self._key_lock(key):
+            with self._claimed([key]), self._key_lock(key):
                 info = self._existing(key)
                 if info is None:
                     enc = seg.encode(raw, dtype=name, shape=shape, layout=layout, digest=bytes.fromhex(key),
@@ -193,13 +201,14 @@ class SegmentStore:
                              pipeline=pipeline, pool=self.pool)
             upload = self._write(_timed_parts(enc.parts(), waited))
             key = enc.header.digest.hex()
-            with self._key_lock(key):
-                info = self._existing(key)
-                if info is None:
-                    self._commit(upload, key)
-                    info = SegmentInfo.from_header(enc.header)
-                else:
-                    upload.abort()
+            try:
+                with self._claimed([key]), self._key_lock(key):
+                    info = self._existing(key)
+                    if info is None:
+                        self._commit(upload, key)
+                        info = SegmentInfo.from_header(enc.header)
+            finally:
+                upload.abort()  # none left to drop once committed
         self._note([(USE, info.key, 0)])
         if timings is not None:
             total = time.perf_counter() - t0
@@ -228,6 +237,12 @@ class SegmentStore:
             pipeline = auto.choose(raw, seg.element(name), shape, codec=codec, pressure=pressure, memo=self._auto)
             jobs.append((raw, name, shape, seg.canonical_layout(layout), pipeline))
         keys = list(self.pool.map(lambda job: seg.compute_digest(job[0], job[1], job[2], job[3]).hex(), jobs))
+        with self._claimed(keys):
+            return self._put_claimed(keys, jobs, pressure, timings, t0)
+
+    def _put_claimed(self, keys: List[str], jobs: List[Any], pressure: int, timings: Optional[Dict[str, float]],
+                     t0: float) -> List[SegmentInfo]:
+        """``put_many`` once every key is claimed: dedup hits, then one pack of the new members."""
         found: Dict[str, SegmentInfo] = {}
         for key in sorted(self.backend.exists_many(keys)):
             with self._key_lock(key):
@@ -246,16 +261,55 @@ class SegmentStore:
             done.wait()
             with self._key_lock(key):
                 info = self._existing(key)
-            if info is None:  # that put failed: store this one on its own
+            if info is None:  # that put failed: store this one on its own (its claim given back)
                 raw, name, shape, layout, pipeline = new[key]
                 info = self.put_bytes(raw, dtype=name, shape=shape, layout=layout, codec=pipeline.codec,
                                       pressure=pressure)
+                self.release([key])
             found[key] = info
         self._note([(USE, key, 0) for key in found])
         if timings is not None:
             total = time.perf_counter() - t0
             timings.update(compression=waited, io=max(0.0, total - waited))
         return [found[key] for key in keys]
+
+    @contextmanager
+    def _claimed(self, keys: List[str]) -> Iterator[None]:
+        """Claim ``keys`` (one claim each) before they are looked up or written (``kvj.segments.claims``):
+        kept when the block succeeds, for the journal to release once the record naming each is
+        durable; given back when it raises. A store no journal writes through claims nothing."""
+        if not self.journaled:
+            yield
+            return
+        self.backend.claim(keys)
+        try:
+            yield
+        except BaseException:
+            self.release(keys)
+            raise
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Give back one claim on each of ``keys`` (the journal does, once the record that
+        references each is durable)."""
+        self.backend.release(keys)
+
+    def unjournaled(self) -> None:
+        """The journal writing through this store closed: drop the claims still held (their
+        records never came) and claim nothing from now on."""
+        self.journaled = False
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+    def claim_existing(self, key: str) -> bool:
+        """Claim a stored segment to journal it again by reference (``Journal.flush(info=...)``
+        takes the claim over): False, with nothing claimed, when it is gone."""
+        check_key(key)
+        with self._claimed([key]):
+            alive = self.backend.touch(key)  # under the shared collection lock: a collector's unlink is before or after
+        if not alive:
+            self.release([key])
+        return alive
 
     def _claim(self, new: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, threading.Event]]:
         """Split ``new`` into the keys this call writes (claimed) and those a concurrent
@@ -367,7 +421,9 @@ class SegmentStore:
         return SegmentInfo.from_header(header)
 
     def _check_alive(self) -> None:
-        """After a failed write or fsync nothing more is stored (fsync is never retried)."""
+        """After a failed write or fsync nothing more is stored (fsync is never retried), nor after ``close``."""
+        if self._closed:
+            raise JournalClosed("the segment store is closed")
         if self._failed is not None:
             raise DurabilityError(self._failed.errno or 0, f"segment store failed earlier: {self._failed}")
 
@@ -409,7 +465,7 @@ class SegmentStore:
         header, _ = seg.decode(data, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
         if header.digest.hex() != key:
             raise SegmentCorrupt(name, None, "segment digest does not match the key")
-        with self._key_lock(key):
+        with self._claimed([key]), self._key_lock(key):
             info = self._existing(key)
             if info is None:
                 self._commit(self._write([data]), key)
@@ -493,11 +549,13 @@ class SegmentStore:
         (see ``StorageBackend.delete``). True when it was removed."""
         return self.backend.delete(check_key(key), older_than)
 
-    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None) -> List[str]:
-        """``delete`` each key (with ``older_than`` as there); the ones removed. The removals are
-        made durable together, once per directory, which is what makes collection linear in cost
-        per segment instead of a directory fsync per segment."""
-        return self.backend.delete_many([check_key(key) for key in keys], older_than)
+    def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None,
+                    keep: Optional[Keep] = None) -> List[str]:
+        """``delete`` each key (with ``older_than`` as there) that no writer claims and ``keep``
+        does not name (``StorageBackend.delete_many``); the ones removed. The removals are made
+        durable together, once per directory, which is what makes collection linear in cost per
+        segment instead of a directory fsync per segment."""
+        return self.backend.delete_many([check_key(key) for key in keys], older_than, keep)
 
     def quarantine(self, key: str) -> str:
         """Move a (damaged) segment aside; later gets see it as missing."""

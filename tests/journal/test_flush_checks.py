@@ -65,11 +65,14 @@ def test_a_writer_knows_the_requests_in_flight_before_it_opened_the_journal(tmp_
     assert state.requests["resumed"].resume_position == 32 and state.last_lsn == 9
 
 
-def test_a_request_started_around_the_journal_is_found_in_the_log(tmp_path):
+def test_a_request_in_flight_before_open_is_known_from_the_replay_at_open(tmp_path):
     with Journal.open(tmp_path) as j:
         for i in range(3):  # the writer's own append, as a test of durability does it: the Journal never saw them
-            rid = f"raw-{i}"
-            j.writer.append(RecordType.START, {"id": rid, "prompt_hash": None, "tokens": None, "meta": {}})
-            assert j.flush(rid, 0, BLOCK * i, token_range=(0, 16)).result() > 0
-        with pytest.raises(kvj.InvalidArgument, match="raw-9 is not in flight"):
-            j.flush("raw-9", 0, BLOCK, token_range=(0, 16))
+            j.writer.append(RecordType.START, {"id": f"raw-{i}", "prompt_hash": None, "tokens": None, "meta": {}})
+        j.end("raw-2")
+    with Journal.open(tmp_path) as j:
+        for i in range(2):
+            assert j.flush(f"raw-{i}", 0, BLOCK * i, token_range=(0, 16)).result() > 0
+        for rid in ("raw-2", "raw-9"):  # ended, never started
+            with pytest.raises(kvj.InvalidArgument, match=f"{rid} is not in flight"):
+                j.flush(rid, 0, BLOCK, token_range=(0, 16))

@@ -9,7 +9,7 @@ from kvj.segments.layout import check_layout, layout_diff, layouts_match
 def test_exact_match_after_canonicalisation():
     assert layouts_match({"model": "m", "shape": (1, 2)}, {"shape": [1, 2], "model": "m"})
     assert not layouts_match({"model": "m"}, {"model": "m", "block_size": 16})  # a field more is another layout
-    assert not layouts_match(None, {})  # no layout is not an empty one
+    assert layouts_match(None, {})  # no layout is the empty one: one key for one tensor however it is stored
     assert layouts_match(None, None)
     assert layout_diff({"model": "a", "x": 1}, {"model": "b"}) == ["model='a' (expected 'b')", "x=1 (expected None)"]
 

@@ -33,7 +33,7 @@ def _definition(dtype, shape, layout) -> bytes:
 @given(dtype=st.sampled_from(list(seg.ELEMENTS)), shape=st.lists(st.integers(0, 2**40), max_size=4),
        layout=LAYOUTS)
 def test_descriptor_is_its_json_definition(dtype, shape, layout):
-    assert seg.descriptor(dtype, shape, layout) == _definition(dtype, shape, seg.canonical_layout(layout))
+    assert seg.descriptor(dtype, shape, layout) == _definition(dtype, shape, None if layout is None else seg.canonical_layout(layout))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
