@@ -451,7 +451,7 @@ class WorkerJournal:
         """On kvj's thread: claim ``known``'s segment (a use: compaction now keeps it through its
         grace period) and journal the block by reference; a segment gone meanwhile is not journaled
         (the block is recomputed after a crash)."""
-        if not self.journal.store.backend.touch(known.key):
+        if not self.journal.store.claim_existing(known.key):  # the journal gives the claim back once recorded
             with self._lock:
                 self._known.pop((save.chain, save.token_ids[-1]), None)
             self.stats["blocks_skipped"] += 1

@@ -157,13 +157,14 @@ from kvj.ops.compact import compact
 path = sys.argv[1]
 print("ready", flush=True)
 while True:
-    compact(path)
+    compact(path, grace=0)  # no grace period: only claims and references keep a segment
     time.sleep(0.02)
 """
 
 
 class Compactor:
-    """A compactor process looping over the journal; SIGKILLed now and then too."""
+    """A compactor process looping over the journal, collecting every unreferenced segment at
+    once (grace 0); SIGKILLed now and then too."""
 
     def __init__(self, journal: str):
         self.journal = journal

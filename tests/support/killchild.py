@@ -12,7 +12,8 @@ killed:
 * appenders sometimes use ``durable=True`` and write ``A <lsn>`` when it returns;
 * with ``--flush``, a flusher thread starts requests and flushes KV segments whose
   tensors are a pure function of (run, request, segment), writing ``S <lsn>`` once the
-  flush future and a following ``sync()`` returned.
+  flush future and a following ``sync()`` returned; it ends every other request, whose
+  blocks the next request flushes again (dedup hits on unreferenced segments).
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ def parse_device(device: str) -> Tuple[int, int]:
 
 
 def flush_tensor(run: int, req: int, seg: int):  # -> torch.Tensor
-    """The KV block flushed as segment ``seg`` of request ``req`` in run ``run``."""
+    """The KV block flushed as segment ``seg`` of request ``req`` in run ``run``: requests 2k
+    and 2k+1 flush the same blocks, so the second's are dedup hits on the first's, which has
+    ended (what a compaction at grace 0 may be collecting at that very moment)."""
     import torch
+    req -= req % 2
     g = torch.Generator().manual_seed(run * 1_000_003 + req * 1009 + seg)
     shape = (2, 16, 2, 8)
     if (req + seg) % 3 == 0:
@@ -110,6 +114,8 @@ def main(argv: list) -> None:
                               layout={"model": "kill-test", "block": 16})
                 fut.result()
             side.say(f"S {j.sync()}")
+            if req % 2 == 0:
+                j.end(rid)  # its blocks are unreferenced now; the next request flushes the same ones
             req += 1
 
     workers = [threading.Thread(target=appender, args=(t,), daemon=True) for t in range(threads)]
