@@ -207,7 +207,28 @@ def journal_trial(g: Golden, trial_path: str, dmg: Damage, tally: Tally) -> bool
         if last < g.last_lsn:
             assert state.tail is not None, f"replay silently lost LSNs {last + 1}..{g.last_lsn} after {dmg}"
             tally.tail_reported += 1
+    writer_agrees(trial_path, str(dmg))
     return detected
+
+
+def writer_agrees(path: str, what: str) -> None:
+    """The writer judges a journal by the readers' rule: it opens one only where replay (what
+    recovery reads) accepts it too, and a record it then acknowledges as durable is replayed."""
+    try:
+        replay(path)
+        readable = True
+    except KvjError:
+        readable = False
+    try:
+        with Journal.open(path) as j:
+            lsn = j.start("after-damage", durable=True)
+    except KvjError:
+        assert not readable, f"the writer refused a journal replay accepts after {what}"
+        return
+    assert readable, f"the writer opened a journal replay refuses after {what}"
+    state = replay(path)
+    assert state.last_lsn >= lsn and "after-damage" in state.requests, \
+        f"a record the writer acknowledged after {what} is not replayed"
 
 
 def segment_trial(g: Golden, trial_path: str, dmg: Damage) -> bool:
@@ -300,9 +321,8 @@ def test_corruption_full(golden, tmp_path):
 
 def test_damaged_snapshot_is_an_error_not_a_silent_fallback(golden, tmp_path):
     """A damaged newest snapshot is reported; replay does not quietly start from scratch
-    (its logs were deleted, so that would silently lose the compacted history).
-    (Journal.open does not read the snapshot, as it does not re-check sealed log files:
-    damage there is fsck's to find.)"""
+    (its logs were deleted, so that would silently lose the compacted history), and the
+    writer refuses it as replay does."""
     trial = str(tmp_path / "t")
     shutil.copytree(golden.path, trial)
     snap = list_snapshots(trial)[0][1]
@@ -315,3 +335,75 @@ def test_damaged_snapshot_is_an_error_not_a_silent_fallback(golden, tmp_path):
         replay(trial)
     with pytest.raises(KvjError):
         replay(trial, strict=True)
+    with pytest.raises(KvjError):
+        Journal.open(trial)
+
+
+def _five_log_files(path: str) -> None:
+    with Journal.open(path, policy=CommitPolicy(file_size_limit=8000)) as j:
+        for i in range(600):
+            j.start(f"r{i}", prompt_hash="p", tokens=list(range(8)))
+            if i % 50 == 49:
+                j.sync()
+    assert len(list_logs(path)) >= 5
+
+
+def _flip_in_first_log(path: str) -> None:
+    first = list_logs(path)[0]
+    with open(first, "r+b") as f:
+        f.seek(min(3000, os.path.getsize(first) - 100))
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x04]))
+
+
+def _last_group_valid_crc(path: str, payload: bytes) -> None:
+    """A last commit group whose frames and CRCs are right but whose START payload is not one
+    (what a buggy or hostile tool writes): framed by the writer itself, which checks nothing."""
+    from kvj.journal.records import RecordType
+    with Journal.open(path) as j:
+        j.writer.append(RecordType.START, payload, durable=True)
+
+
+def _bad_id(path: str) -> None:
+    from kvj.journal.records import encode_payload
+    _last_group_valid_crc(path, encode_payload({"id": "../../etc/passwd", "prompt_hash": None, "tokens": None,
+                                                "meta": {}}))
+
+
+def _deep_nesting(path: str) -> None:
+    from kvj.journal.records import encode_payload
+    head = encode_payload({"id": "deep", "prompt_hash": None, "tokens": None, "meta": {"a": 0}})
+    assert head.endswith(b"\x00")
+    _last_group_valid_crc(path, head[:-1] + b"\x91" * 5000 + b"\xc0")
+
+
+def _newest_snapshot(path: str) -> None:
+    from kvj.ops.compact import compact
+    compact(path)
+    snap = list_snapshots(path)[0][1]
+    with open(snap, "r+b") as f:
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("damage", [_flip_in_first_log, _bad_id, _deep_nesting, _newest_snapshot],
+                         ids=["bit-in-first-of-five-logs", "valid-crc-id-traversal", "valid-crc-deep-nesting",
+                              "newest-snapshot"])
+def test_the_writer_refuses_what_recovery_refuses_and_acknowledges_nothing(tmp_path, damage):
+    """A journal that recovery refuses is refused by the writer too, before anything is appended:
+    a writer that opened it would acknowledge records that ``kvj recover`` then throws away."""
+    import subprocess
+    from support.cli_helpers import KVJ
+    path = str(tmp_path / "j")
+    _five_log_files(path)
+    damage(path)
+    sizes = {p: os.path.getsize(p) for p in list_logs(path)}
+    with pytest.raises(KvjError):
+        Journal.open(path)
+    assert {p: os.path.getsize(p) for p in list_logs(path)} == sizes, "the refused open changed the log"
+    recover = subprocess.run([*KVJ, "recover", "--dry-run", "-j", path], capture_output=True, text=True, timeout=300)
+    assert recover.returncode == 65, recover.stdout + recover.stderr
+    writer_agrees(path, damage.__name__)
