@@ -26,8 +26,10 @@ from kvj.ops.inspection import human_size
 
 def compact(journal: JournalArg = None,
             store: StoreArg = None,
-            grace: Annotated[str, typer.Option(metavar="DURATION", help="Never collect a segment younger than this "
-                                               "(a DURATION: 90s, 15m, 1h, 2d; 0 for none).")] = f"{int(DEFAULT_GRACE)}s",
+            grace: Annotated[str, typer.Option(metavar="DURATION", help="Never collect an unreferenced segment "
+                                               "younger than this (a DURATION: 90s, 15m, 1h, 2d; 0 for none: a "
+                                               "segment a writer has not journaled yet is claimed, whatever the "
+                                               "grace).")] = f"{int(DEFAULT_GRACE)}s",
             segments: Annotated[bool, typer.Option("--segments/--no-segments",
                                                    help="Collect unreferenced segments.")] = True,
             max_store_bytes: Annotated[Optional[str], typer.Option(
@@ -41,16 +43,18 @@ def compact(journal: JournalArg = None,
 
     Folds every sealed log file (all but the newest) into a snapshot of the live state,
     makes it durable, then deletes the log files and older snapshots it replaces. Collects
-    segments that no live record references and that are older than the grace period, so
-    a segment written just before its record is never collected.
+    segments that no live record references, no writer claims and that are older than the
+    grace period: a writer claims what it stores until the record naming it is durable
+    (kvj-segment(5), CLAIMS), so a segment written just before its record is never
+    collected, whatever the grace period.
 
     With a byte budget (--max-store-bytes, or the one kvj init --max-store-bytes recorded),
     it then evicts segments until the store holds at most that many bytes, least recently
     used first (a load by a serving engine, a store or a put that finds the segment stored
     counts as use; kvj-segment(5), USE LOG). Never evicted: a segment an in-flight request
     or a training checkpoint references, one a recovery manifest in recovery/ plans to load,
-    and one stored or claimed in the last minute (or the grace period, if shorter) or while
-    it runs. What is still above the budget then is reported. A second compactor exits
+    one a writer claims, and one stored or claimed in the last minute (or the grace period,
+    if shorter) or while it runs. What is still above the budget then is reported. A second compactor exits
     with status 75 naming the first one's pid. Reports the bytes reclaimed. --dry-run
     says what it would do and changes nothing. Files kvj sets aside (torn/, recovery/,
     the store's quarantine) are kept until kvj prune removes them.
