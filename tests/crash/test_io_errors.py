@@ -267,7 +267,7 @@ def flush_setup(tmp_path):
     fs, rec, path, j, truth = setup(tmp_path)
     rid = "req-seg"
     payload = {"id": rid, "prompt_hash": None, "tokens": None, "meta": {}}
-    truth.add(j.writer.append(1, payload), 1, payload)
+    truth.add(j.start(rid), 1, payload)
     flush_one(j, truth, rid, 0, torch.arange(512, dtype=torch.float32).reshape(8, 64))
     truth.ack(j.sync())
     rec.note(("acked", truth.acked))
@@ -304,6 +304,10 @@ def test_segment_write_failure(tmp_path, op, where, err):
     assert fs.fired == 1
     with pytest.raises((OSError, KvjError)):
         j.flush(rid, 2, torch.zeros(4, 4), token_range=(32, 48)).result(30)
+    # the journal failed as a whole: nothing after the failure is reported durable
+    for record in (lambda: j.start("later", durable=True), lambda: j.end(rid, durable=True), j.sync):
+        with pytest.raises(JournalFailed):
+            record()
     try:
         j.close()
     except (OSError, KvjError):

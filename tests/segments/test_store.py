@@ -554,3 +554,37 @@ def test_delete_many_removes_what_is_old_and_syncs_each_directory_once(tmp_path,
         dirs = {os.path.dirname(store.backend.path(k)) for k in removed}
         assert sorted(fs.synced) == sorted(dirs)  # every directory that lost a file, once
         assert store.delete_many([young]) == [young] and not store.exists(young)
+
+
+def test_a_tensor_stored_without_a_layout_has_one_key_however_it_is_stored(tmp_path):
+    """Through ``Journal.flush``, ``SegmentStore.put`` and ``put_many`` alike: no layout is the
+    empty one, so the same bytes are one segment and dedup finds them."""
+    from kvj.journal.journal import Journal
+    from kvj.journal.replay import replay
+
+    t = torch.arange(64, dtype=torch.float32)
+    path = str(tmp_path / "j")
+    with Journal.open(path) as j:
+        j.start("r")
+        j.flush("r", 0, t, token_range=(0, 16)).result()
+    key = replay(path).requests["r"].segments[0].key
+    with SegmentStore(os.path.join(path, "segments")) as store:
+        [many] = store.put_many([(t.numpy().tobytes(), torch.float32, (64,), None)])
+        assert many.key == store.put(t).key == store.put(t, layout={}).key == key
+        assert list(store.keys()) == [key] and store.dedup_hits == 3
+
+
+def test_a_closed_journal_or_store_says_it_is_closed(tmp_path):
+    from kvj.errors import JournalClosed
+    from kvj.journal.journal import Journal
+
+    j = Journal.open(str(tmp_path / "j"))
+    store = j.store
+    j.close()
+    assert j.store is store  # still there to look at, but it stores nothing more
+    with pytest.raises(JournalClosed, match="closed"):
+        store.put(torch.zeros(4))
+    j = Journal.open(str(tmp_path / "j"))
+    j.close()
+    with pytest.raises(JournalClosed, match="closed"):
+        j.store
