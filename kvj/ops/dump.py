@@ -1,8 +1,9 @@
 """Dumping one segment to a file a person or another tool can open: ``.npy``, ``.safetensors``
 or ``.pt``, as ``restic dump`` and ``pg_waldump -b`` hand out what a repository holds.
 
-The segment is read through the store, which checks every chunk CRC and the digest; the
-file is written durably (temp file, fsync, rename) and read back to check that it holds
+The segment is checked by the store first (every chunk CRC and the digest, a chunk at a
+time, so a header declaring more than it holds costs no memory), then read; the file is
+written durably (temp file, fsync, rename) and read back to check that it holds
 exactly the segment's bytes. Also here: finding a segment by a key prefix, and who in the
 journal refers to a segment.
 """
@@ -113,7 +114,10 @@ def dump_segment(store: Any, key: str, path: str, name: str = "tensor") -> Dict[
     fmt = os.path.splitext(path)[1].lower()
     if fmt not in FORMATS:
         raise InvalidArgument(f"{path}: write .npy, .safetensors or .pt")
-    tensor = store.get(key)  # every chunk CRC and the digest checked
+    # Checked first in a chunk's memory (header against key, chunk CRCs, digest), so a small
+    # file whose header declares gigabytes (a zstd bomb) is refused before they are allocated.
+    store.verify(key)
+    tensor = store.get(key)
     data = _encode(tensor, fmt, name)
     atomic_write(path, data, mode=0o644)
     if not _same(_read_back(path, fmt, name), tensor):

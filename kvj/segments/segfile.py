@@ -19,14 +19,15 @@ segment's content address and is verified on every decode. A segment is encoded 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 import struct
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple,
-                    Union)
+from typing import (TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
+                    Sequence, Tuple, Union)
 
 import blake3
 import crc32c
@@ -35,7 +36,7 @@ import msgpack
 from kvj.errors import FormatError, InvalidArgument, SegmentCorrupt
 from kvj.fileio import Buffer
 from kvj.segments.backend import BytesSource, Source
-from kvj.segments.codecs.base import MAX_EXPANSION, Element, Filter, Filtered, Pipeline, field_int
+from kvj.segments.codecs.base import MAX_EXPANSION, Element, Filter, Filtered, Pipeline, Unfilter, field_int
 from kvj.segments.codecs.raw import RawCodec
 from kvj.segments.codecs.registry import FILTERS, filter_class, filter_names, get_codec
 
@@ -130,10 +131,32 @@ def _chunks(n: int, size: int) -> List[Tuple[int, int]]:
     return [(off, min(size, n - off)) for off in range(0, n, size)]
 
 
+#: Tasks :func:`_map` keeps submitted at once: enough to keep any pool busy, few enough that a
+#: header of millions of tiny chunks does not become millions of futures (2 KB each).
+_IN_FLIGHT = 64
+
+
 def _map(pool: Optional[Executor], fn: Callable, items: Sequence) -> List:
+    """``[fn(it) for it in items]``, run in ``pool`` (at most ``_IN_FLIGHT`` submitted at a time).
+
+    On the first error the tasks not yet started are cancelled and the running ones waited for,
+    so none still writes into a caller's buffer once this raises."""
     if pool is None or len(items) <= 1:
         return [fn(it) for it in items]
-    return list(pool.map(fn, items))
+    results: List = []
+    pending: Deque[Future] = collections.deque()
+    try:
+        for item in items:
+            if len(pending) == _IN_FLIGHT:
+                results.append(pending.popleft().result())
+            pending.append(pool.submit(fn, item))
+        while pending:
+            results.append(pending.popleft().result())
+    finally:
+        for fut in pending:
+            fut.cancel()
+        wait(pending)
+    return results
 
 
 def _leaf(view: memoryview) -> bytes:
@@ -529,6 +552,92 @@ def _stored_filter(header: Header, name: str) -> Optional[Filter]:
         raise _corrupt(name, None, str(exc)) from None
 
 
+class _Job(NamedTuple):
+    """One chunk: its index, where its stored bytes are and their CRC, where its decoded bytes go."""
+
+    index: int
+    offset: int
+    stored: int
+    crc: int
+    raw_offset: int
+    raw_len: int
+
+
+class _Chunks:
+    """One segment's chunks, each read, CRC-checked and decoded on its own (by any thread), and
+    its filter undone: what :func:`decode_into` and :func:`verify` share.
+
+    The filter's side data is read and checked here, so it is in memory; no chunk is, until a
+    task decodes it into the buffer it is given.
+    """
+
+    def __init__(self, source: Source, header: Header):
+        self.source, self.header, self.name = source, header, source.name
+        self.codec = get_codec(header.codec, header.params)
+        self.wsize = element(header.dtype).word
+        self.in_place = isinstance(self.codec, RawCodec)  # stored bytes are the raw bytes: read them into place
+        filt = _stored_filter(header, self.name)
+        pos = PREAMBLE.size
+        self.unfilter: Optional[Unfilter] = None
+        if filt is not None:
+            side = bytes(source.read(pos, filt.side_size))
+            if crc32c.crc32c(side) != filt.side_crc:
+                raise _corrupt(self.name, pos, f"{filt.side_name} CRC mismatch: the damage is somewhere in its "
+                                               f"bytes {pos}..{pos + filt.side_size}")
+            try:
+                self.unfilter = filt.decoder(side, header.payload_size)
+            except FormatError as exc:
+                raise _corrupt(self.name, pos, str(exc)) from None
+            pos += filt.side_size
+        self.jobs: List[_Job] = []
+        for i, (stored, crc) in enumerate(header.chunks):
+            raw_off = i * header.chunk_size
+            self.jobs.append(_Job(i, pos, stored, crc, raw_off, min(header.chunk_size, header.payload_size - raw_off)))
+            pos += stored
+
+    def decode(self, job: _Job, dest: memoryview) -> None:
+        """Read chunk ``job``, check its CRC and decode it into ``dest`` (exactly its raw length);
+        a chunk that does not decode to exactly that is corrupt."""
+        if self.in_place and job.stored == job.raw_len:
+            self.source.read_into(job.offset, dest)
+            body: memoryview = dest
+        else:
+            body = self.source.read(job.offset, job.stored)
+        if crc32c.crc32c(body) != job.crc:
+            raise _corrupt(self.name, job.offset, f"chunk {job.index} CRC mismatch: the damage is somewhere in its "
+                                                  f"bytes {job.offset}..{job.offset + job.stored}")
+        if body is not dest:
+            try:
+                self.codec.decode_into(body, dest, self.wsize)
+            except FormatError as exc:
+                raise _corrupt(self.name, job.offset, f"chunk {job.index}: {exc}") from None
+
+    def leaves(self, pool: Optional[Executor], into: Callable[[_Job], memoryview]) -> List[bytes]:
+        """Each chunk decoded into ``into(job)`` and hashed there: the digest leaves of a segment
+        without a filter (its chunks are the raw bytes' leaves)."""
+        def decode_and_leaf(job: _Job) -> bytes:
+            dest = into(job)
+            self.decode(job, dest)
+            return _leaf(dest)
+        return _map(pool, decode_and_leaf, self.jobs)
+
+    def payload(self, pool: Optional[Executor]) -> memoryview:
+        """Every chunk decoded into a new buffer of the payload (the filter's output) size."""
+        import numpy as np
+
+        if not self.header.payload_size:
+            return memoryview(bytearray())
+        target = memoryview(np.empty(self.header.payload_size, np.uint8)).cast("B")
+        _map(pool, lambda job: self.decode(job, target[job.raw_offset:job.raw_offset + job.raw_len]), self.jobs)
+        return target
+
+    def check_digest(self, leaves: Iterable[bytes]) -> None:
+        """Refuse the segment unless ``leaves`` (the raw bytes' digest leaves) make its digest."""
+        header = self.header
+        if _digest(header.descriptor(), header.chunk_size, header.raw_size, leaves) != header.digest:
+            raise _corrupt(self.name, None, "digest mismatch: decoded bytes are not what was stored")
+
+
 def decode_into(data: Union[Buffer, Source], out: memoryview, *, name: str = "<segment>",
                 pool: Optional[Executor] = None, header: Optional[Header] = None) -> Header:
     """Check and decode a whole segment file into ``out`` (exactly ``raw_size`` bytes); its header.
@@ -538,70 +647,51 @@ def decode_into(data: Union[Buffer, Source], out: memoryview, *, name: str = "<s
     checked; any failure raises :class:`SegmentCorrupt` naming the segment. ``header`` is
     :func:`read_header` of the same segment when the caller has parsed it already.
     """
-    import numpy as np
-
     source = as_source(data, name)
-    name = source.name
     if header is None:
         header = read_header(source)
     if len(out) != header.raw_size:
-        raise InvalidArgument(f"{name}: decoding {header.raw_size} bytes into a buffer of {len(out)}")
-    codec = get_codec(header.codec, header.params)
-    wsize = element(header.dtype).word
-    filt = _stored_filter(header, name)
-    pos = PREAMBLE.size
-    if filt is not None:
-        side = bytes(source.read(pos, filt.side_size))
-        if crc32c.crc32c(side) != filt.side_crc:
-            raise _corrupt(name, pos, f"{filt.side_name} CRC mismatch: the damage is somewhere in its bytes "
-                                      f"{pos}..{pos + filt.side_size}")
-        try:
-            unfilter = filt.decoder(side, header.payload_size)
-        except FormatError as exc:
-            raise _corrupt(name, pos, str(exc)) from None
-        pos += filt.side_size
-        payload = np.empty(header.payload_size, np.uint8)
-        target = memoryview(payload).cast("B") if header.payload_size else memoryview(bytearray())
+        raise InvalidArgument(f"{source.name}: decoding {header.raw_size} bytes into a buffer of {len(out)}")
+    chunks = _Chunks(source, header)
+    unfilter = chunks.unfilter
+    if unfilter is None:
+        leaves = chunks.leaves(pool, lambda job: out[job.raw_offset:job.raw_offset + job.raw_len])
     else:
-        target = out
-    jobs = []
-    for i, (stored, crc) in enumerate(header.chunks):
-        raw_off = i * header.chunk_size
-        jobs.append((i, pos, stored, crc, raw_off, min(header.chunk_size, header.payload_size - raw_off)))
-        pos += stored
-    hash_inline = filt is None
-    in_place = isinstance(codec, RawCodec)  # stored bytes are the raw bytes: read them into place
-
-    def work(job: Tuple[int, int, int, int, int, int]) -> bytes:
-        i, off, stored, crc, raw_off, raw_len = job
-        dest = target[raw_off:raw_off + raw_len]
-        if in_place and stored == raw_len:
-            source.read_into(off, dest)
-            body: memoryview = dest
-        else:
-            body = source.read(off, stored)
-        if crc32c.crc32c(body) != crc:
-            raise _corrupt(name, off, f"chunk {i} CRC mismatch: the damage is somewhere in its bytes "
-                                      f"{off}..{off + stored}")
-        if body is not dest:
-            try:
-                codec.decode_into(body, dest, wsize)
-            except FormatError as exc:
-                raise _corrupt(name, off, f"chunk {i}: {exc}") from None
-        return _leaf(dest) if hash_inline else b""
-
-    leaves = _map(pool, work, jobs)
-    if filt is not None:
         # Undo the filter in parallel, each digest leaf's range hashed as soon as it is filled.
-        unfilter.prepare(target, out, pool)
+        unfilter.prepare(chunks.payload(pool), out, pool)
 
         def fill_and_leaf(c: Tuple[int, int]) -> bytes:
             unfilter.fill(c[0], c[1])
             return _leaf(out[c[0]:c[0] + c[1]])
         leaves = _map(pool, fill_and_leaf, _chunks(header.raw_size, header.chunk_size))
-    actual = _digest(header.descriptor(), header.chunk_size, header.raw_size, leaves)
-    if actual != header.digest:
-        raise _corrupt(name, None, "digest mismatch: decoded bytes are not what was stored")
+    chunks.check_digest(leaves)
+    return header
+
+
+def verify(data: Union[Buffer, Source], *, name: str = "<segment>", pool: Optional[Executor] = None,
+           header: Optional[Header] = None) -> Header:
+    """Check a whole segment file as :func:`decode_into` does (every chunk CRC, then the digest),
+    without holding its raw bytes; its header.
+
+    Each chunk is decoded into a buffer of its own raw length (at most ``chunk_size``: a chunk
+    that would decode to more is corrupt, refused at once), hashed into its digest leaf and
+    dropped, so checking a segment takes a chunk's memory per thread whatever its header
+    declares: a small file declaring gigabytes of zeros is refused when its digest fails, not
+    after that much memory was filled. A filtered segment holds its payload (the filter's
+    output) and rebuilds the raw bytes a digest leaf at a time.
+    """
+    import numpy as np
+
+    source = as_source(data, name)
+    if header is None:
+        header = read_header(source)
+    chunks = _Chunks(source, header)
+    if chunks.unfilter is None:
+        leaves = chunks.leaves(pool, lambda job: memoryview(np.empty(job.raw_len, np.uint8)).cast("B"))
+    else:
+        read = chunks.unfilter.reader(chunks.payload(pool), header.raw_size, pool)
+        leaves = _map(pool, lambda c: _leaf(read(c[0], c[1])), _chunks(header.raw_size, header.chunk_size))
+    chunks.check_digest(leaves)
     return header
 
 

@@ -23,7 +23,7 @@ from kvj.errors import (CorruptionError, FormatError, InvalidArgument, LayoutMis
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
 from kvj.names import check_key
 from kvj.segments import segfile as seg
-from kvj.segments.backend import Keep, LocalDirBackend, ObjectStat, StorageBackend, Upload
+from kvj.segments.backend import Keep, LocalDirBackend, ObjectStat, Source, StorageBackend, Upload
 from kvj.segments.codecs import auto
 from kvj.segments.codecs.base import Backpressure, Codec
 from kvj.segments.layout import check_layout
@@ -483,12 +483,18 @@ class SegmentStore:
         """Stored size and last use (store or dedup claim) of a segment; SegmentMissing if absent."""
         return self.backend.stat(check_key(key))
 
-    def _header(self, key: str) -> seg.Header:
-        with self.backend.open(key) as src:  # one open; a small file is read once
-            header = seg.read_header(seg.whole_if_small(src))
+    @staticmethod
+    def _keyed_header(src: Source, key: str) -> seg.Header:
+        """The header of segment ``key`` in ``src``, refused unless its digest is the key: the
+        cheap check, made before any chunk is read."""
+        header = seg.read_header(src)
         if header.digest.hex() != key:
             raise SegmentCorrupt(src.name, None, "header digest does not match the key")
         return header
+
+    def _header(self, key: str) -> seg.Header:
+        with self.backend.open(key) as src:  # one open; a small file is read once
+            return self._keyed_header(seg.whole_if_small(src), key)
 
     def info(self, key: str) -> SegmentInfo:
         """Header-only look-up (the chunks are not read)."""
@@ -510,14 +516,11 @@ class SegmentStore:
         with self.counted_load(key):
             with self.backend.open(key) as opened:
                 src = seg.whole_if_small(opened)
-                name = src.name
-                header = seg.read_header(src)
+                header = self._keyed_header(src, key)
                 if expect_layout is not None:
-                    check_layout(header.layout, expect_layout, f"segment {name}")
+                    check_layout(header.layout, expect_layout, f"segment {src.name}")
                 header, tensor = tensors.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
                                                      header=header)
-            if header.digest.hex() != key:
-                raise SegmentCorrupt(name, None, "segment digest does not match the key")
         target = cuda.CUDA.resolve(device)
         if target.type == "cpu":
             return tensor
@@ -528,14 +531,19 @@ class SegmentStore:
         return on_device
 
     def verify(self, key: str) -> SegmentInfo:
-        """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch."""
+        """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch.
+
+        The header is checked against the key first; then the chunks are decoded and hashed
+        one at a time (``segfile.verify``), so whatever size a header declares, a check takes
+        a chunk's memory per thread of the pool, never the segment's raw size.
+        """
         check_key(key)
         with self.counted_load(key):
-            with self.backend.open(key) as src:
-                name = src.name
-                header, _ = seg.decode(seg.whole_if_small(src), pool=self.pool, max_raw=self.max_segment_bytes)
-            if header.digest.hex() != key:
-                raise SegmentCorrupt(name, None, "segment digest does not match the key")
+            with self.backend.open(key) as opened:
+                src = seg.whole_if_small(opened)
+                header = self._keyed_header(src, key)
+                seg.check_raw_limit(header, src.name, self.max_segment_bytes)
+                seg.verify(src, pool=self.pool, header=header)
         return SegmentInfo.from_header(header)
 
     def exists(self, key: str) -> bool:

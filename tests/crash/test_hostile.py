@@ -332,7 +332,8 @@ def sample_segments():
 
 
 def decode_clean(data: bytes, want=None) -> None:
-    """Decode a segment: a KvjError, or (when ``want`` is given) exactly ``want``."""
+    """Decode a segment: a KvjError, or (when ``want`` is given) exactly ``want``; and the check
+    that decodes a chunk at a time (segfile.verify) refuses exactly what decoding refuses."""
     import torch
 
     from kvj.segments import segfile, tensors
@@ -340,7 +341,10 @@ def decode_clean(data: bytes, want=None) -> None:
         segfile.check_stored(data, "fuzz")
         header, tensor = tensors.decode_into(data, name="fuzz")
     except KvjError:
+        with pytest.raises(KvjError):
+            segfile.verify(data, name="fuzz")
         return
+    assert segfile.verify(data, name="fuzz") == header
     if want is not None:
         assert tensor.dtype == want.dtype and tensor.shape == want.shape
         assert torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)), "a wrong tensor decoded cleanly"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Mapping, NamedTuple, Optional
+from typing import Any, Callable, ClassVar, Dict, Mapping, NamedTuple, Optional
 
 from kvj.errors import FormatError
 from kvj.fileio import Buffer
@@ -116,6 +116,20 @@ class Unfilter(ABC):
     @abstractmethod
     def fill(self, offset: int, n: int) -> None:
         """Finish ``out[offset:offset + n]``."""
+
+    def reader(self, payload: memoryview, raw_size: int, pool: Optional[Executor]) -> Callable[[int, int], memoryview]:
+        """A function giving raw bytes ``offset .. offset + n`` (safe to call from several
+        threads), for a verification that hashes them a piece at a time.
+
+        This one rebuilds all ``raw_size`` of them first; a filter that can rebuild a piece
+        from ``payload`` alone overrides it, so that its segments verify without holding
+        their raw bytes."""
+        import numpy as np
+
+        out = memoryview(np.empty(raw_size, np.uint8)).cast("B") if raw_size else memoryview(bytearray())
+        self.prepare(payload, out, pool)
+        self.fill(0, raw_size)
+        return lambda offset, n: out[offset:offset + n]
 
 
 class Filter(ABC):

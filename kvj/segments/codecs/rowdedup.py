@@ -8,7 +8,7 @@ runs (``man/kvj-segment.5``, ROW DEDUP).
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -342,3 +342,15 @@ class _Scatter(Unfilter):
     def fill(self, offset: int, n: int) -> None:
         self.plan.repeats(self.rows, offset // self.row_bytes,
                           min(len(self.src), -(-(offset + n) // self.row_bytes)))
+
+    def reader(self, payload: memoryview, raw_size: int, pool: Optional[Executor]) -> Callable[[int, int], memoryview]:
+        unique = np.frombuffer(payload, np.uint8).reshape(-1, self.row_bytes)
+        # each row's payload row: that of its first of kind (the map is checked: src[i] is one)
+        origin = (np.cumsum(self.src == np.arange(len(self.src))) - 1)[self.src]
+        row_bytes = self.row_bytes
+
+        def read(offset: int, n: int) -> memoryview:
+            r0, r1 = offset // row_bytes, -(-(offset + n) // row_bytes)
+            skip = offset - r0 * row_bytes
+            return memoryview(unique[origin[r0:r1]].reshape(-1)[skip:skip + n])
+        return read
