@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
     from click import get_current_context  # type: ignore[no-redef]
 
-from kvj.errors import FormatError, NotFound, UnsafePath
+from kvj.errors import FormatError, InvalidArgument, NotFound, UnsafePath
 from kvj.journal.config import STORE_DIR, config_store
 from kvj.journal.replay import check_journal, holds_journal
 from kvj.trust import check_owner, trusted
@@ -258,12 +258,13 @@ def warn(message: str) -> None:
     err.print(f"kvj: warning: {' '.join(message.split())}", markup=False)
 
 
-def warn_past_end(at: Optional[int], last_lsn: Optional[int]) -> None:
+def warn_past_end(at: Optional[int], last_lsn: Optional[int], rank: Optional[str] = None) -> None:
     """Say so when ``--at LSN`` names a point after the journal's last record: what is shown
-    is the journal's end, not a state that ever existed at that LSN."""
+    is the journal's end, not a state that ever existed at that LSN. ``rank`` names a rank journal."""
     if at is not None and (last_lsn or 0) < at:
         end = f"LSN {last_lsn}" if last_lsn else "no record"
-        warn(f"--at {at} is past the journal's last record ({end}): this is the state at its end")
+        warn(f"{rank + ': ' if rank else ''}--at {at} is past the journal's last record ({end}): this is the state "
+             "at its end")
 
 
 def usage_error(message: str) -> Exception:
@@ -352,13 +353,41 @@ def journal_path(path: Optional[str], *, writing: bool = False, ranks_ok: bool =
         first = os.path.join(full, rank_name(0, 0))
         raise NotFound(f"{full} holds one journal per rank of a tensor/pipeline-parallel engine "
                        f"({', '.join(os.path.basename(j) for j in rank_journals(full).values())}): give one, "
-                       f"-j {first}; kvj recover -j {full} recovers them all")
+                       f"-j {first}; kvj recover -j {full} recovers them all (fsck, status, inspect and compact "
+                       "also take the engine's directory)")
     if not os.path.isdir(full) or not holds_journal(full):
         if writing:
             raise NotFound(f"{full} is not a kvj journal: kvj writes only to a journal made on purpose "
                            f"(kvj init -j {path})")
         raise FileNotFoundError(2, "not a kvj journal (no log files)", full)
     return full
+
+
+def engine_ranks(path: str, store: Optional[str]) -> Optional[List[Tuple[str, Optional[str]]]]:
+    """Each rank of the engine directory ``path`` (``journal_path(..., ranks_ok=True)``) as (rank
+    name, its journal checked as ``journal_path`` checks one, or None where that rank never made
+    one: nothing of it is durable), in ``kvj.journal.ranks``' order; None when ``path`` is one
+    journal. Each rank journal has its own store: a ``--store`` (or KVJ_STORE) is refused."""
+    if holds_journal(path) or not holds_ranks(path):
+        return None
+    if store is not None:
+        raise InvalidArgument(f"{path} holds one journal per rank, each with its own store: --store (or {STORE_ENV}) "
+                              f"applies to one journal (-j {os.path.join(path, rank_name(0, 0))})")
+    return [(rank_name(t, p), journal_path(journal) if os.path.isdir(journal) and holds_journal(journal) else None)
+            for (t, p), journal in rank_journals(path).items()]
+
+
+def rank_failed(rank: str, exc: BaseException) -> Tuple[int, str]:
+    """Report ``exc``, which stopped the command on rank journal ``rank`` (the others go on), as one
+    line naming the rank; returns its exit status and message."""
+    from kvj.cli.errors import classify, debug, report
+
+    status, message = classify(exc)
+    if debug():
+        import traceback
+        traceback.print_exception(exc)
+    report("kvj", f"{rank}: {message}")
+    return status, message
 
 
 def store_path(journal: str, store: Optional[str]) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Iterator, Optional
+import os
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Dict, Iterator, List, Optional, Tuple
 
 import typer
 
@@ -10,11 +12,14 @@ from kvj.cli.common import (
     JournalArg,
     JsonArg,
     StoreArg,
+    click,
     done,
+    engine_ranks,
     journal_path,
     parse_duration,
     parse_size,
     progress,
+    rank_failed,
     show,
     store_path,
     usage_error,
@@ -58,17 +63,93 @@ def compact(journal: JournalArg = None,
     with status 75 naming the first one's pid. Reports the bytes reclaimed. --dry-run
     says what it would do and changes nothing. Files kvj sets aside (torn/, recovery/,
     the store's quarantine) are kept until kvj prune removes them.
+
+    A tensor/pipeline-parallel vLLM engine's directory (one journal per rank,
+    JOURNAL/rank-T-P/) has each rank's journal compacted as above, each under its own
+    locks, with its own store (and budget: --max-store-bytes applies to each); a rank
+    that fails (one line on stderr naming it) does not stop the others, and its status is
+    the command's.
     """
     budget = parse_size(max_store_bytes, "--max-store-bytes") if max_store_bytes is not None else None
     if budget is not None and not segments:
         raise usage_error("--max-store-bytes evicts segments: it cannot go with --no-segments")
-    path = journal_path(journal)
+    path = journal_path(journal, ranks_ok=True)
+    ranks = engine_ranks(path, store)
+    options = dict(grace=parse_duration(grace, "--grace"), collect=segments, dry_run=dry_run, max_store_bytes=budget)
+    if ranks is not None:
+        _compact_engine(path, ranks, options, as_json)
+        return
     with progress() as update:
-        result = compact_journal(path, store_path(path, store), grace=parse_duration(grace, "--grace"), collect=segments,
-                                 progress=update, dry_run=dry_run, max_store_bytes=budget)
+        result = compact_journal(path, store_path(path, store), progress=update, **options)
     if not dry_run:
         done(f"compaction of {path} is done ({human_size(result.bytes_reclaimed)} reclaimed)")
     show(result, as_json, lambda: _lines(result, dry_run))
+
+
+def _compact_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: Dict[str, Any],
+                    as_json: bool) -> None:
+    """Compact each rank journal of the engine directory ``path`` as one journal is (its own locks,
+    store and budget); one that fails (one line on stderr naming its rank) does not stop the others,
+    and the first failure's status is the command's once every rank's result is printed."""
+    dry_run = options["dry_run"]
+    engine = _Engine(path, dry_run)
+    with progress() as update:
+        for name, journal in ranks:
+            entry: Dict[str, Any] = {"rank": name, "journal": journal or os.path.join(path, name)}
+            if journal is None:
+                engine.ranks.append({**entry, "missing": True})
+                continue
+            try:
+                engine.results[name] = compact_journal(journal, store_path(journal, None), progress=update, **options)
+            except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
+                raise
+            except Exception as exc:
+                status, message = rank_failed(name, exc)
+                engine.status = engine.status or status
+                engine.ranks.append({**entry, "error": message})
+                continue
+            engine.ranks.append({**entry, **engine.results[name].to_dict()})
+    if not dry_run and engine.results:
+        done(f"compaction of {', '.join(engine.results)} in {path} is done "
+             f"({human_size(engine.total('bytes_reclaimed'))} reclaimed)")
+    show(engine, as_json, engine.lines)
+    if engine.status:
+        raise typer.Exit(engine.status)
+
+
+@dataclass
+class _Engine:
+    """What compacting each rank journal of an engine directory did: ``ranks`` as --json shows
+    them (a rank's result, ``missing`` or its ``error``), the first failure's exit status."""
+
+    path: str
+    dry_run: bool
+    ranks: List[Dict[str, Any]] = field(default_factory=list)
+    results: Dict[str, CompactResult] = field(default_factory=dict)
+    status: int = 0
+
+    def total(self, name: str) -> int:
+        values = [getattr(r, name) for r in self.results.values()]
+        return sum(len(v) if isinstance(v, list) else v for v in values)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"journal": self.path, "dry_run": self.dry_run, "ranks": self.ranks,
+                "totals": {name: self.total(name) for name in ("bytes_reclaimed", "logs_removed", "snapshots_removed",
+                                                               "segments_removed", "segments_evicted")}}
+
+    def lines(self) -> Iterator[str]:
+        """Each rank's lines (after its name), then the engine's."""
+        for rank in self.ranks:
+            name = rank["rank"]
+            if rank.get("missing"):
+                yield f"{name}: no journal, nothing to compact"
+            elif "error" in rank:
+                yield f"{name}: not compacted: {rank['error']}"
+            else:
+                yield from (f"{name}: {line}" for line in _lines(self.results[name], self.dry_run))
+        yield (f"engine {self.path}: {len(self.results)} of {len(self.ranks)} rank journals "
+               f"{'would be ' if self.dry_run else ''}compacted; {'would reclaim' if self.dry_run else 'reclaimed'} "
+               f"{human_size(self.total('bytes_reclaimed'))}")
 
 
 def _lines(result: CompactResult, dry_run: bool) -> Iterator[str]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Annotated, Optional
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import typer
 from rich.text import Text
@@ -17,16 +19,18 @@ from kvj.cli.common import (
     StoreArg,
     click,
     emit_json,
+    engine_ranks,
     journal_path,
+    rank_failed,
     out,
     progress,
     store_path,
     usage_error,
 )
-from kvj.cli.errors import FSCK_CANCELED, FSCK_OPERATIONAL, fail, fsck_status, report
+from kvj.cli.errors import FSCK_CANCELED, FSCK_CLEAN, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
 from kvj.cli.render import lsn_span
-from kvj.ops.fsck import FsckResult
+from kvj.ops.fsck import Finding, FsckResult
 from kvj.ops.fsck import fsck as check_journal
 
 STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
@@ -84,16 +88,27 @@ def fsck(journal: JournalArg = None,
     4) for --repair and a person. Segments are verified in parallel, with progress on a
     terminal; --read-data-subset 10% reads a random tenth of them in full (restic) and
     checks the rest by their headers, for large stores.
+
+    A tensor/pipeline-parallel vLLM engine's directory (one journal per rank,
+    JOURNAL/rank-T-P/; kvj-journal(5), Rank journals) is checked rank by rank, each as
+    above: each finding and summary line names its rank, then a line sums up the engine.
+    The worst status wins (the ranks' statuses OR'd); an operational error in one rank
+    (one line on stderr naming it) does not stop the others. A rank without a journal is
+    a warning: kvj recover resumes its requests from token 0.
     """
     on_interrupt(FSCK_CANCELED)
     if sum((repair, preen, read_only)) > 1:
         raise usage_error("--repair, --preen and --read-only exclude each other")
     sample = parse_percent(subset) if subset is not None else None
+    options = dict(repair=repair, preen=preen, sample=sample, mode=mode)
     try:
-        path = journal_path(journal)
+        path = journal_path(journal, ranks_ok=True)
+        ranks = engine_ranks(path, store)
         with progress() as update:
-            result = check_journal(path, store_path(path, store), repair=repair, preen=preen, sample=sample,
-                                   progress=update, mode=mode)
+            if ranks is not None:
+                engine = _check_engine(path, ranks, options, update)
+            else:
+                result = check_journal(path, store_path(path, store), progress=update, **options)
     except (typer.Exit, click.exceptions.ClickException):
         raise
     except KeyboardInterrupt:
@@ -101,17 +116,24 @@ def fsck(journal: JournalArg = None,
         raise typer.Exit(FSCK_CANCELED) from None
     except Exception as exc:
         raise typer.Exit(fsck_status(fail("kvj", exc))) from None
+    if ranks is not None:
+        _finish(path, engine.exit_code, engine.fixed, lambda: _show_engine(engine, as_json))
+    _finish(path, result.exit_code, sum(1 for f in result.findings if f.fixed), lambda: _show(result, path, as_json))
+
+
+def _finish(path: str, status: int, fixed: int, show: Callable[[], None]) -> NoReturn:
+    """Print the report (``show``) and exit with ``status``; when the report cannot be written,
+    one line on stderr says what was done, and 8 is added to the status."""
     try:
-        _show(result, path, as_json)
+        show()
     except OutputClosed:  # kvj fsck | head: the check is done, its status still counts
         pass
     except OutputFailed as failed:  # its status still says what was found and corrected, plus 8 for the output
-        fixed = sum(1 for f in result.findings if f.fixed)
         what = f"the repairs are done ({fixed} corrected)" if fixed else "the check is done"
-        report("kvj", f"fsck of {path}: {what}, status {result.exit_code}; but its report could not be written "
+        report("kvj", f"fsck of {path}: {what}, status {status}; but its report could not be written "
                       f"to standard output: {failed.reason}")
-        raise typer.Exit(result.exit_code | FSCK_OPERATIONAL) from None
-    raise typer.Exit(result.exit_code)
+        raise typer.Exit(status | FSCK_OPERATIONAL) from None
+    raise typer.Exit(status)
 
 
 def parse_percent(text: str) -> float:
@@ -126,31 +148,148 @@ def parse_percent(text: str) -> float:
 def _show(result: FsckResult, path: str, as_json: bool) -> None:
     if as_json:
         emit_json(result.to_dict())
-    else:
-        for f in result.findings:
-            where = f" [{f.path}" + (f" at offset {f.offset}" if f.offset is not None else "") + "]" if f.path else ""
-            line = Text.assemble((f"{f.severity}: ", STYLE[f.severity]), f"{f.message}{where}")
-            if f.action:
-                line.append(f" -> {f.action}", style="green" if f.fixed else "yellow")
-            out.print(line)
-        errors = result.errors
-        warned = [f for f in result.findings if f.severity == "warning"]
-        fixed = sum(1 for f in result.findings if f.fixed)
-        checked = (f"{result.segments_checked} segments checked" if not result.headers_checked else
-                   f"{result.data_verified} segments read in full, {result.headers_checked} by their headers "
-                   f"(sample seed {result.sample_seed})")
-        span = lsn_span(result.first_lsn, result.last_lsn)
-        records = f"{result.records} records" + (f" ({span})" if result.first_lsn is not None else "")
-        summary = (f"{path}: {result.logs} log files, {records}, {result.snapshots} snapshots, {checked}, "
-                   f"{len(result.orphans)} orphans; ")
-        if errors:
-            summary += f"{len(errors)} errors, {len(warned)} warnings, {fixed} corrected"
-        elif warned:
-            summary += (f"no errors, {len(warned)} warnings" + (f", {fixed} corrected" if fixed else
-                                                                 " (recovery handles them)"))
+        return
+    _print_findings(result.findings)
+    out.print(_summary(result, path), markup=False)
+    _preen_note(result.preen, result.findings)
+
+
+def _summary(result: FsckResult, path: str) -> str:
+    """The line that ends a journal's report: what was checked, and the verdict."""
+    checked = (f"{result.segments_checked} segments checked" if not result.headers_checked else
+               f"{result.data_verified} segments read in full, {result.headers_checked} by their headers "
+               f"(sample seed {result.sample_seed})")
+    span = lsn_span(result.first_lsn, result.last_lsn)
+    records = f"{result.records} records" + (f" ({span})" if result.first_lsn is not None else "")
+    return (f"{path}: {result.logs} log files, {records}, {result.snapshots} snapshots, {checked}, "
+            f"{len(result.orphans)} orphans; {_verdict(result.findings)}")
+
+
+def _print_findings(findings: List[Finding], rank: Optional[str] = None) -> None:
+    """One line a finding (after ``rank: `` for a rank journal of an engine directory)."""
+    for f in findings:
+        where = f" [{f.path}" + (f" at offset {f.offset}" if f.offset is not None else "") + "]" if f.path else ""
+        line = Text.assemble(f"{rank}: " if rank else "", (f"{f.severity}: ", STYLE[f.severity]), f"{f.message}{where}")
+        if f.action:
+            line.append(f" -> {f.action}", style="green" if f.fixed else "yellow")
+        out.print(line)
+
+
+def _verdict(findings: List[Finding]) -> str:
+    """What the findings add up to: clean, warnings only, or errors (and how many were corrected)."""
+    errors = sum(1 for f in findings if f.severity == "error")
+    warned = sum(1 for f in findings if f.severity == "warning")
+    fixed = sum(1 for f in findings if f.fixed)
+    if errors:
+        return f"{errors} errors, {warned} warnings, {fixed} corrected"
+    if warned:
+        return f"no errors, {warned} warnings" + (f", {fixed} corrected" if fixed else " (recovery handles them)")
+    return "clean"
+
+
+def _preen_note(preen: bool, findings: List[Finding]) -> None:
+    if preen and any(f.severity == "error" and not f.fixed for f in findings):
+        out.print("UNEXPECTED INCONSISTENCY: run kvj fsck --repair by hand (preen repairs only what needs no "
+                  "decision)", style="bold red")
+
+
+# -- an engine directory: one journal per rank -------------------------------------------
+
+
+@dataclass
+class _Rank:
+    """One rank journal's check: its result, or the operational error that stopped it (``error``)."""
+
+    name: str
+    path: str
+    result: Optional[FsckResult] = None
+    error: Optional[str] = None
+    status: int = FSCK_CLEAN
+
+    def to_dict(self) -> Dict[str, Any]:
+        if self.result is None:
+            return {"rank": self.name, "path": self.path, "exit_code": self.status, "error": self.error}
+        return {"rank": self.name, **self.result.to_dict()}
+
+
+@dataclass
+class _Engine:
+    """The check of every rank journal of an engine directory; the worst status wins (the bits OR'd)."""
+
+    path: str
+    options: Dict[str, Any]
+    ranks: List[_Rank] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        code = FSCK_CLEAN
+        for rank in self.ranks:
+            code |= rank.status
+        return code
+
+    @property
+    def findings(self) -> List[Tuple[str, Finding]]:
+        return [(rank.name, f) for rank in self.ranks if rank.result for f in rank.result.findings]
+
+    @property
+    def fixed(self) -> int:
+        return sum(1 for _name, f in self.findings if f.fixed)
+
+    def total(self, name: str) -> int:
+        return sum(getattr(rank.result, name) for rank in self.ranks if rank.result)
+
+    def to_dict(self) -> Dict[str, Any]:
+        checked = [rank.result for rank in self.ranks if rank.result]
+        return {"path": self.path, "repair": self.options["repair"], "preen": self.options["preen"],
+                "mode": self.options["mode"], "exit_code": self.exit_code,
+                "ranks": [rank.to_dict() for rank in self.ranks],
+                **{name: self.total(name) for name in ("logs", "records", "snapshots", "segments_checked",
+                                                         "data_verified", "headers_checked")},
+                "orphans": [key for r in checked for key in r.orphans],
+                "writer_live": any(r.writer_live for r in checked),
+                "findings": [{"rank": name, **f.to_dict()} for name, f in self.findings]}
+
+
+def _check_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: Dict[str, Any],
+                  update: Callable[[str, int, int], None]) -> _Engine:
+    """Check each rank journal of the engine directory ``path`` as ``kvj fsck -j`` checks one; an
+    operational error in one (one line on stderr, naming its rank) does not stop the others."""
+    engine = _Engine(path, options)
+    for name, journal in ranks:
+        rank = _Rank(name, journal or os.path.join(path, name))
+        engine.ranks.append(rank)
+        if journal is None:  # as kvj recover takes it: this rank holds nothing, its blocks are recomputed
+            rank.result = FsckResult(rank.path, options["repair"], options["preen"], options["mode"], findings=[
+                Finding("warning", "rank-missing", "this rank has no journal (it made nothing durable): kvj recover "
+                        "resumes every request at token 0 on all ranks", rank.path)])
+            continue
+        try:
+            rank.result = check_journal(journal, store_path(journal, None), progress=update, **options)
+        except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
+            raise
+        except Exception as exc:
+            status, rank.error = rank_failed(name, exc)
+            rank.status = fsck_status(status)
         else:
-            summary += "clean"
-        out.print(summary, markup=False)
-        if result.preen and any(not f.fixed for f in errors):
-            out.print("UNEXPECTED INCONSISTENCY: run kvj fsck --repair by hand (preen repairs only what needs no "
-                      "decision)", style="bold red")
+            rank.status = rank.result.exit_code
+    return engine
+
+
+def _show_engine(engine: _Engine, as_json: bool) -> None:
+    """Each rank's findings (after its name) and summary line, then the engine's."""
+    if as_json:
+        emit_json(engine.to_dict())
+        return
+    for rank in engine.ranks:
+        if rank.result is None:
+            out.print(f"{rank.path}: not checked: {rank.error}", markup=False)
+        else:
+            _print_findings(rank.result.findings, rank.name)
+            out.print(_summary(rank.result, rank.path), markup=False)
+    findings = [f for _name, f in engine.findings]
+    unchecked = [rank.name for rank in engine.ranks if rank.result is None]
+    failing = [rank.name for rank in engine.ranks if rank.result and rank.result.errors]
+    out.print(f"{engine.path}: {len(engine.ranks)} rank journals; "
+              + (f"not checked: {', '.join(unchecked)}; " if unchecked else "") + _verdict(findings)
+              + (f" (in {', '.join(failing)})" if failing else ""), markup=False)
+    _preen_note(engine.options["preen"], findings)

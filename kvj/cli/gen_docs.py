@@ -55,8 +55,9 @@ FILES = [
     ("JOURNAL/segments/", "The default segment store (kvj-segment(5))."),
     ("JOURNAL/ranks.json, JOURNAL/rank-T-P/", "A tensor/pipeline-parallel vLLM engine's directory: one journal per "
                                               "rank (each with its own store), the layout in ranks.json. kvj "
-                                              "recover -j JOURNAL recovers them all; the other commands take one "
-                                              "rank's journal (kvj-journal(5), Rank journals)."),
+                                              "recover, fsck, status, inspect and compact -j JOURNAL cover every "
+                                              "rank; the other commands take one rank's journal (kvj-journal(5), "
+                                              "Rank journals)."),
 ]
 
 #: What a command's exit status means beyond the common list.

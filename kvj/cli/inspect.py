@@ -6,16 +6,19 @@ import os
 import sys
 from collections import deque
 from enum import Enum
-from typing import Annotated, Callable, Deque, List, Optional
+from typing import Annotated, Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import typer
-from rich.console import RenderableType
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
 
 from kvj.cli.common import (
     JournalArg,
     JsonArg,
     StoreArg,
     emit_json,
+    engine_ranks,
     journal_path,
     out,
     parse_time,
@@ -40,7 +43,8 @@ from kvj.journal.follow import Follower
 from kvj.journal.reader import list_logs
 from kvj.journal.records import BY_NAME
 from kvj.journal.replay import replay
-from kvj.ops.inspection import Entries, Filter, Stats, file_windows, record_json, record_time
+from kvj.ops.inspection import (Entries, Filter, Stats, engine_stats, file_windows, human_size, record_json,
+                                record_time)
 
 RecordTypeName = Enum("RecordTypeName", {name: name for name in BY_NAME}, type=str)  # type: ignore[misc]
 
@@ -97,8 +101,15 @@ def inspect(
     window. --follow tails a live journal and never shows a record that is not completely
     written. --stats, --layout and --timeline summarise instead of listing (the timeline
     with a time axis); --export saves what is shown as SVG or HTML.
+
+    A tensor/pipeline-parallel vLLM engine's directory (one journal per rank,
+    JOURNAL/rank-T-P/) is shown rank by rank, each under its name (LSNs, --last and
+    --at are each rank's own), then a line for the engine; in JSON each record carries
+    its "rank", and --stats, --layout, --timeline and --segment print one object with
+    "ranks" (and for --stats "totals"). --follow takes one rank's journal.
     """
-    path = journal_path(journal)
+    path = journal_path(journal, ranks_ok=True)
+    ranks = engine_ranks(path, store)
     modes = [name for name, on in (("--follow", follow), ("--stats", stats), ("--layout", layout),
                                    ("--timeline", timeline), ("--segment", segment is not None)) if on]
     if len(modes) > 1:
@@ -107,76 +118,211 @@ def inspect(
         raise usage_error("--at applies to --layout and --timeline (use --to-lsn to cut a listing)")
     if follow and export_to is not None:
         raise usage_error("--follow cannot --export")
+    if follow and ranks is not None:
+        raise usage_error(f"--follow follows one journal: give one rank's, -j {os.path.join(path, ranks[0][0])}")
     if follow:
         on_interrupt(0, None)  # Ctrl-C is how one stops following, as with tail -f
+    engine = _Engine(path, ranks, as_json)
     if segment is not None:
-        _segment(path, store, segment, as_json)
+        if ranks is None:
+            _segment(path, store, segment, as_json)
+        else:
+            _segment_engine(engine, segment)
         return
     if layout or timeline:
-        state = replay(path, at_lsn=at)
-        warn_past_end(at, state.last_lsn)
+        title = "kvj memory layout" if layout else "kvj request timeline"
+        states = {journal: replay(journal, at_lsn=at) for journal in engine.journals().values()}
+        for name, journal in engine.journals().items():
+            warn_past_end(at, states[journal].last_lsn, name)
         if as_json:
-            emit_json({"allocations": state.to_dict()["allocations"]} if layout else
-                      {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,
-                       "last_lsn": state.last_lsn})
+            engine.emit({journal: {"allocations": state.to_dict()["allocations"]} if layout else
+                         {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,
+                          "last_lsn": state.last_lsn} for journal, state in states.items()})
         else:
-            _show(layout_picture(state, at) if layout else timeline_picture(state, columns=out.size.width, time_of=lsn_times(path)), export_to,
-                  "kvj memory layout" if layout else "kvj request timeline")
+            live = sum(len(allocs) for state in states.values() for allocs in state.allocations.values())
+            requests = {rid for state in states.values() for rid in state.requests}
+            _show(engine.view({journal: layout_picture(state, at) if layout else
+                               timeline_picture(state, columns=out.size.width, time_of=lsn_times(journal))
+                               for journal, state in states.items()},
+                              f"{live} live allocations" if layout else f"{len(requests)} requests"), export_to, title)
         return
     flt = Filter(requests=set(request or []), types={BY_NAME[t.value] for t in rtype or []},
                  lsn_from=from_lsn, lsn_to=to_lsn,
                  since=parse_time(since, "--since") if since else None,
                  until=parse_time(until, "--until") if until else None)
-    entries = Entries(path)
-    windows = file_windows(list_logs(path))
     if stats:
-        acc = Stats()
-        for entry in entries:
-            if flt(entry.record, record_time(entry.record, windows)):
-                acc.add(entry)
+        accs = {journal: _stats(journal, flt) for journal in engine.journals().values()}
+        totals = engine_stats(list(accs.values())) if ranks is not None else None
         if as_json:
-            emit_json(acc.to_dict())
+            engine.emit({journal: acc.to_dict() for journal, acc in accs.items()}, totals)
         else:
-            _show(stats_view(acc.to_dict(), path), export_to, "kvj journal statistics")
+            _show(engine.view({journal: stats_view(acc.to_dict(), journal) for journal, acc in accs.items()},
+                              totals and f"{totals['records']:,} records, {human_size(totals['bytes'])}, "
+                              f"{totals['commit_groups']:,} commit groups, {totals['requests']:,} requests"),
+                  export_to, "kvj journal statistics")
         return
     keep = last if last is not None else (FOLLOW_BACKLOG if follow and from_lsn is None else None)
+    tables: Dict[str, RenderableType] = {}
+    shown = 0
+    for name, journal in engine.sections():
+        if journal is None:
+            continue
+        table = record_table() if export_to is not None else None
+        entries, seen, count = _list(journal, flt, keep, table, as_json, name)
+        shown += count
+        if table is not None:
+            tables[journal] = table
+    if ranks is not None and not as_json:
+        out.print(engine.summary(f"{shown:,} records shown"))
+    if export_to is not None:
+        export(engine.view(tables, f"{shown:,} records shown"), str(export_to), "kvj journal records")
+    if follow:
+        _follow(path, entries.after_lsn if seen is None else seen, flt, as_json)
+
+
+def _list(path: str, flt: Filter, keep: Optional[int], table: Optional[Table], as_json: bool,
+          rank: Optional[str]) -> Tuple[Entries, Optional[int], int]:
+    """Print the records of the journal at ``path`` that ``flt`` matches (the last ``keep`` of
+    them), adding them to ``table`` for --export; returns its entries, the last LSN read and how
+    many records were shown. A rank journal's records carry its ``rank`` in JSON."""
+    entries = Entries(path)
+    windows = file_windows(list_logs(path))
     shown: Deque = deque(maxlen=keep)
     seen: Optional[int] = None
-    table = record_table() if export_to is not None else None
+    count = 0
     for entry in entries:
         seen = entry.record.lsn
         if not flt(entry.record, record_time(entry.record, windows)):
             continue
+        count += 1
         if keep is None and table is None:
-            _print_record(entry.record, as_json)
+            _print_record(entry.record, as_json, rank)
         else:
             shown.append(entry.record)
     for rec in shown:
         if table is not None:
             record_row(table, rec)
-        _print_record(rec, as_json)
-    if table is not None and export_to is not None:
-        export(table, str(export_to), "kvj journal records")
-    if follow:
-        _follow(path, entries.after_lsn if seen is None else seen, flt, as_json)
+        _print_record(rec, as_json, rank)
+    return entries, seen, min(count, keep) if keep is not None else count
+
+
+def _stats(path: str, flt: Filter) -> Stats:
+    """``--stats`` of the records of the journal at ``path`` that ``flt`` matches."""
+    acc = Stats()
+    entries = Entries(path)
+    windows = file_windows(list_logs(path))
+    for entry in entries:
+        if flt(entry.record, record_time(entry.record, windows)):
+            acc.add(entry)
+    return acc
+
+
+class _Engine:
+    """What ``kvj inspect`` shows of one journal, or of each rank journal of an engine directory
+    (``ranks``: (rank name, journal or None where that rank has none)): a section a rank,
+    headed by its name, then a line for the engine; in JSON, ``ranks`` (each with its
+    ``rank``) and ``totals``."""
+
+    def __init__(self, path: str, ranks: Optional[List[Tuple[str, Optional[str]]]], as_json: bool):
+        self.path, self.ranks, self.as_json = path, ranks, as_json
+
+    def sections(self) -> Iterator[Tuple[Optional[str], Optional[str]]]:
+        """(rank name, journal) in order, each rank's heading printed (not in JSON) as it comes."""
+        if self.ranks is None:
+            yield None, self.path
+            return
+        for name, journal in self.ranks:
+            if not self.as_json:
+                out.print(self.heading(name, journal))
+            yield name, journal
+
+    def journals(self) -> Dict[Optional[str], str]:
+        """Rank name (None for one journal) -> journal, of every rank that has one."""
+        if self.ranks is None:
+            return {None: self.path}
+        return {name: journal for name, journal in self.ranks if journal is not None}
+
+    def heading(self, name: str, journal: Optional[str]) -> Text:
+        if journal is None:
+            return Text.assemble((name, "bold"), ": no journal (this rank made nothing durable)")
+        return Text.assemble((name, "bold"), f" {journal}")
+
+    def summary(self, what: str) -> Text:
+        made = sum(1 for _name, journal in self.ranks or [] if journal is not None)
+        return Text.assemble(("engine ", "bold"), (self.path, "bold"),
+                             f": {made} of {len(self.ranks or [])} rank journals; {what}")
+
+    def emit(self, by_journal: Dict[str, Dict[str, Any]], totals: Optional[Dict[str, Any]] = None) -> None:
+        """One JSON object: one journal's, or the engine's with ``ranks`` and ``totals``."""
+        if self.ranks is None:
+            emit_json(by_journal[self.path])
+            return
+        ranks = [{"rank": name, "journal": journal, **by_journal[journal]} if journal is not None
+                 else {"rank": name, "journal": os.path.join(self.path, name), "missing": True}
+                 for name, journal in self.ranks]
+        emit_json({"journal": self.path, "ranks": ranks, **({"totals": totals} if totals is not None else {})})
+
+    def view(self, by_journal: Dict[str, RenderableType], summary: Optional[str] = None) -> RenderableType:
+        """One journal's view, or each rank's under its heading, then the engine's line."""
+        if self.ranks is None:
+            return by_journal[self.path]
+        parts: List[RenderableType] = []
+        for name, journal in self.ranks:
+            parts.append(self.heading(name, journal))
+            if journal is not None:
+                parts.append(by_journal[journal])
+        if summary is not None:
+            parts.append(self.summary(summary))
+        return Group(*parts)
 
 
 def _segment(path: str, store: Optional[str], text: str, as_json: bool) -> None:
     """A segment's header and its users, without reading its chunks."""
-    from kvj.ops.dump import resolve_key, segment_users
     from kvj.segments.check import opened_store
 
     root = store_path(path, store)
     with opened_store(root, root) as seg_store:
         if seg_store is None:
             raise NotFound(f"no segment store at {root}")
-        key = resolve_key(seg_store, text)
-        info = seg_store.info(key).to_dict()
-    info["users"] = segment_users(replay(path), key)
+        info = _segment_info(path, seg_store, text)
     if as_json:
         emit_json(info)
         return
     out.print(segment_view(info))
+
+
+def _segment_engine(engine: _Engine, text: str) -> None:
+    """The segment ``text`` names in the store of whichever rank journal holds it."""
+    from kvj.segments.check import opened_store
+
+    found: Dict[str, Dict[str, Any]] = {}
+    for journal in engine.journals().values():
+        root = store_path(journal, None)
+        with opened_store(root, root) as seg_store:
+            if seg_store is None:
+                continue
+            try:
+                found[journal] = _segment_info(journal, seg_store, text)
+            except NotFound:
+                continue
+    if not found:
+        raise NotFound(f"no segment key {text} (or beginning with it) in the store of any rank journal of {engine.path}")
+    engine.ranks = [(name, journal) for name, journal in engine.ranks or [] if journal in found]
+    if engine.as_json:
+        engine.emit(found)
+    else:
+        out.print(engine.view({journal: segment_view(info) for journal, info in found.items()}))
+
+
+def _segment_info(path: str, seg_store: Any, text: str) -> Dict[str, Any]:
+    """The header of the segment of ``seg_store`` that ``text`` names, and the records of the journal
+    at ``path`` that refer to it."""
+    from kvj.ops.dump import resolve_key, segment_users
+
+    key = resolve_key(seg_store, text)
+    info = seg_store.info(key).to_dict()
+    info["users"] = segment_users(replay(path), key)
+    return info
 
 
 def lsn_times(path: str) -> Callable[[int], Optional[float]]:
@@ -203,9 +349,9 @@ def _lifetime(req) -> dict:  # type: ignore[no-untyped-def]
             "segment_lsns": sorted(r.lsn for r in req.segments.values()), "resume_position": req.resume_position}
 
 
-def _print_record(rec, as_json: bool) -> None:  # type: ignore[no-untyped-def]
+def _print_record(rec, as_json: bool, rank: Optional[str] = None) -> None:  # type: ignore[no-untyped-def]
     if as_json:
-        emit_json(record_json(rec))
+        emit_json({"rank": rank, **record_json(rec)} if rank else record_json(rec))
     else:
         out.print(record_line(rec))
 

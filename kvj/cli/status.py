@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, emit_json, journal_path, out, store_path
+from kvj.cli.common import JournalArg, JsonArg, StoreArg, ago, emit_json, engine_ranks, journal_path, out, store_path
 from kvj.errors import FormatError
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 
 def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg = False) -> None:
@@ -25,19 +28,67 @@ def status(journal: JournalArg = None, store: StoreArg = None, as_json: JsonArg 
     and the last compaction, replay's warnings and any damage, with what to run about it.
     Like systemctl status or pg_controldata: the first command in an incident. Read-only:
     it writes nothing and takes no lock.
-    """
-    from kvj.ops.status import status as journal_status
 
-    path = journal_path(journal)
-    try:
-        root: Optional[str] = store_path(path, store)
-    except FormatError:  # a kvj.conf that cannot be read: status shows it, it does not stop at it
-        root = None
-    info = journal_status(path, root)
+    A tensor/pipeline-parallel vLLM engine's directory (one journal per rank,
+    JOURNAL/rank-T-P/) shows each rank's journal as above, then one line for the engine:
+    live writers, the newest write, the last minute's writes, sizes, and the ranks that
+    are damaged or have no journal (--json: "ranks", each rank's status, and "totals").
+    """
+    path = journal_path(journal, ranks_ok=True)
+    ranks = engine_ranks(path, store)
+    if ranks is not None:
+        from kvj.ops.status import engine_status
+
+        info = engine_status(path, [(name, j, _store_root(j, None) if j else None) for name, j in ranks])
+    else:
+        from kvj.ops.status import status as journal_status
+
+        info = journal_status(path, _store_root(path, store))
     if as_json:
         emit_json(info)
         return
-    from kvj.cli.render import status_view  # rich's tables only for a person: --json starts sooner
+    if ranks is None:
+        from kvj.cli.render import status_view  # rich's tables only for a person: --json starts sooner
 
-    out.print(status_view(info))
+        out.print(status_view(info))
+        return
+    out.print(_engine_view(info))
 
+
+def _store_root(journal: str, store: Optional[str]) -> Optional[str]:
+    """The journal's store; None for a kvj.conf that cannot be read: status shows it, it does not stop at it."""
+    try:
+        return store_path(journal, store)
+    except FormatError:
+        return None
+
+
+def _engine_view(info: Dict[str, Any]) -> "RenderableType":
+    """Each rank's ``status_view`` (a line for a rank without a journal), then the engine's line."""
+    from rich.console import Group
+    from rich.text import Text
+
+    from kvj.cli.render import size, status_view
+
+    parts: list = []
+    for rank in info["ranks"]:
+        parts.append(Text.assemble(("○ ", "dim"), (rank["journal"], "bold"), " — no journal (this rank made "
+                                   "nothing durable: kvj recover resumes its requests from token 0)")
+                     if rank["missing"] else status_view(rank))
+        parts.append(Text(""))
+    t = info["totals"]
+    writers = f"{t['writers']} of {t['ranks']} writers running" if t["writers"] else "no writer"
+    last = f"last write {ago(t['last_write'], info['now'])}" if t["last_write"] else "nothing written"
+    m = t["last_minute"]
+    trouble = [f"damaged: {', '.join(t['damaged'])}"] if t["damaged"] else []
+    trouble += [f"torn or damaged tail: {', '.join(t['tails'])}"] if t["tails"] else []
+    trouble += [f"no journal: {', '.join(t['missing'])}"] if t["missing"] else []
+    parts.append(Text.assemble(
+        ("engine ", "bold"), (info["journal"], "bold"),
+        f": {t['journals']} of {t['ranks']} rank journals; {writers}, {last}; last minute "
+        f"{m['records_per_s']:,.1f} records/s, {size(m['bytes_per_s'])}/s; journals "
+        f"{size(t['log_bytes'] + t['snapshot_bytes'])}, stores {t['segments']:,} segments, {size(t['store_bytes'])}"
+        + (f" ({t['quarantined']} quarantined)" if t["quarantined"] else "") + "; ",
+        (("; ".join(trouble)) if trouble else "no damage found", "bold red" if t["damaged"] else
+         "yellow" if trouble else "green")))
+    return Group(*parts)

@@ -255,3 +255,19 @@ class Stats:
             "requests": len(self.requests), "largest_requests": self.largest(),
             "moved": {r["id"]: r["moved_to"] for r in self.requests.values() if r.get("moved_to")},
         }
+
+
+def engine_stats(stats: List[Stats]) -> Dict[str, Any]:
+    """An engine's totals over its rank journals' ``Stats``: records, bytes, commit groups, types
+    and segment bytes summed; requests counted once (every rank journals each of them)."""
+    by_type: Dict[str, Dict[str, int]] = {}
+    for acc in stats:
+        for name, row in acc.by_type.items():
+            total = by_type.setdefault(name, {"count": 0, "bytes": 0})
+            total["count"] += row["count"]
+            total["bytes"] += row["bytes"]
+    raw, stored = sum(acc.raw_bytes for acc in stats), sum(acc.stored_bytes for acc in stats)
+    return {"records": sum(acc.records for acc in stats), "bytes": sum(acc.bytes for acc in stats),
+            "commit_groups": sum(acc.groups for acc in stats), "by_type": by_type,
+            "segments": {"raw_bytes": raw, "stored_bytes": stored, "ratio": round(raw / stored, 3) if stored else None},
+            "requests": len({rid for acc in stats for rid in acc.requests})}

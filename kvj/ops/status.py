@@ -243,3 +243,39 @@ def _store(root: Optional[str]) -> Dict[str, Any]:
         return {"path": root, "exists": True, "segments": len(sizes), "bytes": sum(sizes),
                 "quarantined": len(quarantined), "quarantined_bytes": _size(quarantined), "disk": _disk(root),
                 "loads": loads}
+
+
+def engine_status(path: str, ranks: List[Tuple[str, Optional[str], Optional[str]]],
+                  now: Optional[float] = None) -> Dict[str, Any]:
+    """What ``kvj status`` shows of a tensor/pipeline-parallel engine's directory (``kvj.journal.ranks``):
+    ``ranks``, each rank's ``status`` (``rank`` names it; ``missing`` when that rank has no journal),
+    from (rank name, its journal or None, its store root), and ``totals``, the engine as a whole."""
+    now = time.time() if now is None else now
+    path = os.path.abspath(path)
+    shown: List[Dict[str, Any]] = []
+    for name, journal, store_root in ranks:
+        if journal is None:
+            shown.append({"rank": name, "journal": os.path.join(path, name), "missing": True})
+        else:
+            shown.append({"rank": name, "missing": False, **status(journal, store_root, now)})
+    return {"journal": path, "now": now, "ranks": shown, "totals": _totals(path, shown)}
+
+
+def _totals(path: str, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """An engine's totals over its ranks' statuses: how many journals and live writers, the newest
+    write, the last minute's writes, sizes, and which ranks are damaged or need a look."""
+    present = [r for r in ranks if not r["missing"]]
+    writes = [r["last_write"] for r in present if r["last_write"] is not None]
+    minute = {key: sum(r["last_minute"][key] for r in present) for key in ("records", "bytes")}
+    return {
+        "ranks": len(ranks), "journals": len(present), "missing": [r["rank"] for r in ranks if r["missing"]],
+        "writers": sum(1 for r in present if r["writer"]),
+        "last_write": max(writes, default=None),
+        "last_minute": {**minute, "records_per_s": minute["records"] / WINDOW, "bytes_per_s": minute["bytes"] / WINDOW},
+        "log_bytes": sum(r["log_bytes"] for r in present), "snapshot_bytes": sum(r["snapshot_bytes"] for r in present),
+        "segments": sum(r["store"]["segments"] for r in present), "store_bytes": sum(r["store"]["bytes"] for r in present),
+        "quarantined": sum(r["store"]["quarantined"] for r in present),
+        "recovery_bytes": _size(_files(os.path.join(path, RECOVERY_DIR))),  # the engine's own manifests
+        "damaged": [r["rank"] for r in present if r["damage"]],
+        "tails": [r["rank"] for r in present if r["incomplete_tail"]],
+    }
