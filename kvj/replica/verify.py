@@ -52,7 +52,7 @@ def _read_segment(remote: Remote, key: str, size: int) -> Optional[str]:
 
     obj = mf.segment_object(key)
     try:
-        header, _ = segfile.decode(remote.read(obj, size), name=f"{remote.url}/{obj}")
+        header = segfile.verify(remote.read(obj, size), name=f"{remote.url}/{obj}")
     except FileNotFoundError:
         return f"segment {key}: missing"
     except (CorruptionError, FormatError) as exc:

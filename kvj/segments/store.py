@@ -461,10 +461,10 @@ class SegmentStore:
         """
         check_key(key)
         self._check_alive()
-        name = f"ingested segment {key}"
-        header, _ = seg.decode(data, name=name, pool=self.pool, max_raw=self.max_segment_bytes)
-        if header.digest.hex() != key:
-            raise SegmentCorrupt(name, None, "segment digest does not match the key")
+        source = seg.as_source(data, f"ingested segment {key}")
+        header = self._keyed_header(source, key)
+        seg.check_raw_limit(header, source.name, self.max_segment_bytes)
+        seg.verify(source, pool=self.pool, header=header)
         with self._claimed([key]), self._key_lock(key):
             info = self._existing(key)
             if info is None:
