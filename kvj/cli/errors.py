@@ -73,7 +73,8 @@ FSCK_CODES: Dict[int, str] = {
                     "quarantined, disagreeing snapshot set aside)",
     FSCK_UNCORRECTED: "errors left uncorrected (run with --repair, or the damage cannot be repaired)",
     FSCK_OPERATIONAL: "operational error: missing or unreadable journal, locked, permission denied, I/O error, "
-                      "a seed-era JSON-lines journal (kvj migrate converts it)",
+                      "a kvj.conf every command refuses (not JSON, or a commit policy that cannot work), a "
+                      "seed-era JSON-lines journal (kvj migrate converts it)",
     FSCK_USAGE: "usage error",
     FSCK_CANCELED: "interrupted (Ctrl-C)",
 }

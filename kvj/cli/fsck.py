@@ -73,8 +73,8 @@ def fsck(journal: JournalArg = None,
 
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
-    error, a seed-era JSON-lines journal: kvj migrate converts it); 16 usage error; 32
-    interrupted (Ctrl-C). When the report cannot be written
+    error, a kvj.conf every command refuses, a seed-era JSON-lines journal: kvj migrate
+    converts it); 16 usage error; 32 interrupted (Ctrl-C). When the report cannot be written
     (standard output closed or full), 8 is added to the status of what was found and
     corrected (9: corrected, then the output failed), and one line on stderr says so:
     what --repair corrected is done and durable.

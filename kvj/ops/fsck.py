@@ -50,6 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
+from kvj.journal.config import config_policy
 from kvj.journal.journal import default_store_path
 from kvj.journal.recovery import TORN_DIR, cut_torn_tail
 from kvj.journal.locks import LOCK_NAME, DirLock
@@ -479,7 +480,8 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
     ``sample`` in (0, 1]: read only that fraction of the segments in full. ``mode``: the
     recovery mode the end of the log is judged by (``InvalidArgument`` if unknown). Raises
     ``JournalLocked`` when repairing while a writer runs, or while a compactor runs;
-    ``NotFound`` when there is no journal at ``path``.
+    ``NotFound`` when there is no journal at ``path``; ``FormatError`` when its ``kvj.conf``
+    is not valid (bad JSON, a commit policy that cannot work), as every reader refuses it.
     """
     from kvj.journal.locks import COMPACT_LOCK
 
@@ -496,6 +498,7 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
     check_journal(path)  # a seed-era journal: LegacyJournal, nothing read or written
     if not os.path.isdir(path):
         raise NotFound(f"no journal at {path}")
+    config_policy(path)  # a kvj.conf no writer would use: FormatError, as every reader refuses it
     compactor = DirLock(path, COMPACT_LOCK, "compactor")
     locks = [compactor.acquire()] if writes else [lock for lock in [compactor.acquire_shared()] if lock]
     try:

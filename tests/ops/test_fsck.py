@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from support.cli_helpers import Holder, append_torn_tail, build, flip_byte, run_cli, segment_file
+from support.cli_helpers import Holder, append_torn_tail, build, flip_byte, run_cli, segment_file, tree
 from support.cli_helpers import kvj as kvj_proc
 
 import kvj
@@ -298,3 +298,42 @@ def test_progress_is_reported_for_the_log_and_the_segments(tmp_path):
     fsck(path, progress=lambda what, done, total: calls.append((what, done, total)))
     assert any(what == "reading the log" and 0 < done <= total for what, done, total in calls)
     assert ("verifying segments", 2, 2) in calls
+
+
+@pytest.mark.parametrize("content", [
+    {"kvj_config": 1, "policy": {"max_delay": -1}},  # before: fsck exited 0, as if the journal were usable
+    {"kvj_config": 1, "policy": {"max_delay": 20000 * 7 * 86400.0}},
+    "{",  # not JSON: fsck exited 8
+], ids=["policy max_delay -1", "policy max_delay 20000w", "not JSON"])
+def test_a_kvj_conf_every_reader_refuses_is_an_operational_error(journal, capsys, content):
+    conf = os.path.join(journal, "kvj.conf")
+    with open(conf, "w") as f:
+        f.write(content if isinstance(content, str) else json.dumps(content))
+    before = tree(journal)
+    for args in ([], ["--repair"], ["--preen"]):
+        status, out, err = run_cli(capsys, "fsck", "-j", journal, *args)
+        assert status == 8 and conf in err and len(err.strip().splitlines()) == 1 and not out, (status, out, err)
+    assert tree(journal) == before
+    with pytest.raises(kvj.FormatError, match="kvj.conf"):
+        fsck(journal)
+
+
+def test_a_malformed_snapshot_body_is_reported_with_a_reason(journal, capsys):
+    """Regression: a body msgpack refuses with an exception that has no text (0xc1, the byte
+    MessagePack never uses) was reported as "malformed snapshot body: " and nothing more."""
+    import struct
+
+    from crc32c import crc32c
+
+    from kvj.journal.snapshot import SNAP_HEADER, SNAP_MAGIC, SNAP_VERSION, snapshot_name
+
+    lsn = kvj.replay(journal).last_lsn
+    body = b"\xc1"
+    head = SNAP_HEADER.pack(SNAP_MAGIC, SNAP_VERSION, 0, lsn, len(body), 0)[:-4]
+    with open(os.path.join(journal, snapshot_name(lsn)), "wb") as f:
+        f.write(head + struct.pack("<I", crc32c(body, crc32c(head))) + body)
+    (finding,) = [f for f in fsck(journal).findings if f.kind == "snapshot"]
+    assert "malformed snapshot body: FormatError: Invalid msgpack format (" in finding.message, finding.message
+    status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+    assert status == 4 and "malformed snapshot body: FormatError: Invalid msgpack format" in out, out
+
