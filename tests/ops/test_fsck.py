@@ -337,3 +337,62 @@ def test_a_malformed_snapshot_body_is_reported_with_a_reason(journal, capsys):
     status, out, _err = run_cli(capsys, "fsck", "-j", journal)
     assert status == 4 and "malformed snapshot body: FormatError: Invalid msgpack format" in out, out
 
+
+def _use_log(journal: str) -> str:
+    return os.path.join(journal, "segments", "uses.kvjuse")
+
+
+def test_every_damaged_record_of_the_use_log_is_reported(journal, capsys):
+    """Regression: a flipped bit in segments/uses.kvjuse went unreported (the reader stopped
+    at the first bad record, silently). A record failing its CRC before a valid one is damage:
+    a warning and status bit 64; the last record's flips are what a torn append leaves: a note."""
+    import random
+
+    from kvj.segments.uses import RECORD, parse
+
+    path = _use_log(journal)
+    good = open(path, "rb").read()
+    records = len(good) // RECORD.size
+    assert records >= 3 and len(good) == records * RECORD.size
+    last = (records - 1) * RECORD.size
+    assert fsck(journal).exit_code == 0
+    for bit in range(len(good) * 8):  # the reader, on every bit
+        bad = bytearray(good)
+        bad[bit // 8] ^= 1 << bit % 8
+        uses = parse(bytes(bad))
+        if bit // 8 < last:
+            assert (uses.damaged, uses.damage_offset, uses.ignored_bytes) == (1, bit // 8 // RECORD.size * RECORD.size, 0)
+        else:
+            assert (uses.damaged, uses.ignored_bytes) == (0, RECORD.size)
+    seed = random.randrange(1 << 32)
+    print(f"seed {seed}")  # which bit of each byte fsck sees flipped
+    rng = random.Random(seed)
+    for byte in range(len(good)):
+        bad = bytearray(good)
+        bad[byte] ^= 1 << rng.randrange(8)
+        with open(path, "wb") as f:
+            f.write(bad)
+        result = fsck(journal)
+        kinds = [(f.severity, f.kind) for f in result.findings if f.kind.startswith("use-log")]
+        if byte < last:
+            assert kinds == [("warning", "use-log-damaged")] and result.exit_code == 64, (byte, kinds)
+        else:
+            assert kinds == [("note", "use-log-torn")] and result.exit_code == 0, (byte, kinds)
+    bad = bytearray(good)
+    bad[60] ^= 4
+    with open(path, "wb") as f:
+        f.write(bad)
+    status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+    assert status == 64 and "warning: 1 records of the store's use log fail their CRC" in out and path in out, out
+
+
+def test_a_torn_append_to_the_use_log_is_a_note_not_damage(journal, capsys):
+    """What a crash while appending leaves (part of a record, zeros where records were being
+    written) ends the log: `kvj fsck && kvj recover` still recovers."""
+    path = _use_log(journal)
+    good = open(path, "rb").read()
+    for tail in (good[:20], bytes(53 * 3), bytes(30)):
+        with open(path, "wb") as f:
+            f.write(good + tail)
+        status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+        assert status == 0 and f"note: the store's use log ends in {len(tail)} bytes of a torn append" in out, out
