@@ -77,11 +77,15 @@ class FS:
     def write(self, fd: int, data: Buffer) -> None:
         """Write all of ``data`` at the current offset (loops over short writes)."""
         view = memoryview(data).cast("B")
-        while view:
-            n = os.write(fd, view)
-            if n <= 0:  # pragma: no cover - os.write raises instead on real errors
-                raise OSError(errno.EIO, "short write")
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(fd, view)
+                if n <= 0:  # pragma: no cover - os.write raises instead on real errors
+                    raise OSError(errno.EIO, "short write")
+                view = view[n:]
+        except OSError as exc:
+            name_fd(exc, fd)
+            raise
 
     def writev(self, fd: int, parts: "list[Buffer]") -> None:
         """Write several buffers in order without joining them (one ``write`` each)."""
@@ -89,16 +93,28 @@ class FS:
             self.write(fd, part)
 
     def fsync(self, fd: int) -> None:
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            name_fd(exc, fd)
+            raise
 
     def fdatasync(self, fd: int) -> None:
-        if hasattr(os, "fdatasync"):
-            os.fdatasync(fd)
-        else:  # pragma: no cover - macOS
-            os.fsync(fd)
+        try:
+            if hasattr(os, "fdatasync"):
+                os.fdatasync(fd)
+            else:  # pragma: no cover - macOS
+                os.fsync(fd)
+        except OSError as exc:
+            name_fd(exc, fd)
+            raise
 
     def ftruncate(self, fd: int, length: int) -> None:
-        os.ftruncate(fd, length)
+        try:
+            os.ftruncate(fd, length)
+        except OSError as exc:
+            name_fd(exc, fd)
+            raise
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -117,12 +133,25 @@ class FS:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
+        except OSError as exc:
+            exc.filename = exc.filename or os.fspath(path)
+            raise
         finally:
             os.close(fd)
 
 
 #: The process-wide default; engine objects take an ``fs=`` argument to override it.
 REAL_FS = FS()
+
+
+def name_fd(exc: OSError, fd: int) -> None:
+    """Name in ``exc``, the error of a call on ``fd`` alone (write, fsync: the OS names no
+    file), the file ``fd`` is open on, so that "Input/output error" says where."""
+    if exc.filename is None:
+        try:
+            exc.filename = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc (macOS), or the descriptor is gone: the message stays as it was
+            pass
 
 
 class ReadOnlyFS(FS):
@@ -257,7 +286,7 @@ def atomic_write(path: PathLike, data: Buffer, fs: FS = REAL_FS,
     try:
         _replace(path, tmp, data, fs, mode)
     except OSError as exc:
-        if exc.filename in (None, tmp):
+        if exc.filename in (None, tmp, os.path.realpath(tmp)):  # realpath: as name_fd names it
             exc.filename = path
         raise
 

@@ -65,6 +65,7 @@ FSCK_UNCORRECTED = 4
 FSCK_OPERATIONAL = 8
 FSCK_USAGE = 16
 FSCK_CANCELED = 32
+FSCK_USE_LOG = 64  # kvj's own (e2fsck leaves 64 unused): kvj.ops.fsck.USE_LOG_DAMAGED
 
 #: kvj fsck's statuses, as e2fsck's (a sum when both 1 and 4 apply).
 FSCK_CODES: Dict[int, str] = {
@@ -73,9 +74,13 @@ FSCK_CODES: Dict[int, str] = {
                     "quarantined, disagreeing snapshot set aside)",
     FSCK_UNCORRECTED: "errors left uncorrected (run with --repair, or the damage cannot be repaired)",
     FSCK_OPERATIONAL: "operational error: missing or unreadable journal, locked, permission denied, I/O error, "
-                      "a seed-era JSON-lines journal (kvj migrate converts it)",
+                      "a kvj.conf every command refuses (not JSON, or a commit policy that cannot work), a "
+                      "seed-era JSON-lines journal (kvj migrate converts it)",
     FSCK_USAGE: "usage error",
     FSCK_CANCELED: "interrupted (Ctrl-C)",
+    FSCK_USE_LOG: "a warning, added to the others: records of the segment store's use log (uses.kvjuse, "
+                  "kvj-segment(5), USE LOG) fail their CRC with valid records after them; only eviction order and "
+                  "the hit rate read it, and the next kvj compact rewrites it",
 }
 
 

@@ -75,10 +75,16 @@ def fsck(journal: JournalArg = None,
     recovery in that mode would: point-in-time makes a damaged tail a warning,
     absolute-consistency makes a torn tail an error (--repair cuts it).
 
+    The segment store's use log (uses.kvjuse, what eviction orders by) is checked too: a
+    record failing its CRC with valid records after it is damage, a warning that adds 64
+    to the status (the next kvj compact rewrites the log); bytes after its last valid
+    record are a torn append, which a crash leaves, and only a note.
+
     Exit status, as e2fsck: 0 no errors; 1 errors corrected; 4 errors left uncorrected
     (5 when both); 8 operational error (no journal, locked, permission denied, I/O
-    error, a seed-era JSON-lines journal: kvj migrate converts it); 16 usage error; 32
-    interrupted (Ctrl-C). When the report cannot be written
+    error, a kvj.conf every command refuses, a seed-era JSON-lines journal: kvj migrate
+    converts it); 16 usage error; 32 interrupted (Ctrl-C); 64 added for a damaged use
+    log (see above). When the report cannot be written
     (standard output closed or full), 8 is added to the status of what was found and
     corrected (9: corrected, then the output failed), and one line on stderr says so:
     what --repair corrected is done and durable.

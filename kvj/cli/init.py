@@ -40,18 +40,21 @@ def init(journal: JournalArg = None,
     integrations, so the segments go to that store and recovery finds them there. What
     is given explicitly wins over the file: --store or KVJ_STORE on a later command,
     store= and policy= passed to kvj.Journal.open. A kvj.conf that is not valid JSON, or
-    holds a value the commit policy refuses, is refused (status 65) by every command
-    that reads it. The directory must be missing or empty. kvj record and kvj flush
+    holds a value the commit policy refuses, is refused (status 65; kvj fsck's 8) by
+    every command that reads it; kvj status shows why. The directory must be missing or
+    empty. kvj record and kvj flush
     write only to a journal made this way (or by a program through kvj.Journal.open): a
     mistyped path is refused, never turned into a new journal. With --mirror, the
     journal keeps a synchronous copy of its log in that directory from its first log
     file on (the journal records it; kvj-journal(5), MIRROR).
 
-    A commit policy value that cannot work (--max-delay that is not a duration,
-    --max-records 0, --file-size under 64KiB), or a --max-store-bytes that is not a
-    size, is a usage error (status 64) and nothing is created.
+    A commit policy value that cannot work (--max-delay that is not a duration or is
+    longer than a day, --max-records 0, --file-size under 64KiB or of 2^63 bytes or
+    more), or a --max-store-bytes that is not a size, is a usage error (status 64) and
+    nothing is created.
     """
-    from kvj.journal.policy import CommitPolicy
+    from kvj.errors import InvalidArgument
+    from kvj.journal.policy import CommitPolicy, check_policy_value
     from kvj.ops.init import init as init_journal
 
     if not journal:
@@ -63,7 +66,15 @@ def init(journal: JournalArg = None,
         raise typer.BadParameter(f"{file_size!r} is under 64KiB: a log file that small rotates every few "
                                  "records (a bare number is bytes: 64MiB, 1GiB)", param_hint="--file-size")
     budget = parse_size(max_store_bytes, "--max-store-bytes") if max_store_bytes is not None else None
-    policy = CommitPolicy(max_delay=parse_duration(max_delay, "--max-delay"), max_records=max_records, file_size_limit=size)
+    settings = {"max_delay": parse_duration(max_delay, "--max-delay"), "max_records": max_records,
+                "file_size_limit": size}
+    for name, option in (("max_delay", "--max-delay"), ("max_records", "--max-records"),
+                         ("file_size_limit", "--file-size")):
+        try:
+            check_policy_value(name, settings[name])
+        except InvalidArgument as exc:
+            raise typer.BadParameter(str(exc), param_hint=option) from None
+    policy = CommitPolicy(**settings)
     config = init_journal(journal, store=store, policy=policy, mirror=mirror, max_store_bytes=budget)
     done(f"created journal {os.path.abspath(journal)}")
     if as_json:

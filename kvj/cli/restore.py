@@ -47,7 +47,10 @@ def restore(source: Annotated[Optional[str], typer.Option("--from", metavar="URL
     The target must be new or empty (an empty lost+found of a fresh file system is
     allowed): nothing existing is overwritten. It may be a mount point: the journal is
     staged in DIR/.kvj-restoring and moved into place, so DIR itself, its owner and mode,
-    stays. A target that is not empty or cannot be written fails before anything is
+    stays. A restore holds a lock on DIR: a second one into it is refused (status 75).
+    One cut short (killed, power lost) leaves DIR/.kvj-restoring; the next restore into
+    DIR removes it and what its move had put in DIR (log files, snapshots, segments/),
+    and restores anew; anything else in DIR is refused (64), nothing removed. A target that is not empty or cannot be written fails before anything is
     downloaded, one without the space for the log files before they are, one without the
     space for the segments before any of them is. Run it as the user the journal's service runs as (User=): as
     root, a DIR another user owns is refused (77) unless KVJ_TRUST_OWNER=1.
@@ -78,5 +81,7 @@ def _summary(result: RestoreResult, target: str) -> str:
     """One line: what ``kvj restore`` brought back, and how fast it verified it."""
     snap = f", snapshot at LSN {result.snapshot_lsn}" if result.snapshot_lsn is not None else ""
     rate = result.bytes / result.seconds / 1e6 if result.seconds else 0.0
+    cleaned = (f" (after removing what a restore cut short had left: {len(result.cleaned_up)} entries)"
+               if result.cleaned_up else "")
     return (f"restored {target} through LSN {result.last_lsn}: {result.logs} log files{snap}, "
-            f"{result.segments} segments, {human_size(result.bytes)} verified ({rate:.0f} MB/s)")
+            f"{result.segments} segments, {human_size(result.bytes)} verified ({rate:.0f} MB/s){cleaned}")

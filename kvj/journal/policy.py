@@ -6,7 +6,7 @@ the disk, and when a log file is rotated; what ``kvj init`` records in ``kvj.con
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from kvj.errors import InvalidArgument
@@ -29,14 +29,33 @@ class CommitPolicy:
 
     def __post_init__(self) -> None:
         """Refuse, where the policy is made, a value the writer cannot work with (a zero
-        buffer would block the first append for ever): ``InvalidArgument`` naming it."""
-        delay = self.max_delay
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
-            raise InvalidArgument(f"commit policy: max_delay must be a finite number of seconds >= 0, not {delay!r}")
-        for name in ("max_records", "max_buffer_bytes", "max_pending_records", "file_size_limit"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"commit policy: {name} must be an integer >= 1, not {value!r}")
-        cap = self.max_group_records
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise InvalidArgument(f"commit policy: max_group_records must be None or an integer >= 1, not {cap!r}")
+        buffer would block the first append for ever, a max_delay past a timed wait's limit
+        would kill the committer thread): ``InvalidArgument`` naming it."""
+        for f in fields(self):
+            check_policy_value(f.name, getattr(self, f.name))
+
+
+#: The longest max_delay: a day. A record left undurable longer is no journal's policy, and
+#: the committer's timed wait (``threading.TIMEOUT_MAX``, about 292 years) stays far away.
+MAX_DELAY = 24 * 3600.0
+#: The largest count or size: what a file offset (off_t) holds.
+MAX_COUNT = (1 << 63) - 1
+_COUNTS = ("max_records", "max_buffer_bytes", "max_pending_records", "file_size_limit", "max_group_records")
+
+
+def check_policy_value(name: str, value: object) -> None:
+    """Refuse one commit policy value that cannot work (``InvalidArgument`` naming it):
+    ``CommitPolicy`` checks each of its fields here, and ``kvj init`` each option it takes."""
+    if name == "max_delay":
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not 0 <= value <= MAX_DELAY):
+            raise InvalidArgument(f"commit policy: max_delay must be a finite number of seconds >= 0 and at most "
+                                  f"{MAX_DELAY:g} (a day), not {value!r}")
+    elif name in _COUNTS:
+        if name == "max_group_records" and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+            none = "None or " if name == "max_group_records" else ""
+            raise InvalidArgument(f"commit policy: {name} must be {none}an integer >= 1 and below 2^63, not {value!r}")
+    else:
+        raise InvalidArgument(f"commit policy: no setting named {name!r}")

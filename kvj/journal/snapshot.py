@@ -75,11 +75,18 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
         msgpack.unpackb(msgpack.packb(state.to_dict(), use_bin_type=True), raw=False)
         state.referenced_keys()
     except Exception as exc:  # a valid CRC over a malformed body: written by a buggy or hostile tool
-        raise CorruptionError(path, SNAP_HEADER.size, f"malformed snapshot body: {exc}") from None
+        raise CorruptionError(path, SNAP_HEADER.size, f"malformed snapshot body: {_reason(exc)}") from None
     if state.last_lsn != lsn:
         raise CorruptionError(path, 0, f"snapshot header LSN {lsn} disagrees with its body ({state.last_lsn})")
     state.snapshot_lsn = lsn
     return state
+
+
+def _reason(exc: Exception) -> str:
+    """``exc`` as a reason that is never empty (msgpack's ``FormatError()`` has no text): its
+    type, then its text or else the first line of its type's docstring."""
+    text = str(exc) or (type(exc).__doc__ or "").strip().partition("\n")[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def load_latest(directory: str, files: Files = DIRECT) -> Optional[JournalState]:

@@ -30,7 +30,8 @@ are read in full; the others have their header checked (it exists, its CRC, the 
 the record claims).
 
 The result's ``exit_code`` follows e2fsck: 0 clean, 1 errors corrected, 4 errors left
-uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned). What
+uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned); 64 is added
+for damaged records in the store's use log (a warning: eviction order only). What
 recovery (in the same mode) handles by itself is a warning, not an error, so ``kvj fsck
 && kvj recover`` recovers after a crash: a torn tail (recovery cuts it and keeps the
 bytes), an empty newest log file (a crash while rotating), and a needed segment that an
@@ -50,6 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
+from kvj.journal.config import config_policy
 from kvj.journal.journal import default_store_path
 from kvj.journal.recovery import TORN_DIR, cut_torn_tail
 from kvj.journal.locks import LOCK_NAME, DirLock
@@ -74,6 +76,9 @@ from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
 
 CLEAN, CORRECTED, UNCORRECTED = 0, 1, 4
+#: Added to the status when the store's use log holds damaged records (a warning: e2fsck leaves 64 unused).
+USE_LOG_DAMAGED = 64
+USE_LOG_KIND = "use-log-damaged"
 #: Replay warnings begin with the LSN of the record they are about.
 _WARNING_LSN = re.compile(r"^LSN (\d+):")
 
@@ -128,6 +133,8 @@ class FsckResult:
             code |= CORRECTED
         if any(not f.fixed for f in self.errors):
             code |= UNCORRECTED
+        if any(f.kind == USE_LOG_KIND for f in self.findings):
+            code |= USE_LOG_DAMAGED
         return code
 
     def to_dict(self) -> Dict[str, Any]:
@@ -357,6 +364,21 @@ class _Checker:
 
         with opened_store(self.store_arg, default_store_path(self.path), self.fs) as store:
             self._segments(state, store)
+            if store is not None and store.backend.uses is not None:
+                self._use_log(store.backend.uses)
+
+    def _use_log(self, log: Any) -> None:
+        """The store's use log (``kvj.segments.uses``): records failing their CRC before a
+        valid one are damage (a warning with its own status bit, ``USE_LOG_DAMAGED``); bytes
+        after the last valid record are a torn append, which a crash leaves (a note)."""
+        uses = log.read()
+        if uses.damaged:
+            self.add("warning", USE_LOG_KIND, f"{uses.damaged} records of the store's use log fail their CRC, with "
+                     "valid records after them (damage, not a torn append): eviction order and hit rate leave "
+                     "them out; the next kvj compact rewrites the log", log.path, uses.damage_offset)
+        if uses.ignored_bytes:
+            self.add("note", "use-log-torn", f"the store's use log ends in {uses.ignored_bytes} bytes of a torn "
+                     "append (a crash while appending, or one in progress; the log is advisory): ignored", log.path)
 
     def _segments(self, state: JournalState, store: Any) -> None:
         referenced = state.referenced_keys()
@@ -479,7 +501,8 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
     ``sample`` in (0, 1]: read only that fraction of the segments in full. ``mode``: the
     recovery mode the end of the log is judged by (``InvalidArgument`` if unknown). Raises
     ``JournalLocked`` when repairing while a writer runs, or while a compactor runs;
-    ``NotFound`` when there is no journal at ``path``.
+    ``NotFound`` when there is no journal at ``path``; ``FormatError`` when its ``kvj.conf``
+    is not valid (bad JSON, a commit policy that cannot work), as every reader refuses it.
     """
     from kvj.journal.locks import COMPACT_LOCK
 
@@ -496,6 +519,7 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
     check_journal(path)  # a seed-era journal: LegacyJournal, nothing read or written
     if not os.path.isdir(path):
         raise NotFound(f"no journal at {path}")
+    config_policy(path)  # a kvj.conf no writer would use: FormatError, as every reader refuses it
     compactor = DirLock(path, COMPACT_LOCK, "compactor")
     locks = [compactor.acquire()] if writes else [lock for lock in [compactor.acquire_shared()] if lock]
     try:

@@ -14,25 +14,35 @@ the log files newest first, the oldest last, then the snapshot: a journal cut sh
 crash mid-move lacks its first LSNs, which replay reports as a gap (never a silently
 shorter journal), and the staging directory left behind keeps the target from being
 taken as empty.
+
+A restore holds an exclusive ``flock`` on the target directory throughout, so a second
+one into it is refused (``JournalLocked``). A staging directory that no restore holds was
+left by one cut short (killed, power lost): the next restore removes it and what its move
+had put in place (log files, snapshots, the store directory: the target was empty when it
+began), then restores anew. Anything else in the target is not restore's, and is refused
+with nothing removed.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import stat
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
-from kvj.errors import CorruptionError, FormatError, InvalidArgument, UnsafePath
+from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, UnsafePath
 from kvj.fileio import REAL_FS, atomic_write, makedirs_durable, rename_durable
 from kvj.journal.framing import FILE_HEADER_SIZE, decode_file_header, encode_group_header, encode_record, group_header_at
 from kvj.journal.journal import STORE_DIR, default_store_path
-from kvj.journal.reader import FORMAT, Damage, Scan
+from kvj.journal.reader import FORMAT, LOG_RE, Damage, Scan
 from kvj.journal.replay import replay
-from kvj.journal.snapshot import decode_snapshot, snapshot_name
+from kvj.journal.snapshot import SNAP_RE, decode_snapshot, snapshot_name
 from kvj.journal.state import JournalState
 from kvj.replica import manifest as mf
 from kvj.replica.remote import Remote
@@ -57,6 +67,8 @@ class RestoreResult:
     segments: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    #: What a restore cut short had left in the target, removed before this one began.
+    cleaned_up: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -206,24 +218,100 @@ def fetch_segments(remote: Remote, sizes: Dict[str, int], store: Any, threads: i
     return total
 
 
-def _check_empty(target: str) -> None:
-    """Refuse a target that exists and is not an empty directory (an empty ``lost+found`` of
-    a fresh file system's root is allowed)."""
-    if not os.path.lexists(target):
-        return
+def _check_target(target: str) -> None:
+    """Refuse, before anything is made, a target that is a symbolic link or no directory."""
     if os.path.islink(target):
         raise UnsafePath(f"{target} is a symbolic link: restore into the directory it points to")
-    if not os.path.isdir(target):
+    if os.path.lexists(target) and not os.path.isdir(target):
         raise InvalidArgument(f"{target} exists and is not a directory: restore into a new or empty directory")
+
+
+def _make_target(target: str) -> bool:
+    """Create ``target`` (and its parents) durably; True when this call made it, so that a
+    failure removes only a directory it made."""
+    makedirs_durable(os.path.dirname(target))
+    try:
+        REAL_FS.mkdir(target)
+    except FileExistsError:
+        return False
+    REAL_FS.fsync_dir(os.path.dirname(target))
+    return True
+
+
+@contextmanager
+def _target_lock(target: str) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on the target directory: a restore running there is
+    ``JournalLocked``. Yields False where the file system has no flock on a directory (NFS):
+    a staging directory there cannot be told from a running restore's."""
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise JournalLocked(target, None, "restore") from None
+            locked = False
+        yield locked
+    finally:
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+def _published(target: str, name: str) -> bool:
+    """Whether ``name`` in ``target`` is what a restore's move puts there: the store
+    directory, a log file, a snapshot (never a link)."""
+    mode = os.lstat(os.path.join(target, name)).st_mode
+    if name == STORE_DIR:
+        return stat.S_ISDIR(mode)
+    return stat.S_ISREG(mode) and bool(LOG_RE.match(name) or SNAP_RE.match(name))
+
+
+def _remove_published(target: str, names: List[str]) -> None:
+    """Remove what a restore moved into ``target`` (``names``: the store directory, log
+    files, snapshots)."""
+    for name in names:
+        path = os.path.join(target, name)
+        if name == STORE_DIR:
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+
+
+def _check_empty(target: str, locked: bool) -> List[str]:
+    """Refuse a target that is not empty (an empty ``lost+found`` of a fresh file system's
+    root is allowed). What a restore cut short left there is removed first, where this one
+    holds the target's lock (``locked``); returns its names."""
     names = os.listdir(target)
+    removed: List[str] = []
     if STAGING in names:
-        raise InvalidArgument(f"{target} holds {STAGING}: another restore is running there, or one was cut short "
-                              f"(then empty {target} and restore again)")
+        if not locked:
+            raise InvalidArgument(f"{target} holds {STAGING}: another restore is running there, or one was cut "
+                                  f"short (then empty {target} and restore again)")
+        removed = _clean_up_cut_short(target, names)
+        names = os.listdir(target)
     lost = os.path.join(target, "lost+found")
     if names == ["lost+found"] and os.path.ismount(target) and os.path.isdir(lost) and not os.listdir(lost):
-        return
+        return removed
     if names:
         raise InvalidArgument(f"{target} is not empty: restore into a new or empty directory (nothing was changed)")
+    return removed
+
+
+def _clean_up_cut_short(target: str, names: List[str]) -> List[str]:
+    """Remove the staging directory of a restore cut short (no restore holds the target) and
+    what its move had put in place, ``names`` being the target's; returns what was removed.
+    The target was empty when that restore began, so anything else there is not its own:
+    refused, nothing removed."""
+    left = sorted(n for n in names if n != "lost+found")
+    foreign = [n for n in left if n != STAGING and not _published(target, n)]
+    if foreign or not stat.S_ISDIR(os.lstat(os.path.join(target, STAGING)).st_mode):
+        why = f"{foreign[0]}, which no restore writes" if foreign else f"{STAGING} is no directory"
+        raise InvalidArgument(f"{target} holds {STAGING}, left by a restore cut short, and {why}: empty {target} "
+                              "by hand and restore again (nothing was changed)")
+    _remove_published(target, [n for n in left if n != STAGING])
+    shutil.rmtree(os.path.join(target, STAGING))  # last: until it is gone, it marks what is left as restore's
+    REAL_FS.fsync_dir(target)
+    return left
 
 
 def _check_space(path: str, nbytes: int, what: str) -> None:
@@ -261,55 +349,56 @@ def restore(remote: Remote, journal: str, *, store: Optional[str] = None, at_lsn
 
     t0 = time.perf_counter()
     target = os.path.abspath(journal)
-    _check_empty(target)
-    created = not os.path.lexists(target)
-    makedirs_durable(target)
+    _check_target(target)
+    created = _make_target(target)
     staging = os.path.join(target, STAGING)
     moved: List[str] = []
-    try:
-        REAL_FS.mkdir(staging)  # exclusive: a second restore into the same target stops here
-        REAL_FS.fsync_dir(target)
-    except BaseException:
-        if created:
-            shutil.rmtree(target, ignore_errors=True)
-        raise
-    try:
-        m = load_manifest(remote)
-        at = resolve_at(m, at_lsn, at_time)
-        root = os.path.abspath(store) if store else default_store_path(staging)
-        with SegmentStore(root, threads=threads) as seg_store:
-            logs = _needed_logs(m, at)
-            _check_space(staging, sum(e.size for e in logs) + (m.snapshot.size if m.snapshot else 0),
-                         f"the {len(logs)} log files and the snapshot")
-            result = RestoreResult(journal=target, snapshot_lsn=m.snapshot.lsn if m.snapshot else None)
-            result.bytes = download_journal(remote, m, staging, at, threads)
-            state = replay(staging, strict=True)
-            want = m.last_lsn if at is None else at
-            if state.last_lsn != want:
-                raise CorruptionError(remote.url, None, f"the replicated log ends at LSN {state.last_lsn}, the "
-                                      f"manifest says {want}")
-            segments = segment_sizes(remote, state)
-            if segments.problems:
-                more = len(segments.problems) - 1
-                raise CorruptionError(remote.url, None, segments.problems[0] + (f" (and {more} more)" if more else ""))
-            _check_space(root, sum(n for key, n in segments.sizes.items() if not seg_store.exists(key)),
-                         f"the {len(segments.sizes)} segments")
-            result.bytes += fetch_segments(remote, segments.sizes, seg_store, threads, progress)
-            result.segments = len(segments.sizes)
-        result.logs = len([n for n in os.listdir(staging) if n.endswith(".log")])
-        result.last_lsn = state.last_lsn
-        _publish(staging, target, moved)
-    except BaseException:
-        if created:
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            for name in moved:  # the segments directory, log files, the snapshot: all restore's own
-                path = os.path.join(target, name)
-                if name == STORE_DIR:
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.unlink(path)
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with _target_lock(target) as locked:
+        try:
+            cleaned = _check_empty(target, locked)
+            REAL_FS.mkdir(staging)  # exclusive: without the lock, a second restore into the target stops here
+            REAL_FS.fsync_dir(target)
+        except BaseException:
+            if created:
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        try:
+            m = load_manifest(remote)
+            at = resolve_at(m, at_lsn, at_time)
+            root = os.path.abspath(store) if store else default_store_path(staging)
+            with SegmentStore(root, threads=threads) as seg_store:
+                logs = _needed_logs(m, at)
+                _check_space(staging, sum(e.size for e in logs) + (m.snapshot.size if m.snapshot else 0),
+                             f"the {len(logs)} log files and the snapshot")
+                result = RestoreResult(journal=target, snapshot_lsn=m.snapshot.lsn if m.snapshot else None,
+                                       cleaned_up=cleaned)
+                result.bytes = download_journal(remote, m, staging, at, threads)
+                state = replay(staging, strict=True)
+                want = m.last_lsn if at is None else at
+                if state.last_lsn != want:
+                    raise CorruptionError(remote.url, None, f"the replicated log ends at LSN {state.last_lsn}, the "
+                                          f"manifest says {want}")
+                segments = segment_sizes(remote, state)
+                if segments.problems:
+                    more = len(segments.problems) - 1
+                    raise CorruptionError(remote.url, None,
+                                          segments.problems[0] + (f" (and {more} more)" if more else ""))
+                _check_space(root, sum(n for key, n in segments.sizes.items() if not seg_store.exists(key)),
+                             f"the {len(segments.sizes)} segments")
+                result.bytes += fetch_segments(remote, segments.sizes, seg_store, threads, progress)
+                result.segments = len(segments.sizes)
+            result.logs = len([n for n in os.listdir(staging) if n.endswith(".log")])
+            result.last_lsn = state.last_lsn
+            _publish(staging, target, moved)
+        except BaseException:
+            try:
+                if created:
+                    shutil.rmtree(target)
+                else:  # the segments directory, log files, the snapshot: all restore's own
+                    _remove_published(target, moved)
+                    shutil.rmtree(staging)
+            except OSError:  # what is left, the next restore into the target removes (STAGING marks it)
+                pass
+            raise
     result.seconds = time.perf_counter() - t0
     return result

@@ -46,8 +46,13 @@ class Uses:
     last: Dict[str, float] = field(default_factory=dict)
     served: int = 0
     missed: int = 0
-    #: Bytes after the first record that is short or fails its CRC (a torn append): not read.
+    #: Bytes after the last valid record (a torn append: what a crash while appending leaves).
     ignored_bytes: int = 0
+    #: Records that fail their CRC (or name no kind) with a valid record after them: damage,
+    #: not a torn append. Skipped; ``kvj fsck`` reports them.
+    damaged: int = 0
+    #: The offset of the first damaged record (None: none).
+    damage_offset: Optional[int] = None
 
     @property
     def asked(self) -> int:
@@ -69,14 +74,22 @@ def encode(entries: Iterable[Tuple[int, str, int]], now_ns: Optional[int] = None
 
 
 def parse(data: bytes) -> Uses:
-    """The uses ``data`` records; it ends at the first short record or one failing its CRC."""
+    """The uses ``data`` records. Every whole record is read; one failing its CRC is skipped:
+    damage (counted) when a valid record follows it, else part of the torn tail."""
     uses = Uses()
-    pos = 0
-    while pos + RECORD.size <= len(data):
+    end = 0  # after the last valid record
+    bad = []  # offsets of the records failing their checks since the last valid one
+    for pos in range(0, len(data) - RECORD.size + 1, RECORD.size):
         kind, key, stamp, count, crc = RECORD.unpack_from(data, pos)
         if crc32c.crc32c(data[pos:pos + RECORD.size - 4]) != crc or kind not in (USE, MISS):
-            break
-        pos += RECORD.size
+            bad.append(pos)
+            continue
+        if bad:
+            uses.damaged += len(bad)
+            if uses.damage_offset is None:
+                uses.damage_offset = bad[0]
+            bad = []
+        end = pos + RECORD.size
         if kind == MISS:
             uses.missed += count
             continue
@@ -86,7 +99,7 @@ def parse(data: bytes) -> Uses:
             seconds = stamp / 1e9
             if seconds > uses.last.get(hexkey, 0.0):
                 uses.last[hexkey] = seconds
-    uses.ignored_bytes = len(data) - pos
+    uses.ignored_bytes = len(data) - end
     return uses
 
 

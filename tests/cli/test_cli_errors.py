@@ -207,3 +207,18 @@ def test_kvj_raises_its_own_exception_types():
                 if isinstance(call, ast.Name) and call.id in BARE:
                     found.append(f"{os.path.relpath(path, root)}:{node.lineno}: raise {call.id}")
     assert not found, "\n".join(found)
+
+
+def test_an_io_error_names_the_file_it_happened_on(journal, capsys, monkeypatch):
+    """Regression: EIO from fdatasync (the OS names no file for a call on a descriptor) was
+    reported as "I/O error: journal writer failed: [Errno 5] Input/output error", naming none."""
+    import errno
+
+    from support.cli_helpers import in_process
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))  # as the kernel's: no file name
+
+    monkeypatch.setattr(os, "fdatasync", eio)
+    line = assert_fails(in_process(capsys, "record", "start", "req-2", "-j", journal), 74, "Input/output error")
+    assert os.path.realpath(list_logs(journal)[-1]) in line, line

@@ -95,7 +95,8 @@ def test_kvj_conf_is_the_one_configuration_the_library_and_every_command_read(tm
 
 def test_commit_policy_values_that_cannot_work_are_refused(tmp_path, cli):
     for args in (["--file-size", "0"], ["--file-size", "1"], ["--file-size", "4KiB"], ["--max-records", "0"],
-                 ["--max-delay", "-1s"]):
+                 ["--max-delay", "-1s"], ["--max-delay", "20000w"], ["--max-delay", "25h"],
+                 ["--file-size", "9000000TiB"], ["--max-records", str(1 << 63)]):
         assert_fails(cli("init", "-j", tmp_path / "j", *args), USAGE, args[0])
         assert not (tmp_path / "j").exists()
     assert_fails(cli("init", "-j", ""), USAGE, "give the journal directory")
@@ -108,6 +109,27 @@ def test_commit_policy_values_that_cannot_work_are_refused(tmp_path, cli):
     assert_fails(proc, 65, "kvj.conf", "max_buffer_bytes must be an integer >= 1")
     with pytest.raises(kvj_lib.FormatError, match="max_buffer_bytes"):
         kvj_lib.Journal.open(str(journal))
+
+
+def test_a_max_delay_no_timed_wait_takes_is_refused_at_init_and_at_open(tmp_path, cli):
+    """Regression: --max-delay 20000w was accepted, and the first record's commit killed the
+    committer thread (its timed wait overflowed threading.TIMEOUT_MAX), failing start() and sync()."""
+    journal = tmp_path / "j"
+    assert_fails(cli("init", "-j", journal, "--max-delay", "20000w"), USAGE, "--max-delay", "at most 86400")
+    assert not journal.exists()
+    assert cli("init", "-j", journal, "--max-delay", "1d").returncode == 0  # a day is the longest
+    with kvj_lib.Journal.open(str(journal)) as j:
+        j.start("r1")
+        assert j.sync() == 1
+    config = json.loads((journal / "kvj.conf").read_text())
+    config["policy"]["max_delay"] = 20000 * 7 * 86400.0  # what kvj init wrote before
+    (journal / "kvj.conf").write_text(json.dumps(config))
+    assert_fails(cli("record", "start", "r2", "-j", journal), 65, "kvj.conf", "max_delay", "at most 86400")
+    with pytest.raises(kvj_lib.FormatError, match="max_delay"):
+        kvj_lib.Journal.open(str(journal))
+    with pytest.raises(kvj_lib.InvalidArgument, match="max_delay"):
+        kvj_lib.Journal.open(str(journal), policy=kvj_lib.CommitPolicy(max_delay=20000 * 7 * 86400.0))
+    assert kvj_lib.replay(str(journal)).last_lsn == 1  # nothing written by the refused opens
 
 
 @pytest.mark.parametrize("content, needles", [

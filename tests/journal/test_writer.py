@@ -17,7 +17,7 @@ from kvj.journal import framing as F
 from kvj.journal.journal import Journal
 from kvj.journal.reader import Scan, list_logs
 from kvj.journal.records import RecordType
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.policy import MAX_COUNT, MAX_DELAY, CommitPolicy
 
 
 class SlowSyncFS(FS):
@@ -308,7 +308,10 @@ def test_append_many_waits_at_the_cap_on_what_a_crash_can_lose(tmp_path):
     ("max_buffer_bytes", 0), ("max_buffer_bytes", -1), ("max_records", 0), ("max_pending_records", 0),
     ("file_size_limit", 0), ("max_delay", -0.1), ("max_delay", float("nan")), ("max_delay", float("inf")),
     ("max_records", 2.5), ("max_records", True), ("max_delay", "100ms"), ("file_size_limit", None),
-    ("max_group_records", 0), ("max_group_records", 1.5)])
+    ("max_group_records", 0), ("max_group_records", 1.5),
+    # past a day: 20000 weeks overflowed the committer's timed wait (threading.TIMEOUT_MAX) and killed it
+    ("max_delay", 20000 * 7 * 86400.0), ("max_delay", MAX_DELAY + 1), ("file_size_limit", 1 << 63),
+    ("max_records", 1 << 70)])
 def test_a_commit_policy_that_cannot_work_is_refused_where_it_is_made(tmp_path, field, value):
     # max_buffer_bytes=0 used to block the first start() for ever: refused when the policy is made
     with pytest.raises(kvj.InvalidArgument, match=field):
@@ -322,6 +325,15 @@ def test_the_smallest_commit_policy_values_work(tmp_path):
         for i in range(5):
             j.alloc("cuda:0", i, 64)
         assert j.sync() == 5
+
+
+def test_the_largest_commit_policy_values_work(tmp_path):
+    policy = CommitPolicy(max_delay=MAX_DELAY, max_records=MAX_COUNT, max_buffer_bytes=MAX_COUNT,
+                          max_pending_records=MAX_COUNT, file_size_limit=MAX_COUNT, max_group_records=MAX_COUNT)
+    with Journal.open(tmp_path, policy=policy) as j:
+        j.start("r1")  # the committer waits up to a day for more: sync asks it to commit now
+        assert j.sync() == 1
+        assert j.writer.failed is None
 
 
 class UserError(Exception):

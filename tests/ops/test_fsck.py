@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from support.cli_helpers import Holder, append_torn_tail, build, flip_byte, run_cli, segment_file
+from support.cli_helpers import Holder, append_torn_tail, build, flip_byte, run_cli, segment_file, tree
 from support.cli_helpers import kvj as kvj_proc
 
 import kvj
@@ -298,3 +298,101 @@ def test_progress_is_reported_for_the_log_and_the_segments(tmp_path):
     fsck(path, progress=lambda what, done, total: calls.append((what, done, total)))
     assert any(what == "reading the log" and 0 < done <= total for what, done, total in calls)
     assert ("verifying segments", 2, 2) in calls
+
+
+@pytest.mark.parametrize("content", [
+    {"kvj_config": 1, "policy": {"max_delay": -1}},  # before: fsck exited 0, as if the journal were usable
+    {"kvj_config": 1, "policy": {"max_delay": 20000 * 7 * 86400.0}},
+    "{",  # not JSON: fsck exited 8
+], ids=["policy max_delay -1", "policy max_delay 20000w", "not JSON"])
+def test_a_kvj_conf_every_reader_refuses_is_an_operational_error(journal, capsys, content):
+    conf = os.path.join(journal, "kvj.conf")
+    with open(conf, "w") as f:
+        f.write(content if isinstance(content, str) else json.dumps(content))
+    before = tree(journal)
+    for args in ([], ["--repair"], ["--preen"]):
+        status, out, err = run_cli(capsys, "fsck", "-j", journal, *args)
+        assert status == 8 and conf in err and len(err.strip().splitlines()) == 1 and not out, (status, out, err)
+    assert tree(journal) == before
+    with pytest.raises(kvj.FormatError, match="kvj.conf"):
+        fsck(journal)
+
+
+def test_a_malformed_snapshot_body_is_reported_with_a_reason(journal, capsys):
+    """Regression: a body msgpack refuses with an exception that has no text (0xc1, the byte
+    MessagePack never uses) was reported as "malformed snapshot body: " and nothing more."""
+    import struct
+
+    from crc32c import crc32c
+
+    from kvj.journal.snapshot import SNAP_HEADER, SNAP_MAGIC, SNAP_VERSION, snapshot_name
+
+    lsn = kvj.replay(journal).last_lsn
+    body = b"\xc1"
+    head = SNAP_HEADER.pack(SNAP_MAGIC, SNAP_VERSION, 0, lsn, len(body), 0)[:-4]
+    with open(os.path.join(journal, snapshot_name(lsn)), "wb") as f:
+        f.write(head + struct.pack("<I", crc32c(body, crc32c(head))) + body)
+    (finding,) = [f for f in fsck(journal).findings if f.kind == "snapshot"]
+    assert "malformed snapshot body: FormatError: Invalid msgpack format (" in finding.message, finding.message
+    status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+    assert status == 4 and "malformed snapshot body: FormatError: Invalid msgpack format" in out, out
+
+
+def _use_log(journal: str) -> str:
+    return os.path.join(journal, "segments", "uses.kvjuse")
+
+
+def test_every_damaged_record_of_the_use_log_is_reported(journal, capsys):
+    """Regression: a flipped bit in segments/uses.kvjuse went unreported (the reader stopped
+    at the first bad record, silently). A record failing its CRC before a valid one is damage:
+    a warning and status bit 64; the last record's flips are what a torn append leaves: a note."""
+    import random
+
+    from kvj.segments.uses import RECORD, parse
+
+    path = _use_log(journal)
+    good = open(path, "rb").read()
+    records = len(good) // RECORD.size
+    assert records >= 3 and len(good) == records * RECORD.size
+    last = (records - 1) * RECORD.size
+    assert fsck(journal).exit_code == 0
+    for bit in range(len(good) * 8):  # the reader, on every bit
+        bad = bytearray(good)
+        bad[bit // 8] ^= 1 << bit % 8
+        uses = parse(bytes(bad))
+        if bit // 8 < last:
+            assert (uses.damaged, uses.damage_offset, uses.ignored_bytes) == (1, bit // 8 // RECORD.size * RECORD.size, 0)
+        else:
+            assert (uses.damaged, uses.ignored_bytes) == (0, RECORD.size)
+    seed = random.randrange(1 << 32)
+    print(f"seed {seed}")  # which bit of each byte fsck sees flipped
+    rng = random.Random(seed)
+    for byte in range(len(good)):
+        bad = bytearray(good)
+        bad[byte] ^= 1 << rng.randrange(8)
+        with open(path, "wb") as f:
+            f.write(bad)
+        result = fsck(journal)
+        kinds = [(f.severity, f.kind) for f in result.findings if f.kind.startswith("use-log")]
+        if byte < last:
+            assert kinds == [("warning", "use-log-damaged")] and result.exit_code == 64, (byte, kinds)
+        else:
+            assert kinds == [("note", "use-log-torn")] and result.exit_code == 0, (byte, kinds)
+    bad = bytearray(good)
+    bad[60] ^= 4
+    with open(path, "wb") as f:
+        f.write(bad)
+    status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+    assert status == 64 and "warning: 1 records of the store's use log fail their CRC" in out and path in out, out
+
+
+def test_a_torn_append_to_the_use_log_is_a_note_not_damage(journal, capsys):
+    """What a crash while appending leaves (part of a record, zeros where records were being
+    written) ends the log: `kvj fsck && kvj recover` still recovers."""
+    path = _use_log(journal)
+    good = open(path, "rb").read()
+    for tail in (good[:20], bytes(53 * 3), bytes(30)):
+        with open(path, "wb") as f:
+            f.write(good + tail)
+        status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+        assert status == 0 and f"note: the store's use log ends in {len(tail)} bytes of a torn append" in out, out

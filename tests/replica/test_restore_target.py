@@ -195,37 +195,82 @@ CUT_SHORT = textwrap.dedent("""
     import os, sys
     import kvj.replica.pull as r
     from kvj.replica.remote import open_remote
-    real, left = r.rename_durable, int(sys.argv[3])
-    def rename_then_die(src, dst, *a, **k):
-        global left
-        if left == 0:
-            os._exit(9)  # the node dies mid-move: no clean-up runs
-        left -= 1
-        real(src, dst, *a, **k)
-    r.rename_durable = rename_then_die
+    if sys.argv[3] == "download":  # the node dies once the log files are staged, before the segments
+        def replay_then_die(*a, **k):
+            os._exit(9)
+        r.replay = replay_then_die
+    else:
+        real, left = r.rename_durable, int(sys.argv[3])
+        def rename_then_die(src, dst, *a, **k):
+            global left
+            if left == 0:
+                os._exit(9)  # the node dies mid-move: no clean-up runs
+            left -= 1
+            real(src, dst, *a, **k)
+        r.rename_durable = rename_then_die
     r.restore(open_remote(sys.argv[1]), sys.argv[2])
 """)
+
+
+def _cut_short(s3: str, moto, target: str, where: str) -> None:
+    """Run a restore into ``target`` in a child that dies at ``where`` (no clean-up runs)."""
+    proc = subprocess.run([sys.executable, "-c", CUT_SHORT, s3, target, where], capture_output=True,
+                          text=True, env=env(**s3_env(moto.url)), cwd=REPO, timeout=300)
+    assert proc.returncode == 9, proc.stderr
+    assert STAGING in os.listdir(target)
 
 
 def test_a_restore_cut_short_mid_move_never_leaves_a_shorter_journal(s3, moto, tmp_path, capsys):
     """Killed after each step of the move into the target: kvj refuses what is there (no log
     file yet: not a journal; then an LSN gap: the first log files are missing), never shows a
-    shorter history, and a new restore refuses the target until it is emptied."""
+    shorter history, and the next restore removes what the cut-short one left and restores
+    the journal (before, it refused the target, status 64, until a person emptied it)."""
     _replicate(s3, str(tmp_path / "src"))
     full = str(tmp_path / "full")
     restore(open_remote(s3), full)
     steps = len(os.listdir(full))
     assert steps >= 4  # segments/, log files, the snapshot
-    for moved in range(1, steps):
+    for moved in ["download"] + list(range(1, steps)):
         target = str(tmp_path / f"cut-{moved}")
-        proc = subprocess.run([sys.executable, "-c", CUT_SHORT, s3, target, str(moved)], capture_output=True,
-                              text=True, env=env(**s3_env(moto.url)), cwd=REPO, timeout=300)
-        assert proc.returncode == 9, proc.stderr
-        assert STAGING in os.listdir(target)
+        _cut_short(s3, moto, target, str(moved))
         if any(n.endswith(".log") for n in os.listdir(target)):
             with pytest.raises(CorruptionError, match="missing"):
                 replay(target)
         status, stdout, stderr = kvj_here(capsys, "replay", "-j", target)
         assert status in (65, 66) and ("missing" in stderr or "not a kvj journal" in stderr), stdout + stderr
+        status, stdout, stderr = kvj_here(capsys, "restore", "--from", s3, "-j", target)
+        assert status == 0 and "after removing what a restore cut short had left" in stdout, stdout + stderr
+        assert sorted(os.listdir(target)) == sorted(os.listdir(full))
+        _same(full, target)
+        assert kvj_here(capsys, "fsck", "-j", target)[0] == 0
+
+
+def test_a_restore_cut_short_is_never_cleaned_up_over_what_it_did_not_write(s3, moto, tmp_path, capsys):
+    """Only what a restore writes is removed: a file of anyone else's beside its staging
+    directory is refused (64), and a restore running into the target is refused (75), with
+    nothing changed either way."""
+    import fcntl
+
+    from support.cli_helpers import tree
+
+    _replicate(s3, str(tmp_path / "src"))
+    target = str(tmp_path / "cut")
+    _cut_short(s3, moto, target, "2")
+    with open(os.path.join(target, "notes.txt"), "w") as f:
+        f.write("someone's")
+    before = tree(target)
+    status, _, stderr = kvj_here(capsys, "restore", "--from", s3, "-j", target)
+    assert status == 64 and "notes.txt, which no restore writes" in stderr and "nothing was changed" in stderr, stderr
+    assert tree(target) == before
+    os.unlink(os.path.join(target, "notes.txt"))
+    before = tree(target)
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a restore running there holds it
         status, _, stderr = kvj_here(capsys, "restore", "--from", s3, "-j", target)
-        assert status == 64 and STAGING in stderr, stderr
+        assert status == 75 and "locked by a live restore" in stderr, stderr
+        assert tree(target) == before
+    finally:
+        os.close(fd)
+    assert kvj_here(capsys, "restore", "--from", s3, "-j", target)[0] == 0
+    _same(str(tmp_path / "src"), target)

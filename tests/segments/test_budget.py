@@ -283,8 +283,11 @@ def test_the_use_log_counts_loads_folds_and_ends_at_a_torn_record(tmp_path):
     assert uses.last == {a: 7.0} and (uses.served, uses.missed, uses.ignored_bytes) == (1, 1, 20)
     assert uses.hit_rate() == 0.5
     bad = bytearray(data)
-    bad[60] ^= 1  # the second record's key: its CRC fails, the log ends there
-    assert parse(bytes(bad)).ignored_bytes == len(data) - 53
+    bad[60] ^= 1  # the second record's key: its CRC fails; a valid record follows, so it is damage, skipped
+    damaged = parse(bytes(bad))
+    assert (damaged.damaged, damaged.damage_offset, damaged.ignored_bytes, damaged.missed) == (1, 53, 0, 0)
+    assert damaged.last == {a: 7.0}  # the third record is read past the damage
+    assert parse(bytes(bad[:106])).ignored_bytes == 53  # the last record failing: a torn append
     store = SegmentStore(tmp_path / "s")
     with store:
         k1, k2 = store.put(block(1)).key, store.put(block(2)).key
