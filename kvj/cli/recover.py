@@ -13,6 +13,7 @@ from rich.text import Text
 from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, ago,
                             done, emit_json, journal_path, out, progress, rate, store_path)
 from kvj.cli.errors import FAILURE
+from kvj.cli.render import ROWS, more_rows
 from kvj.errors import CorruptionError, InvalidArgument
 from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
@@ -171,23 +172,23 @@ def summary(result: RecoveryResult) -> Group:
         parts += _salvage(salvage, result.dry_run)
     lost_by_id = {r["id"]: r["tokens_lost"] for r in (salvage or {}).get("requests", [])}
     parts.append(Text(f"requests to resume: {len(m['requests'])}  (ended: {m['ended_requests']})", style="bold"))
-    notes: List[Text] = []
     if m["requests"]:
         table = Table(box=None, pad_edge=False, header_style="bold")
         for col in ("request", "resume at", "segments", "lost tokens"):
             table.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
-        for r in m["requests"]:
-            lost = 0
-            if r.get("fallback"):
-                span = r["fallback"]["lost_tokens"]
-                lost = span[1] - span[0]
-                notes.append(Text(f"  {r['id']}: tokens {span[0]}..{span[1]} lost "
-                                  f"({len(r['fallback']['dropped'])} segments unusable)", style="yellow"))
-            lost += lost_by_id.get(r["id"], 0)
+        for r in m["requests"][:ROWS]:
+            span = r["fallback"]["lost_tokens"] if r.get("fallback") else (0, 0)
+            lost = span[1] - span[0] + lost_by_id.get(r["id"], 0)
             table.add_row(r["id"], str(r["resume_position"]), str(len(r["segments"])),
                           Text(str(lost), style="yellow" if lost else ""))
         parts.append(table)
-    parts += notes
+        parts += more_rows(len(m["requests"]), "requests to resume", "kvj recover")
+    fell_back = [r for r in m["requests"] if r.get("fallback")]
+    for r in fell_back[:ROWS]:
+        span = r["fallback"]["lost_tokens"]
+        parts.append(Text(f"  {r['id']}: tokens {span[0]}..{span[1]} lost "
+                          f"({len(r['fallback']['dropped'])} segments unusable)", style="yellow"))
+    parts += more_rows(len(fell_back), "requests that fell back to an older segment", "kvj recover")
     tokens = m.get("tokens") or {"restorable": 0, "lost": 0}
     salvaged = (salvage or {}).get("tokens_lost", 0)
     lost_total = tokens["lost"] + salvaged
@@ -202,8 +203,9 @@ def summary(result: RecoveryResult) -> Group:
         parts.append(Text(f"training: {t['fallback']['reason']}", style="red"))
     parts.append(Text(f"segments: {m['segments_verified']} verified, {m['segments_unusable']} unusable",
                       style="red" if m["segments_unusable"] else "green"))
-    for line in m["fallbacks"]:
+    for line in m["fallbacks"][:ROWS]:
         parts.append(Text(f"fallback: {line}", style="yellow"))
+    parts += more_rows(len(m["fallbacks"]), "fallbacks", "kvj recover")
     if result.manifest_path:
         epoch = f" (epoch record at LSN {result.epoch_lsn})" if result.epoch_lsn is not None else ""
         parts.append(Text(f"manifest: {result.manifest_path}{epoch}", style="bold"))
