@@ -15,6 +15,7 @@ from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, Rec
 from kvj.cli.errors import FAILURE
 from kvj.cli.render import ROWS, more_rows
 from kvj.errors import CorruptionError, InvalidArgument
+from kvj.integrations.vllm_resume import START_FORMAT
 from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
 from kvj.ops.recover import RecoveryResult, check_device, load_manifest, recover_ranks
@@ -48,7 +49,7 @@ def recover(journal: JournalArg = None,
     and the training state to restore (checkpoint and deltas). A request whose newest
     segment is missing or damaged falls back to its newest good one, and the manifest
     says so. Then it appends a recovery-epoch record naming the manifest, so a restarted
-    server knows exactly what to load. A seed-era JSON-lines journal is refused (status
+    server or training run knows exactly what to load. A seed-era JSON-lines journal is refused (status
     65): kvj migrate makes a kvj journal of it.
 
     A directory of rank journals (a tensor/pipeline-parallel vLLM engine's, JOURNAL/rank-T-P/,
@@ -277,15 +278,36 @@ def _salvaged_requests(requests: List[Dict[str, Any]]) -> List[RenderableType]:
     return parts
 
 
+#: What resumes each kind of work a manifest plans: the one place that says it (a ``kvj serve``
+#: would change the vLLM line). Filled in with the manifest, the journal and the training step.
+RESUMES = {
+    "vllm": 'resume the vLLM requests in an engine with KvjConnector: resume(llm, "{manifest}") '
+            "(kvj.integrations.vllm_resume)",
+    "requests": "start the server: it resumes from {manifest}",
+    "training": "restart training: it continues from step {step} (Trainer: resume_from_checkpoint="
+                'cb.resume(trainer) with KvjCallback, DCP: JournalReader("{journal}"), your own loop: '
+                "recover_training)",
+}
+
+
 def next_step(result: RecoveryResult) -> str:
-    """What the operator does now."""
+    """What the operator does now: what resumes the requests and the training the manifest plans
+    (``RESUMES``), then, after damage, kvj fsck."""
     m = result.manifest
     journal = m["journal"]
     if result.dry_run:
         return f"kvj recover -j {journal} (this was a dry run: nothing was changed)"
-    damaged = m["segments_unusable"] or m["fallbacks"] or m.get("salvage")
-    server = f"start the server: it resumes from {result.manifest_path}"
-    if damaged:
-        return (f"{server}; then look at the damage with kvj fsck -j {journal} (kvj fsck --repair moves "
-                "damaged segments to quarantine)")
-    return server
+    vllm = [(r.get("meta") or {}).get("format") == START_FORMAT for r in m["requests"]]
+    kinds = []
+    if any(vllm):
+        kinds.append("vllm")
+    if not all(vllm):  # requests journaled another way (kvj.integrations.blocks, hf, your own)
+        kinds.append("requests")
+    if m["training"]["step"] is not None:
+        kinds.append("training")
+    steps = [RESUMES[kind].format(manifest=result.manifest_path, journal=journal, step=m["training"]["step"])
+             for kind in kinds] or ["nothing to resume (no request in flight, no training state)"]
+    if m["segments_unusable"] or m["fallbacks"] or m.get("salvage"):
+        steps.append(f"then look at the damage with kvj fsck -j {journal} (kvj fsck --repair moves "
+                     "damaged segments to quarantine)")
+    return "; ".join(steps)
