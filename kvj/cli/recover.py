@@ -63,8 +63,9 @@ def recover(journal: JournalArg = None,
     segments (a mistyped --store or KVJ_STORE; not one that quarantined a needed segment)
     is status 66. Exit status 1 when --device could not load everything.
 
-    It tells the story: per request the tokens restorable and lost, the totals, what the
-    journal recorded since the previous recovery, and the next step. A journal damaged in
+    It tells the story: per request the tokens restorable and lost (the first 50 requests,
+    the rest counted: --json lists all), the totals, what the journal recorded since the
+    previous recovery, and the next step. A journal damaged in
     the middle of its log is refused (status 65), and so is a damaged tail: a last group
     that a torn write cannot leave (one flipped bit, a record failing its CRC where its
     sectors verify, bytes after it), whose records may have been acknowledged; the error
