@@ -10,8 +10,9 @@ import typer
 
 from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, done, emit_json, journal_path,
                             loads_strict, out, parse_int, parse_pairs, store_path, usage_and_exit)
-from kvj.errors import FormatError, InvalidArgument, KvjError, LegacyJournal
+from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
+from kvj.journal.legacy import convert_legacy
 from kvj.journal.records import BY_NAME, NAMES, RecordType, encode
 from kvj.names import check_request_id
 
@@ -212,6 +213,8 @@ def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON fi
     "tokens": null, "meta": {}}, with the fields of that record type (man kvj-journal(5)).
     Types: start, end, alloc, free, checkpoint, delta, segment. The fields lsn, time, file
     and offset that kvj inspect --json prints are ignored, so its output can be fed back.
+    Seed-era lines ({"op": "start", ...}, {"op": "end", ...}) are accepted as the records
+    kvj migrate makes of them.
     """
     stream = sys.stdin if source == "-" else open(source, encoding="utf-8")
     try:
@@ -223,8 +226,11 @@ def ndjson(source: Annotated[str, typer.Argument(metavar="FILE", help="NDJSON fi
 
 
 def parse_ndjson(lines: Any) -> Any:
-    """Yield (type, payload) from NDJSON lines; a bad line raises ``FormatError`` naming it,
-    a seed-era line (``{"op": ...}``) ``LegacyJournal``: only kvj migrate reads those."""
+    """Yield (type, payload) from NDJSON lines; a bad line raises ``FormatError`` naming it.
+
+    Seed-era lines (``{"op": "start"|"end", ...}``) are taken as the records kvj migrate
+    makes of them, so a program that writes the seed's format can still pipe it in.
+    """
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -232,10 +238,12 @@ def parse_ndjson(lines: Any) -> Any:
             obj = loads_strict(line)
             if not isinstance(obj, dict):
                 raise FormatError("not a JSON object")
-            if "op" in obj and "type" not in obj:
-                raise LegacyJournal(f"NDJSON line {lineno} is a seed-era record, which kvj reads only to migrate "
-                                    "a seed-era journal: kvj migrate SEED -j NEWDIR (nothing was appended)")
-            name = obj.pop("type", None)
+            if "type" not in obj and "op" in obj:
+                yield _seed_era(obj)
+                continue
+            if "type" not in obj:
+                raise FormatError('neither a kvj record ({"type": ...}) nor a seed-era one ({"op": ...})')
+            name = obj.pop("type")
             rtype = BY_NAME.get(name) if isinstance(name, str) else None
             if rtype is None or rtype == RecordType.EPOCH:
                 allowed = ", ".join(n for t, n in NAMES.items() if t != RecordType.EPOCH)
@@ -243,7 +251,15 @@ def parse_ndjson(lines: Any) -> Any:
             for location in LOCATION_FIELDS:
                 obj.pop(location, None)
             yield _checked(rtype, obj)
-        except LegacyJournal:
-            raise
         except (ValueError, KvjError) as exc:
             raise FormatError(f"NDJSON line {lineno}: {exc}") from None
+
+
+def _seed_era(obj: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+    """A seed-era line as the kvj record kvj migrate writes for it (``convert_legacy``); a
+    ``seg_flush`` is refused as kvj migrate refuses it: it points into the seed's KV file."""
+    rtype, payload = convert_legacy(obj)
+    if rtype == RecordType.SEGMENT:
+        raise FormatError("a seed-era seg_flush points at bytes in the seed's KV file (ptr), which a kvj journal "
+                          "cannot refer to: store the KV with kvj flush; seed-era start and end lines are accepted")
+    return _checked(rtype, payload)

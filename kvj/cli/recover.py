@@ -13,7 +13,9 @@ from rich.text import Text
 from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, ago,
                             done, emit_json, journal_path, out, progress, rate, store_path)
 from kvj.cli.errors import FAILURE
+from kvj.cli.render import ROWS, more_rows
 from kvj.errors import CorruptionError, InvalidArgument
+from kvj.integrations.vllm_resume import START_FORMAT
 from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
 from kvj.ops.recover import RecoveryResult, check_device, load_manifest, recover_ranks
@@ -47,7 +49,7 @@ def recover(journal: JournalArg = None,
     and the training state to restore (checkpoint and deltas). A request whose newest
     segment is missing or damaged falls back to its newest good one, and the manifest
     says so. Then it appends a recovery-epoch record naming the manifest, so a restarted
-    server knows exactly what to load. A seed-era JSON-lines journal is refused (status
+    server or training run knows exactly what to load. A seed-era JSON-lines journal is refused (status
     65): kvj migrate makes a kvj journal of it.
 
     A directory of rank journals (a tensor/pipeline-parallel vLLM engine's, JOURNAL/rank-T-P/,
@@ -61,8 +63,9 @@ def recover(journal: JournalArg = None,
     segments (a mistyped --store or KVJ_STORE; not one that quarantined a needed segment)
     is status 66. Exit status 1 when --device could not load everything.
 
-    It tells the story: per request the tokens restorable and lost, the totals, what the
-    journal recorded since the previous recovery, and the next step. A journal damaged in
+    It tells the story: per request the tokens restorable and lost (the first 50 requests,
+    the rest counted: --json lists all), the totals, what the journal recorded since the
+    previous recovery, and the next step. A journal damaged in
     the middle of its log is refused (status 65), and so is a damaged tail: a last group
     that a torn write cannot leave (one flipped bit, a record failing its CRC where its
     sectors verify, bytes after it), whose records may have been acknowledged; the error
@@ -171,23 +174,23 @@ def summary(result: RecoveryResult) -> Group:
         parts += _salvage(salvage, result.dry_run)
     lost_by_id = {r["id"]: r["tokens_lost"] for r in (salvage or {}).get("requests", [])}
     parts.append(Text(f"requests to resume: {len(m['requests'])}  (ended: {m['ended_requests']})", style="bold"))
-    notes: List[Text] = []
     if m["requests"]:
         table = Table(box=None, pad_edge=False, header_style="bold")
         for col in ("request", "resume at", "segments", "lost tokens"):
             table.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
-        for r in m["requests"]:
-            lost = 0
-            if r.get("fallback"):
-                span = r["fallback"]["lost_tokens"]
-                lost = span[1] - span[0]
-                notes.append(Text(f"  {r['id']}: tokens {span[0]}..{span[1]} lost "
-                                  f"({len(r['fallback']['dropped'])} segments unusable)", style="yellow"))
-            lost += lost_by_id.get(r["id"], 0)
+        for r in m["requests"][:ROWS]:
+            span = r["fallback"]["lost_tokens"] if r.get("fallback") else (0, 0)
+            lost = span[1] - span[0] + lost_by_id.get(r["id"], 0)
             table.add_row(r["id"], str(r["resume_position"]), str(len(r["segments"])),
                           Text(str(lost), style="yellow" if lost else ""))
         parts.append(table)
-    parts += notes
+        parts += more_rows(len(m["requests"]), "requests to resume", "kvj recover")
+    fell_back = [r for r in m["requests"] if r.get("fallback")]
+    for r in fell_back[:ROWS]:
+        span = r["fallback"]["lost_tokens"]
+        parts.append(Text(f"  {r['id']}: tokens {span[0]}..{span[1]} lost "
+                          f"({len(r['fallback']['dropped'])} segments unusable)", style="yellow"))
+    parts += more_rows(len(fell_back), "requests that fell back to an older segment", "kvj recover")
     tokens = m.get("tokens") or {"restorable": 0, "lost": 0}
     salvaged = (salvage or {}).get("tokens_lost", 0)
     lost_total = tokens["lost"] + salvaged
@@ -202,8 +205,9 @@ def summary(result: RecoveryResult) -> Group:
         parts.append(Text(f"training: {t['fallback']['reason']}", style="red"))
     parts.append(Text(f"segments: {m['segments_verified']} verified, {m['segments_unusable']} unusable",
                       style="red" if m["segments_unusable"] else "green"))
-    for line in m["fallbacks"]:
+    for line in m["fallbacks"][:ROWS]:
         parts.append(Text(f"fallback: {line}", style="yellow"))
+    parts += more_rows(len(m["fallbacks"]), "fallbacks", "kvj recover")
     if result.manifest_path:
         epoch = f" (epoch record at LSN {result.epoch_lsn})" if result.epoch_lsn is not None else ""
         parts.append(Text(f"manifest: {result.manifest_path}{epoch}", style="bold"))
@@ -275,15 +279,36 @@ def _salvaged_requests(requests: List[Dict[str, Any]]) -> List[RenderableType]:
     return parts
 
 
+#: What resumes each kind of work a manifest plans: the one place that says it (a ``kvj serve``
+#: would change the vLLM line). Filled in with the manifest, the journal and the training step.
+RESUMES = {
+    "vllm": 'resume the vLLM requests in an engine with KvjConnector: resume(llm, "{manifest}") '
+            "(kvj.integrations.vllm_resume)",
+    "requests": "start the server: it resumes from {manifest}",
+    "training": "restart training: it continues from step {step} (Trainer: resume_from_checkpoint="
+                'cb.resume(trainer) with KvjCallback, DCP: JournalReader("{journal}"), your own loop: '
+                "recover_training)",
+}
+
+
 def next_step(result: RecoveryResult) -> str:
-    """What the operator does now."""
+    """What the operator does now: what resumes the requests and the training the manifest plans
+    (``RESUMES``), then, after damage, kvj fsck."""
     m = result.manifest
     journal = m["journal"]
     if result.dry_run:
         return f"kvj recover -j {journal} (this was a dry run: nothing was changed)"
-    damaged = m["segments_unusable"] or m["fallbacks"] or m.get("salvage")
-    server = f"start the server: it resumes from {result.manifest_path}"
-    if damaged:
-        return (f"{server}; then look at the damage with kvj fsck -j {journal} (kvj fsck --repair moves "
-                "damaged segments to quarantine)")
-    return server
+    vllm = [(r.get("meta") or {}).get("format") == START_FORMAT for r in m["requests"]]
+    kinds = []
+    if any(vllm):
+        kinds.append("vllm")
+    if not all(vllm):  # requests journaled another way (kvj.integrations.blocks, hf, your own)
+        kinds.append("requests")
+    if m["training"]["step"] is not None:
+        kinds.append("training")
+    steps = [RESUMES[kind].format(manifest=result.manifest_path, journal=journal, step=m["training"]["step"])
+             for kind in kinds] or ["nothing to resume (no request in flight, no training state)"]
+    if m["segments_unusable"] or m["fallbacks"] or m.get("salvage"):
+        steps.append(f"then look at the damage with kvj fsck -j {journal} (kvj fsck --repair moves "
+                     "damaged segments to quarantine)")
+    return "; ".join(steps)

@@ -44,7 +44,21 @@ def lsn_span(first: Optional[int], last: Optional[int]) -> str:
     return f"LSN {first}..{last}" if first is not None and last is not None else "no records"
 
 
+#: Rows a table of requests lists for a person; past this many the rest are counted (rich lays
+#: out a table of 10^5 rows many times slower than --json prints them all, and nobody reads it).
+ROWS = 50
+
+
+def more_rows(total: int, what: str, command: str) -> List[RenderableType]:
+    """The line under a table cut at ``ROWS`` of ``total`` rows: how many more, and how to see all."""
+    if total <= ROWS:
+        return []
+    return [Text(f"... and {total - ROWS:,} more {what} ({command} --json lists them all)", style="dim")]
+
+
 def state_summary(path: str, state: JournalState, at: Optional[int] = None) -> RenderableType:
+    """``kvj replay`` for a person: the LSN range, the oldest ``ROWS`` requests in flight (the
+    rest counted), ended requests, training, allocations, damage and warnings."""
     parts: List[RenderableType] = []
     lsns = lsn_span(state.first_lsn, state.last_lsn)
     snap = f", snapshot at LSN {state.snapshot_lsn}" if state.snapshot_lsn else ""
@@ -56,10 +70,11 @@ def state_summary(path: str, state: JournalState, at: Optional[int] = None) -> R
         table = Table(box=None, pad_edge=False, header_style="bold")
         for col in ("request", "resume at", "segments", "prompt tokens", "started (LSN)"):
             table.add_column(col, justify="left" if col == "request" else "right")
-        for req in inflight:
+        for req in inflight[:ROWS]:
             table.add_row(req.id, str(req.resume_position), str(len(req.segments)),
                           "-" if req.tokens is None else str(len(req.tokens)), str(req.start_lsn))
         parts.append(table)
+        parts += more_rows(len(inflight), "requests in flight", "kvj replay")
     ended = state.ended()
     compacted = f" (+{state.ended_compacted} compacted away)" if state.ended_compacted else ""
     parts.append(Text(f"ended: {len(ended)} requests{compacted}"))

@@ -19,9 +19,9 @@ def replay(journal: JournalArg = None,
     """Show what recovery would do, without touching any device or file.
 
     Requests in flight with their resume positions (tokens covered by durable segments)
-    and segment counts, ended requests, the training checkpoint and the deltas after it,
-    device allocations, the LSN range, and any damage found (a torn tail, which recovery
-    cuts; records replay had to skip). Segments are not read: kvj recover --dry-run
+    and segment counts (the oldest 50, the rest counted: --json lists all), ended requests,
+    the training checkpoint and the deltas after it, device allocations, the LSN range, and
+    any damage found (a torn tail, which recovery cuts; records replay had to skip). Segments are not read: kvj recover --dry-run
     verifies them.
     """
     path = journal_path(journal)

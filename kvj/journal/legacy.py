@@ -2,6 +2,7 @@
 
 Only ``kvj migrate`` reads such a journal (``LegacyScan``); everywhere else kvj recognises
 one (``is_seed``) to refuse it with ``refused``: one line pointing at ``kvj migrate``.
+``kvj record ndjson`` takes seed-era lines piped to it as migrate does (``convert_legacy``).
 
 One JSON object per line, fsynced per line::
 

@@ -1,5 +1,5 @@
 """kvj record's input rules: NDJSON lines and --tokens/--meta, each bad input refused with the
-right status and nothing appended; optional fields optional; seed-era lines refused."""
+right status and nothing appended; optional fields optional; seed-era lines taken as kvj migrate takes them."""
 
 from __future__ import annotations
 
@@ -49,13 +49,27 @@ def test_optional_fields_are_optional(journal, cli):
     assert b.tokens == [1, 2] and state.allocations["cuda:0"][4096].tag == ""
 
 
-def test_seed_era_lines_are_refused_pointing_at_kvj_migrate(journal, cli):
-    """Only kvj migrate reads the seed-era format (issue 23 item 5): its lines are not records."""
-    before = kvj_lib.replay(str(journal)).last_lsn
-    lines = ['{"type": "start", "id": "fine"}', '{"op": "start", "id": "seed-1", "prompt_hash": "abc"}']
-    proc = cli("record", "ndjson", "-j", journal, stdin="\n".join(lines) + "\n")
-    assert_fails(proc, DATAERR, "NDJSON line 2 is a seed-era record", "kvj migrate SEED -j NEWDIR")
-    assert kvj_lib.replay(str(journal)).last_lsn == before
+def test_seed_era_lines_are_taken_as_kvj_migrate_takes_them(journal, tmp_path):
+    """A program that writes the seed's records can pipe them in, as with 0.1.0 (issue 41 item 10):
+    each becomes the record kvj migrate writes for it."""
+    seed = ['{"op": "start", "id": "seed-1", "prompt_hash": "abc"}', '{"op": "start", "id": "seed-2"}',
+            '{"op": "end", "id": "seed-1"}', '{"op": "start", "id": "seed-3", "prompt_hash": 42}',
+            '{"op": "end", "id": "seed-3", "status": "aborted"}']
+    mixed = seed[:2] + ['{"type": "start", "id": "kvj-1"}'] + seed[2:]
+    proc = kvj("record", "ndjson", "-j", journal, input="\n".join(mixed) + "\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "6 records durable" in proc.stdout
+    piped = kvj_lib.replay(str(journal)).requests
+    assert piped["seed-1"].ended and piped["seed-1"].prompt_hash == "abc" and not piped["seed-2"].ended
+    assert piped["seed-3"].status == "aborted" and not piped["kvj-1"].ended
+
+    (tmp_path / "seed.jsonl").write_text("\n".join(seed) + "\n")
+    assert kvj("migrate", tmp_path / "seed.jsonl", "-j", tmp_path / "migrated").returncode == 0
+    migrated = kvj_lib.replay(str(tmp_path / "migrated")).requests
+    fields = ("prompt_hash", "tokens", "meta", "ended", "status")
+    assert {rid: [getattr(piped[rid], f) for f in fields] for rid in migrated} == \
+        {rid: [getattr(req, f) for f in fields] for rid, req in migrated.items()}
+    assert sorted(migrated) == ["seed-1", "seed-2", "seed-3"]
 
 
 BAD_LINES = {
@@ -69,6 +83,7 @@ BAD_LINES = {
     "deep nesting": '{"type": "start", "id": "x", "meta": {"m": ' + "[" * 100_000 + "]" * 100_000 + "}}",
     "bad seed-era op": '{"op": "rename", "id": "x"}',
     "seed-era seg_flush": '{"op": "seg_flush", "id": "r0", "seg": 0, "ptr": 0, "size": 16}',
+    "seed-era start without id": '{"op": "start"}',
 }
 
 
@@ -78,6 +93,13 @@ def test_bad_lines_are_refused_and_nothing_is_appended(journal, cli, case):
     good = '{"type": "start", "id": "fine"}\n'
     proc = cli("record", "ndjson", "-j", journal, stdin=good + BAD_LINES[case] + "\n")
     assert_fails(proc, DATAERR, "NDJSON line 2")
+    assert kvj_lib.replay(str(journal)).last_lsn == before
+
+
+def test_a_line_of_neither_format_is_one_clear_error(journal, cli):
+    before = kvj_lib.replay(str(journal)).last_lsn
+    proc = cli("record", "ndjson", "-j", journal, stdin='{"type": "start", "id": "fine"}\n{"id": "x"}\n')
+    assert_fails(proc, DATAERR, "NDJSON line 2: neither a kvj record", "nor a seed-era one")
     assert kvj_lib.replay(str(journal)).last_lsn == before
 
 

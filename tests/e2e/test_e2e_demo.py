@@ -36,6 +36,14 @@ def check_trainer_proof(out: str) -> None:
     assert equal and equal.group(1) == equal.group(2), out
 
 
+def check_ends_on_the_proof(proc: subprocess.CompletedProcess) -> None:
+    """The run's last words are the proof (its panel, then where the files are): nothing after
+    it, above all no "nanobind: leaked" lines of Triton's at exit (issue 41 item 12)."""
+    tail = proc.stdout.rstrip().splitlines()[-5:]
+    assert any("PROOF: every request continued token for token" in line for line in tail), tail
+    assert "nanobind" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
 def check_default(proc: subprocess.CompletedProcess, requests: int) -> None:
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
@@ -52,6 +60,7 @@ def check_default(proc: subprocess.CompletedProcess, requests: int) -> None:
         # Some KV came back from a journal rather than being recomputed.
         assert sum(int(r[6]) for r in rows) > 0, out
     check_trainer_proof(out)
+    check_ends_on_the_proof(proc)
 
 
 @pytest.mark.skipif(not vllm_available(), reason="the default demo's serving part needs vLLM")
@@ -71,6 +80,7 @@ def test_kvj_demo_quick_runs_kvjs_own_loops(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "PROOF: every request continued token for token" in proc.stdout
     assert "bit-identical" in proc.stdout and "MISMATCH" not in proc.stdout
+    check_ends_on_the_proof(proc)
 
 
 def test_kvj_demo_without_vllm_says_so_in_one_line_and_runs_the_rest(tmp_path):
@@ -84,3 +94,4 @@ def test_kvj_demo_without_vllm_says_so_in_one_line_and_runs_the_rest(tmp_path):
     assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout
     assert "vLLM + KvjConnector" not in proc.stdout and not os.path.exists(tmp_path / "out" / "vllm")
     check_trainer_proof(proc.stdout)
+    check_ends_on_the_proof(proc)

@@ -12,37 +12,16 @@ import glob
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import types
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-import torch
 
 import kvj
 from support.damage import flip_a_bit
-from support.wait import wait_for
-
-TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BLOCK = 32  # the CPU attention backend takes multiples of 32
-LOGPROB_TOL = 5e-5  # float32 on the CPU backend: a resumed request batched otherwise differed by up to 1.14e-5 once (tokens identical)
-
-
-def make_model(path: str, seed: int) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)  # random weights at init scale barely depend on context
-    model.save_pretrained(path)
-    return path
+from support.vllm_e2e import (BLOCK, PACE, SEEDED, journal_state, kill_when, kvj_cli, lines, make_model, matched_tokens,
+                              run_engine, same, scheduler_connector, start_engine)
 
 
 @pytest.fixture(scope="module")
@@ -62,42 +41,6 @@ def prompts(seed: int) -> Dict[str, List[int]]:
     return {"S0": ids(8), "P0": p0, "P1": p1, "P2": p0[:32] + ids(92), "P3": p3, "R": r, "Q": r[:64] + ids(30)}
 
 
-def start_engine(tmp: str, name: str, model: str, jobs: List[Dict[str, Any]], journal: str,
-                 **settings: Any) -> subprocess.Popen:
-    record = os.path.join(tmp, f"{name}-rec")
-    os.makedirs(record, exist_ok=True)
-    spec = {"model": model, "connector": "kvj", "journal": journal, "record": record,
-            "out": os.path.join(tmp, f"{name}.jsonl"), "jobs": jobs, **ENGINE, **settings}
-    path = os.path.join(tmp, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(spec, f)
-    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log = open(os.path.join(tmp, f"{name}.log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "support.vllm_engine", path], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def lines(tmp: str, name: str) -> List[Dict[str, Any]]:
-    path = os.path.join(tmp, f"{name}.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
-
-
-def run_engine(tmp: str, name: str, model: str, jobs: List[Dict[str, Any]], journal: str,
-               **settings: Any) -> List[Dict[str, Any]]:
-    proc = start_engine(tmp, name, model, jobs, journal, **settings)
-    try:
-        rc = proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    with open(os.path.join(tmp, f"{name}.log")) as f:
-        assert rc == 0, f"engine {name} exited {rc}:\n{f.read()[-6000:]}"
-    return lines(tmp, name)[1:]
-
-
 def stats(tmp: str, name: str) -> Dict[str, int]:
     total = {"blocks_loaded": 0, "blocks_failed": 0}
     for path in glob.glob(os.path.join(tmp, f"{name}-rec", "stats-*.json")):
@@ -105,19 +48,6 @@ def stats(tmp: str, name: str) -> Dict[str, int]:
             for k, v in json.load(f).items():
                 total[k] = total.get(k, 0) + v
     return total
-
-
-def same(got: Dict[str, Any], want: Dict[str, Any], what: str, offset: int = 0) -> None:
-    assert got["token_ids"] == want["token_ids"][offset:], f"{what}: tokens differ"
-    np.testing.assert_allclose(got["logprobs"], want["logprobs"][offset:], rtol=0, atol=LOGPROB_TOL,
-                               err_msg=f"{what}: logprobs differ")
-
-
-def journal_state(journal: str) -> Optional["kvj.JournalState"]:
-    try:
-        return kvj.replay(journal)
-    except kvj.KvjError:
-        return None  # caught mid-creation; ask again
 
 
 def durable_tokens(journal: str, prompts: List[List[int]]) -> Dict[int, int]:
@@ -133,11 +63,6 @@ def durable_tokens(journal: str, prompts: List[List[int]]) -> Dict[int, int]:
     return covered
 
 
-def kvj_cli(*args: str, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvj.cli.main", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
-
-
 def recover(journal: str) -> str:
     """``kvj fsck`` then ``kvj recover``; the manifest's path."""
     fsck = kvj_cli("fsck", "-j", journal)
@@ -145,14 +70,6 @@ def recover(journal: str) -> str:
     rec = kvj_cli("recover", "-j", journal, "--json")
     assert rec.returncode == 0, rec.stdout + rec.stderr
     return sorted(glob.glob(os.path.join(journal, "recovery", "manifest-*.json")))[-1]
-
-
-def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> None:
-    try:
-        wait_for(lambda: proc.poll() is not None or ready(), what, timeout=900, interval=0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def check_resumed(resumed: List[Dict[str, Any]], batch: List[List[int]], ref: List[Dict[str, Any]]) -> None:
@@ -174,25 +91,6 @@ def check_loaded_kv(tmp: str, name: str, ref_tmp: str) -> List[str]:
 
 
 MAX_NEW = 64
-#: Seconds added to each step of an engine the test kills once the journal shows progress: on a
-#: loaded machine the test's polling (a replay of the journal each time) is slow, and without it
-#: the batch could finish before the kill (it did, at load 10).
-PACE = 0.05
-#: A 64-token step budget: the short requests, first in line, decode (and journal blocks holding
-#: generated tokens) while the long one, last, is still in prefill.
-#: float32: vLLM's CPU bfloat16 kernels are not batch-invariant (a resumed request, batched
-#: differently from the uninterrupted run, got logprobs up to 0.06 apart with the same tokens),
-#: and its bfloat16 attention kernel dies of SIGILL after some resumes on this machine's CPU.
-ENGINE = {"max_num_batched_tokens": 64, "dtype": "float32"}
-
-
-#: The seeded request's sampling. vLLM 0.32's CPU worker fails on a seeded request whose prompt
-#: is computed in chunks (it rewinds a CPU generator's offset, which CPU generators do not have):
-#: S0 comes first, so its 8-token prompt is computed in the batch's first step and, when
-#: resumed (no longer than 72 tokens), in the resumed engine's.
-SEEDED = {"temperature": 1.0, "seed": 1234}
-
-
 def batch_of(ps: Dict[str, List[int]]) -> List[List[int]]:
     return [ps["S0"], ps["P0"], ps["P1"], ps["P2"], ps["P3"]]
 
@@ -330,29 +228,6 @@ def test_restart_prefix_reuse(reference: Dict[str, Any], crashed: Dict[str, Any]
     for chain in chains:  # loaded from kvj, and equal to what the reference computed
         assert os.path.exists(os.path.join(crashed["tmp"], "resumed-rec", f"loaded-{chain}.r0.npy"))
     check_loaded_kv(crashed["tmp"], "resumed", reference["tmp"])
-
-
-def scheduler_connector(model: str, journal: str, dtype: str = "float32") -> Any:
-    """The scheduler-side KvjConnector an engine for ``model`` would build (no engine started)."""
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.engine.arg_utils import EngineArgs
-
-    from kvj.integrations.vllm import KvjConnector
-
-    transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
-                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"journal": journal})
-    config = EngineArgs(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=512, enforce_eager=True,
-                        block_size=BLOCK, kv_transfer_config=transfer).create_engine_config()
-    return KvjConnector(config, KVConnectorRole.SCHEDULER, None)
-
-
-def matched_tokens(connector: Any, tokens: List[int]) -> int:
-    request = types.SimpleNamespace(request_id="q", all_token_ids=tokens, prompt_token_ids=tokens,
-                                    num_tokens=len(tokens), sampling_params=None)
-    connector.on_new_request(request)
-    return connector.get_num_new_matched_tokens(request, 0)[0]
 
 
 def test_other_weights_or_dtype_never_match(models: Dict[str, str], reference: Dict[str, Any]) -> None:

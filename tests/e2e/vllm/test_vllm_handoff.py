@@ -27,8 +27,8 @@ from kvj.integrations.vllm_resume import resume_plans
 from kvj.ops.handoff import write_manifest
 from support.s3 import MotoEndpoint, s3_env
 from support.wait import wait_for
-from test_vllm_connector import (BLOCK, ENGINE, PACE, SEEDED, journal_state, kvj_cli, lines, make_model, same,
-                                 start_engine)
+from support.vllm_e2e import (BLOCK, ENGINE, PACE, SEEDED, journal_state, kvj_cli, lines, make_model, same,
+                              start_engine)
 
 MAX_NEW = 48
 

@@ -25,10 +25,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-from test_vllm_connector import (BLOCK, journal_state, kill_when, kvj_cli, lines, make_model, matched_tokens,
-                                 run_engine, same, scheduler_connector, start_engine)
 
 from support.damage import flip_a_bit
+from support.vllm_e2e import (BLOCK, journal_state, kill_when, kvj_cli, lines, make_model, matched_tokens,
+                              run_engine, same, scheduler_connector, start_engine)
 
 import kvj
 from kvj.errors import KvjError
