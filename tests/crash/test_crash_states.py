@@ -100,10 +100,10 @@ class Workload:
         if durable:
             lsn = self.j.writer.last_lsn + 1
             self.truth.add(lsn, rtype, payload)  # before the wait: it may fail after the write
-            assert self.j.writer.append(rtype, payload, durable=True) == lsn
+            assert self.j.append(rtype, payload, durable=True) == lsn
             ack(self.fs, self.truth, lsn)
             return lsn
-        lsn = self.j.writer.append(rtype, payload)
+        lsn = self.j.append(rtype, payload)
         self.truth.add(lsn, rtype, payload)
         return lsn
 
