@@ -22,6 +22,8 @@ import subprocess
 import pytest
 from support.cli_helpers import assert_fails, build, kvj, tree
 
+from kvj.journal.reader import list_logs
+
 DATAERR, NOPERM = 65, 77
 #: A command that finishes in well under a second; a FIFO opened blocking would never finish.
 TIMEOUT = 60
@@ -129,6 +131,91 @@ def test_a_planted_ranks_json_is_refused_in_one_line(tmp_path, clean, what, args
     assert_fails(proc, STATUS.get(what, DATAERR), "ranks.json", needle)
     os.unlink(ranks)
     assert unchanged(before, tree(journal))
+
+
+@pytest.mark.ci_required
+@pytest.mark.parametrize("what", PLANTINGS)
+def test_a_planted_salvage_report_file_is_refused_in_one_line(tmp_path, clean, what):
+    journal = journal_copy(tmp_path, clean)
+    before = tree(journal)
+    needle = plant(journal / "SALVAGE.json", what)
+    for args in (["recover"], ["recover", "--until-damage", "--dry-run"]):
+        proc = bounded(*args, "-j", journal)
+        assert_fails(proc, STATUS.get(what, DATAERR), "SALVAGE.json", needle)
+    os.unlink(journal / "SALVAGE.json")
+    assert unchanged(before, tree(journal))
+
+
+def planted_report(journal, **change) -> dict:
+    """A pending salvage report shaped as ``set_aside`` writes one, for this journal, but with
+    ``change``: the issue's, by default (LSN 5 kept, /etc/passwd and ../../../etc/hosts set aside)."""
+    log = list_logs(str(journal))[0]
+    offset = 400
+    report = {"damage": [{"kind": "corruption", "path": log, "offset": offset, "reason": "damaged commit group",
+                          "records": None}],
+              "kept_lsn": 5, "lost_to": 20, "cut_file": log, "cut_offset": offset, "later_files": [],
+              "requests": [], "training": None, "tokens_lost": 0,
+              "set_aside_to": ["/etc/passwd", "../../../etc/hosts"], "id": "5a1f" * 8, "resumed": False}
+    report.update(change)
+    return report
+
+
+def _escapes(journal) -> dict:
+    """Plantings that each name something outside the journal or contradict its log: what
+    each changes in the issue's report, and what the refusal says."""
+    log = list_logs(str(journal))[0]
+    torn = os.path.join(str(journal), "torn")
+    aside = [os.path.join(torn, os.path.basename(log) + ".400.torn")]
+    outside = "is not a file set aside in this journal's torn/"
+    return {
+        "the issue's report": ({}, f"/etc/passwd {outside}"),
+        "absolute outside": ({"set_aside_to": ["/etc/passwd"]}, outside),
+        "relative traversal": ({"set_aside_to": ["../../../etc/hosts"]}, outside),
+        "traversal from torn/": ({"set_aside_to": [os.path.join(torn, "..", "..", "..", "etc", "hosts")]}, outside),
+        "a log file outside": ({"later_files": ["/etc/0000000000000009.log"], "set_aside_to": aside},
+                               "is not a log file of this journal"),
+        "a cut file outside": ({"cut_file": "/etc/0000000000000001.log", "set_aside_to": aside,
+                                "damage": [{"kind": "corruption", "path": "/etc/0000000000000001.log", "offset": 400,
+                                            "reason": "x", "records": None}]}, "is not a log file of this journal"),
+        "kept past the end of the log": ({"kept_lsn": 10 ** 6, "lost_to": None, "set_aside_to": aside},
+                                         "is past the end of the log"),
+        "cut past the end of the file": ({"cut_offset": 10 ** 9, "set_aside_to": aside,
+                                          "damage": [{"kind": "corruption", "path": log, "offset": 10 ** 9,
+                                                      "reason": "x", "records": None}]}, "is shorter than the offset"),
+        "lost before kept": ({"lost_to": 3, "set_aside_to": aside}, "lost_to after kept_lsn"),
+        "tokens that do not add up": ({"tokens_lost": 7, "set_aside_to": aside}, "add up to tokens_lost"),
+        "not a report's id": ({"id": "../x", "set_aside_to": aside}, "id, resumed or cut_file"),
+    }
+
+
+ESCAPES = ["the issue's report", "absolute outside", "relative traversal", "traversal from torn/",
+           "a log file outside", "a cut file outside", "kept past the end of the log", "cut past the end of the file",
+           "lost before kept", "tokens that do not add up", "not a report's id", "symlinked torn/"]
+
+
+@pytest.mark.ci_required
+@pytest.mark.parametrize("what", ESCAPES)
+def test_a_planted_salvage_report_is_refused_as_damaged_not_trusted(tmp_path, clean, what):
+    journal = journal_copy(tmp_path, clean)
+    if what == "symlinked torn/":
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        os.symlink(elsewhere, journal / "torn")
+        report = planted_report(journal, set_aside_to=[str(journal / "torn" / "0000000000000001.log.400.torn")])
+        needle = "torn is a symbolic link"
+    else:
+        change, needle = _escapes(journal)[what]
+        report = planted_report(journal, **change)
+    (journal / "SALVAGE.json").write_text(json.dumps(report, indent=1))
+    victims = {p: open(p, "rb").read() for p in ("/etc/passwd", "/etc/hosts") if os.path.exists(p)}
+    before = tree(journal)
+    for args in (["recover", "--dry-run"], ["recover"]):
+        proc = bounded(*args, "-j", journal)
+        line = assert_fails(proc, DATAERR, "SALVAGE.json", "not a pending salvage report", needle)
+        assert "recovering as of" not in proc.stdout + line and not proc.stdout
+    assert unchanged(before, tree(journal))  # nothing moved or cut; no manifest, no epoch record
+    assert not (journal / "recovery").exists()
+    assert {p: open(p, "rb").read() for p in victims} == victims
 
 
 @pytest.mark.ci_required
