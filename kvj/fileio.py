@@ -4,7 +4,9 @@ Every write, fsync, rename, create and unlink the engine performs goes through a
 ``FS`` object, so tests can swap in a recording or fault-injecting implementation
 (see ``tests/crashfs.py``) and construct the crash states a real disk allows.
 Reads go through ``open_regular`` (or ``open_read``), not through the FS: a crash state is
-materialised as real files.
+materialised as real files. A small file kvj reads whole (a control or metadata file: ``kvj.conf``,
+``handoff.json``, ``ranks.json``, ``SALVAGE.json``, a manifest) is read by ``read_bounded``: its
+size is checked before a byte is read.
 
 Every file kvj opens, to read or to write, is opened with ``O_NOFOLLOW`` and must be a
 regular file (``open_regular``): a symlink, FIFO, device or socket planted in a journal
@@ -21,7 +23,7 @@ import os
 import stat
 from typing import BinaryIO, List, Union
 
-from kvj.errors import UnsafePath
+from kvj.errors import FormatError, UnsafePath
 
 PathLike = Union[str, "os.PathLike[str]"]
 #: Bytes kvj writes or reads without copying them first.
@@ -66,6 +68,18 @@ def open_regular(path: PathLike, flags: int = os.O_RDONLY, mode: int = DEFAULT_F
 def open_read(path: PathLike) -> BinaryIO:
     """``open(path, "rb")`` through ``open_regular``."""
     return os.fdopen(open_regular(path), "rb")
+
+
+def read_bounded(path: PathLike, max_bytes: int) -> bytes:
+    """The whole of the small file ``path``, opened as ``open_regular`` opens (a symlink, FIFO or
+    device is ``UnsafePath``, a FIFO never blocks); over ``max_bytes`` (a planted huge or sparse
+    file) is ``FormatError``, refused by its size before anything is read."""
+    with open_read(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(max_bytes + 1) if size <= max_bytes else b""
+    if size > max_bytes or len(data) > max_bytes:
+        raise FormatError(f"{os.fspath(path)} is {max(size, len(data))} bytes, more than the {max_bytes} it may be")
+    return data
 
 
 class FS:

@@ -1,8 +1,10 @@
 """Reading and showing what kvj does not control: JSON documents found on disk or in a
 replica (``kvj.conf``, ``manifest.json``, ``lock.json``) and text taken from them.
 
-``load_json`` bounds what such a document can cost or smuggle in: its size, its nesting,
-numbers that are not finite or do not fit 64 bits. ``printable`` escapes text before it
+``read_json`` reads such a file through ``kvj.fileio.read_bounded`` (no symlink, FIFO or
+device; its size checked before reading) and parses it with ``load_json``, which bounds what
+such a document can cost or smuggle in: its size, its nesting, numbers that are not finite or
+do not fit 64 bits. ``printable`` escapes text before it
 reaches a terminal, so a hostile name cannot move the cursor or recolour the screen.
 """
 
@@ -10,9 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any, Union
 
 from kvj.errors import FormatError
+from kvj.fileio import PathLike, read_bounded
 
 #: Deeper than any document kvj writes (a manifest is five levels deep).
 MAX_DEPTH = 32
@@ -69,6 +73,13 @@ def load_json(data: Union[bytes, str], what: str, *, max_bytes: int, max_depth: 
     if _depth(doc, max_depth) > max_depth:
         raise FormatError(f"{what} is nested more than {max_depth} levels deep")
     return doc
+
+
+def read_json(path: PathLike, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """The JSON document in the small file ``path``, read by ``read_bounded`` and parsed by
+    ``load_json``: ``UnsafePath`` for a symlink, FIFO or device, ``FormatError`` for anything
+    over the bounds or not JSON, ``FileNotFoundError`` when there is none."""
+    return load_json(read_bounded(path, max_bytes), os.fspath(path), max_bytes=max_bytes, max_depth=max_depth)
 
 
 def printable(text: object, limit: int = 200) -> str:

@@ -444,6 +444,9 @@ def status_view(s: Dict[str, Any]) -> RenderableType:
             rows.append(["handoff", Text(f"in progress to {handoff['to']} (mode {handoff.get('mode')}): "
                                          f"{s.get('moved') or 0} moved, {s.get('in_flight')} in flight",
                                          style="bold yellow")])
+    if s.get("handoff_error"):
+        rows.append(["handoff", Text(f"{s['handoff_error']} (an engine hands nothing off while it cannot be read)",
+                                     style="bold red")])
     if s.get("salvage_pending"):
         rows.append(["salvage", Text("a salvaging recovery was interrupted after setting files aside (kvj recover, "
                                      "with --until-damage while the log is damaged, completes its report of what "

@@ -88,6 +88,7 @@ from kvj.errors import InvalidArgument, InvalidName, KvjError
 from kvj.fileio import atomic_write, makedirs_durable
 from kvj.journal import ranks as rank_journals
 from kvj.names import check_request_id
+from kvj.untrusted import read_json
 from kvj.segments.tensors import dtype_name
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
@@ -125,6 +126,8 @@ SUPPORTED_VLLM = (0, 32)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 #: The weights' digests, kept beside the journal.
 DIGESTS = "vllm-model-digests.json"
+#: The digests cache holds a few hundred bytes per model directory: anything far larger is not one.
+MAX_DIGESTS_BYTES = 16 << 20
 #: vLLM KV cache dtypes whose bytes a block holds as they are (fp8: vLLM stores them as uint8).
 _FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _ADMISSIONS = ("arrival", "durable")
@@ -222,14 +225,15 @@ def _file_stats(directory: str) -> Dict[str, List[int]]:
 def weights_digest(directory: str, journal: str) -> str:
     """BLAKE3 of a model directory's weight files and config, hashed once: the digest is kept in
     the journal's ``vllm-model-digests.json`` keyed by each file's size, mtime and inode, and
-    hashed again only when one of them changed."""
+    hashed again only when one of them changed. A cache that cannot be read (``read_json``: a
+    symlink, FIFO or device, too large, not JSON) is no cache: the digest is hashed and the
+    file replaced."""
     directory = os.path.realpath(directory)
     stats = _file_stats(directory)
     cache_path = os.path.join(journal, DIGESTS)
     try:
-        with open(cache_path, encoding="utf-8") as f:
-            cache = json.load(f)
-    except (OSError, ValueError):
+        cache = read_json(cache_path, max_bytes=MAX_DIGESTS_BYTES)
+    except (OSError, KvjError):
         cache = {}
     entry = cache.get(directory) if isinstance(cache, dict) else None
     if isinstance(entry, dict) and entry.get("files") == stats and isinstance(entry.get("digest"), str):

@@ -12,12 +12,13 @@ are those of an uninterrupted run, greedy or seeded.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 from kvj.errors import FormatError
+from kvj.journal.entries import MAX_MANIFEST_BYTES
+from kvj.untrusted import read_json
 
 if TYPE_CHECKING:
     from vllm import LLM, RequestOutput
@@ -95,10 +96,13 @@ class Resumed:
 
 
 def _load_manifest(manifest: Manifest) -> Mapping[str, Any]:
+    """The manifest given, or the one in the file it names (read by ``read_json``: bounded, never a FIFO)."""
     if isinstance(manifest, Mapping):
         return manifest
-    with open(manifest, encoding="utf-8") as f:
-        return json.load(f)
+    doc = read_json(manifest, max_bytes=MAX_MANIFEST_BYTES)
+    if not isinstance(doc, dict):
+        raise FormatError(f"{os.fspath(manifest)} is not a kvj recover manifest")
+    return doc
 
 
 def resume_plans(manifest: Manifest) -> List[ResumePlan]:

@@ -15,9 +15,8 @@ from dataclasses import fields
 from typing import Any, Dict, Optional
 
 from kvj.errors import FormatError, InvalidArgument
-from kvj.fileio import open_read
 from kvj.journal.policy import CommitPolicy
-from kvj.untrusted import load_json
+from kvj.untrusted import read_json
 
 CONFIG = "kvj.conf"
 CONFIG_VERSION = 1
@@ -33,12 +32,9 @@ def read_config(journal: str) -> Optional[Dict[str, Any]]:
     other than its own."""
     path = os.path.join(journal, CONFIG)
     try:
-        with open_read(path) as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        config = read_json(path, max_bytes=MAX_CONFIG_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    try:
-        config = load_json(data, path, max_bytes=MAX_CONFIG_BYTES)
     except FormatError as exc:
         raise FormatError(f"not a kvj configuration: {exc}") from None
     if not isinstance(config, dict) or config.get("kvj_config") != CONFIG_VERSION:

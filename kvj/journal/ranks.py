@@ -24,10 +24,15 @@ from kvj.errors import FormatError
 from kvj.fileio import atomic_write, makedirs_durable
 from kvj.journal.reader import list_logs
 from kvj.journal.snapshot import list_snapshots
+from kvj.untrusted import read_json
 
 #: The file that says which parallel layout a directory of rank journals serves.
 RANKS_FILE = "ranks.json"
 RANK_RE = re.compile(r"^rank-(\d+)-(\d+)$")
+#: A layout is two small numbers; anything far larger is not one.
+MAX_RANKS_BYTES = 4096
+#: More ranks than any engine has: a layout beyond it is not one (its journals would be listed one by one).
+MAX_RANKS = 1 << 16
 
 
 def rank_name(tp_rank: int, pp_rank: int) -> str:
@@ -40,20 +45,26 @@ def rank_journal(path: str, tp_rank: int, pp_rank: int, tp_size: int, pp_size: i
 
 
 def read_sizes(path: str) -> Optional[Tuple[int, int]]:
-    """(tp_size, pp_size) that ``path``'s ``ranks.json`` names; None when it has none."""
+    """(tp_size, pp_size) that ``path``'s ``ranks.json`` names; None when it has none. A file that
+    is not one (read by ``read_json``: never through a symlink, never a FIFO, its size bounded)
+    is ``FormatError``, or ``UnsafePath`` for a symlink, FIFO or device."""
+    where = os.path.join(path, RANKS_FILE)
     try:
-        with open(os.path.join(path, RANKS_FILE), encoding="utf-8") as f:
-            sizes = json.load(f)
-        return int(sizes["tp_size"]), int(sizes["pp_size"])
-    except FileNotFoundError:
+        sizes = read_json(where, max_bytes=MAX_RANKS_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{os.path.join(path, RANKS_FILE)} is not a rank layout ({exc})") from None
+    except FormatError as exc:
+        raise FormatError(f"not a rank layout: {exc}") from None
+    tp, pp = (sizes.get(k) if isinstance(sizes, dict) else None for k in ("tp_size", "pp_size"))
+    if not (type(tp) is int and type(pp) is int and tp >= 1 and pp >= 1 and tp * pp <= MAX_RANKS):
+        raise FormatError(f"{where} is not a rank layout: tp_size and pp_size must be positive integers, "
+                          f"at most {MAX_RANKS} ranks in all")
+    return tp, pp
 
 
 def holds_ranks(path: str) -> bool:
     """Whether ``path`` is a directory of rank journals (it has a ``ranks.json``)."""
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, RANKS_FILE))
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, RANKS_FILE))
 
 
 def rank_journals(path: str) -> Dict[Tuple[int, int], str]:

@@ -9,15 +9,20 @@ import os
 import time
 from typing import Any, Dict, Optional
 
-from kvj.errors import InvalidArgument
+from kvj.errors import FormatError, InvalidArgument, InvalidName, KvjError
 from kvj.fileio import atomic_write
 from kvj.journal import ranks
 from kvj.names import check_request_id
+from kvj.untrusted import read_json
 
 #: The control file an armed handoff leaves in the journal directory (JSON: to, mode, state, ...).
 CONTROL = "handoff.json"
 #: What an armed engine does with its requests: hand them all off (vLLM aborts them), or let them finish.
 MODES = ("abort", "finish")
+#: An armed handoff, or its result written.
+STATES = ("armed", "done")
+#: A control record is a few hundred bytes: anything far larger is not one.
+MAX_CONTROL_BYTES = 1 << 16
 
 
 def control_path(journal: str) -> str:
@@ -47,18 +52,52 @@ def write_control(journal: str, control: Dict[str, Any]) -> None:
 
 
 def read_control(journal: str) -> Optional[Dict[str, Any]]:
-    """The handoff control record, or None when no handoff was ever armed (or it is unreadable)."""
+    """The handoff control record, or None when no handoff was ever armed. A file that is not
+    one (read by ``read_json``: never through a symlink, never a FIFO, its size bounded) is
+    ``FormatError``, or ``UnsafePath`` for a symlink, FIFO or device: it is written atomically,
+    so anything else was put there."""
+    path = control_path(journal)
     try:
-        with open(control_path(journal), encoding="utf-8") as f:
-            control = json.load(f)
-    except (OSError, ValueError):
+        control = read_json(path, max_bytes=MAX_CONTROL_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return control if isinstance(control, dict) and isinstance(control.get("to"), str) else None
+    except FormatError as exc:
+        raise FormatError(f"not a handoff control file: {exc}") from None
+    why = _wrong(control)
+    if why:
+        raise FormatError(f"{path} is not a handoff control file: {why}")
+    return control
+
+
+def _wrong(control: Any) -> Optional[str]:
+    """What makes ``control`` no control record ``arm`` or ``write_control`` writes; None when nothing."""
+    if not isinstance(control, dict):
+        return f"a JSON {type(control).__name__}, not an object"
+    try:
+        check_request_id(control.get("to"))
+    except InvalidName:
+        return "'to' is not an engine name"
+    if control.get("state") not in STATES:
+        return f"'state' must be one of {', '.join(STATES)}"
+    if "mode" in control and control["mode"] not in MODES:
+        return f"'mode' must be one of {', '.join(MODES)}"
+    if "requests" in control and not (type(control["requests"]) is int and control["requests"] >= 0):
+        return "'requests' must be a count"
+    manifest = control.get("manifest")
+    if manifest is not None and not (isinstance(manifest, str) and manifest.isprintable()
+                                     and os.path.basename(manifest) == f"manifest-{control['to']}.json"):
+        return "'manifest' must be the path of the handoff manifest"
+    return None
 
 
 def armed_target(journal: str) -> Optional[str]:
-    """The engine an armed handoff moves requests to; None when none is armed (one stat then)."""
-    if not os.path.exists(control_path(journal)):
+    """The engine an armed handoff moves requests to; None when none is armed (one stat then).
+    A control file that cannot be read arms nothing: the serving loop goes on, and
+    ``kvj status`` reports the file."""
+    if not os.path.lexists(control_path(journal)):
         return None
-    control = read_control(journal)
+    try:
+        control = read_control(journal)
+    except (OSError, KvjError):
+        return None
     return control["to"] if control is not None and control.get("state") == "armed" else None

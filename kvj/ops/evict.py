@@ -24,14 +24,14 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import FormatError, InvalidArgument, SegmentMissing
-from kvj.fileio import FS, REAL_FS, fsync_path, list_dir, open_read
+from kvj.fileio import FS, REAL_FS, fsync_path, list_dir
 from kvj.journal.follow import Follower
 from kvj.journal.journal import segment_keys
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import replay
-from kvj.journal.entries import RECOVERY_DIR
+from kvj.journal.entries import MAX_MANIFEST_BYTES, RECOVERY_DIR
 from kvj.ops.recover import MANIFEST_RE, manifest_keys
-from kvj.untrusted import load_json
+from kvj.untrusted import read_json
 
 #: Eviction never removes a segment stored or claimed this recently (nor, when the grace period
 #: is shorter, more recently than the grace period): the longest a writer takes from a put to
@@ -39,8 +39,6 @@ from kvj.untrusted import load_json
 EVICT_MIN_AGE = 60.0
 #: Segments deleted per ``delete_many`` call (their directories are fsynced once per batch).
 EVICT_BATCH = 4096
-#: A recovery manifest is at most this large (a plan for every request and block in flight).
-MAX_MANIFEST_BYTES = 256 << 20
 
 Progress = Callable[[str, int, int], None]
 
@@ -69,9 +67,7 @@ def manifest_needs(journal: str) -> Set[str]:
     keys: Set[str] = set()
     for name in sorted(n for n in list_dir(directory) if MANIFEST_RE.match(n)):
         path = os.path.join(directory, name)
-        with open_read(path) as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-        manifest = load_json(data, path, max_bytes=MAX_MANIFEST_BYTES)
+        manifest = read_json(path, max_bytes=MAX_MANIFEST_BYTES)
         try:
             keys.update(manifest_keys(manifest))
         except (KeyError, TypeError, AttributeError):

@@ -77,7 +77,7 @@ def write_manifest(journal: str, to: str) -> Tuple[str, Dict[str, Any]]:
     makedirs_durable(directory)
     path = os.path.join(directory, f"manifest-{to}.json")
     atomic_write(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-    control = {**(read_control(journal) or {"to": to}), "state": "done", "manifest": path,
+    control = {**(read_control(journal) or {}), "to": to, "state": "done", "manifest": path,
                "requests": len(manifest["requests"]), "done_at": time.time()}
     write_control(journal, control)
     return path, manifest

@@ -26,19 +26,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError
-from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, open_read, rename_durable
-from kvj.journal.entries import PENDING_NAME
+from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, rename_durable
+from kvj.journal.entries import MAX_MANIFEST_BYTES, PENDING_NAME
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
 from kvj.journal.recovery import TORN_DIR, keep_torn_bytes, truncate_log
 from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import (
+    COPY,
     CORRUPTION,
     COVERED_GAP,
+    DAMAGED_TAIL,
+    FORMAT,
+    LOG_RE,
+    LSN_GAP,
     LSN_ORDER,
     TORN,
     Damage,
@@ -46,10 +52,14 @@ from kvj.journal.reader import (
     Scan,
     TornTail,
     decode,
+    list_logs,
+    log_end,
+    log_seq,
     read_header,
 )
-from kvj.journal.snapshot import load_latest
+from kvj.journal.snapshot import list_snapshots, load_latest
 from kvj.journal.state import JournalState
+from kvj.untrusted import MAX_INT, printable, read_json
 
 
 @dataclass
@@ -142,33 +152,49 @@ def pending_path(journal: str) -> str:
 
 
 def load_pending(journal: str) -> Optional[Salvage]:
-    """The report of a salvage that set files aside but whose epoch record was never written."""
+    """The report of a salvage that set files aside but whose epoch record was never written.
+
+    It is read by ``read_json`` (a symlink, FIFO or device is ``UnsafePath``; its size is
+    bounded before reading) and checked whole before anything it says is used: its fields and
+    numbers as ``find_damage`` and ``set_aside`` make them, every log file it names in this
+    journal (or its mirror), every file it set aside in their ``torn/``, its LSNs within what
+    the journal holds. Anything else is ``CorruptionError``: the file is written atomically,
+    so it was damaged or put there, and nothing in it is trusted, reported or recorded."""
     path = pending_path(journal)
     try:
-        with open_read(path) as f:
-            data = f.read()
-    except FileNotFoundError:
+        d = read_json(path, max_bytes=MAX_MANIFEST_BYTES)
+        _check_report(d)
+        _check_against(journal, d)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    names = {f.name for f in fields(Salvage)} - {"kept_state"}
-    try:
-        d = json.loads(data)
-        if not isinstance(d, dict) or set(d) != names:
-            raise FormatError(f"fields {sorted(d) if isinstance(d, dict) else type(d).__name__}")
-        _check_entries(d)
-        return Salvage(**{**d, "resumed": True})
-    except (ValueError, TypeError, FormatError) as exc:  # written atomically: anything else is damage, not a torn write
+    except FormatError as exc:  # written atomically: anything else is damage, not a torn write
         raise CorruptionError(path, None, f"not a pending salvage report ({exc}); it says what an interrupted "
                                           "kvj recover --until-damage set aside and lost: keep it for the record, "
                                           "then move it away to recover") from None
+    return Salvage(**{**d, "resumed": True})
 
 
 #: The keys of each entry of a report's lists (and of its training map), as ``find_damage`` makes them.
 _ENTRY_KEYS = {"damage": {"kind", "path", "offset", "reason"},
                "requests": {"id", "kept_tokens", "tokens_after_damage", "tokens_lost", "what"}}
+#: The damage a salvage cuts at (a torn tail and a gap a snapshot covers are none).
+_DAMAGE_KINDS = {CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, COPY, DAMAGED_TAIL}
+#: What ``set_aside`` names a file in ``torn/``: a log file moved whole, or a cut's bytes
+#: (``keep_torn_bytes``), with ``.N`` added while the name is taken.
+_ASIDE_RE = re.compile(r"^\d{16}\.log(\.\d+\.torn)?(\.\d+)?$")
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
-def _check_entries(d: Dict[str, Any]) -> None:
-    """Raise FormatError unless a loaded report's entries have the shape ``find_damage`` gives them."""
+def _count(value: Any) -> bool:
+    """Whether ``value`` is an integer kvj writes as an LSN, offset or count (not a bool)."""
+    return type(value) is int and 0 <= value <= MAX_INT
+
+
+def _check_report(d: Any) -> None:
+    """Raise FormatError unless ``d`` has the fields, types and numbers ``find_damage`` gives a report."""
+    names = {f.name for f in fields(Salvage)} - {"kept_state"}
+    if not isinstance(d, dict) or set(d) != names:
+        raise FormatError(f"fields {sorted(d) if isinstance(d, dict) else type(d).__name__}")
     for name, keys in _ENTRY_KEYS.items():
         if not isinstance(d[name], list) or not all(isinstance(e, dict) and keys <= set(e) for e in d[name]):
             raise FormatError(f"{name} entries lack {sorted(keys)}")
@@ -177,6 +203,64 @@ def _check_entries(d: Dict[str, Any]) -> None:
         raise FormatError("training lacks kept_step, step_after_damage")
     if not all(isinstance(d[k], list) and all(isinstance(p, str) for p in d[k]) for k in ("later_files", "set_aside_to")):
         raise FormatError("later_files and set_aside_to must be lists of paths")
+    if not (isinstance(d["id"], str) and _ID_RE.match(d["id"]) and isinstance(d["resumed"], bool)
+            and isinstance(d["cut_file"], str)):
+        raise FormatError("id, resumed or cut_file is not what a salvage writes")
+    if not (_count(d["kept_lsn"]) and _count(d["cut_offset"]) and _count(d["tokens_lost"])
+            and (d["lost_to"] is None or _count(d["lost_to"]) and d["lost_to"] > d["kept_lsn"])):
+        raise FormatError("kept_lsn, lost_to, cut_offset and tokens_lost must be counts, lost_to after kept_lsn")
+    if not all(isinstance(e["kind"], str) and e["kind"] in _DAMAGE_KINDS and isinstance(e["path"], str)
+               and isinstance(e["reason"], str) and (e["offset"] is None or _count(e["offset"])) for e in d["damage"]):
+        raise FormatError("a damage entry is not one a log walk reports")
+    if not d["damage"] or (d["damage"][0]["path"], d["damage"][0]["offset"] or 0) != (d["cut_file"], d["cut_offset"]):
+        raise FormatError("the journal is not cut where its first damage is")
+    if not all(isinstance(r["id"], str) and isinstance(r["what"], str)
+               and all(_count(r[k]) for k in ("kept_tokens", "tokens_after_damage", "tokens_lost"))
+               for r in d["requests"]) or sum(r["tokens_lost"] for r in d["requests"]) != d["tokens_lost"]:
+        raise FormatError("requests' tokens are not counts that add up to tokens_lost")
+    if d["training"] is not None and not all(v is None or _count(v) for v in (d["training"]["kept_step"],
+                                                                             d["training"]["step_after_damage"])):
+        raise FormatError("training steps must be counts")
+
+
+def _check_against(journal: str, d: Dict[str, Any]) -> None:
+    """Raise FormatError unless the report is this journal's: the log files it names are in the
+    journal (or its mirror), what it set aside is in their own ``torn/`` (no other directory, no
+    ``..``, no symlink), and its LSNs are within the log as it is."""
+    copies = [journal] + [m for m in [mirror_of(journal)] if m]
+    homes = {os.path.realpath(c) for c in copies}
+    asides = {os.path.join(h, TORN_DIR) for h in homes}
+    for c in copies:
+        if os.path.islink(os.path.join(c, TORN_DIR)):
+            raise FormatError(f"{os.path.join(c, TORN_DIR)} is a symbolic link")
+    logs = [d["cut_file"], *d["later_files"], *(e["path"] for e in d["damage"])]
+    for p in logs:
+        _check_path(p, homes, LOG_RE, "a log file of this journal")
+    for p in d["set_aside_to"]:
+        _check_path(p, asides, _ASIDE_RE, "a file set aside in this journal's torn/")
+    cut_seq, kept = log_seq(d["cut_file"]), d["kept_lsn"]
+    if any(log_seq(p) <= cut_seq for p in d["later_files"]):
+        raise FormatError("a later file is not after the file the journal is cut in")
+    if os.path.lexists(d["cut_file"]) and os.lstat(d["cut_file"]).st_size < d["cut_offset"]:
+        raise FormatError(f"{d['cut_file']} is shorter than the offset the journal is cut at")
+    for p in list_logs(journal):
+        header = read_header(p) if log_seq(p) < cut_seq else None
+        if header is not None and header.base_lsn > kept + 1:
+            raise FormatError(f"{p}, before the cut, begins at LSN {header.base_lsn}, after LSN {kept} kept")
+    snaps = list_snapshots(journal)
+    end = log_end(journal, snaps[0][0] if snaps else 0).lsn
+    if kept > end:
+        raise FormatError(f"LSN {kept} kept is past the end of the log (LSN {end})")
+
+
+def _check_path(path: str, directories: Set[str], name: "re.Pattern[str]", what: str) -> None:
+    """Raise FormatError unless ``path`` is absolute, plain (no ``..``), directly in one of
+    ``directories`` (resolved: a symlinked directory leads elsewhere), named as ``name`` says,
+    and no symlink itself."""
+    if not (os.path.isabs(path) and "\0" not in path and os.path.normpath(path) == path
+            and name.match(os.path.basename(path)) and os.path.realpath(os.path.dirname(path)) in directories
+            and not os.path.islink(path)):
+        raise FormatError(f"{printable(path)} is not {what}")
 
 
 def save_pending(journal: str, salvage: Salvage, fs: FS = REAL_FS) -> None:

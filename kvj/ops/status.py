@@ -158,7 +158,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "mirror": _mirror(journal, snapshot_lsn),
         "salvage_pending": os.path.lexists(os.path.join(journal, PENDING_NAME)),
         "config_error": _config_error(journal),
-        "handoff": read_control(journal),
+        **_handoff(journal),
     }
     window = _Window(now, _writer_opened(journal))
     try:
@@ -188,6 +188,14 @@ def _budget(journal: str) -> Optional[int]:
         return config_max_store_bytes(journal)
     except FormatError:
         return None
+
+
+def _handoff(journal: str) -> Dict[str, Any]:
+    """The handoff control record, and why it cannot be read (a planted or damaged file)."""
+    try:
+        return {"handoff": read_control(journal), "handoff_error": None}
+    except (OSError, KvjError) as exc:
+        return {"handoff": None, "handoff_error": str(exc)}
 
 
 def _config_error(journal: str) -> Optional[str]:
