@@ -22,7 +22,7 @@ vllm-blocks    The vLLM connector's device work on caches shaped as vLLM 0.32 al
                [blocks, 8, 16, 256], an NHD-permuted view): a step's blocks gathered and saved
                (compared bit for bit with a synchronized readback of the cache), then loaded back
                into other blocks (compared with what was saved; other blocks untouched); then the
-               connector's worker itself (kvj.integrations.vllm_worker.WorkerJournal, which needs
+               connector's worker itself (kvj.integrations.vllm.worker.WorkerJournal, which needs
                no vLLM): a step's saves with the blocks overwritten at once, a restarted worker's
                asynchronous load polled to completion, compared with the cache's blocks.
 hf-generation  Greedy generation of a random-weight Llama (tiny, and ~1B with a 4096-token prompt)
@@ -910,7 +910,7 @@ def worker_journal(ctx: Ctx, caches: List[Any], ids: List[int], new_ids: List[in
     asynchronous load polled to completion: the loaded blocks are what the cache held."""
     import torch
 
-    from kvj.integrations.vllm_worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
     from kvj.segments import kvblock
 
     L, _nb, N, H, C, step = ctx.sizes.vllm

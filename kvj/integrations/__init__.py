@@ -1,8 +1,8 @@
 """kvj in real serving and training loops.
 
 * ``kvj.integrations.vllm``: a vLLM KV connector journaling every request, token and KV block
-  (``vllm_worker`` is its worker side, without vLLM; ``vllm_resume`` continues the requests
-  in flight after ``kvj recover``).
+  (``worker`` is its worker side, without vLLM; ``resume`` continues the requests in flight
+  after ``kvj recover``).
 * ``kvj.integrations.hf``: journal a transformers ``DynamicCache`` block by block, restore it.
 * ``kvj.integrations.training``: full checkpoints every K steps and XOR deltas in between;
   a resumed run ends bit-identical to an uninterrupted one.

@@ -221,7 +221,7 @@ def test_a_planted_salvage_report_is_refused_as_damaged_not_trusted(tmp_path, cl
 @pytest.mark.ci_required
 def test_a_fifo_handoff_manifest_does_not_hang_resume(tmp_path):
     from kvj.errors import UnsafePath
-    from kvj.integrations.vllm_resume import resume_plans
+    from kvj.integrations.vllm.resume import resume_plans
 
     manifest = tmp_path / "manifest-b.json"
     os.mkfifo(manifest)
@@ -237,7 +237,7 @@ def test_a_fifo_handoff_manifest_does_not_hang_resume(tmp_path):
 @pytest.mark.parametrize("what", ["fifo", "deep nesting"])
 def test_a_planted_weights_digest_cache_is_no_cache(tmp_path, what):
     pytest.importorskip("vllm")
-    from kvj.integrations import vllm as connector
+    from kvj.integrations.vllm import layout as connector
 
     model, journal = tmp_path / "model", tmp_path / "j"
     model.mkdir()

@@ -1,4 +1,4 @@
-"""The vLLM connector's worker side (``kvj.integrations.vllm_worker``), driven directly: no engine.
+"""The vLLM connector's worker side (``kvj.integrations.vllm.worker``), driven directly: no engine.
 
 Caches are laid out as vLLM 0.32 allocates them: the CPU backend's contiguous
 ``[num_blocks, kv_heads, block, 2*head_dim]`` and FlashAttention's NHD-ordered cache seen
@@ -22,7 +22,7 @@ from support.fakecuda import gpu  # noqa: F401 - the fixture
 from support.wait import wait_for
 
 import kvj
-from kvj.integrations.vllm_worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
+from kvj.integrations.vllm.worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 from kvj.segments.store import SegmentStore
@@ -201,7 +201,7 @@ def test_an_fp8_cache_round_trips_as_bytes(tmp_path):
 
 EXIT = """
 import sys, torch
-from kvj.integrations.vllm_worker import Finish, Save, Start, StepPlan, WorkerJournal
+from kvj.integrations.vllm.worker import Finish, Save, Start, StepPlan, WorkerJournal
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 from kvj.segments.store import SegmentStore

@@ -1,7 +1,7 @@
 """The independent reader on the vLLM connector's records and block segments (kvj-segment(5), KV
 BLOCKS, requests of the vLLM connector; kvj-journal(5), tokens).
 
-The connector's worker side (``kvj.integrations.vllm_worker``, no vLLM needed) runs for real on
+The connector's worker side (``kvj.integrations.vllm.worker``, no vLLM needed) runs for real on
 paged caches in vLLM's per-layer view, driven with the step plans its scheduler side sends; the
 reader then checks the layout, seed, chained keys, bytes and the tokens records.
 """
@@ -19,7 +19,7 @@ LAYERS, HEADS, BLOCK, HEAD = 2, 2, 4, 8
 
 
 def test_vllm_blocks_carry_their_identity_chain_and_bytes(tmp_path):
-    from kvj.integrations.vllm_worker import Finish, Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.worker import Finish, Save, Start, StepPlan, WorkerJournal
     from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
 
     path = str(tmp_path / "j")

@@ -59,7 +59,7 @@ class Site:
 D, R, F, S = "kvj.segments.device", "kvj.segments.load", "kvj.segments.flusher", "kvj.segments.store"
 K = "kvj.segments.kvblock"
 T, TR = "kvj.integrations.training.host", "kvj.integrations.training.recover"
-V = "kvj.integrations.vllm_worker"
+V = "kvj.integrations.vllm.worker"
 NO_EVENT = "torch.cuda.Event()"  # never recorded: waits on it return at once, queries say done
 
 #: Every host wait, GPU-side wait, event and record_stream on kvj's device paths.

@@ -59,7 +59,7 @@ def no_step() -> Any:
 
 
 def test_refused_features_get_one_line_naming_them(model: str, tmp_path: Any) -> None:
-    from kvj.integrations.vllm import refusal
+    from kvj.integrations.vllm.connector import refusal
 
     config = engine_config(model, str(tmp_path / "j"))
     assert refusal(config, None) is None
@@ -85,7 +85,7 @@ def test_refused_features_get_one_line_naming_them(model: str, tmp_path: Any) ->
 def test_an_fp8_kv_cache_is_journaled_as_its_bytes(model: str, tmp_path: Any) -> None:
     """vLLM keeps an fp8 KV cache as uint8; its blocks are those bytes, their meaning named in the
     layout (``quant``), so an fp8_e4m3 block never loads into an fp8_e5m2 or bf16 cache."""
-    from kvj.integrations.vllm import block_layout
+    from kvj.integrations.vllm.layout import block_layout
 
     config = engine_config(model, str(tmp_path / "j"))
     plain = block_layout(config, "m")
@@ -102,7 +102,7 @@ def test_weights_are_hashed_once_and_again_only_when_a_file_changes(model: str, 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import blake3
 
-    from kvj.integrations import vllm as connector
+    from kvj.integrations.vllm import layout as connector
 
     journal = str(tmp_path / "j")
     hashed: List[str] = []
@@ -135,7 +135,8 @@ def test_a_hub_id_is_named_with_its_resolved_revision(tmp_path: Any, monkeypatch
     """A hub id is the commit its cached snapshot is of; without one it is refused in one line."""
     import huggingface_hub.constants
 
-    from kvj.integrations.vllm import KvjConfig, model_identity
+    from kvj.integrations.vllm.connector import KvjConfig
+    from kvj.integrations.vllm.layout import model_identity
 
     cache = tmp_path / "hub"
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -176,7 +177,7 @@ def test_the_tokens_loaded_are_counted_by_the_connector_and_reported_with_the_ou
     """vLLM's num_cached_tokens is fixed at scheduling and counts blocks that failed to load; the
     connector reports what the workers loaded (``kv_transfer_params``, which ``resume`` reads)."""
     from kvj.integrations.vllm import KvjWorkerMetadata
-    from kvj.integrations.vllm_resume import RESTORED, REUSED
+    from kvj.integrations.vllm.resume import RESTORED, REUSED
 
     conn = scheduler(model, str(tmp_path / "j"))
     r = request("r1", list(range(100)))
@@ -240,7 +241,7 @@ def test_a_finish_needs_no_wait_for_save(model: str, tmp_path: Any) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvj.integrations.vllm import KvjConnector
-    from kvj.integrations.vllm_worker import Finish, Start
+    from kvj.integrations.vllm.worker import Finish, Start
 
     journal = str(tmp_path / "j")
     worker = KvjConnector(engine_config(model, journal), KVConnectorRole.WORKER, None)

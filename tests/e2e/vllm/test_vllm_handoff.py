@@ -23,7 +23,7 @@ from typing import Any, Dict, List
 import pytest
 
 import kvj
-from kvj.integrations.vllm_resume import resume_plans
+from kvj.integrations.vllm.resume import resume_plans
 from kvj.ops.handoff import write_manifest
 from support.s3 import MotoEndpoint, s3_env
 from support.wait import wait_for
@@ -225,7 +225,7 @@ def test_keys_travel_between_paths_and_not_between_layouts(models: Dict[str, str
     model elsewhere has the same seed; another model, dtype, block size or TP size does not."""
     import shutil
 
-    from kvj.integrations.vllm import weights_digest
+    from kvj.integrations.vllm.layout import weights_digest
     from kvj.segments.kvblock import LHNC, KVBlockLayout
 
     copy = shutil.copytree(models["main"], str(tmp_path / "elsewhere" / "model"))
@@ -242,7 +242,7 @@ def test_keys_travel_between_paths_and_not_between_layouts(models: Dict[str, str
 
 def test_sources_are_checked(tmp_path) -> None:
     from kvj.errors import InvalidArgument
-    from kvj.integrations.vllm import KvjConfig
+    from kvj.integrations.vllm.connector import KvjConfig
 
     own = str(tmp_path / "b")
     config = KvjConfig.from_extra({"journal": own, "sources": [str(tmp_path / "a")]})

@@ -105,8 +105,9 @@ def test_a_block_is_durable_only_once_every_rank_reported_it_across_steps(model:
 
 def write_rank(model: str, journal: str, tp_rank: int, chains: List[str], tokens: List[int]) -> None:
     """Rank ``tp_rank``'s worker side journals the blocks of ``chains`` (its shard layout)."""
-    from kvj.integrations.vllm import KvjConfig, block_layout, model_identity
-    from kvj.integrations.vllm_worker import Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.connector import KvjConfig
+    from kvj.integrations.vllm.layout import block_layout, model_identity
+    from kvj.integrations.vllm.worker import Save, Start, StepPlan, WorkerJournal
     from kvj.journal import ranks
 
     cfg = config(model, journal)
@@ -142,7 +143,7 @@ def test_a_journal_of_another_parallel_layout_is_refused_in_one_line(model: str,
         assert "\n" not in str(refused.value)
     tp1 = str(tmp_path / "tp1")
     write_tp1 = scheduler(model, tp1, 1)
-    from kvj.integrations.vllm_worker import WorkerJournal
+    from kvj.integrations.vllm.worker import WorkerJournal
 
     WorkerJournal(tp1, write_tp1.layout, threads=1).close()  # a TP=1 journal, with its log
     with pytest.raises(KvjError, match="without tensor/pipeline parallelism"):
@@ -151,7 +152,7 @@ def test_a_journal_of_another_parallel_layout_is_refused_in_one_line(model: str,
 
 
 def test_a_shard_of_another_rank_or_parallel_size_never_loads(model: str, tmp_path: Any) -> None:
-    from kvj.integrations.vllm import block_layout
+    from kvj.integrations.vllm.layout import block_layout
 
     cfg = config(model, str(tmp_path / "j"))
     rank0, rank1 = block_layout(cfg, "m", 0), block_layout(cfg, "m", 1)
@@ -167,7 +168,7 @@ def test_a_shard_of_another_rank_or_parallel_size_never_loads(model: str, tmp_pa
 def test_pipeline_parallel_ranks_hold_their_stage_s_layers(model: str, tmp_path: Any) -> None:
     """PP=2 x TP=2 without an engine (vLLM 0.32's CPU backend fails PP=2 in its second stage's
     worker, connector or not): four ranks, each stage one of the two layers, one seed."""
-    from kvj.integrations.vllm import block_layout
+    from kvj.integrations.vllm.layout import block_layout
 
     cfg = config(model, str(tmp_path / "j"), 2, 2)
     layouts = {(t, p): block_layout(cfg, "m", t, p) for t in range(2) for p in range(2)}

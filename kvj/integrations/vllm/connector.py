@@ -6,13 +6,13 @@ Load it out of tree (``kv_connector_module_path``) with a journal directory::
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"journal": "/var/lib/kvj/serve"})
 
-After a crash, ``kvj recover`` and :func:`resume` (``kvj.integrations.vllm_resume``, which
+After a crash, ``kvj recover`` and :func:`resume` (``kvj.integrations.vllm.resume``, which
 imports without vLLM) continue every request that was in flight. Without a crash, :func:`drain`
-(``kvj.integrations.vllm_handoff``) hands live requests to another engine, whose
+(``kvj.integrations.vllm.handoff``) hands live requests to another engine, whose
 ``"sources": [JOURNAL]`` lets it load this one's blocks read-only.
 
 **Scheduler side** (one per engine) plans each step (``build_connector_meta``, a
-:class:`~kvj.integrations.vllm_worker.StepPlan`): the START of every request that arrived
+:class:`~kvj.integrations.vllm.worker.StepPlan`): the START of every request that arrived
 since the last step (on arrival, scheduled yet or not: ``on_new_request``), the tokens each
 request generated since (so tokens are durable within the journal's commit window, whatever
 the KV), the blocks to save, the blocks to load and the requests that finished. A block is
@@ -26,7 +26,7 @@ threads. ``admission="durable"`` makes vLLM wait to schedule a request until the
 reports its START durable (``get_num_new_matched_tokens`` answers None until then).
 
 **Worker side** (one per worker process) carries the plan out through
-:class:`~kvj.integrations.vllm_worker.WorkerJournal`, from ``handle_preemptions``, which vLLM
+:class:`~kvj.integrations.vllm.worker.WorkerJournal`, from ``handle_preemptions``, which vLLM
 0.32 calls at the start of every ``execute_model`` (zero-token steps included), before the
 forward pass: a step's saves are one gather on the compute stream, one copy to pinned
 staging on a side stream the compute stream never waits for, one job for kvj's flusher.
@@ -63,16 +63,12 @@ decoding, and KV cache dtypes other than the model's and fp8.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-import blake3
 import torch
-from vllm import __version__ as VLLM_VERSION
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -84,17 +80,15 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE as _STR_DTYPES
 
 import kvj
-from kvj.errors import InvalidArgument, InvalidName, KvjError
-from kvj.fileio import atomic_write, makedirs_durable
+from kvj.errors import InvalidArgument, KvjError
 from kvj.journal import ranks as rank_journals
-from kvj.names import check_request_id
-from kvj.untrusted import read_json
-from kvj.segments.tensors import dtype_name
 from kvj.segments import kvblock
-from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
-from kvj.integrations.vllm_handoff import armed_target, drain
-from kvj.integrations.vllm_resume import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
-from kvj.integrations.vllm_worker import (
+from kvj.segments.kvblock import chain_keys
+from kvj.integrations.vllm.compat import SUPPORTED_VLLM, caller_model_runner, check_version, sampler_draw
+from kvj.integrations.vllm.handoff import armed_target, drain
+from kvj.integrations.vllm.layout import FP8, block_layout, journal_id, model_identity, worker_ranks
+from kvj.integrations.vllm.resume import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
+from kvj.integrations.vllm.worker import (
     GATHER_BYTES,
     STAGING_BYTES,
     Finish,
@@ -120,28 +114,11 @@ __all__ = ["KvjConnector", "KvjConnectorMetadata", "KvjWorkerMetadata", "ResumeP
 
 logger = init_logger(__name__)
 
-#: The vLLM minor release this connector is written against (pyproject's "vllm" extra pins it).
-SUPPORTED_VLLM = (0, 32)
-#: Weight files whose bytes identify a local model directory.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-#: The weights' digests, kept beside the journal.
-DIGESTS = "vllm-model-digests.json"
-#: The digests cache holds a few hundred bytes per model directory: anything far larger is not one.
-MAX_DIGESTS_BYTES = 16 << 20
-#: vLLM KV cache dtypes whose bytes a block holds as they are (fp8: vLLM stores them as uint8).
-_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _ADMISSIONS = ("arrival", "durable")
 #: Scheduler-side connectors of this process, by journal: where the scheduler and the worker share
 #: a process (an in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM shuts the worker
 #: down first, and it takes over what the scheduler still holds for a step that will not come.
 _SCHEDULERS: "weakref.WeakValueDictionary[str, KvjConnector]" = weakref.WeakValueDictionary()
-
-
-def _check_version() -> None:
-    major_minor = tuple(int(p) for p in VLLM_VERSION.split(".")[:2] if p.isdigit())
-    if major_minor != SUPPORTED_VLLM:
-        raise KvjError(f"kvj's vLLM connector supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x, "
-                       f"this is vLLM {VLLM_VERSION}")
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -205,102 +182,11 @@ def refusal(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"
         unsupported.append("MLA attention")
     if vllm_config.speculative_config is not None:
         unsupported.append("speculative decoding")
-    if cc.cache_dtype not in ("auto", *_FP8) and _STR_DTYPES.get(cc.cache_dtype) != mc.dtype:
-        unsupported.append(f"KV cache dtype {cc.cache_dtype!r} (only the model's, or {', '.join(_FP8)})")
+    if cc.cache_dtype not in ("auto", *FP8) and _STR_DTYPES.get(cc.cache_dtype) != mc.dtype:
+        unsupported.append(f"KV cache dtype {cc.cache_dtype!r} (only the model's, or {', '.join(FP8)})")
     if not unsupported:
         return None
     return "kvj's vLLM connector does not support " + "; ".join(unsupported)
-
-
-def _file_stats(directory: str) -> Dict[str, List[int]]:
-    """name -> [size, mtime_ns, inode] of the files whose bytes identify a model directory."""
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(_WEIGHT_SUFFIXES) or name == "config.json":
-            st = os.stat(os.path.join(directory, name))
-            out[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
-    return out
-
-
-def weights_digest(directory: str, journal: str) -> str:
-    """BLAKE3 of a model directory's weight files and config, hashed once: the digest is kept in
-    the journal's ``vllm-model-digests.json`` keyed by each file's size, mtime and inode, and
-    hashed again only when one of them changed. A cache that cannot be read (``read_json``: a
-    symlink, FIFO or device, too large, not JSON) is no cache: the digest is hashed and the
-    file replaced."""
-    directory = os.path.realpath(directory)
-    stats = _file_stats(directory)
-    cache_path = os.path.join(journal, DIGESTS)
-    try:
-        cache = read_json(cache_path, max_bytes=MAX_DIGESTS_BYTES)
-    except (OSError, KvjError):
-        cache = {}
-    entry = cache.get(directory) if isinstance(cache, dict) else None
-    if isinstance(entry, dict) and entry.get("files") == stats and isinstance(entry.get("digest"), str):
-        return entry["digest"]
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    for name in stats:
-        h.update(name.encode() + b"\0")
-        h.update_mmap(os.path.join(directory, name))
-    digest = "blake3:" + h.hexdigest()
-    if _file_stats(directory) == stats:  # unchanged while it was hashed
-        cache = cache if isinstance(cache, dict) else {}
-        cache[directory] = {"files": stats, "digest": digest}
-        makedirs_durable(journal)
-        atomic_write(cache_path, json.dumps(cache, sort_keys=True, indent=1).encode())
-    return digest
-
-
-def model_identity(vllm_config: "VllmConfig", config: KvjConfig) -> str:
-    """``model_id`` from the extra config; a local model's weights digest; a hub id with its
-    resolved revision (the commit its cached snapshot is of)."""
-    if config.model_id:
-        return config.model_id
-    mc = vllm_config.model_config
-    if os.path.isdir(mc.model):
-        return weights_digest(mc.model, config.journal)
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(mc.model, revision=mc.revision, local_files_only=True)
-    except Exception as exc:  # huggingface_hub raises many types; all mean "not resolvable here"
-        raise KvjError(f"kvj: cannot resolve the revision of model {mc.model!r} ({type(exc).__name__}); "
-                       f'name the weights with kv_connector_extra_config["model_id"]') from None
-    return f"hf:{mc.model}@{os.path.basename(os.path.normpath(path))}"
-
-
-def block_layout(vllm_config: "VllmConfig", model: str, tp_rank: int = 0, pp_rank: int = 0) -> KVBlockLayout:
-    """The KV block layout of rank (``tp_rank``, ``pp_rank``) of this engine: vLLM's standardized
-    per-layer view ``[H, N, 2*D]`` of its heads, of the layers of its pipeline stage."""
-    from vllm.distributed.utils import get_pp_indices
-
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if cc.cache_dtype in _FP8:
-        dtype, quant = "uint8", cc.cache_dtype
-    else:
-        dtype, quant = dtype_name(mc.dtype), ""
-    layers = mc.get_total_num_hidden_layers()
-    stage = get_pp_indices(layers, pp_rank, pc.pipeline_parallel_size)
-    return KVBlockLayout(model, dtype, layers, mc.get_total_num_kv_heads(), mc.get_head_size(), cc.block_size, LHNC,
-                         pc.tensor_parallel_size, tp_rank, quant, pc.pipeline_parallel_size, pp_rank, tuple(stage))
-
-
-def worker_ranks(tp_size: int, pp_size: int) -> Tuple[int, int]:
-    """This worker's (tensor-parallel rank, pipeline-parallel rank): (0, 0) without parallelism."""
-    if tp_size * pp_size == 1:
-        return 0, 0
-    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
-
-
-def journal_id(vllm_request_id: str, engine: str) -> str:
-    """The journal's id for a vLLM request: unique across engine processes (vLLM's ids restart
-    at 0 in each), a digest when the id is not a valid kvj id."""
-    try:
-        return check_request_id(f"{engine}-{vllm_request_id}")
-    except InvalidName:
-        return f"{engine}-" + blake3.blake3(vllm_request_id.encode()).hexdigest()[:32]
 
 
 # ---------------------------------------------------------------------------- metadata
@@ -350,7 +236,7 @@ class KvjConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _check_version()
+        check_version()
         self.config = KvjConfig.from_extra(self._extra_config())
         why = refusal(vllm_config, kv_cache_config)
         if why is not None:
@@ -589,7 +475,7 @@ class KvjConnector(KVConnectorBase_V1):
         """Keep the per-layer caches (refusing a layout other than the keys'), and find the model
         runner whose sampler a resumed seeded request continues."""
         self.worker.register(list(kv_caches.values()))
-        self._runner = _caller_model_runner()
+        self._runner = caller_model_runner()
         if self._runner is None:
             logger.warning("kvj: vLLM's model runner not found: a resumed seeded request continues with a "
                            "generator seeded afresh, so its tokens after the crash differ")
@@ -683,31 +569,3 @@ def _source_states(source: str) -> List["kvj.RequestState"]:
     """Every request of every rank journal under ``source`` (for the one line above)."""
     journals = list(rank_journals.rank_journals(source).values()) or [source]
     return [req for j in journals if os.path.isdir(j) for req in kvj.replay(j).requests.values()]
-
-
-def _caller_model_runner() -> Any:
-    """The vLLM model runner that called ``register_kv_caches`` (its ``initialize_kv_cache``), or None."""
-    frame = sys._getframe(2)
-    for _ in range(6):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if all(hasattr(owner, a) for a in ("requests", "input_batch", "sampler")):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-def sampler_draw(runner: Any) -> Callable[[torch.Generator], Any]:
-    """The draw vLLM 0.32's sampler makes from a seeded request's generator for each token.
-
-    Its CPU sampler draws one ``randint`` per request (its Gumbel noise is seeded from it);
-    the others (and the CPU one with fp64 Gumbel noise) fill one row of exponential noise the
-    width of the vocabulary, float64 or the probabilities' float32.
-    """
-    sampler = runner.sampler.topk_topp_sampler
-    vocab = runner.model_config.get_vocab_size()
-    if getattr(sampler.forward, "__func__", None) is type(sampler).forward_cpu and not sampler.use_fp64_gumbel:
-        return lambda g: torch.randint(0, 2 ** 31, (1,), generator=g, dtype=torch.long)
-    dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
-    return lambda g: torch.empty(vocab, dtype=dtype, device=g.device).exponential_(generator=g)

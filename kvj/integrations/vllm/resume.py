@@ -147,7 +147,7 @@ def _resumed_ids(meta: Mapping[str, Any]) -> List[str]:
 
 def resume(llm: "LLM", manifest: Manifest, *, use_tqdm: bool = False) -> List[Resumed]:
     """Resubmit every request that was in flight (``kvj recover``'s manifest), or was handed off
-    to this engine (a handoff manifest: ``kvj.integrations.vllm_handoff``), and finish it.
+    to this engine (a handoff manifest: ``kvj.integrations.vllm.handoff``), and finish it.
 
     Each continues as its prompt plus its durable generated tokens, with the rest of its
     token budget; ``llm``'s KvjConnector loads the durable blocks and vLLM computes only what

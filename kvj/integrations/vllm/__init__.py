@@ -1,0 +1,25 @@
+"""kvj's vLLM KV connector: ``kv_connector_module_path="kvj.integrations.vllm"`` loads ``KvjConnector``.
+
+``connector`` is the connector (scheduler and worker sides; it imports vLLM), ``worker`` carries
+each step's plan out on a worker (without vLLM), ``layout`` names the model and its KV blocks,
+``compat`` holds what differs between vLLM releases, ``resume`` continues the requests in flight
+after ``kvj recover`` and ``handoff`` moves live requests to another engine (both import without
+vLLM). Names are imported on first use, so ``resume`` and ``handoff`` need no vLLM.
+"""
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "KvjConnector": "connector", "KvjConnectorMetadata": "connector", "KvjWorkerMetadata": "connector",
+    "SUPPORTED_VLLM": "compat", "START_FORMAT": "resume", "ResumePlan": "resume", "Resumed": "resume",
+    "resume": "resume", "resume_plans": "resume", "drain": "handoff",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
