@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 
+from support.wait import wait_for
 from support.cli_helpers import Holder, append_torn_tail, assert_fails, build, in_process, kvj, tree
 
 from kvj.journal.journal import Journal
+from kvj.journal.replay import RecordStream
 from kvj.journal.snapshot import list_snapshots
 from kvj.journal.policy import CommitPolicy
 from kvj.ops.compact import compact
@@ -138,16 +140,24 @@ def test_commit_lag_leaves_out_the_pauses_between_writers(tmp_path, capsys):
     # A writer commits a few groups and dies; recovery writes its epoch group later, a new writer
     # appends later still, and another after it: no interval between them is a record waiting.
     path = tmp_path / "j"
+
+    def pause() -> None:
+        """Until the pause since the last group is twice the longest wait between groups so far:
+        visible next to the fsyncs, whatever the machine's load (a condition, not a fixed time)."""
+        times = sorted({r.time for r in RecordStream(str(path))})
+        longest = max((b - a for a, b in zip(times, times[1:])), default=0.0)
+        wait_for(lambda: time.time() > times[-1] + 2 * longest + 0.05, "a pause longer than the waits")
+
     with Journal.open(path) as j:
         for i in range(4):
             j.alloc("cuda:0", i, 64, durable=True)  # a group each
-    time.sleep(1.5)  # the pause must be visible next to the fsyncs between those groups, nothing more
+    pause()
     recover(str(path))
-    time.sleep(1.5)
+    pause()
     with Journal.open(path) as j:
         for i in range(3):
             j.alloc("cuda:1", i, 64, durable=True)
-    time.sleep(1.5)
+    pause()
     opened = time.time()
     with Journal.open(path) as j:  # the newest writer: its lock file says when it opened
         for i in range(2):
@@ -162,6 +172,7 @@ def test_commit_lag_leaves_out_the_pauses_between_writers(tmp_path, capsys):
     waits = [b - a for run in (first, second, third) for a, b in zip(run, run[1:])]
     m = json.loads(in_process(capsys, "status", "-j", path, "--json").stdout)["last_minute"]
     assert m["groups"] == 10 and m["commit_lag"] == max(waits)  # no pause between writers is a lag
+    assert min(b - a for a, b in ((first[-1], epoch_time), (second[-1], third[0]))) > max(waits)
 
 
 def test_status_shows_a_kvj_conf_it_cannot_use_instead_of_failing(tmp_path, capsys):

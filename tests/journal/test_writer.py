@@ -120,7 +120,8 @@ def test_a_full_buffer_blocks_append_instead_of_growing(tmp_path):
 
     t = threading.Thread(target=producer)
     t.start()
-    time.sleep(0.3)
+    # the producer ends up waiting for room (the stalled disk never makes any): a condition, not a time
+    wait_for(lambda: j.writer._done._waiters, "the producer to wait for room in the buffer")
     assert not done.is_set()  # blocked by backpressure
     assert max(peak) < 4096 + 200
     fs.gate.set()
