@@ -13,7 +13,6 @@ import errno
 import os
 import random
 import threading
-import time
 import zlib
 from typing import List, Optional, Tuple
 
@@ -119,7 +118,7 @@ def test_group_commit_failure(tmp_path, op, partial, err, persistent):
     for t in threads:
         t.start()
     assert fault.entered.wait(10), "the fault never fired"
-    time.sleep(0.1)  # let every waiter queue up behind the failing commit
+    wait_for(lambda: len(results) + len(j.writer._done._waiters) == 8, "every waiter to queue up behind the failing commit")
     gate.set()
     for t in threads:
         t.join(10)
@@ -198,7 +197,7 @@ def test_appenders_blocked_on_a_full_buffer_get_the_error(tmp_path):
     t = threading.Thread(target=flood)
     t.start()
     assert fault.entered.wait(10)
-    time.sleep(0.2)
+    wait_for(lambda: j.writer._done._waiters or not t.is_alive(), "the flood to block or finish")
     assert t.is_alive(), "append did not block on the full buffer while the disk was stuck"
     gate.set()
     t.join(10)

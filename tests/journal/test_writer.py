@@ -74,8 +74,9 @@ def test_durable_append_waits_for_its_own_record(tmp_path):
 def test_a_lone_record_is_committed_within_the_delay_bound(tmp_path):
     with Journal.open(tmp_path, policy=CommitPolicy(max_delay=0.5, max_records=1000)) as j:
         lsn = j.alloc("cuda:0", 1, 1)
-        time.sleep(0.1)
-        assert j.durable_lsn < lsn  # the committer is still waiting for company
+        # the committer took note of the record and waits out max_delay for company (a condition, not a time)
+        wait_for(lambda: j.writer._wake._waiters and j.writer._count == 1, "the committer to wait for company")
+        assert j.durable_lsn < lsn
         deadline = time.monotonic() + 5
         while j.durable_lsn < lsn and time.monotonic() < deadline:
             time.sleep(0.01)
