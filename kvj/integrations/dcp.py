@@ -30,7 +30,7 @@ import io
 import os
 from typing import Any, Dict, List, Optional, Union
 
-import msgpack
+import msgspec
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
@@ -71,13 +71,13 @@ def encode_metadata(md: Metadata) -> bytes:
     planner = {k: list(v) for k, v in (md.planner_data or {}).items()}
     storage = [[i.fqn, list(i.offset) if i.offset is not None else None, i.index, s]
                for i, s in (md.storage_data or {}).items()]
-    return msgpack.packb({"format": FORMAT, "entries": entries, "planner": planner, "storage": storage,
-                          "version": md.version}, use_bin_type=True)
+    return msgspec.msgpack.encode({"format": FORMAT, "entries": entries, "planner": planner, "storage": storage,
+                                   "version": md.version})
 
 
 def decode_metadata(data: bytes) -> Metadata:
     try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        doc = msgspec.msgpack.decode(data)
         if doc.get("format") != FORMAT:
             raise FormatError(f"DCP metadata of format {doc.get('format')!r}, expected {FORMAT}")
         entries: Dict[str, Any] = {}
@@ -93,7 +93,7 @@ def decode_metadata(data: bytes) -> Metadata:
                    for fqn, off, idx, s in doc["storage"]}
         return Metadata(entries, planner_data={k: tuple(v) for k, v in doc["planner"].items()},
                         storage_data=storage, storage_meta=StorageMeta(), version=doc["version"])
-    except (KeyError, ValueError, TypeError, msgpack.ExtraData) as exc:
+    except (KeyError, ValueError, TypeError, RecursionError, msgspec.DecodeError) as exc:
         raise FormatError(f"bad DCP metadata: {exc}") from None
 
 

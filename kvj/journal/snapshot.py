@@ -17,7 +17,7 @@ import re
 import struct
 from typing import List, Optional, Tuple
 
-import msgpack
+import msgspec
 from crc32c import crc32c
 
 from kvj.errors import CorruptionError, FormatError
@@ -49,7 +49,7 @@ def list_snapshots(directory: str, files: Files = DIRECT) -> List[Tuple[int, str
 
 
 def encode_snapshot(state: JournalState) -> bytes:
-    body = msgpack.packb(state.to_dict(include_ended=False), use_bin_type=True)
+    body = msgspec.msgpack.encode(state.to_dict(include_ended=False))
     head = SNAP_HEADER.pack(SNAP_MAGIC, SNAP_VERSION, 0, state.last_lsn, len(body), 0)[:-4]
     return head + struct.pack("<I", crc32c(body, crc32c(head))) + body
 
@@ -68,11 +68,11 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
     if crc32c(body, crc32c(data[:SNAP_HEADER.size - 4])) != crc:
         raise CorruptionError(path, 0, "snapshot checksum mismatch")
     try:
-        state = JournalState.from_dict(msgpack.unpackb(body, raw=False))
+        state = JournalState.from_dict(msgspec.msgpack.decode(body))
         # exercise what replay, fsck and compaction do with a state (fold, serialise into the
         # next snapshot and read that back), so that a body with wrong-typed fields fails
         # here, as corruption, and not later as a TypeError or as an unreadable snapshot
-        msgpack.unpackb(msgpack.packb(state.to_dict(), use_bin_type=True), raw=False)
+        msgspec.msgpack.decode(msgspec.msgpack.encode(state.to_dict()))
         state.referenced_keys()
     except Exception as exc:  # a valid CRC over a malformed body: written by a buggy or hostile tool
         raise CorruptionError(path, SNAP_HEADER.size, f"malformed snapshot body: {_reason(exc)}") from None

@@ -31,7 +31,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, Iterato
 
 import blake3
 import crc32c
-import msgpack
+import msgspec
 
 from kvj.errors import FormatError, InvalidArgument, SegmentCorrupt
 from kvj.fileio import Buffer
@@ -261,7 +261,7 @@ class EncodedSegment:
             size += len(body)
             yield body
         self.header = self._make_header(table)
-        head = msgpack.packb(self.header.to_map(), use_bin_type=True)
+        head = msgspec.msgpack.encode(self.header.to_map())
         if len(head) > MAX_HEADER:
             raise FormatError("segment header too large")
         yield head
@@ -487,11 +487,11 @@ def parse_header(preamble: bytes, head: bytes, crc: int, file_size: int, name: s
     if version != VERSION or flags:
         raise FormatError(f"{name}: segment version {version} flags {flags} not supported")
     try:
-        m = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True)
+        m = msgspec.msgpack.decode(head)
         return _validate(m, file_size, len(head))
     except FormatError as exc:
         raise _corrupt(name, file_size - TRAILER.size - len(head), str(exc)) from None
-    except Exception as exc:  # msgpack raises several types on malformed input
+    except Exception as exc:  # a malformed header: msgspec's DecodeError, RecursionError, ...
         raise _corrupt(name, file_size - TRAILER.size - len(head), f"header does not parse: {exc}") from None
 
 

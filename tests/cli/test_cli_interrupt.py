@@ -71,10 +71,10 @@ def _interrupt(proc: subprocess.Popen, when, what: str):  # type: ignore[no-unty
 @pytest.mark.parametrize("args, status", [(["recover", "--dry-run"], 130), (["fsck"], 32)],
                          ids=["recover --dry-run", "fsck"])
 def test_ctrl_c_while_kvj_is_still_importing(big_journal, args, status):
-    # msgpack's C extension loads while kvj.cli.main is imported, after the handler is in place;
+    # msgspec's C extension loads while kvj.cli.main is imported, after the handler is in place;
     # fsck's own status holds from then on too (it used to be 130 until fsck itself began)
     proc = _start(*args, "-j", big_journal)
-    out, err = _interrupt(proc, lambda pid: "_cmsgpack" in _maps(pid), "the child to import msgpack")
+    out, err = _interrupt(proc, lambda pid: "msgspec/_core" in _maps(pid), "the child to import msgspec")
     assert proc.returncode == status and err == INTERRUPTED_LINE and out == "", (proc.returncode, err)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-import msgpack
+import msgspec
 import numpy as np
 import torch
 
@@ -52,7 +52,7 @@ class Capture:
     @property
     def doc(self) -> bytes:
         """The document, msgpack-encoded (packed by the saver thread, not by ``capture``)."""
-        return msgpack.packb(self.document, use_bin_type=True)
+        return msgspec.msgpack.encode(self.document)
 
     def wait(self) -> None:
         """Block until the copies have landed (blocking events: no core spins meanwhile); if
@@ -366,8 +366,8 @@ def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torc
 
 def parse_document(doc: bytes) -> Dict[str, Any]:
     try:
-        parsed = msgpack.unpackb(doc, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.ExtraData) as exc:
+        parsed = msgspec.msgpack.decode(doc)
+    except (ValueError, TypeError, RecursionError, msgspec.DecodeError) as exc:
         raise FormatError(f"bad training state document: {exc}") from None
     if not isinstance(parsed, dict):
         raise FormatError("bad training state document: not a map")

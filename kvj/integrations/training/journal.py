@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
-import msgpack
+import msgspec
 import torch
 
 from kvj.errors import FormatError
@@ -192,7 +192,7 @@ class StateJournal:
         inline = {n: [dtype_name(t.dtype), t.view(torch.uint8).numpy().tobytes()]
                   for n, t in snap.streams.items() if n not in names}
         document = {**snap.document, "inline": inline} if inline else snap.document
-        doc = torch.frombuffer(bytearray(msgpack.packb(document, use_bin_type=True)), dtype=torch.uint8)
+        doc = torch.frombuffer(bytearray(msgspec.msgpack.encode(document)), dtype=torch.uint8)
         # Segments are stored concurrently, so their fsyncs overlap; the record follows them all.
         doc_put = self._io.submit(self.journal.store.put, doc, layout=self._layout(FORMAT, TREE, doc))
         results = list(self._io.map(lambda name: self._put(name, snap.streams[name], full), names))
