@@ -116,7 +116,7 @@ class Segment(Schema):
             _check_id(self.id)
         if len(self.key) != 64 or self.key.strip(_HEX):
             check_key(self.key)
-        if new and self.seg < 0:  # read back, a negative number is kept: kvj before 0.2 wrote what it was given
+        if new and self.seg < 0:  # read back, a negative number is kept: kvj 0.1.0 wrote what it was given
             raise FormatError(f"segment record has negative segment number {self.seg}")
         if self.tokens[0] > self.tokens[1]:
             raise FormatError(f"segment record has bad token range {self.tokens!r}")

@@ -14,8 +14,8 @@ one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a bl
   seed holds the parallel sizes, not the rank: one scheduler names a block for every rank);
 * the **check on load**: :meth:`KVBlockLayout.check` accepts a segment of this layout and rank
   (a shard of another rank, or of another parallel size, never loads), and of
-  the tags kvj wrote before (``kvj-kv-block/1``, ``kvj-vllm-block/1``, ``paged_kv_block``),
-  and refuses any other with ``LayoutMismatch``;
+  the tags kvj 0.1.0 wrote (``kvj-kv-block/1``, ``paged_kv_block``), and refuses any other
+  with ``LayoutMismatch``;
 * the **caches** a block moves between (:meth:`KVBlockLayout.check_caches`): one tensor per
   layer whose first axis is the block id and whose other axes are the block's logical view
   in the layout's order, with free strides (FlashAttention's NHD-ordered cache is a permuted
@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 
 #: Layout ``format`` of a KV block segment written now.
 FORMAT = "kvj-kv-block/2"
-#: Tags of KV block segments written by kvj 0.2 (read, never written).
-HF_V1, VLLM_V1, PAGED_V1 = "kvj-kv-block/1", "kvj-vllm-block/1", "paged_kv_block"
+#: Tags of KV block segments written by kvj 0.1.0 (read, never written).
+HF_V1, PAGED_V1 = "kvj-kv-block/1", "paged_kv_block"
 #: Axis orders of a block.
 L2NHD, LHNC = "L2NHD", "LHNC"
 
@@ -215,11 +215,6 @@ def parse(layout: Mapping[str, Any], where: str = "segment") -> KVBlockLayout:
         if tag == PAGED_V1:
             return KVBlockLayout(str(lay["model"]), str(lay["dtype"]), int(lay["num_layers"]),
                                  int(lay["num_kv_heads"]), int(lay["head_dim"]), int(lay["block_size"]))
-        if tag == VLLM_V1:
-            heads, block, width = (int(d) for d in lay["block_shape"])
-            tp = int(lay["tp_size"])
-            return KVBlockLayout(str(lay["model"]), str(lay["kv_dtype"]), int(lay["layers"]), heads * tp, width // 2,
-                                 block, LHNC, tp, int(lay["tp_rank"]))
     except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
         raise LayoutMismatch(f"{where}: malformed KV block layout ({exc})") from None
     raise LayoutMismatch(f"{where} is not a KV block (layout format {tag!r})")
@@ -228,7 +223,7 @@ def parse(layout: Mapping[str, Any], where: str = "segment") -> KVBlockLayout:
 def is_block(layout: Optional[Mapping[str, Any]]) -> bool:
     """Whether a segment layout is a KV block's (any tag)."""
     tag = (layout or {}).get("format", (layout or {}).get("kind"))
-    return tag in (FORMAT, HF_V1, VLLM_V1, PAGED_V1)
+    return tag in (FORMAT, HF_V1, PAGED_V1)
 
 
 def of_caches(model: str, caches: Sequence[torch.Tensor], order: str = L2NHD) -> KVBlockLayout:
@@ -249,7 +244,7 @@ def of_caches(model: str, caches: Sequence[torch.Tensor], order: str = L2NHD) ->
 
 
 def paged_layout(model: str, kv_caches: Sequence[torch.Tensor]) -> Dict[str, Any]:
-    """The layout every block segment of ``kv_caches`` carries (restore also takes 0.2's)."""
+    """The layout every block segment of ``kv_caches`` carries (restore also takes 0.1.0's)."""
     _check_caches(kv_caches)
     return of_caches(model, kv_caches).segment_layout()
 

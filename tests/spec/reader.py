@@ -755,19 +755,6 @@ def check_layout(seg: Segment) -> Optional[str]:
         _need(seg.shape == [lay["layers"], 2, lay["block_size"], lay["kv_heads"], lay["head_dim"]]
               and seg.dtype == lay["dtype"], path, None, "KV block shape or dtype is not the layout's")
         _need(len(lay["token_ids"]) == lay["block_size"] + 1, path, None, "token_ids is not block_size + 1 ids")
-    elif fmt == "kvj-vllm-block/1":
-        identity = {k: lay[k] for k in ("format", "model", "dtype", "kv_dtype", "block_size", "tp_size", "tp_rank",
-                                        "layers", "block_shape", "view")}
-        _need(set(lay) == set(identity) | {"fingerprint", "chain", "token_ids"}, path, None,
-              f"vllm layout {sorted(lay)}")
-        _need(lay["fingerprint"] == blake3.blake3(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
-              path, None, "fingerprint is not the identity's")
-        _need(lay["view"] == "HNC, K|V in C" and lay["block_shape"][1] == lay["block_size"]
-              and lay["block_shape"][2] % 2 == 0, path, None, "block_shape")
-        _need(seg.shape == [lay["layers"], *lay["block_shape"]] and seg.dtype == lay["kv_dtype"], path, None,
-              "vLLM block shape or dtype is not the layout's")
-        _need(len(lay["token_ids"]) == lay["block_size"] + 1 and KEY.fullmatch(lay["chain"]) is not None, path, None,
-              "token_ids, chain")
     elif fmt == "kvj-train/2":
         _need(set(lay) == {"format", "model", "name", "dtype", "numel"} and lay["name"] == "tree"
               and seg.dtype == "uint8" == lay["dtype"] and seg.shape == [lay["numel"]], path, None,
@@ -805,10 +792,9 @@ def check_layout(seg: Segment) -> Optional[str]:
 # ============================================================================ what records say
 
 def check_segment_records(journal: Journal, store: Dict[str, Segment]) -> None:
-    """Every segment record names a stored segment and says what its header says; KV blocks
-    and vLLM blocks cover their block's tokens, continue the request's tokens and (vLLM) chain."""
+    """Every segment record names a stored segment and says what its header says; KV blocks of
+    kvj 0.1.0 cover their block's tokens and continue the request's tokens."""
     starts = {r.payload["id"]: r.payload for r in journal.records if r.rtype == 1}
-    chains: Dict[Tuple[str, int], str] = {}
     for rec in (r for r in journal.records if r.rtype == 2):
         p = rec.payload
         seg = store.get(p["key"])
@@ -817,7 +803,7 @@ def check_segment_records(journal: Journal, store: Dict[str, Segment]) -> None:
               == (seg.header["raw_size"], seg.header["stored_size"], seg.header["codec"], seg.key, seg.layout or {}),
               rec.path, rec.offset, "the record disagrees with the segment's header")
         fmt = check_layout(seg)
-        if fmt not in ("kvj-kv-block/1", "kvj-vllm-block/1"):
+        if fmt != "kvj-kv-block/1":
             continue
         lay, b = seg.layout, p["seg"]
         bs = lay["block_size"]
@@ -826,12 +812,6 @@ def check_segment_records(journal: Journal, store: Dict[str, Segment]) -> None:
         if start is not None and start["tokens"] is not None:
             known = start["tokens"][b * bs:(b + 1) * bs + 1]
             _need(lay["token_ids"][:len(known)] == known, rec.path, rec.offset, "token_ids contradict the prompt")
-        if fmt == "kvj-vllm-block/1":
-            prev = chains.get((p["id"], b - 1), lay["fingerprint"]) if b else lay["fingerprint"]
-            ids = np.asarray(lay["token_ids"][:bs], "<i8").tobytes()
-            _need(blake3.blake3(bytes.fromhex(prev) + ids).hexdigest() == lay["chain"], rec.path, rec.offset,
-                  f"block {b}'s chain is not BLAKE3(chain[b-1] || its token ids)")
-            chains[(p["id"], b)] = lay["chain"]
 
 
 def training_state(journal: Journal, store: Dict[str, Segment]) -> Tuple[int, Any]:

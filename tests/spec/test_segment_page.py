@@ -103,10 +103,10 @@ def test_the_layout_tags_are_the_code_s():
         assert f"format {formats[0]}\t{name}:" in layouts, name
         for fmt in formats:
             assert f'"{fmt}"' in section(name), (name, fmt)
-    old = section("KV BLOCKS OF KVJ 0.2")
-    for tag in (kvblock.HF_V1, kvblock.VLLM_V1):
-        assert f"format {tag}\tKV BLOCKS OF KVJ 0.2:" in layouts and f"format {tag}\n" in old and f'"{tag}"' in old
-    assert f"kind {kvblock.PAGED_V1}\tKV BLOCKS OF KVJ 0.2:" in layouts and f'kind: "{kvblock.PAGED_V1}"' in old
+    old = section("KV BLOCKS OF KVJ 0.1.0")
+    assert f"format {kvblock.HF_V1}\tKV BLOCKS OF KVJ 0.1.0:" in layouts and f"format {kvblock.HF_V1}\n" in old \
+        and f'"{kvblock.HF_V1}"' in old
+    assert f"kind {kvblock.PAGED_V1}\tKV BLOCKS OF KVJ 0.1.0:" in layouts and f'kind: "{kvblock.PAGED_V1}"' in old
     train = section("TRAINING STATE")
     assert f'"{training.TREE}"' in train and f'"{training.STREAM_PREFIX}NAME"' in train
     assert "at most 64 KiB" in train and training.INLINE_BYTES == 64 << 10
