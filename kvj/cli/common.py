@@ -353,8 +353,8 @@ def journal_path(path: Optional[str], *, writing: bool = False, ranks_ok: bool =
         first = os.path.join(full, rank_name(0, 0))
         raise NotFound(f"{full} holds one journal per rank of a tensor/pipeline-parallel engine "
                        f"({', '.join(os.path.basename(j) for j in rank_journals(full).values())}): give one, "
-                       f"-j {first}; kvj recover -j {full} recovers them all (fsck, status, inspect and compact "
-                       "also take the engine's directory)")
+                       f"-j {first}; kvj recover -j {full} recovers them all (fsck, status, inspect, compact and "
+                       "prune also take the engine's directory)")
     if not os.path.isdir(full) or not holds_journal(full):
         if writing:
             raise NotFound(f"{full} is not a kvj journal: kvj writes only to a journal made on purpose "

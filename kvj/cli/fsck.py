@@ -30,7 +30,7 @@ from kvj.cli.common import (
 from kvj.cli.errors import FSCK_CANCELED, FSCK_CLEAN, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
 from kvj.cli.render import lsn_span
-from kvj.ops.fsck import Finding, FsckResult
+from kvj.ops.fsck import USE_LOG_KIND, Finding, FsckResult
 from kvj.ops.fsck import fsck as check_journal
 
 STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
@@ -189,8 +189,20 @@ def _verdict(findings: List[Finding]) -> str:
     if errors:
         return f"{errors} errors, {warned} warnings, {fixed} corrected"
     if warned:
-        return f"no errors, {warned} warnings" + (f", {fixed} corrected" if fixed else " (recovery handles them)")
+        return f"no errors, {warned} warnings" + (f", {fixed} corrected" if fixed else f" ({_handled(findings)})")
     return "clean"
+
+
+def _handled(findings: List[Finding]) -> str:
+    """Who takes care of the warnings: recovery, and for a damaged use log, which recovery never
+    reads, the next compaction (``UseLog.fold`` rewrites it with the valid records only)."""
+    use_log = any(f.kind == USE_LOG_KIND for f in findings)
+    others = any(f.severity == "warning" and f.kind != USE_LOG_KIND for f in findings)
+    said = (["the store's use log is advisory: eviction order and the hit rate may be off, its damaged records "
+             "left out; the next kvj compact rewrites it"] if use_log else [])
+    if others:
+        said.append("recovery handles " + ("the others" if use_log else "them"))
+    return "; ".join(said)
 
 
 def _preen_note(preen: bool, findings: List[Finding]) -> None:

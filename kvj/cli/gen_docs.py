@@ -55,8 +55,8 @@ FILES = [
     ("JOURNAL/segments/", "The default segment store (kvj-segment(5))."),
     ("JOURNAL/ranks.json, JOURNAL/rank-T-P/", "A tensor/pipeline-parallel vLLM engine's directory: one journal per "
                                               "rank (each with its own store), the layout in ranks.json. kvj "
-                                              "recover, fsck, status, inspect and compact -j JOURNAL cover every "
-                                              "rank; the other commands take one rank's journal (kvj-journal(5), "
+                                              "recover (and journal_replay), fsck, status, inspect, compact and "
+                                              "prune -j JOURNAL cover every rank; the other commands take one rank's journal (kvj-journal(5), "
                                               "Rank journals)."),
 ]
 

@@ -76,15 +76,8 @@ def recover(journal: JournalArg = None,
     --recovery-mode absolute-consistency refuses a torn tail too (status 65), for a
     journal that was shut down cleanly.
     """
-    path = journal_path(journal, ranks_ok=True)
     mode = "point-in-time" if until_damage else mode
-    if holds_ranks(path):
-        if store is not None or device is not None or mirror is not None:
-            raise InvalidArgument(f"{path} holds one journal per rank, each with its own store and mirror: "
-                                  "--store, --mirror and --device apply to one journal (-j JOURNAL/rank-T-P)")
-        _run_ranks(path, dry_run, as_json, mode)
-        return
-    _run(path, store_path(path, store), device, dry_run, as_json, mirror, mirror_policy, mode)
+    _recover(journal, store, device, dry_run, as_json, mirror, mirror_policy, mode)
 
 
 def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
@@ -100,11 +93,25 @@ def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="
     """Replay a journal and, with --recover, recover it: kvj recover under the name of the
     well-known KVJournal write-up (journal_replay --log DIR --kv-store DIR --recover).
 
-    Without --recover this is kvj recover --dry-run. See kvj-recover(1) for what recovery
-    does and kvj(1) for exit statuses.
+    Without --recover this is kvj recover --dry-run. A tensor/pipeline-parallel engine's
+    directory of rank journals is recovered as kvj recover recovers it. See kvj-recover(1)
+    for what recovery does and kvj(1) for exit statuses.
     """
-    path = journal_path(log)
-    _run(path, store_path(path, kv_store), device, not do_recover, as_json, mirror, mirror_policy)
+    _recover(log, kv_store, device, not do_recover, as_json, mirror, mirror_policy)
+
+
+def _recover(journal: Optional[str], store: Optional[str], device: Optional[str], dry_run: bool, as_json: bool,
+             mirror: Optional[str], mirror_policy: str, mode: str = "tolerate-torn-tail") -> None:
+    """What kvj recover and journal_replay do: recover one journal, or each rank journal of an
+    engine directory (which has no one store, mirror or device to name)."""
+    path = journal_path(journal, ranks_ok=True)
+    if holds_ranks(path):
+        if store is not None or device is not None or mirror is not None:
+            raise InvalidArgument(f"{path} holds one journal per rank, each with its own store and mirror: "
+                                  "--store, --mirror and --device apply to one journal (-j JOURNAL/rank-T-P)")
+        _run_ranks(path, dry_run, as_json, mode)
+        return
+    _run(path, store_path(path, store), device, dry_run, as_json, mirror, mirror_policy, mode)
 
 
 def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: bool, mirror: Optional[str],

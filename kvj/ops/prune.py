@@ -3,20 +3,24 @@ files in ``torn/``, recovery manifests in ``recovery/``, damaged segments in the
 quarantine. ``prune`` removes those older than a given age, as restic's ``forget --prune``
 or logrotate's ``maxage`` do, and always keeps the newest recovery manifest (the one a
 restarting server reads). It holds the compactor lock, as recovery does when it writes
-manifests; ``dry_run`` lists what would go and changes nothing.
+manifests; ``dry_run`` lists what would go and changes nothing. ``prune_engine`` does the same
+for the manifests ``recover_ranks`` writes in a tensor/pipeline-parallel engine's directory
+(each rank journal in it is pruned by ``prune``).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from kvj.errors import InvalidArgument
+from kvj.errors import InvalidArgument, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, list_dir
 from kvj.journal.recovery import TORN_DIR
 from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.journal.ranks import RANKS_FILE, holds_ranks
 from kvj.journal.replay import check_journal
 from kvj.journal.entries import RECOVERY_DIR
 from kvj.ops.recover import MANIFEST_RE
@@ -54,41 +58,80 @@ def _old_files(directory: str, cutoff: float) -> List[str]:
     return [path for _when, path in sorted(found)]
 
 
+def _cutoff(older_than: float, now: Optional[float]) -> float:
+    """The time before which what was set aside goes: ``older_than`` seconds before ``now``."""
+    if older_than < 0:
+        raise InvalidArgument("the age cannot be negative")
+    return (time.time() if now is None else now) - older_than
+
+
+@contextmanager
+def _compactor(directory: str, dry_run: bool) -> Iterator[None]:
+    """Hold ``directory``'s compactor lock: exclusive, or shared for a dry run (which creates no lock file)."""
+    compactor = DirLock(directory, COMPACT_LOCK, "compactor")
+    lock = compactor.acquire_shared() if dry_run else compactor.acquire()
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _manifests(directory: str, cutoff: float, result: PruneResult) -> Tuple[str, List[str]]:
+    """``directory``'s recovery/ and its files put there before ``cutoff``, but the newest
+    manifest, which ``result`` records as kept."""
+    recovery_dir = os.path.join(directory, RECOVERY_DIR)
+    manifests = sorted(n for n in list_dir(recovery_dir) if MANIFEST_RE.match(n))
+    newest = os.path.join(recovery_dir, manifests[-1]) if manifests else None
+    result.kept_newest_manifest = newest
+    return recovery_dir, [p for p in _old_files(recovery_dir, cutoff) if p != newest]
+
+
+def _remove(plan: Dict[str, Tuple[str, List[str]]], result: PruneResult, fs: FS) -> None:
+    """Remove (unless ``result`` is a dry run's) the files ``plan`` lists per folder, each folder
+    made durable once; ``result`` says what went and how many bytes."""
+    for folder, (directory, paths) in plan.items():
+        for path in paths:
+            result.bytes_reclaimed += os.stat(path, follow_symlinks=False).st_size
+            if not result.dry_run:
+                fs.unlink(path)
+            result.removed[folder].append(path)
+        if paths and not result.dry_run:
+            fs.fsync_dir(directory)
+
+
 def prune(journal: str, store: Any = None, *, older_than: float, now: Optional[float] = None, dry_run: bool = False,
           fs: FS = REAL_FS) -> PruneResult:
     """Remove set-aside files, recovery manifests and quarantined segments older than
     ``older_than`` seconds (see the module docstring)."""
-    if older_than < 0:
-        raise InvalidArgument("the age cannot be negative")
+    cutoff = _cutoff(older_than, now)
     journal = os.path.abspath(journal)
     check_journal(journal)  # a seed-era journal: LegacyJournal
-    cutoff = (time.time() if now is None else now) - older_than
     fs = READ_ONLY_FS if dry_run else fs
     result = PruneResult(older_than, dry_run=dry_run)
-    compactor = DirLock(journal, COMPACT_LOCK, "compactor")
-    lock = compactor.acquire_shared() if dry_run else compactor.acquire()
-    try:
-        torn_dir, recovery_dir = os.path.join(journal, TORN_DIR), os.path.join(journal, RECOVERY_DIR)
-        manifests = sorted(n for n in list_dir(recovery_dir) if MANIFEST_RE.match(n))
-        newest = os.path.join(recovery_dir, manifests[-1]) if manifests else None
-        result.kept_newest_manifest = newest
-        plan = {"torn": (torn_dir, _old_files(torn_dir, cutoff)),
-                "recovery": (recovery_dir, [p for p in _old_files(recovery_dir, cutoff) if p != newest])}
+    with _compactor(journal, dry_run):
+        torn_dir = os.path.join(journal, TORN_DIR)
+        plan = {"torn": (torn_dir, _old_files(torn_dir, cutoff)), "recovery": _manifests(journal, cutoff, result)}
         with opened_store(store, os.path.join(journal, "segments"), fs) as seg_store:
             if seg_store is not None:
                 aside = seg_store.quarantined_copies()
                 plan["quarantine"] = (os.path.dirname(aside[0]) if aside else "",
                                       [p for p in aside if _set_aside_at(p) < cutoff])
-        for folder, (directory, paths) in plan.items():
-            for path in paths:
-                result.bytes_reclaimed += os.stat(path, follow_symlinks=False).st_size
-                if not dry_run:
-                    fs.unlink(path)
-                result.removed[folder].append(path)
-            if paths and not dry_run:
-                fs.fsync_dir(directory)
+        _remove(plan, result, fs)
         return result
-    finally:
-        if lock is not None:
-            lock.release()
 
+
+def prune_engine(path: str, *, older_than: float, now: Optional[float] = None, dry_run: bool = False,
+                 fs: FS = REAL_FS) -> PruneResult:
+    """Remove the recovery manifests older than ``older_than`` seconds, but the newest, that
+    ``kvj recover`` wrote for the engine directory ``path`` (``recover_ranks``), under the
+    directory's compactor lock, which engine recovery holds; its rank journals are ``prune``'s."""
+    cutoff = _cutoff(older_than, now)
+    path = os.path.abspath(path)
+    if not holds_ranks(path):
+        raise NotFound(f"{path} is not a directory of rank journals (no {RANKS_FILE})")
+    fs = READ_ONLY_FS if dry_run else fs
+    result = PruneResult(older_than, removed={"recovery": []}, dry_run=dry_run)
+    with _compactor(path, dry_run):
+        _remove({"recovery": _manifests(path, cutoff, result)}, result, fs)
+        return result

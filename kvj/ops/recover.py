@@ -425,30 +425,36 @@ def recover_ranks(path: str, *, dry_run: bool = False, mode: str = TOLERATE_TORN
     """Recover every rank journal of a directory of rank journals (``kvj.journal.ranks``), each as
     ``recover`` does (its own manifest and epoch record), and write one manifest for the engine,
     ``<path>/recovery/manifest-<epoch>.json`` (``merge_rank_manifests``): each request's resume
-    position is the minimum over the ranks. A rank that never made its journal holds nothing."""
+    position is the minimum over the ranks. A rank that never made its journal holds nothing.
+    Holds the directory's compactor lock (``kvj prune`` takes it to remove old engine manifests)."""
     path = os.path.abspath(path)
     journals = ranks.rank_journals(path)
     if not journals:
         raise NotFound(f"{path} holds no rank journals ({ranks.RANKS_FILE} is missing)")
-    per_rank: Dict[str, Optional[RecoveryResult]] = {}
-    for (t, p), journal in journals.items():
-        made = os.path.isdir(journal) and bool(list_logs(journal) or list_snapshots(journal))
-        per_rank[ranks.rank_name(t, p)] = (recover(journal, dry_run=dry_run, mode=mode, fs=fs, progress=progress)
-                                           if made else None)
-    recovery_dir = os.path.join(path, RECOVERY_DIR)
-    epoch = _next_epoch(JournalState(), recovery_dir)
-    manifest = merge_rank_manifests({name: r.manifest if r is not None else None for name, r in per_rank.items()},
-                                    journal=path, epoch=epoch)
-    for name, r in per_rank.items():
-        if r is not None:
-            manifest["ranks"][name].update(manifest_path=r.manifest_path, epoch_lsn=r.epoch_lsn)
-    result = RecoveryResult(manifest, dry_run=dry_run)
-    if not dry_run:
-        makedirs_durable(recovery_dir, fs)
-        target = os.path.join(recovery_dir, f"manifest-{epoch:06d}.json")
-        atomic_write(target, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(), fs)
-        result.manifest_path = target
-    return result
+    compactor = None if dry_run else DirLock(path, COMPACT_LOCK, "compactor").acquire()
+    try:
+        per_rank: Dict[str, Optional[RecoveryResult]] = {}
+        for (t, p), journal in journals.items():
+            made = os.path.isdir(journal) and bool(list_logs(journal) or list_snapshots(journal))
+            per_rank[ranks.rank_name(t, p)] = (recover(journal, dry_run=dry_run, mode=mode, fs=fs, progress=progress)
+                                               if made else None)
+        recovery_dir = os.path.join(path, RECOVERY_DIR)
+        epoch = _next_epoch(JournalState(), recovery_dir)
+        manifest = merge_rank_manifests({name: r.manifest if r is not None else None for name, r in per_rank.items()},
+                                        journal=path, epoch=epoch)
+        for name, r in per_rank.items():
+            if r is not None:
+                manifest["ranks"][name].update(manifest_path=r.manifest_path, epoch_lsn=r.epoch_lsn)
+        result = RecoveryResult(manifest, dry_run=dry_run)
+        if not dry_run:
+            makedirs_durable(recovery_dir, fs)
+            target = os.path.join(recovery_dir, f"manifest-{epoch:06d}.json")
+            atomic_write(target, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(), fs)
+            result.manifest_path = target
+        return result
+    finally:
+        if compactor is not None:
+            compactor.release()
 
 
 def merge_rank_manifests(manifests: Dict[str, Optional[Dict[str, Any]]], *, journal: str,

@@ -2,7 +2,8 @@
 ``kvj.journal.ranks``) is taken whole by every command that reads a journal, as ``kvj recover``
 takes it: ``kvj fsck`` checks each rank (each finding names its rank, the worst status wins),
 ``status`` and ``inspect`` show each rank and the engine as a whole, ``compact`` compacts each,
-and the shipped systemd unit and cron job run unchanged on it. The TP=2 directory is made
+``prune`` prunes each and the engine's own manifests, ``journal_replay --recover`` recovers it as
+``kvj recover`` does, and the shipped systemd unit and cron job run unchanged on it. The TP=2 directory is made
 without vLLM: two rank journals written with ``kvj.Journal`` (``build``), rank 1 a block behind."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import re
 import shlex
 
 import pytest
-from support.cli_helpers import (KVJ, Holder, append_torn_tail, assert_fails, build, flip_byte, in_process, kvj,
-                                 ndjson, segment_file, tree)
+from support.cli_helpers import (JOURNAL_REPLAY, KVJ, Holder, append_torn_tail, assert_fails, build, flip_byte,
+                                 in_process, kvj, ndjson, segment_file, tree)
 
 from kvj.journal import ranks
 from kvj.journal.journal import Journal
@@ -166,15 +167,74 @@ def test_compact_compacts_each_rank_under_its_own_locks(engine, capsys):
     assert list_snapshots(rank(engine, 1)) and [live(rank(engine, t)) for t in range(TP)] == states
 
 
+def aside(journal: str) -> dict:
+    """What kvj set aside in ``journal`` (a rank journal or the engine directory): folder -> names."""
+    quarantine = os.path.join(journal, "segments", "quarantine")
+    return {folder: sorted(os.listdir(where)) if os.path.isdir(where) else []
+            for folder, where in (("torn", os.path.join(journal, "torn")),
+                                  ("recovery", os.path.join(journal, "recovery")), ("quarantine", quarantine))}
+
+
+def manifests(*epochs: int) -> list:
+    return [f"manifest-{e:06d}.json" for e in epochs]
+
+
+def test_prune_prunes_each_rank_and_the_engines_manifests_under_their_locks(engine, capsys):
+    append_torn_tail(rank(engine, 0))
+    for _ in range(2):  # the first cuts rank 0's torn tail into its torn/
+        assert in_process(capsys, "recover", "-j", engine).returncode == 0
+    flip_byte(segment_file(rank(engine, 0), replay(rank(engine, 0)).requests["req-2"].segments[0].key))
+    assert in_process(capsys, "fsck", "--repair", "-j", engine).returncode == 1  # quarantined: nothing needs it
+    states = [live(rank(engine, t)) for t in range(TP)]
+    assert [len(names) for names in aside(rank(engine, 0)).values()] == [1, 2, 1]
+    assert aside(engine)["recovery"] == aside(rank(engine, 1))["recovery"] == manifests(1, 2)
+
+    before = tree(engine)
+    dry = json.loads(in_process(capsys, "prune", "-j", engine, "--older-than", "0s", "--dry-run", "--json").stdout)
+    assert tree(engine) == before
+    assert [[len(r["removed"][f]) for f in ("torn", "recovery", "quarantine")] for r in dry["ranks"]] == [[1, 1, 1],
+                                                                                                    [0, 1, 0]]
+    assert dry["engine"]["removed"] == {"recovery": [os.path.join(engine, "recovery", manifests(1)[0])]}
+
+    with Holder(engine, "compactor"):  # as kvj recover -j ENGINE holds it while it writes the engine's manifest
+        held = tree(engine)
+        assert_fails(in_process(capsys, "recover", "-j", engine), 75, engine)
+        assert tree(engine) == held  # refused before any rank was recovered
+        locked = in_process(capsys, "prune", "-j", engine, "--older-than", "0s")
+    assert_fails(locked, 75, "engine: ", engine)  # the ranks are pruned; the engine's manifests wait
+    assert f"engine {engine}: its manifests not pruned: " in locked.stdout
+    assert aside(rank(engine, 0)) == aside(rank(engine, 1)) == {"torn": [], "recovery": manifests(2), "quarantine": []}
+    assert aside(engine)["recovery"] == manifests(1, 2)
+
+    assert in_process(capsys, "recover", "-j", engine).returncode == 0  # manifests 3
+    with Holder(rank(engine, 1), "compactor"):
+        proc = in_process(capsys, "prune", "-j", engine, "--older-than", "0s", "--json")
+    assert_fails(proc, 75, "rank-1-0: ", rank(engine, 1))
+    result = json.loads(proc.stdout)
+    assert [r["rank"] for r in result["ranks"]] == ["rank-0-0", "rank-1-0"] and "error" in result["ranks"][1]
+    assert result["engine"]["kept_newest_manifest"] == os.path.join(engine, "recovery", manifests(3)[0])
+    assert result["totals"]["removed"] == {"torn": 0, "recovery": 1 + 2, "quarantine": 0}
+    assert aside(rank(engine, 0))["recovery"] == aside(engine)["recovery"] == manifests(3)
+    assert aside(rank(engine, 1))["recovery"] == manifests(2, 3)
+
+    text = in_process(capsys, "prune", "-j", engine, "--older-than", "0s")
+    assert text.returncode == 0, text.stdout + text.stderr
+    lines = text.stdout.splitlines()
+    assert f"rank-1-0: removed {os.path.join(rank(engine, 1), 'recovery', manifests(2)[0])}" in lines
+    assert lines[-1].startswith(f"engine {engine}: 2 of 2 rank journals pruned; reclaimed ")
+    assert aside(rank(engine, 1))["recovery"] == manifests(3)
+    assert [live(rank(engine, t)) for t in range(TP)] == states  # the journals themselves untouched
+
+
 def test_a_store_names_one_journal_not_an_engine(engine, capsys):
-    for command in (["status"], ["inspect"], ["compact"]):
+    for command in (["status"], ["inspect"], ["compact"], ["prune", "--older-than", "7d"]):
         assert_fails(in_process(capsys, *command, "-j", engine, "--store", engine), 64, "own store", "rank-0-0")
     assert_fails(in_process(capsys, "fsck", "-j", engine, "--store", engine), 16, "own store")
 
 
 def test_commands_that_take_one_journal_name_the_ones_that_take_the_engine(engine, capsys):
     line = assert_fails(in_process(capsys, "replay", "-j", engine), 66, "rank-0-0, rank-1-0")
-    assert f"kvj recover -j {engine} recovers them all" in line and "fsck, status, inspect and compact" in line
+    assert f"kvj recover -j {engine} recovers them all" in line and "fsck, status, inspect, compact and prune" in line
 
 
 def _unit(name: str, key: str) -> list:
@@ -201,6 +261,12 @@ def test_the_after_reboot_sequence_and_the_shipped_units_run_unchanged_on_the_en
         plan = json.load(f)
     assert sorted(plan["ranks"]) == ["rank-0-0", "rank-1-0"]
     assert {r["id"]: r["resume_position"] for r in plan["requests"]} == {"req-0": 32, "req-1": 32}
+    # The write-up's journal_replay --log DIR --recover, after it: a second manifest, the same plan.
+    replayed = kvj("--log", engine, "--recover", prog=JOURNAL_REPLAY)
+    again = os.path.join(engine, "recovery", "manifest-000002.json")
+    assert replayed.returncode == 0 and f"manifest: {again}" in replayed.stdout, replayed.stdout + replayed.stderr
+    with open(again) as f:
+        assert json.load(f)["requests"] == plan["requests"]
     # kvj-compact.cron: the hourly compaction's command line, with the cron file's environment.
     with open(os.path.join(CONTRIB, "kvj-compact.cron")) as f:
         cron = f.read()
@@ -209,3 +275,32 @@ def test_the_after_reboot_sequence_and_the_shipped_units_run_unchanged_on_the_en
     compacted = kvj(*shlex.split(command), extra_env={"KVJ_JOURNAL": engine, "NO_COLOR": "1"})
     assert compacted.returncode == 0, compacted.stdout + compacted.stderr
     assert [r["rank"] for r in json.loads(compacted.stdout)["ranks"]] == ["rank-0-0", "rank-1-0"]
+    # Its daily prune: what was set aside a week ago goes, in each rank and the engine's manifests.
+    (line,) = [entry for entry in cron.splitlines() if " prune " in entry and not entry.startswith("#")]
+    command = re.search(r"/usr/local/bin/kvj (prune [^>]*)>>", line).group(1)
+    pruned = kvj(*shlex.split(command), extra_env={"KVJ_JOURNAL": engine, "NO_COLOR": "1"})
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    result = json.loads(pruned.stdout)
+    assert [r["rank"] for r in result["ranks"]] == ["rank-0-0", "rank-1-0"] and result["totals"]["bytes_reclaimed"] == 0
+    assert result["engine"]["kept_newest_manifest"] == again
+
+
+def test_journal_replay_takes_the_engine_as_kvj_recover_does(engine):
+    """The write-up's journal_replay --log DIR [--recover] is kvj recover [--dry-run]: on an engine
+    directory too, every rank into one manifest in DIR/recovery/."""
+    append_torn_tail(rank(engine, 0))
+    before = tree(engine)
+    dry = kvj("--log", engine, prog=JOURNAL_REPLAY)
+    assert dry.returncode == 0 and "would recover" in dry.stdout and "2 rank journals" in dry.stdout, dry.stderr
+    assert tree(engine) == before
+    replayed = kvj("--log", engine, "--recover", "--json", prog=JOURNAL_REPLAY)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    result = json.loads(replayed.stdout)
+    assert result["manifest_path"] == os.path.join(engine, "recovery", "manifest-000001.json")
+    assert sorted(result["manifest"]["ranks"]) == ["rank-0-0", "rank-1-0"]
+    assert {r["id"]: r["resume_position"] for r in result["manifest"]["requests"]} == {"req-0": 32, "req-1": 32}
+    assert os.listdir(os.path.join(rank(engine, 0), "torn"))  # rank 0's torn tail cut, as kvj recover cuts it
+    recovered = json.loads(kvj("recover", "-j", engine, "--json").stdout)  # the same code path: the same plan
+    assert recovered["manifest"]["requests"] == result["manifest"]["requests"]
+    assert_fails(kvj("--log", engine, "--kv-store", engine, "--recover", prog=JOURNAL_REPLAY), 64, "own store",
+                 prog="journal_replay")

@@ -386,6 +386,34 @@ def test_every_damaged_record_of_the_use_log_is_reported(journal, capsys):
     assert status == 64 and "warning: 1 records of the store's use log fail their CRC" in out and path in out, out
 
 
+def test_the_summary_says_what_becomes_of_a_damaged_use_log(journal, capsys):
+    """Regression: with a damaged use log as its only warning, the summary said "(recovery
+    handles them)", but recovery never reads the use log: the next compaction rewrites it
+    (``UseLog.fold``), and fsck is then clean."""
+    path = _use_log(journal)
+    good = open(path, "rb").read()
+
+    def damage() -> None:
+        bad = bytearray(open(path, "rb").read())
+        bad[60] ^= 4  # in the second record, with valid records after it
+        with open(path, "wb") as f:
+            f.write(bad)
+
+    damage()
+    status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+    summary = out.strip().splitlines()[-1]
+    assert status == 64 and summary.endswith(
+        "; no errors, 1 warnings (the store's use log is advisory: eviction order and the hit rate may be off, its "
+        "damaged records left out; the next kvj compact rewrites it)"), summary
+    compact(journal)
+    assert open(path, "rb").read() != good and fsck(journal).exit_code == 0  # rewritten without the damaged record
+    damage()
+    append_torn_tail(journal)  # a warning recovery handles, beside it
+    status, out, _err = run_cli(capsys, "fsck", "-j", journal)
+    summary = out.strip().splitlines()[-1]
+    assert status == 64 and summary.endswith("the next kvj compact rewrites it; recovery handles the others)"), summary
+
+
 def test_a_torn_append_to_the_use_log_is_a_note_not_damage(journal, capsys):
     """What a crash while appending leaves (part of a record, zeros where records were being
     written) ends the log: `kvj fsck && kvj recover` still recovers."""
