@@ -15,7 +15,7 @@ from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, Rec
 from kvj.cli.errors import FAILURE
 from kvj.cli.render import ROWS, more_rows
 from kvj.errors import CorruptionError, InvalidArgument
-from kvj.integrations.vllm.resume import START_FORMAT
+from kvj.integrations.vllm.resuming import START_FORMAT
 from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
 from kvj.ops.recover import RecoveryResult, check_device, load_manifest, recover_ranks
@@ -290,7 +290,7 @@ def _salvaged_requests(requests: List[Dict[str, Any]]) -> List[RenderableType]:
 #: would change the vLLM line). Filled in with the manifest, the journal and the training step.
 RESUMES = {
     "vllm": 'resume the vLLM requests in an engine with KvjConnector: resume(llm, "{manifest}") '
-            "(kvj.integrations.vllm.resume)",
+            "(kvj.integrations.vllm.resuming)",
     "requests": "start the server: it resumes from {manifest}",
     "training": "restart training: it continues from step {step} (Trainer: resume_from_checkpoint="
                 'cb.resume(trainer) with KvjCallback, DCP: JournalReader("{journal}"), your own loop: '

@@ -3,7 +3,7 @@
 * Serving: a vLLM engine (a random-weight Qwen2, CPU backend) with ``KvjConnector`` serves a
   batch of requests in a child process and is SIGKILLed mid-generation (some requests
   mid-decode); ``kvj fsck`` and ``kvj recover`` run through the real command line; a fresh
-  engine resumes every request from the manifest (``kvj.integrations.vllm.resume``); then it
+  engine resumes every request from the manifest (``kvj.integrations.vllm.resuming``); then it
   takes live requests and hands them off (``kvj.integrations.vllm.drain``) mid-decode to a
   second engine, which continues them loading their KV from the first engine's store.
 * Training: the nightly LoRA fine-tune, ``transformers.Trainer`` + PEFT with ``KvjCallback``,

@@ -1,7 +1,7 @@
 """``python -m kvj.demo.vllm_engine SPEC.json``: a vLLM engine journaling through ``KvjConnector``.
 
 The demo runs it as a child process, SIGKILLs it mid-generation and starts another that
-resumes (``kvj.integrations.vllm.resume``) from ``kvj recover``'s manifest. ``SPEC`` names
+resumes (``kvj.integrations.vllm.resuming``) from ``kvj recover``'s manifest. ``SPEC`` names
 the model directory, the journal, the output file and a list of jobs:
 
 * ``{"serve": [[ids...], ...], "max_tokens": N, "pace": S}``: the prompts (greedy) added at

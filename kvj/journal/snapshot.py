@@ -83,8 +83,8 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
 
 
 def _reason(exc: Exception) -> str:
-    """``exc`` as a reason that is never empty (msgpack's ``FormatError()`` has no text): its
-    type, then its text or else the first line of its type's docstring."""
+    """``exc`` as a reason that is never empty (an exception may have no text): its type, then
+    its text or else the first line of its type's docstring."""
     text = str(exc) or (type(exc).__doc__ or "").strip().partition("\n")[0]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -221,7 +221,7 @@ def test_a_planted_salvage_report_is_refused_as_damaged_not_trusted(tmp_path, cl
 @pytest.mark.ci_required
 def test_a_fifo_handoff_manifest_does_not_hang_resume(tmp_path):
     from kvj.errors import UnsafePath
-    from kvj.integrations.vllm.resume import resume_plans
+    from kvj.integrations.vllm.resuming import resume_plans
 
     manifest = tmp_path / "manifest-b.json"
     os.mkfifo(manifest)

@@ -8,7 +8,7 @@ import os
 
 from support.cli_helpers import block, build, in_process, segment_file
 
-from kvj.integrations.vllm.resume import START_FORMAT
+from kvj.integrations.vllm.resuming import START_FORMAT
 from kvj.journal.journal import Journal
 
 
@@ -38,7 +38,7 @@ def test_vllm_requests_are_resumed_by_resume_in_an_engine(tmp_path, capsys):
     manifest = os.path.join(path, "recovery", "manifest-000001.json")
     line = _next(capsys, path)
     assert line == (f'next: resume the vLLM requests in an engine with KvjConnector: resume(llm, "{manifest}") '
-                    "(kvj.integrations.vllm.resume)"), line
+                    "(kvj.integrations.vllm.resuming)"), line
 
 
 def test_each_kind_of_work_is_named_and_damage_last(tmp_path, capsys):

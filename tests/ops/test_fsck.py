@@ -319,8 +319,8 @@ def test_a_kvj_conf_every_reader_refuses_is_an_operational_error(journal, capsys
 
 
 def test_a_malformed_snapshot_body_is_reported_with_a_reason(journal, capsys):
-    """Regression: a body msgpack refuses with an exception that has no text (0xc1, the byte
-    MessagePack never uses) was reported as "malformed snapshot body: " and nothing more."""
+    """Regression: a body the decoder refuses (0xc1, the byte MessagePack never uses) was reported
+    as "malformed snapshot body: " and nothing more: the reason names the error and what it says."""
     import struct
 
     from crc32c import crc32c
@@ -333,9 +333,9 @@ def test_a_malformed_snapshot_body_is_reported_with_a_reason(journal, capsys):
     with open(os.path.join(journal, snapshot_name(lsn)), "wb") as f:
         f.write(head + struct.pack("<I", crc32c(body, crc32c(head))) + body)
     (finding,) = [f for f in fsck(journal).findings if f.kind == "snapshot"]
-    assert "malformed snapshot body: FormatError: Invalid msgpack format (" in finding.message, finding.message
+    assert "malformed snapshot body: DecodeError: MessagePack data is malformed" in finding.message, finding.message
     status, out, _err = run_cli(capsys, "fsck", "-j", journal)
-    assert status == 4 and "malformed snapshot body: FormatError: Invalid msgpack format" in out, out
+    assert status == 4 and "malformed snapshot body: DecodeError: MessagePack data is malformed" in out, out
 
 
 def _use_log(journal: str) -> str:

@@ -11,7 +11,7 @@ import sys
 import torch
 
 import kvj
-from kvj.integrations.vllm.resume import resume_plans
+from kvj.integrations.vllm.resuming import resume_plans
 from kvj.ops.armed import read_control
 
 

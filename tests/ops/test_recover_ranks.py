@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvj.errors import FormatError
-from kvj.integrations.vllm.resume import START_FORMAT, resume_plans
+from kvj.integrations.vllm.resuming import START_FORMAT, resume_plans
 from kvj.integrations.vllm.worker import Save, Start, StepPlan, WorkerJournal
 from kvj.journal import ranks
 from kvj.ops.recover import merge_rank_manifests

@@ -95,7 +95,7 @@ def test_codec_choice_and_row_dedup():
 def test_the_layout_tags_are_the_code_s():
     layouts = section("LAYOUTS")
     tags = {
-        "KV BLOCKS": [kvblock.FORMAT, constant("kvj/integrations/vllm/resume.py", "START_FORMAT")],
+        "KV BLOCKS": [kvblock.FORMAT, constant("kvj/integrations/vllm/resuming.py", "START_FORMAT")],
         "TRAINING STATE": [training.FORMAT, training.FULL_FORMAT, training.DELTA_FORMAT],
         "DCP CHECKPOINTS": [dcp.FORMAT],
     }

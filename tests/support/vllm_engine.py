@@ -8,7 +8,7 @@ parallelism: N worker processes, one core each), and a list of jobs:
 * ``{"generate": [[ids...], ...], "max_tokens": N}``: one ``LLM.generate`` call, greedy, or
   with ``"sampling": [{"temperature": T, "seed": S} or null, ...]`` per prompt; every request
   generates N tokens (EOS is ignored);
-* ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resume``;
+* ``{"resume": MANIFEST}``: ``kvj.integrations.vllm.resuming``;
 * ``{"drain": [[ids...], ...], "late": [ids...], "at": N, "after": K, "to": NAME, "max_tokens": M}``:
   the prompts (greedy, or per ``"sampling"``) are added to the engine and stepped until one
   has generated ``at`` tokens; then ``late`` is added, K more steps run, and

@@ -2,9 +2,9 @@
 
 ``connector`` is the connector (scheduler and worker sides; it imports vLLM), ``worker`` carries
 each step's plan out on a worker (without vLLM), ``layout`` names the model and its KV blocks,
-``compat`` holds what differs between vLLM releases, ``resume`` continues the requests in flight
+``compat`` holds what differs between vLLM releases, ``resuming`` continues the requests in flight
 after ``kvj recover`` and ``handoff`` moves live requests to another engine (both import without
-vLLM). Names are imported on first use, so ``resume`` and ``handoff`` need no vLLM.
+vLLM). Names are imported on first use, so ``resume`` and ``drain`` need no vLLM.
 """
 
 import importlib
@@ -12,8 +12,8 @@ from typing import Any
 
 _LAZY = {
     "KvjConnector": "connector", "KvjConnectorMetadata": "connector", "KvjWorkerMetadata": "connector",
-    "SUPPORTED_VLLM": "compat", "START_FORMAT": "resume", "ResumePlan": "resume", "Resumed": "resume",
-    "resume": "resume", "resume_plans": "resume", "drain": "handoff",
+    "SUPPORTED_VLLM": "compat", "START_FORMAT": "resuming", "ResumePlan": "resuming", "Resumed": "resuming",
+    "resume": "resuming", "resume_plans": "resuming", "drain": "handoff",
 }
 
 __all__ = sorted(_LAZY)

@@ -6,7 +6,7 @@ Load it out of tree (``kv_connector_module_path``) with a journal directory::
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"journal": "/var/lib/kvj/serve"})
 
-After a crash, ``kvj recover`` and :func:`resume` (``kvj.integrations.vllm.resume``, which
+After a crash, ``kvj recover`` and :func:`resume` (``kvj.integrations.vllm.resuming``, which
 imports without vLLM) continue every request that was in flight. Without a crash, :func:`drain`
 (``kvj.integrations.vllm.handoff``) hands live requests to another engine, whose
 ``"sources": [JOURNAL]`` lets it load this one's blocks read-only.
@@ -87,7 +87,7 @@ from kvj.segments.kvblock import chain_keys
 from kvj.integrations.vllm.compat import SUPPORTED_VLLM, caller_model_runner, check_version, sampler_draw
 from kvj.integrations.vllm.handoff import armed_target, drain
 from kvj.integrations.vllm.layout import FP8, block_layout, journal_id, model_identity, worker_ranks
-from kvj.integrations.vllm.resume import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
+from kvj.integrations.vllm.resuming import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
 from kvj.integrations.vllm.worker import (
     GATHER_BYTES,
     STAGING_BYTES,

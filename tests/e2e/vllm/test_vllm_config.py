@@ -177,7 +177,7 @@ def test_the_tokens_loaded_are_counted_by_the_connector_and_reported_with_the_ou
     """vLLM's num_cached_tokens is fixed at scheduling and counts blocks that failed to load; the
     connector reports what the workers loaded (``kv_transfer_params``, which ``resume`` reads)."""
     from kvj.integrations.vllm import KvjWorkerMetadata
-    from kvj.integrations.vllm.resume import RESTORED, REUSED
+    from kvj.integrations.vllm.resuming import RESTORED, REUSED
 
     conn = scheduler(model, str(tmp_path / "j"))
     r = request("r1", list(range(100)))

@@ -23,7 +23,7 @@ from typing import Any, Dict, List
 import pytest
 
 import kvj
-from kvj.integrations.vllm.resume import resume_plans
+from kvj.integrations.vllm.resuming import resume_plans
 from kvj.ops.handoff import write_manifest
 from support.s3 import MotoEndpoint, s3_env
 from support.wait import wait_for

@@ -13,7 +13,7 @@ import pytest
 
 from kvj.errors import FormatError
 from kvj.integrations.vllm import SUPPORTED_VLLM
-from kvj.integrations.vllm.resume import START_FORMAT, resume_plans
+from kvj.integrations.vllm.resuming import START_FORMAT, resume_plans
 from kvj.segments.kvblock import chain_keys, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -73,7 +73,7 @@ def test_resume_plans_take_generated_tokens_from_tokens_records_whatever_the_kv(
 
 
 def test_resume_plans_import_without_vllm() -> None:
-    code = "import sys, kvj.integrations.vllm.resume as r; assert 'vllm' not in sys.modules, 'vllm imported'"
+    code = "import sys, kvj.integrations.vllm.resuming as r; assert 'vllm' not in sys.modules, 'vllm imported'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert run.returncode == 0, run.stderr
