@@ -75,7 +75,8 @@ def fetch(version: str) -> str:
                               capture_output=True, text=True)
         found = [f for f in os.listdir(wheels) if f.endswith(".whl")] if proc.returncode == 0 else []
         if not found:
-            raise Unavailable(f"pip download vllm=={version} failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+            said = (proc.stderr or proc.stdout).strip().splitlines() or ["no wheel"]
+            raise Unavailable(f"pip download vllm=={version} failed: {said[-1][:300]}")
         tree = os.path.join(tmp, "tree")
         with zipfile.ZipFile(os.path.join(wheels, found[0])) as whl:
             names = [n for n in whl.namelist()
@@ -102,4 +103,7 @@ def pytest_under(version: str, args: Sequence[str], timeout: float = 900) -> sub
 
 if __name__ == "__main__":
     for release in RELEASES:
-        print(f"vLLM {release}: {fetch(release)}")
+        try:
+            print(f"vLLM {release}: {fetch(release)}")
+        except Unavailable as exc:
+            sys.exit(f"vllm_releases: {exc}")
