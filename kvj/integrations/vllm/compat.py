@@ -19,7 +19,7 @@ Per concern, read from each release's Python:
   :func:`token_ids` is what the connector journals and compares.
 - **Sleep mode**: 0.33 makes it the default (``supports_sleep_mode``) and remaps the KV cache
   under a connector; kvj's worker keeps views of the cache and gathers from them at each step,
-  so the connector refuses it (:data:`SLEEP_MODE`, :data:`SLEEP_MODE_REFUSAL`).
+  so the connector refuses it (:data:`SLEEP_MODE`).
 - Not used by kvj, so nothing to adapt: 0.34's ``skip_reading_prefix_cache`` →
   ``prefix_cache_hit_limit``, ``CachedRequestData.resumed_req_ids`` / ``all_token_ids`` (dropped),
   ``NewRequestData.prefill_token_ids`` (required), ``kv_cache_access`` (the default,
@@ -45,10 +45,10 @@ from kvj.errors import KvjError
 #: (pyproject's "vllm" extra says the same).
 SUPPORTED_VLLM: Tuple[Tuple[int, int], Tuple[int, int]] = ((0, 32), (0, 35))
 
-#: What ``KvjConnector.supports_sleep_mode`` answers (vLLM 0.33 and later ask it at start-up).
+#: What ``KvjConnector.supports_sleep_mode`` answers (vLLM 0.33 and later ask it at start-up): no,
+#: sleep mode remaps the KV cache under the connector, whose worker gathers each step's blocks from
+#: the views of it that it registered.
 SLEEP_MODE = False
-SLEEP_MODE_REFUSAL = ("sleep mode remaps the KV cache under the connector, whose worker gathers each step's "
-                      "blocks from the views it registered")
 
 #: Model runner kinds (:class:`Runner`).
 V1, V2, UNKNOWN = "v1", "v2", "unknown"

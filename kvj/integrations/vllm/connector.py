@@ -61,7 +61,7 @@ and writes one manifest whose resume position per request is the minimum over th
 data-parallel engine needs a journal of its own: give each engine its own), a journal of
 another parallel layout, several KV cache groups (hybrid attention), MLA, speculative
 decoding, and KV cache dtypes other than the model's and fp8. Sleep mode (vLLM 0.33 and
-later) is refused through ``supports_sleep_mode`` (``compat.SLEEP_MODE_REFUSAL``). What differs
+later) is refused through ``supports_sleep_mode`` (``compat.SLEEP_MODE``). What differs
 between the vLLM releases supported lives in ``compat``.
 """
 
@@ -296,7 +296,7 @@ class KvjConnector(KVConnectorBase_V1):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
-        """No: vLLM (0.33 and later) refuses sleep mode with this connector (``compat.SLEEP_MODE_REFUSAL``)."""
+        """No: vLLM (0.33 and later) then refuses sleep mode, which remaps the KV cache under kvj's views."""
         return SLEEP_MODE
 
     def _extra_config(self) -> Mapping[str, Any]:
