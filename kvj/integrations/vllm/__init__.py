@@ -4,19 +4,23 @@
 each step's plan out on a worker (without vLLM), ``layout`` names the model and its KV blocks,
 ``compat`` holds what differs between vLLM releases, ``resume`` continues the requests in flight
 after ``kvj recover`` and ``handoff`` moves live requests to another engine (both import without
-vLLM). Names are imported on first use, so ``resume`` and ``handoff`` need no vLLM.
+vLLM). The names of ``resume`` and ``handoff`` are imported with the package (they need no
+vLLM; ``resume`` is the function, not its module, however the module was imported first); those
+of ``connector`` and ``compat`` on first use.
 """
 
 import importlib
 from typing import Any
 
+from kvj.integrations.vllm.handoff import drain
+from kvj.integrations.vllm.resume import START_FORMAT, Resumed, ResumePlan, resume, resume_plans
+
 _LAZY = {
     "KvjConnector": "connector", "KvjConnectorMetadata": "connector", "KvjWorkerMetadata": "connector",
-    "SUPPORTED_VLLM": "compat", "START_FORMAT": "resume", "ResumePlan": "resume", "Resumed": "resume",
-    "resume": "resume", "resume_plans": "resume", "drain": "handoff",
+    "SUPPORTED_VLLM": "compat",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted([*_LAZY, "START_FORMAT", "ResumePlan", "Resumed", "resume", "resume_plans", "drain"])
 
 
 def __getattr__(name: str) -> Any:

@@ -79,6 +79,18 @@ def test_resume_plans_import_without_vllm() -> None:
     assert run.returncode == 0, run.stderr
 
 
+def test_the_package_names_resume_the_function_whatever_was_imported_first() -> None:
+    """Importing the ``resume`` module (the connector does) does not make the package's ``resume``
+    that module: ``from kvj.integrations.vllm import resume`` is the function."""
+    code = ("import kvj.integrations.vllm.handoff, kvj.integrations.vllm.resume, sys; "
+            "from kvj.integrations.vllm import drain, resume; "
+            "assert callable(resume) and resume.__name__ == 'resume', resume; assert callable(drain); "
+            "assert 'vllm' not in sys.modules, 'vllm imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr
+
+
 def test_a_request_taken_over_by_a_later_resume_is_not_resumed_twice() -> None:
     first = _request("a", [1, 2, 3, 4, 5, 6], [], 0)
     again = _request("a2", [1, 2, 3, 4, 5, 6, 70], [], 0, resumes="a")
