@@ -71,9 +71,11 @@ def check_version(version: str = VLLM_VERSION) -> None:
                        f"this is vLLM {version}")
 
 
-def token_ids(tokens: Iterable[Any]) -> List[int]:
+def token_ids(tokens: Optional[Iterable[Any]]) -> List[int]:
     """Token ids as a list of Python ints, whatever vLLM keeps them in (a list, 0.34's ``TokenBuffer``
-    ``array('i')``, a slice of either, a numpy array)."""
+    ``array('i')``, a slice of either, a numpy array; None, a prompt of embeddings, has none)."""
+    if tokens is None:
+        return []
     tolist = getattr(tokens, "tolist", None)
     return [int(t) for t in (tolist() if tolist is not None else tokens)]
 

@@ -28,8 +28,9 @@ reports its START durable (``get_num_new_matched_tokens`` answers None until the
 **Worker side** (one per worker process) carries the plan out through
 :class:`~kvj.integrations.vllm.worker.WorkerJournal`, from ``handle_preemptions``, which vLLM
 (0.32 to 0.34, either model runner) calls at the start of every ``execute_model`` (zero-token
-steps included), before the forward pass: a step's saves are one gather on the compute stream, one copy to pinned
-staging on a side stream the compute stream never waits for, one job for kvj's flusher.
+steps included), before the forward pass: a step's saves are one gather on the compute stream,
+one copy to pinned staging on a side stream the compute stream never waits for, one job for
+kvj's flusher.
 Loads are asynchronous across steps (``load_async``); the worker verifies every block and
 reports failures through ``get_block_ids_with_load_errors`` (with ``recompute`` vLLM
 recomputes them). A resumed seeded request's sampler continues where it stopped: the connector

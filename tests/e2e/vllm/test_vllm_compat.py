@@ -163,6 +163,29 @@ def test_the_scheduler_side_journals_this_releases_requests(model: str, tmp_path
     assert [f.vllm_id for f in plan.finishes] == ["r1"] and [s.vllm_id for s in plan.starts] == ["r2"]
 
 
+def test_token_ids_in_a_plain_array_are_journaled_as_lists(model: str, tmp_path: Any) -> None:
+    """A plain ``array('i')`` (its slices are arrays, ``array + list`` raises): START, TOKENS and the
+    blocks' token ids are lists of ints all the same."""
+    import types
+
+    from kvj.integrations.vllm.compat import token_ids
+
+    assert token_ids(None) == [] and token_ids(array("i", [1, 2])) == [1, 2]
+    conn = scheduler(model, str(tmp_path / "j"))
+    tokens = array("i", range(2 * BLOCK + 3))
+    r = types.SimpleNamespace(request_id="a", all_token_ids=tokens, prompt_token_ids=array("i", tokens),
+                              num_tokens=len(tokens), num_computed_tokens=0, sampling_params=None)
+    conn.on_new_request(r)
+    (start,) = conn.build_connector_meta(no_step()).starts
+    assert type(start.tokens) is list and start.tokens == list(range(2 * BLOCK + 3))
+    r.num_computed_tokens = 2 * BLOCK + 3
+    tokens.append(250)
+    plan = conn.build_connector_meta(scheduled({"a": [6, 1, 8]}, {"a": 1}))
+    assert plan.tokens == [(start.jid, 2 * BLOCK + 3, [250])]
+    assert [s.token_ids for s in plan.saves] == [list(range(BLOCK + 1)), list(range(BLOCK, 2 * BLOCK + 1))]
+    assert all(type(t) is int for s in plan.saves for t in s.token_ids)
+
+
 def _output(news: Any) -> Any:
     import types
 
