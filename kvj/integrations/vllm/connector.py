@@ -27,15 +27,18 @@ reports its START durable (``get_num_new_matched_tokens`` answers None until the
 
 **Worker side** (one per worker process) carries the plan out through
 :class:`~kvj.integrations.vllm.worker.WorkerJournal`, from ``handle_preemptions``, which vLLM
-0.32 calls at the start of every ``execute_model`` (zero-token steps included), before the
-forward pass: a step's saves are one gather on the compute stream, one copy to pinned
-staging on a side stream the compute stream never waits for, one job for kvj's flusher.
+(0.32 to 0.34, either model runner) calls at the start of every ``execute_model`` (zero-token
+steps included), before the forward pass: a step's saves are one gather on the compute stream,
+one copy to pinned staging on a side stream the compute stream never waits for, one job for
+kvj's flusher.
 Loads are asynchronous across steps (``load_async``); the worker verifies every block and
 reports failures through ``get_block_ids_with_load_errors`` (with ``recompute`` vLLM
-recomputes them). It also re-seeds a resumed request's sampler: vLLM 0.32 offers no hook to
-set a request's ``torch.Generator``, so the connector finds the model runner once (the
-caller of ``register_kv_caches``) and advances the generator of a resumed seeded request by
-the draws it had made, with the very draw vLLM's sampler makes per token.
+recomputes them). A resumed seeded request's sampler continues where it stopped: the connector
+finds the model runner once (a caller of ``register_kv_caches``: ``compat.find_runner``). Under
+Model Runner V1 it advances the request's ``torch.Generator`` by the draws it had made, with the
+very draw vLLM's sampler makes per token (vLLM offers no hook to set it); Model Runner V2 keys
+its noise on the seed and the token's absolute position, which a resumed request keeps, so
+there is nothing to do. A runner it cannot recognise is named in one warning.
 
 **Keys.** Block ``b`` is named by ``chain[b] = BLAKE3(chain[b-1] || its token ids)``, from a
 seed that is the block layout's rank-free identity (model weights, dtype, KV cache dtype,
@@ -58,7 +61,9 @@ and writes one manifest whose resume position per request is the minimum over th
 **Refused at start-up**, with one line naming what: data parallel size other than 1 (each
 data-parallel engine needs a journal of its own: give each engine its own), a journal of
 another parallel layout, several KV cache groups (hybrid attention), MLA, speculative
-decoding, and KV cache dtypes other than the model's and fp8.
+decoding, and KV cache dtypes other than the model's and fp8. Sleep mode (vLLM 0.33 and
+later) is refused through ``supports_sleep_mode`` (``compat.SLEEP_MODE``). What differs
+between the vLLM releases supported lives in ``compat``.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -84,7 +89,7 @@ from kvj.errors import InvalidArgument, KvjError
 from kvj.journal import ranks as rank_journals
 from kvj.segments import kvblock
 from kvj.segments.kvblock import chain_keys
-from kvj.integrations.vllm.compat import SUPPORTED_VLLM, caller_model_runner, check_version, sampler_draw
+from kvj.integrations.vllm.compat import SLEEP_MODE, SUPPORTED_VLLM, Runner, check_version, find_runner, token_ids
 from kvj.integrations.vllm.handoff import armed_target, drain
 from kvj.integrations.vllm.layout import FP8, block_layout, journal_id, model_identity, worker_ranks
 from kvj.integrations.vllm.resuming import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
@@ -102,7 +107,7 @@ from kvj.integrations.vllm.worker import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -288,8 +293,12 @@ class KvjConnector(KVConnectorBase_V1):
             self.worker.last_plan = self._last_plan
             self._finished_seen: Set[str] = set()
             self._unreported: Set[str] = set()
-            self._runner: Any = None
-            self._draw: Optional[Callable[[torch.Generator], Any]] = None
+            self._runner: Optional[Runner] = None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
+        """No: vLLM (0.33 and later) then refuses sleep mode, which remaps the KV cache under kvj's views."""
+        return SLEEP_MODE
 
     def _extra_config(self) -> Mapping[str, Any]:
         """``kv_connector_extra_config`` (a subclass may keep keys of its own out of it)."""
@@ -301,14 +310,15 @@ class KvjConnector(KVConnectorBase_V1):
         """Track it and journal its START at the next step, scheduled or not."""
         tracked = _Tracked(request, journal_id(request.request_id, self._engine))
         self._requests[request.request_id] = tracked
-        self._arrived.append(self._start(tracked))
-        tracked.journaled = len(request.prompt_token_ids or [])
+        start = self._start(tracked)
+        self._arrived.append(start)
+        tracked.journaled = len(start.tokens)
 
     def _start(self, tracked: _Tracked) -> Start:
         request = tracked.request
         params = request.sampling_params
         extra = (params.extra_args or {}) if params is not None else {}
-        prompt = list(request.prompt_token_ids or [])
+        prompt = token_ids(request.prompt_token_ids)
         sampling = {k: getattr(params, k, None) for k in SAMPLING} if params is not None else {}
         # What vLLM stops on (check_stop): its EOS unless ignore_eos, and stop_token_ids.
         # all_stop_token_ids also holds the EOS of a request that ignores it.
@@ -396,7 +406,7 @@ class KvjConnector(KVConnectorBase_V1):
         """Its tokens not journaled yet (those it generated since the last step)."""
         tokens = tracked.request.all_token_ids
         if len(tokens) > tracked.journaled:
-            plan.tokens.append((tracked.jid, tracked.journaled, [int(t) for t in tokens[tracked.journaled:]]))
+            plan.tokens.append((tracked.jid, tracked.journaled, token_ids(tokens[tracked.journaled:])))
             tracked.journaled = len(tokens)
 
     def _saves(self, tracked: _Tracked, block_ids: Sequence[int], computed: int) -> List[Save]:
@@ -408,7 +418,7 @@ class KvjConnector(KVConnectorBase_V1):
         while ((tracked.next_save + 1) * bs <= computed and len(tokens) > (tracked.next_save + 1) * bs
                and tracked.next_save < len(block_ids)):
             b = tracked.next_save
-            saves.append(Save(tracked.jid, b, block_ids[b], chains[b], [int(t) for t in tokens[b * bs:(b + 1) * bs + 1]]))
+            saves.append(Save(tracked.jid, b, block_ids[b], chains[b], token_ids(tokens[b * bs:(b + 1) * bs + 1])))
             tracked.next_save += 1
         return saves
 
@@ -473,14 +483,11 @@ class KvjConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Keep the per-layer caches (refusing a layout other than the keys'), and find the model
-        runner whose sampler a resumed seeded request continues."""
+        runner whose sampler a resumed seeded request continues (one warning if it is not recognised)."""
         self.worker.register(list(kv_caches.values()))
-        self._runner = caller_model_runner()
-        if self._runner is None:
-            logger.warning("kvj: vLLM's model runner not found: a resumed seeded request continues with a "
-                           "generator seeded afresh, so its tokens after the crash differ")
-        else:
-            self._draw = sampler_draw(self._runner)
+        self._runner = find_runner()
+        if self._runner.warning is not None:
+            logger.warning_once(self._runner.warning)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """At the start of every step, before the forward: the step's journaling (WorkerJournal.step)."""
@@ -490,15 +497,12 @@ class KvjConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Loads run on kvj's threads (started in ``handle_preemptions``); here, after vLLM made
-        this step's new requests' generators, those of resumed seeded requests are advanced."""
+        this step's new requests' samplers, those of resumed seeded requests are brought to where
+        they stopped (``compat.Runner.advance``)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvjConnectorMetadata)
-        if meta.reseeds and self._draw is not None:
-            for req_id, draws in meta.reseeds.items():
-                state = self._runner.requests.get(req_id)
-                generator = getattr(state, "generator", None)
-                for _ in range(draws if generator is not None else 0):
-                    self._draw(generator)
+        if meta.reseeds and self._runner is not None:
+            self._runner.advance(meta.reseeds)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # a request is scheduled only once its blocks are in (load_async)

@@ -2,12 +2,13 @@
 
 ``resume_plans`` reads the manifest (plain JSON; this module imports vLLM only inside
 ``resume``): each request journaled by ``KvjConnector`` continues as its prompt plus every
-token it generated that is durable (its TOKENS records; journals of kvj 0.2 have only the
-tokens its durable blocks hold), with the rest of its token budget. ``resume`` resubmits
+token it generated that is durable (its TOKENS records, and the tokens its durable blocks
+hold), with the rest of its token budget. ``resume`` resubmits
 them to an ``LLM`` whose KvjConnector loads the durable blocks and lets vLLM compute the rest;
-a seeded request's sampler continues where it stopped (its generator is re-seeded and
-advanced by the draws it had made, one per generated token), so a resumed request's tokens
-are those of an uninterrupted run, greedy or seeded.
+a seeded request's sampler continues where it stopped (under Model Runner V1 its generator is
+advanced by the draws it had made, one per generated token, ``kvj_draws``; Model Runner V2 keys
+its noise on the seed and the absolute position, which the resumed request keeps), so a resumed
+request's tokens are those of an uninterrupted run, greedy or seeded.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def resume(llm: "LLM", manifest: Manifest, *, use_tqdm: bool = False) -> List[Re
     Each continues as its prompt plus its durable generated tokens, with the rest of its
     token budget; ``llm``'s KvjConnector loads the durable blocks and vLLM computes only what
     follows the last one. The returned ``token_ids`` equal an uninterrupted run's, under
-    greedy decoding and under seeded sampling (the connector replays the sampler's draws).
+    greedy decoding and under seeded sampling (``kvj.integrations.vllm.compat``, model runners).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -6,56 +6,25 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 import torch
 
 from kvj.errors import KvjError
 
-BLOCK = 32
+from support.vllm_config import BLOCK, engine_config, no_step, scheduled, scheduler, tiny_model
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("model"))
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
-    return path
-
-
-def engine_config(model: str, journal: str, **extra: Any) -> Any:
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import EngineArgs
-
-    transfer = KVTransferConfig(kv_connector="KvjConnector", kv_connector_module_path="kvj.integrations.vllm",
-                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"journal": journal, **extra})
-    return EngineArgs(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
-                      block_size=BLOCK, kv_transfer_config=transfer).create_engine_config()
-
-
-def scheduler(model: str, journal: str, **extra: Any) -> Any:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from kvj.integrations.vllm import KvjConnector
-
-    return KvjConnector(engine_config(model, journal, **extra), KVConnectorRole.SCHEDULER, None)
+    return tiny_model(str(tmp_path_factory.mktemp("model")))
 
 
 def request(rid: str, tokens: List[int]) -> Any:
     return types.SimpleNamespace(request_id=rid, all_token_ids=list(tokens), prompt_token_ids=list(tokens),
                                  num_tokens=len(tokens), num_computed_tokens=0, sampling_params=None,
                                  status=types.SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
-
-
-def no_step() -> Any:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    return SchedulerOutput.make_empty()
 
 
 def test_refused_features_get_one_line_naming_them(model: str, tmp_path: Any) -> None:
@@ -199,18 +168,6 @@ def test_unknown_extra_config_keys_are_refused(model: str, tmp_path: Any) -> Non
 
     with pytest.raises(KvjError, match="unknown key 'thread'"):
         KvjConnector(engine_config(model, str(tmp_path / "j"), thread=2), KVConnectorRole.SCHEDULER, None)
-
-
-def scheduled(plan_ids: Any, tokens: Dict[str, int], preempted: Any = ()) -> Any:
-    """A scheduler output scheduling ``tokens`` (request id -> tokens), blocks from ``plan_ids``."""
-    from vllm.v1.core.sched.output import KVConnectorBlockState
-
-    out = no_step()
-    out.num_scheduled_tokens = dict(tokens)
-    out.total_num_scheduled_tokens = sum(tokens.values())
-    out.preempted_req_ids = set(preempted)
-    out.kv_connector_block_state = KVConnectorBlockState(set(tokens), lambda rid: (plan_ids[rid],), {})
-    return out
 
 
 def test_a_step_saves_blocks_computed_by_the_previous_one_and_a_preempted_requests_before_reuse(
