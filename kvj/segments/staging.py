@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -111,15 +110,18 @@ class SlotPool:
                 raise
             raise DeviceOutOfMemory(f"no room for {nbytes} bytes of {'pinned ' if pinned else ''}staging: "
                                     f"{exc}") from None
-        self._free: Deque[torch.Tensor] = deque(whole[i * self.slot_bytes:(i + 1) * self.slot_bytes]
-                                                for i in range(self.count))
+        #: a stack: the buffer given back last is taken first, so a light load keeps reusing the
+        #: same few (their pages mapped and in cache: first touches of fresh pages cost more than
+        #: decoding into them)
+        self._free: List[torch.Tensor] = [whole[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+                                          for i in reversed(range(self.count))]
         self._lock = threading.Lock()
         self.retired = 0
 
     def take(self) -> Optional[torch.Tensor]:
         """A free buffer of ``slot_bytes``, or None when all are in use (never waits)."""
         with self._lock:
-            return self._free.popleft() if self._free else None
+            return self._free.pop() if self._free else None
 
     def give(self, buf: torch.Tensor, reuse: bool = True) -> None:
         """Return ``buf``; ``reuse=False`` when a copy may still touch it (it is retired)."""

@@ -237,6 +237,30 @@ def test_a_prompt_larger_than_the_staging_loads_in_chunks_bit_for_bit(gpu, tmp_p
         again.close()
 
 
+def test_on_the_cpu_a_prompt_larger_than_the_staging_loads_in_chunks_bit_for_bit(tmp_path):
+    """vLLM's CPU backend: the loader threads put each block in; still chunk by chunk through
+    one staging slot of two blocks, bit for bit."""
+    journal = str(tmp_path / "j")
+    tokens = [(7 * t) % 1000 for t in range(8 * BS + 1)]
+    chains = kvblock.chain_keys(SEED, tokens, BS)
+    src, values = nhd_caches(0, "cpu")
+    worker = WorkerJournal(journal, LAYOUT, threads=2)
+    worker.register(src)
+    worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})],
+                         saves=[Save("e-r0", b, 3 + b, chains[b], tokens[b * BS:(b + 1) * BS + 1]) for b in range(8)]))
+    worker.close()
+    dst, _ = nhd_caches(1, "cpu")
+    again = WorkerJournal(journal, LAYOUT, threads=2, gather_bytes=2 * LAYOUT.nbytes, staging_bytes=2 * LAYOUT.nbytes)
+    again.register(dst)
+    where = [30, 2, 17, 5, 11, 39, 0, 22]
+    again.start_loads(StepPlan(loads=[Load("r1", list(zip(where, chains)))]))
+    wait_for(lambda: "r1" in again.poll()[1], "the load of r1")
+    assert again.load_errors() == set() and again.counters()["blocks_loaded"] == 8
+    for b, bid in enumerate(where):
+        assert torch.equal(readback(dst, bid), block_of(values, 3 + b)), f"block {b}"
+    again.close()
+
+
 def test_no_pinned_memory_costs_journaling_never_the_worker(gpu, tmp_path):
     """The host cannot pin the staging at register: a warning; the steps' blocks are not
     journaled (counted), loads are load errors (vLLM recomputes them), the worker lives."""

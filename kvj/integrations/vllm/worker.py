@@ -662,10 +662,22 @@ class WorkerJournal:
                 if slot is None:
                     return  # started once earlier chunks give their slots back
                 ch.slot, ch.state = slot, READING
-                ch.reads = [self._loader.submit(self._read_block, chain, slot[k * lay.nbytes:(k + 1) * lay.nbytes])
-                            for k, (_, chain) in enumerate(ld.load.blocks[ch.start:ch.end])]
+                read = self._read_block if self._on_device else self._read_into_cache
+                ch.reads = [self._loader.submit(read, chain, slot[k * lay.nbytes:(k + 1) * lay.nbytes], block_id)
+                            for k, (block_id, chain) in enumerate(ld.load.blocks[ch.start:ch.end])]
 
-    def _read_block(self, chain: str, out: torch.Tensor) -> SegmentInfo:
+    def _read_into_cache(self, chain: str, out: torch.Tensor, block_id: int) -> SegmentInfo:
+        """On a loader thread, for caches on the CPU: ``_read_block``, then the block into its
+        slot of every layer, here (vLLM touches none of a loading request's blocks before the
+        load is reported finished; a block after a failed one is written but reported an error,
+        and computed again)."""
+        info = self._read_block(chain, out)
+        block = out.view(self.layout.torch_dtype).view(self.layout.shape)
+        for layer, cache in enumerate(self._caches):
+            cache[block_id].copy_(block[layer])
+        return info
+
+    def _read_block(self, chain: str, out: torch.Tensor, block_id: int = -1) -> SegmentInfo:
         """On a loader thread: read, verify (chunk CRCs, digest, layout) and decode one block into ``out``."""
         with self._lock:
             entry = self._durable.get(chain)
@@ -721,11 +733,14 @@ class WorkerJournal:
             if ch.state == READ:
                 if ld.failed is not None:
                     ch.good = max(0, min(ch.good, ld.failed - ch.start))
-                bufs = self._take_ring() if ch.good else None
+                bufs = self._take_ring() if ch.good and self._on_device else None
                 if bufs is False:  # no room on the device: vLLM computes this chunk and the rest
                     self._fail_load(ld, ch.start, None)
                     ch.good = 0
                 if not ch.good:
+                    self._give_chunk(ch)
+                elif not self._on_device:  # the loader threads put the blocks in already
+                    self.stats["blocks_loaded"] += ch.good
                     self._give_chunk(ch)
                 elif bufs:
                     ids = [b for b, _ in ld.load.blocks[ch.start:ch.start + ch.good]]
