@@ -391,13 +391,13 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host
                   bufs: BlockBuffers) -> Transfer:
     """Copy blocks ``block_ids`` of every layer into ``host[:n]`` (``[n, layers, *block]``).
 
-    On CUDA the ids go up and one ``index_select`` per layer (one in all: ``fused_view``) gathers the blocks into
-    ``bufs.blocks``, on the caller's current stream, after the kernels that wrote them and
-    before any later one, so the blocks may be freed and reused as soon as this returns.
-    kvj's d2h stream waits for that, copies the gathered blocks into pinned ``host`` and
-    records the returned transfer's event; the caller's stream does not wait for the copy.
-    Read ``host`` (and reuse ``bufs``) only once the transfer is done. On the CPU the blocks
-    are gathered straight into ``host``.
+    On CUDA the ids go up and one ``index_select`` per layer (one in all: ``fused_view``) gathers
+    the blocks into ``bufs.blocks``, on the caller's current stream, after the kernels that wrote
+    them and before any later one, so the blocks may be freed and reused as soon as this returns.
+    kvj's d2h stream waits for that, copies the gathered blocks into pinned ``host`` and records
+    the returned transfer's event; the caller's stream does not wait for the copy. Read ``host``
+    (and reuse ``bufs``) only once the transfer is done. On the CPU the blocks are gathered
+    straight into ``host``.
     """
     first, ids_host = _begin_move(caches, block_ids, host, bufs)
     n = len(ids_host)
@@ -428,12 +428,13 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], hos
                    bufs: BlockBuffers) -> Transfer:
     """Put ``host[i]`` (``[n, layers, *block]``) into block ``block_ids[i]`` of every layer.
 
-    On CUDA kvj's h2d stream waits for the caller's queued work (which may still read those
-    blocks' old contents), copies the ids and the pinned blocks up in one transfer each and
-    ``index_copy_``s them into every layer (in one, for ``fused_view`` caches), then records the returned transfer's event. Neither
-    the host nor the caller's stream waits: ``fence()`` the transfer before the caller's
-    stream reads the blocks, or poll ``done()`` (a load across steps); ``host`` and ``bufs`` are
-    in use until it is done. On the CPU the blocks are copied in before this returns.
+    On CUDA kvj's h2d stream waits for the caller's queued work (which may still read those blocks'
+    old contents), copies the ids and the pinned blocks up in one transfer each and
+    ``index_copy_``s them into every layer (in one, for ``fused_view`` caches), then records the
+    returned transfer's event. Neither the host nor the caller's stream waits: ``fence()`` the
+    transfer before the caller's stream reads the blocks, or poll ``done()`` (a load across steps);
+    ``host`` and ``bufs`` are in use until it is done. On the CPU the blocks are copied in before
+    this returns.
     """
     first, ids_host = _begin_move(caches, block_ids, host, bufs, distinct=True)
     n = len(ids_host)

@@ -118,7 +118,8 @@ def decode_loop(ctx: Ctx, caches: List[Any], with_kvj: bool) -> Dict[str, Any]:
                 plan.tokens.append((f"e-{r}", known - 1, tokens[known - 1:known]))
             while (saved[r] + 1) * bs + 1 <= known and saved[r] + 1 < per_req:
                 b = saved[r]
-                plan.saves.append(Save(f"e-{r}", b, int(r[1:]) * per_req + b, chains[b], tokens[b * bs:(b + 1) * bs + 1]))
+                plan.saves.append(Save(f"e-{r}", b, int(r[1:]) * per_req + b, chains[b],
+                                       tokens[b * bs:(b + 1) * bs + 1]))
                 saved[r] += 1
         if step == steps // 2 + 1:  # the prefill's blocks, computed by the step before
             first = requests * per_req

@@ -169,7 +169,6 @@ def worker_journal(ctx: Ctx, caches: List[Any], ids: List[int], new_ids: List[in
     """The vLLM connector's worker side (``WorkerJournal``, vLLM not needed) on these caches: one
     step's saves with the blocks overwritten right after, a finish, then a restarted worker's
     asynchronous load polled to completion: the loaded blocks are what the cache held."""
-    import torch
 
     from kvj.integrations.vllm.worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
     from kvj.segments import kvblock

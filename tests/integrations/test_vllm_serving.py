@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
+import sys
 import threading
 from typing import Dict, List, Tuple
 
@@ -23,7 +25,6 @@ from support.fakecuda import gpu  # noqa: F401 - the fixture
 from support.wait import wait_for
 
 import kvj
-from kvj.integrations.vllm import worker as worker_module
 from kvj.integrations.vllm.worker import CountingFS, Finish, Load, Save, Start, StepPlan, WorkerJournal
 from kvj.ops.status import status
 from kvj.segments import device, kvblock
@@ -178,6 +179,9 @@ def test_a_slow_disk_costs_journaled_blocks_never_a_wait_on_the_serving_thread(g
     assert sum(journaled.values()) == stats["blocks_saved"] and max(journaled.values()) > 0
     shown = status(journal, os.path.join(journal, "segments"))["connector"]
     assert shown["blocks_skipped"] == stats["blocks_skipped"] and shown["steps"] == STEPS + 1
+    text = subprocess.run([sys.executable, "-m", "kvj.cli.main", "status", "-j", journal], capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert f"{stats['blocks_skipped']} not journaled in {stats['steps_skipping']} steps (kvj was behind" in text, text
 
     again = WorkerJournal(journal, LAYOUT, threads=2)
     dst, _ = nhd_caches(2)
@@ -295,7 +299,8 @@ def one_allocation(dtype: torch.dtype, dev: str) -> Tuple[torch.Tensor, List[tor
 def test_caches_in_one_allocation_move_in_one_indexed_copy_a_round(gpu, tmp_path, monkeypatch, dtype):
     """One gather (index_select) per round and one scatter (index_copy_) per chunk, not one per
     layer; the bytes round-trip exactly (uint8: vLLM's fp8 cache)."""
-    layout = KVBlockLayout("test-model", dtype, L, H, D, BS, LHNC, **({"quant": "fp8_e4m3"} if dtype == "uint8" else {}))
+    layout = KVBlockLayout("test-model", dtype, L, H, D, BS, LHNC,
+                           **({"quant": "fp8_e4m3"} if dtype == "uint8" else {}))
     seed = layout.seed()
     tdtype = getattr(torch, dtype)
     base, caches = one_allocation(tdtype, "cuda:0")
