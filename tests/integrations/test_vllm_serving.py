@@ -215,6 +215,7 @@ def test_a_prompt_larger_than_the_staging_loads_in_chunks_bit_for_bit(gpu, tmp_p
     worker.close()
 
     compute = torch.cuda.Stream()
+    torch.cuda.Stream()  # the pool's other stream: the next one handed out is the compute stream
     with torch.cuda.stream(compute):
         dst, _ = nhd_caches(1)
         again = WorkerJournal(journal, LAYOUT, threads=2, gather_bytes=4 * 2 * LAYOUT.nbytes,
