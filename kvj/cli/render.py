@@ -415,6 +415,16 @@ def status_view(s: Dict[str, Any]) -> RenderableType:
     if loads and loads["asked"]:
         rows.append(["loads", f"{loads['served']:,} of {loads['asked']:,} served from the store "
                               f"(hit rate {loads['hit_rate']:.1%})"])
+    conn = s.get("connector")
+    if conn:
+        skipped = (f"; {conn['blocks_skipped']:,} not journaled in {conn['steps_skipping']:,} steps (kvj was behind: "
+                   "those requests are durable up to their last journaled block)" if conn["blocks_skipped"] else "")
+        rows.append(["connector", Text(f"{conn['steps']:,} steps, {conn['blocks_saved']:,} blocks journaled, "
+                                       f"{conn['blocks_referenced']:,} by reference, {conn['blocks_loaded']:,} "
+                                       f"loaded ({conn['blocks_failed']:,} failed){skipped}; as of "
+                                       f"{ago(conn['time'], s['now'])}", style="yellow" if skipped else "")])
+    if s.get("connector_error"):
+        rows.append(["connector", Text(f"{s['connector_error']} (the vLLM connector's counters)", style="yellow")])
     if s.get("config_error"):
         rows.append(["kvj.conf", Text(f"{s['config_error']} (kvj uses none of the journal's settings until it "
                                       "is fixed: commands that need them refuse it)", style="bold red")])

@@ -25,6 +25,7 @@ from kvj.journal.records import RecordType
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots
 from kvj.ops.armed import read_control
+from kvj.untrusted import read_json
 
 #: The window the write rates are measured over.
 WINDOW = 60.0
@@ -159,6 +160,7 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
         "salvage_pending": os.path.lexists(os.path.join(journal, PENDING_NAME)),
         "config_error": _config_error(journal),
         **_handoff(journal),
+        **_connector(journal),
     }
     window = _Window(now, _writer_opened(journal))
     try:
@@ -196,6 +198,29 @@ def _handoff(journal: str) -> Dict[str, Any]:
         return {"handoff": read_control(journal), "handoff_error": None}
     except (OSError, KvjError) as exc:
         return {"handoff": None, "handoff_error": str(exc)}
+
+
+#: The vLLM connector's counters, written by its worker (kvj.integrations.vllm.worker writes it).
+CONNECTOR_STATS = "connector.json"
+MAX_CONNECTOR_STATS = 64 << 10
+
+
+def _connector(journal: str) -> Dict[str, Any]:
+    """The counters a vLLM connector's worker last wrote into the journal (every few seconds
+    and at close): steps, blocks journaled and not journaled because kvj was behind... None
+    when no connector ever wrote there; a file that is not one is reported, not trusted."""
+    try:
+        doc = read_json(os.path.join(journal, CONNECTOR_STATS), max_bytes=MAX_CONNECTOR_STATS)
+    except (FileNotFoundError, NotADirectoryError):
+        return {"connector": None, "connector_error": None}
+    except (OSError, KvjError) as exc:
+        return {"connector": None, "connector_error": str(exc)}
+    fields = ("time", "steps", "blocks_saved", "blocks_referenced", "blocks_skipped", "steps_skipping",
+              "blocks_loaded", "blocks_failed")
+    if not isinstance(doc, dict) or any(not isinstance(doc.get(f), (int, float)) or isinstance(doc.get(f), bool)
+                                        for f in fields):
+        return {"connector": None, "connector_error": f"{CONNECTOR_STATS} is not a connector's counters"}
+    return {"connector": {f: doc[f] for f in fields}, "connector_error": None}
 
 
 def _config_error(journal: str) -> Optional[str]:

@@ -17,7 +17,8 @@ runs the very same paths with a stand-in that models asynchronous copies
   threads start on device 0).
 
 It also moves paged KV blocks (``gather_blocks``/``scatter_blocks``): a step's blocks of every
-layer in one indexed copy per layer and one transfer, through buffers allocated once.
+layer in one indexed copy per layer (one in all, for caches in one allocation: ``fused_view``)
+and one transfer, through buffers allocated once.
 """
 
 from __future__ import annotations
@@ -71,10 +72,14 @@ class Cuda:
     # -- streams and events ----------------------------------------------------------------
 
     def side_stream(self, device: torch.device, purpose: str) -> Any:
-        """kvj's stream for ``purpose`` (``"d2h"`` or ``"h2d"``) on ``device``, made once."""
+        """kvj's stream for ``purpose`` (``"d2h"`` or ``"h2d"``) on ``device``, made once, and
+        never the caller's current stream: ``torch.cuda.Stream()`` hands out pooled streams
+        round-robin, and the caller's (vLLM's compute stream) may be one of them. Should the
+        stream kvj holds be the current one, it takes the pool's next."""
+        current = self.current_stream(device)
         with self._lock:
             stream = self._streams.get((device, purpose))
-            if stream is None:
+            while stream is None or stream == current:
                 stream = self._streams[(device, purpose)] = torch.cuda.Stream(device=device)
             return stream
 
@@ -252,6 +257,45 @@ def _check_caches(caches: Sequence[torch.Tensor]) -> torch.Tensor:
     return first
 
 
+#: An integer dtype of each element size: blocks move as bits, so no indexing kernel needs to
+#: support the cache's dtype (fp8 among them).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same size (same shape and strides)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def fused_view(caches: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """All layers' caches as one ``[num_blocks, layers, *block]`` view, when they are views of one
+    allocation at evenly spaced offsets with the same strides (vLLM 0.33+ keeps every layer in
+    one int8 allocation, strided per-layer views): a gather or scatter is then one indexed copy,
+    not one per layer. None otherwise."""
+    first = _check_caches(caches)
+    if len(caches) < 2:
+        return None
+    ptr = first.untyped_storage().data_ptr()
+    step = caches[1].storage_offset() - first.storage_offset()
+    if step <= 0:
+        return None
+    for layer, cache in enumerate(caches):
+        if (cache.untyped_storage().data_ptr() != ptr or cache.stride() != first.stride()
+                or cache.storage_offset() != first.storage_offset() + layer * step):
+            return None
+    return first.as_strided((first.shape[0], len(caches)) + tuple(first.shape[1:]),
+                            (first.stride(0), step) + tuple(first.stride()[1:]), first.storage_offset())
+
+
+def _pairs(caches: Sequence[torch.Tensor], blocks: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(cache side, blocks side) of each indexed copy a gather or scatter makes, as bits: one
+    pair for caches in one allocation (``fused_view``), else one per layer."""
+    fused = fused_view(caches)
+    if fused is not None:
+        return [(_bits(fused), _bits(blocks))]
+    return [(_bits(cache), _bits(blocks[:, layer])) for layer, cache in enumerate(caches)]
+
+
 def blocks_shape(caches: Sequence[torch.Tensor], n: int) -> Tuple[int, ...]:
     """The shape of ``n`` blocks of ``caches`` as they travel: ``[n, layers, *block]``."""
     return (n, len(caches)) + tuple(_check_caches(caches).shape[1:])
@@ -286,28 +330,29 @@ def block_buffers(caches: Sequence[torch.Tensor], max_blocks: int,
 
 
 class BlockRing:
-    """A few BlockBuffers used in turn, so a step's gather does not wait for the previous
-    step's copy: ``take`` returns one whose transfer is done (a poll); only when every one is
-    busy does the host wait for one (``waits`` counts those)."""
+    """A few BlockBuffers used in turn, so a gather or scatter never waits for an earlier one:
+    ``take`` returns one whose transfer is done (a poll, the host never blocks), or None when
+    every one is still busy (``busy`` counts those: the caller skips or retries later)."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], max_blocks: int, slots: int = 2):
-        self.slots: List[BlockBuffers] = [block_buffers(caches, max_blocks) for _ in range(max(1, slots))]
+    def __init__(self, caches: Sequence[torch.Tensor], max_blocks: int, slots: int = 2,
+                 ids_host: Optional[torch.Tensor] = None):
+        """``ids_host``: int64 host memory for every slot's ids (``slots * max_blocks``, pinned for
+        CUDA) allocated earlier, so that making the ring allocates device memory only."""
+        n = max(1, slots)
+        parts = [None if ids_host is None else ids_host[i * max_blocks:(i + 1) * max_blocks] for i in range(n)]
+        self.slots: List[BlockBuffers] = [block_buffers(caches, max_blocks, part) for part in parts]
         self._next = 0
-        self.waits = 0
+        self.busy = 0
 
-    def take(self) -> BlockBuffers:
+    def take(self) -> Optional[BlockBuffers]:
         n = len(self.slots)
         for k in range(n):
             bufs = self.slots[(self._next + k) % n]
             if not bufs.busy():
                 self._next = (self._next + k + 1) % n
                 return bufs
-        bufs = self.slots[self._next]
-        self.waits += 1
-        assert bufs.transfer is not None
-        bufs.transfer.wait()
-        self._next = (self._next + 1) % n
-        return bufs
+        self.busy += 1
+        return None
 
 
 def _begin_move(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host: torch.Tensor,
@@ -346,20 +391,20 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host
                   bufs: BlockBuffers) -> Transfer:
     """Copy blocks ``block_ids`` of every layer into ``host[:n]`` (``[n, layers, *block]``).
 
-    On CUDA the ids go up and one ``index_select`` per layer gathers the blocks into
-    ``bufs.blocks``, on the caller's current stream, after the kernels that wrote them and
-    before any later one, so the blocks may be freed and reused as soon as this returns.
-    kvj's d2h stream waits for that, copies the gathered blocks into pinned ``host`` and
-    records the returned transfer's event; the caller's stream does not wait for the copy.
-    Read ``host`` (and reuse ``bufs``) only once the transfer is done. On the CPU the blocks
-    are gathered straight into ``host``.
+    On CUDA the ids go up and one ``index_select`` per layer (one in all: ``fused_view``) gathers
+    the blocks into ``bufs.blocks``, on the caller's current stream, after the kernels that wrote
+    them and before any later one, so the blocks may be freed and reused as soon as this returns.
+    kvj's d2h stream waits for that, copies the gathered blocks into pinned ``host`` and records
+    the returned transfer's event; the caller's stream does not wait for the copy. Read ``host``
+    (and reuse ``bufs``) only once the transfer is done. On the CPU the blocks are gathered
+    straight into ``host``.
     """
     first, ids_host = _begin_move(caches, block_ids, host, bufs)
     n = len(ids_host)
     out = host[:n]
     if not CUDA.is_device_tensor(first):
-        for layer, cache in enumerate(caches):
-            torch.index_select(cache, 0, ids_host, out=out[:, layer])
+        for cache, part in _pairs(caches, out):
+            torch.index_select(cache, 0, ids_host, out=part)
         return bufs.began(Transfer())
     cu = CUDA
     current, side = _streams(first, "d2h")
@@ -368,9 +413,9 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], host
     with cu.enqueue_on(current):
         dev_ids = bufs.ids[:n]
         cu.copy(dev_ids, ids_host)
-        for layer, cache in enumerate(caches):
+        for cache, part in _pairs(caches, gathered):
             # index_select writes through out's strides on CUDA (Indexing.cu, index_select_out_cuda_impl)
-            torch.index_select(cache, 0, dev_ids, out=gathered[:, layer])
+            torch.index_select(cache, 0, dev_ids, out=part)
     cu.gpu_wait_stream(side, current)
     with cu.enqueue_on(side):
         cu.copy(out, gathered)
@@ -383,12 +428,13 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], hos
                    bufs: BlockBuffers) -> Transfer:
     """Put ``host[i]`` (``[n, layers, *block]``) into block ``block_ids[i]`` of every layer.
 
-    On CUDA kvj's h2d stream waits for the caller's queued work (which may still read those
-    blocks' old contents), copies the ids and the pinned blocks up in one transfer each and
-    ``index_copy_``s them into every layer, then records the returned transfer's event. Neither
-    the host nor the caller's stream waits: ``fence()`` the transfer before the caller's
-    stream reads the blocks, or poll ``done()`` (a load across steps); ``host`` and ``bufs`` are
-    in use until it is done. On the CPU the blocks are copied in before this returns.
+    On CUDA kvj's h2d stream waits for the caller's queued work (which may still read those blocks'
+    old contents), copies the ids and the pinned blocks up in one transfer each and
+    ``index_copy_``s them into every layer (in one, for ``fused_view`` caches), then records the
+    returned transfer's event. Neither the host nor the caller's stream waits: ``fence()`` the
+    transfer before the caller's stream reads the blocks, or poll ``done()`` (a load across steps);
+    ``host`` and ``bufs`` are in use until it is done. On the CPU the blocks are copied in before
+    this returns.
     """
     first, ids_host = _begin_move(caches, block_ids, host, bufs, distinct=True)
     n = len(ids_host)
@@ -404,8 +450,8 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], hos
         dev_ids, blocks = bufs.ids[:n], bufs.blocks[:n]
         cu.copy(dev_ids, ids_host)
         cu.copy(blocks, src)
-        for layer, cache in enumerate(caches):
-            cache.index_copy_(0, dev_ids, blocks[:, layer])
+        for cache, part in _pairs(caches, blocks):
+            cache.index_copy_(0, dev_ids, part)
         event = cu.record(side)
     for t in (*caches, bufs.ids, bufs.blocks):
         cu.keep_alive(t, side)
@@ -413,18 +459,9 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], hos
 
 
 def _scatter_cpu(caches: Sequence[torch.Tensor], host: torch.Tensor, index: torch.Tensor) -> None:
-    """``cache[index[i]] = host[i, layer]`` for every layer, on CPU.
-
-    Contiguous caches take one numpy fancy-index assignment per layer (a row copy per block,
-    about 6x faster than ``index_copy_``, which copies element by element here); others fall
-    back to ``index_copy_``.
-    """
+    """``cache[index[i]] = host[i, layer]`` for every layer, on CPU: numpy fancy-index
+    assignments (a row copy per block, about 6x faster than ``index_copy_``, which copies
+    element by element here), one for caches in one allocation, else one per layer."""
     idx = index.numpy()
-    src = None
-    for layer, cache in enumerate(caches):
-        if cache.is_contiguous() and not cache.requires_grad and cache.numel():
-            if src is None:
-                src = host.view(torch.uint8).numpy()
-            cache.view(torch.uint8).numpy()[idx] = src[:, layer]
-        else:
-            cache.index_copy_(0, index, host[:, layer])
+    for cache, part in _pairs(caches, host):
+        cache.numpy()[idx] = part.numpy()

@@ -273,12 +273,15 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
     """Scatter a request's block segments into ``kv_caches`` at ``new_block_ids``.
 
     ``keys[i]`` (see the module convention) goes to block ``new_block_ids[i]`` of every layer.
-    Blocks are decoded in parallel into one staging buffer (pinned when the cache is on CUDA),
-    each checked against the cache's layout before it is decoded and its shape after; only
-    when all are in does anything reach the cache (a segment of another model or layout raises
-    LayoutMismatch with every slot untouched), then ``kvj.segments.device.scatter_blocks`` puts
-    them in: on the CPU one row copy per layer, on a GPU one non-blocking transfer on a side
-    stream and one ``index_copy_`` per layer, which the host waits for (its event, not a stream).
+    Every block's header is checked against the cache's layout, shape and dtype first (a
+    segment of another model or layout raises LayoutMismatch with every slot untouched). Then
+    the blocks go in chunk by chunk through one staging buffer of at most the pool's capacity
+    (pinned when the cache is on CUDA; device buffers for one chunk), so memory is bounded
+    whatever the request's length: each chunk's blocks are decoded in parallel, then
+    ``kvj.segments.device.scatter_blocks`` puts them in: on the CPU one row copy per layer, on
+    a GPU one non-blocking transfer on a side stream and one ``index_copy_`` per layer, which
+    the host waits for (its event, not a stream). A damaged segment raises with the chunks
+    before its own written (slots of this restore only).
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):
@@ -290,39 +293,54 @@ def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[
         return
     expected = of_caches(model, kv_caches)
     block_shape = (len(kv_caches),) + tuple(first.shape[1:])
+    layouts: Dict[str, Optional[Dict[str, Any]]] = {}
+    for key in dict.fromkeys(keys):  # headers only: nothing is decoded before every block fits
+        info = store.info(key)
+        expected.check(info.layout or {}, f"segment {key}")
+        if tuple(info.shape) != block_shape or info.dtype != dtype_name(first.dtype):
+            raise LayoutMismatch(f"segment {key} holds {info.dtype} {list(info.shape)}, this cache's "
+                                 f"blocks are {dtype_name(first.dtype)} {list(block_shape)}")
+        layouts[key] = info.layout
     is_cuda = cuda.CUDA.is_device_tensor(first)
     block_bytes = first[0].numel() * first.element_size() * len(kv_caches)
-    total = block_bytes * len(keys)
-    ids_at = -(-total // 8) * 8  # the block ids go up from the same pinned buffer, 8-aligned
-    pool = staging or (default_staging() if is_cuda else StagingPool(total))
-    buf = pool.acquire(ids_at + 8 * len(keys), pinned=is_cuda)
+    pool = staging or (default_staging() if is_cuda else StagingPool((block_bytes + 8) * len(keys) + 8))
+    per = max(1, min(len(keys), pool.capacity // (block_bytes + 8)))  # blocks a chunk takes, with their ids
+    ids_at = -(-per * block_bytes // 8) * 8  # the block ids go up from the same pinned buffer, 8-aligned
+    buf = pool.acquire(ids_at + 8 * per, pinned=is_cuda)
     try:
-        # A key that recurs (a shared prefix block) is decoded once and its bytes copied.
-        first_of: Dict[str, int] = {}
-        for i, key in enumerate(keys):
-            first_of.setdefault(key, i)
-        slot = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
-
-        def one(i: int) -> None:
-            layout = store.info(keys[i]).layout  # checked before decoding, the size on the way in
-            expected.check(layout or {}, f"segment {keys[i]}")
-            try:
-                block = store.get(keys[i], expect_layout=layout, out=slot[i])
-            except InvalidArgument:
-                raise LayoutMismatch(f"segment {keys[i]} holds more than one block of this cache") from None
-            if tuple(block.shape) != block_shape or block.dtype != first.dtype:
-                raise LayoutMismatch(f"segment {keys[i]} holds {block.dtype} {list(block.shape)}, this cache's "
-                                     f"blocks are {first.dtype} {list(block_shape)}")
-
+        bufs = cuda.block_buffers(kv_caches, per, buf[ids_at:ids_at + 8 * per].view(torch.long))
+        slot = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(per)]
         with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as ex:
-            list(ex.map(one, first_of.values()))
-        for i, key in enumerate(keys):
-            if first_of[key] != i:
-                np.copyto(slot[i].numpy(), slot[first_of[key]].numpy())
-        host = buf[:total].view(first.dtype).view((len(keys),) + block_shape)
-        bufs = cuda.block_buffers(kv_caches, len(ids), buf[ids_at:ids_at + 8 * len(ids)].view(torch.long))
-        moved = cuda.scatter_blocks(kv_caches, ids, host, bufs)
-        moved.wait()  # the staging buffer is reused once the copy from it is done (and, the host
-        # having waited, the caller's later work on any stream comes after the scatter)
+            for at in range(0, len(keys), per):
+                chunk = keys[at:at + per]
+                _decode_chunk(store, chunk, slot, layouts, block_shape, first.dtype, ex)
+                host = buf[:len(chunk) * block_bytes].view(first.dtype).view((len(chunk),) + block_shape)
+                moved = cuda.scatter_blocks(kv_caches, ids[at:at + per], host, bufs)
+                moved.wait()  # the staging buffer is reused once the copy from it is done (and, the host
+                # having waited, the caller's later work on any stream comes after the scatter)
     finally:
         pool.release(buf)  # scatter_blocks raises only once nothing reads the buffer
+
+
+def _decode_chunk(store: SegmentStore, keys: Sequence[str], slot: Sequence[torch.Tensor],
+                  layouts: Mapping[str, Optional[Dict[str, Any]]], block_shape: Tuple[int, ...],
+                  dtype: torch.dtype, ex: ThreadPoolExecutor) -> None:
+    """Decode ``keys[i]`` into ``slot[i]`` in parallel; a key that recurs (a shared prefix
+    block) is decoded once and its bytes copied."""
+    first_of: Dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first_of.setdefault(key, i)
+
+    def one(i: int) -> None:
+        try:
+            block = store.get(keys[i], expect_layout=layouts[keys[i]], out=slot[i])
+        except InvalidArgument:
+            raise LayoutMismatch(f"segment {keys[i]} holds more than one block of this cache") from None
+        if tuple(block.shape) != block_shape or block.dtype != dtype:
+            raise LayoutMismatch(f"segment {keys[i]} holds {block.dtype} {list(block.shape)}, this cache's "
+                                 f"blocks are {dtype} {list(block_shape)}")
+
+    list(ex.map(one, first_of.values()))
+    for i, key in enumerate(keys):
+        if first_of[key] != i:
+            np.copyto(slot[i].numpy(), slot[first_of[key]].numpy())

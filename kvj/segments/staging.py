@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from kvj.errors import DeviceOutOfMemory
 from kvj.segments import device
 
 
@@ -86,3 +87,51 @@ class StagingPool:
         with self._cond:
             self._in_use -= size
             self._cond.notify_all()
+
+
+class SlotPool:
+    """Equal staging buffers allocated once, taken without waiting: the staging of a path that
+    must never block its caller (the vLLM connector's serving thread).
+
+    ``take`` returns a free buffer or None (the caller skips, or tries again later); a buffer
+    a copy may still touch goes back with ``give(buf, reuse=False)`` and is never handed out
+    again. The memory is one allocation (pinned for CUDA) made here: DeviceOutOfMemory, with
+    nothing kept, when the host cannot give it.
+    """
+
+    def __init__(self, slot_bytes: int, count: int, pinned: bool = False):
+        self.slot_bytes = int(slot_bytes)
+        self.count = max(1, int(count))
+        nbytes = self.slot_bytes * self.count
+        try:
+            whole = device.CUDA.pinned(nbytes) if pinned else torch.from_numpy(np.empty(nbytes, np.uint8))
+        except (RuntimeError, MemoryError) as exc:  # pinned: a plain RuntimeError ("CUDA error: out of memory")
+            if not isinstance(exc, MemoryError) and "out of memory" not in str(exc):
+                raise
+            raise DeviceOutOfMemory(f"no room for {nbytes} bytes of {'pinned ' if pinned else ''}staging: "
+                                    f"{exc}") from None
+        #: a stack: the buffer given back last is taken first, so a light load keeps reusing the
+        #: same few (their pages mapped and in cache: first touches of fresh pages cost more than
+        #: decoding into them)
+        self._free: List[torch.Tensor] = [whole[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+                                          for i in reversed(range(self.count))]
+        self._lock = threading.Lock()
+        self.retired = 0
+
+    def take(self) -> Optional[torch.Tensor]:
+        """A free buffer of ``slot_bytes``, or None when all are in use (never waits)."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def give(self, buf: torch.Tensor, reuse: bool = True) -> None:
+        """Return ``buf``; ``reuse=False`` when a copy may still touch it (it is retired)."""
+        with self._lock:
+            if reuse:
+                self._free.append(buf)
+            else:
+                self.retired += 1
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)

@@ -62,3 +62,29 @@ def test_cli_refuses_extra_config_that_is_not_an_object() -> None:
                              capture_output=True, text=True)
         assert run.returncode == 64, run.stderr
         assert run.stderr.count("\n") == 1 and "--extra-config" in run.stderr
+
+
+def test_loads_per_block_whole_and_floor_side_by_side(tmp_path) -> None:
+    """The connector's per-block load, a whole load of the same bytes and the floor, in one run:
+    every figure a rate of the same bytes, the ratios paired by round, all in the printed lines."""
+    from kvj.bench import vllm_loads
+    from kvj.segments.kvblock import LHNC, KVBlockLayout
+
+    layout = KVBlockLayout("bench-small", "bfloat16", 4, 2, 64, 16, LHNC)
+    result = vllm_loads.run(str(tmp_path), blocks=6, rounds=2, layout=layout, threads=2)
+    assert result["bytes"] == 6 * layout.nbytes and result["rounds"] == 2 and result["threads"] == 2
+    assert all(result["gbps"][k] > 0 for k in ("per_block", "whole", "floor"))
+    assert result["per_block_vs_whole"] > 0 and result["per_block_vs_floor"] > 0
+    text = vllm_loads.format_table(result)
+    assert "per block / whole" in text and "(goal >= 0.8x)" in text and "per block / floor" in text
+    assert list(tmp_path.iterdir()) == []  # its work files are gone
+
+
+def test_cli_loads_only_needs_no_vllm_and_prints_the_three_side_by_side(tmp_path) -> None:
+    import json
+
+    run = subprocess.run([sys.executable, "-m", "kvj.cli.main", "bench", "vllm", "--loads-only", "--rounds", "1",
+                          "--dir", str(tmp_path), "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert doc["blocks"] == 64 and doc["block_bytes"] == 2 << 20 and set(doc["gbps"]) == {"per_block", "whole", "floor"}

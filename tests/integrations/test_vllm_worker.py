@@ -22,6 +22,7 @@ from support.fakecuda import gpu  # noqa: F401 - the fixture
 from support.wait import wait_for
 
 import kvj
+from kvj.integrations.vllm import worker as worker_module
 from kvj.integrations.vllm.worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
@@ -157,25 +158,31 @@ def test_a_damaged_block_is_reported_with_every_block_after_it(tmp_path):
     again.close()
 
 
-def test_no_room_for_the_gather_buffer_skips_the_steps_journaling_never_the_step(gpu, tmp_path):
-    """The device staging is made once, outside vLLM's memory profile: when the device has no
-    room for it, the step's blocks are not journaled (a warning) and the step goes on; the
-    request's finish is still reported, so vLLM frees its blocks; once there is room, the next
-    step's blocks are journaled."""
+def test_no_room_for_the_gather_buffer_skips_the_steps_journaling_never_the_step(gpu, tmp_path, monkeypatch):
+    """The device buffers are made once, outside vLLM's memory profile: when the device has no
+    room for them, the step's blocks are not journaled (a warning) and the step goes on; the
+    request's finish is still reported, so vLLM frees its blocks; once there is room (tried
+    again after ROOM_RETRY seconds), the blocks of later steps are journaled, but never one
+    after a request's skipped block: its journaled blocks stay a prefix."""
     sim = gpu
+    monkeypatch.setattr(worker_module, "ROOM_RETRY", 0.0)
     src = make_caches("NHD", dev="cuda:0")
-    tokens = tokens_of(2 * BS + 1)
+    tokens, other = tokens_of(2 * BS + 1), tokens_of(BS + 1, base=300)
     worker = WorkerJournal(str(tmp_path / "j"), LAYOUT, threads=2)
     worker.register(src)
     sim.memory_limit[0] = sim.allocated[0] + 1024
     worker.step(StepPlan(starts=[Start("r0", "e-r0", tokens, {})], saves=saves_for("e-r0", tokens, [1])))
     assert worker.counters()["blocks_skipped"] == 1
     del sim.memory_limit[0]
-    worker.step(StepPlan(saves=saves_for("e-r0", tokens, [1, 2])[1:], finishes=[Finish("r0", "e-r0", "ok", [])]))
+    worker.step(StepPlan(starts=[Start("r1", "e-r1", other, {})],
+                         saves=saves_for("e-r0", tokens, [1, 2])[1:] + saves_for("e-r1", other, [4]),
+                         finishes=[Finish("r0", "e-r0", "ok", [])]))
     assert worker.poll()[0] == {"r0"}
     worker.close()
-    req = kvj.replay(str(tmp_path / "j")).requests["e-r0"]
-    assert req.ended and sorted(req.segments) == [1]
+    assert worker.counters()["blocks_skipped"] == 2 and worker.counters()["blocks_saved"] == 1
+    state = kvj.replay(str(tmp_path / "j"))
+    assert state.requests["e-r0"].ended and state.requests["e-r0"].segments == {}
+    assert sorted(state.requests["e-r1"].segments) == [0]
 
 
 def test_an_fp8_cache_round_trips_as_bytes(tmp_path):

@@ -5,7 +5,6 @@ next check still runs; without a GPU or the stand-in the script says so and exit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,17 +17,8 @@ from support.mutants import CPU_INTO_CUDA, SITES, Site, mutated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_script()
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from gpu import common, runner  # noqa: E402 - the checks, imported as the script imports them
 
 
 def _run(*args: str, env=None, timeout: float = 1500) -> subprocess.CompletedProcess:
@@ -47,7 +37,7 @@ def test_every_check_passes_under_the_standin(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     assert doc["passed"] and doc["standin"] and doc["environment"]["standin"]
     checks = {c["name"]: c for c in doc["checks"]}
-    assert list(checks) == list(gpu_check.CHECKS)
+    assert list(checks) == list(runner.CHECKS)
     for c in checks.values():
         assert c["status"] == "PASS" and c["parts"], c
         assert all(p["status"] == "PASS" for p in c["parts"]), c
@@ -57,16 +47,23 @@ def test_every_check_passes_under_the_standin(tmp_path):
     assert gen["distinct_tokens"] > 1
     lora = checks["lora"]["details"]
     assert lora["resumed"]["resumed_from"] >= lora["kill_once_durable"] and lora["without_kvj"]["fused"]
-    assert {r["how"] for r in checks["timing"]["details"]["rows"]} >= {
+    assert {r["how"] for r in checks["bandwidth"]["details"]["rows"]} >= {
         "tensor.cpu() (pageable)", "kvj: CUDA.download into pinned memory, then its event"}
+    assert any(r["how"].startswith("kvj: the connector's worker loads") for r in checks["bandwidth"]["details"]["rows"])
+    serving = checks["serving"]["details"]
+    assert serving["decode"]["with kvj"]["host_waits_in_hooks"] == {}
+    assert serving["decode"]["with kvj"]["blocks_skipped"] > 0  # the prefill burst outruns the ring
+    assert len(serving["streams"]["side_streams"]) == 2
+    blocks = checks["vllm-blocks"]["details"]
+    assert blocks["one_allocation_bfloat16"]["gathers"] == blocks["one_allocation_bfloat16"]["rounds"]
     assert "PASS device: scatter_blocks: fence() orders the caller's reads after the scatter" in proc.stdout
 
 
 def _device_check(gpu, tmp_path, monkeypatch, check: str = "device"):
-    monkeypatch.setattr(gpu_check, "SIM", gpu)
+    monkeypatch.setattr(common, "SIM", gpu)
     device = torch.device("cuda", 0)
-    ctx = gpu_check.Ctx(gpu_check.SMALL, device, torch.cuda.Stream(device), 1, str(tmp_path), True)
-    return gpu_check.run_check(check, ctx)
+    ctx = common.Ctx(common.SMALL, device, torch.cuda.Stream(device), 1, str(tmp_path), True)
+    return runner.run_check(check, ctx)
 
 
 def _site(function: str, old: str) -> Site:
@@ -91,13 +88,16 @@ def test_a_wait_deleted_from_kvj_fails_the_device_check(gpu, tmp_path, monkeypat
     assert any(p["status"] == "FAIL" and FAST[site] in p["name"] for p in res.parts), res.parts
 
 
-#: Sites no check fails without, and why: error paths (a CUDA call that fails), and the
-#: download's record_stream, which its wait of the caller's stream makes redundant (memory the
-#: caller frees is reused only by work ordered after the copy).
+#: Sites no check fails without, and why: error paths (a CUDA call that fails), the download's
+#: record_stream, which its wait of the caller's stream makes redundant (memory the caller frees
+#: is reused only by work ordered after the copy), and one wait reintroduced on the serving thread.
 SURVIVORS = {"device.Cuda.settle: stream.synchronize() -> None",
              "device.Cuda.enqueue_on: self.settle(stream) -> None",
              "device.Cuda.finish: self.settle(stream) -> None",
-             "device.Cuda.download: self.keep_alive(tensor, side) -> None"}
+             "device.Cuda.download: self.keep_alive(tensor, side) -> None",
+             # a load's pinned allocation on the serving thread: the serving check's loop loads nothing
+             "worker.WorkerJournal._start_reads: slot = pool.take() if pool is not None else None -> "
+             "slot = device.CUDA.pinned(pool.slot_bytes)"}
 
 
 #: The mutation sites of the device layer and its callers (the training capture's run inside the
@@ -109,7 +109,7 @@ DEVICE_SITES = [s for s in SITES + [CPU_INTO_CUDA] if not s.module.startswith("k
 @pytest.mark.parametrize("site", DEVICE_SITES, ids=lambda s: s.name)
 def test_every_wait_of_the_mutation_list_fails_a_check_or_is_a_known_survivor(gpu, tmp_path, monkeypatch, site):
     with mutated(site):
-        failed = [c for c in ("device", "vllm-blocks")
+        failed = [c for c in ("device", "vllm-blocks", "serving")
                   if _device_check(gpu, tmp_path, monkeypatch, c).status == "FAIL"]
     assert bool(failed) != (site.name in SURVIVORS), failed
 
@@ -161,8 +161,8 @@ def test_a_check_that_hangs_is_killed_at_its_limit_and_the_next_check_still_runs
         "    return download(self, tensor, dest)\n"
         "d.Cuda.download = hang_in_the_device_check\n")))
     # long enough for the worker to start (torch, the stand-in) and reach the hang on a loaded machine
-    monkeypatch.setitem(gpu_check.LIMITS, "device", 30 / gpu_check.STANDIN_SLOWER)
-    code = gpu_check.main(["--standin", "--out", str(tmp_path / "out"), "--checks", "device,vllm-blocks"])
+    monkeypatch.setitem(runner.LIMITS, "device", 30 / runner.STANDIN_SLOWER)
+    code = runner.main(["--standin", "--out", str(tmp_path / "out"), "--checks", "device,vllm-blocks"])
     doc = _doc(tmp_path / "out")
     captured = capfd.readouterr()
     assert code == 1 and not doc["passed"]

@@ -67,21 +67,22 @@ def test_the_compute_stream_may_reuse_the_blocks_as_soon_as_the_gather_is_enqueu
     assert torch.equal(_bits(host), _bits(torch.stack([v[ids] for v in values], dim=1)))
 
 
-def test_the_ring_hands_out_buffers_whose_copy_is_done_and_waits_only_when_all_are_busy(gpu):
+def test_the_ring_hands_out_buffers_whose_copy_is_done_and_never_waits(gpu):
+    """All slots busy: ``take`` says so (None) at once; the host never waits for a copy."""
     caches, values = _caches("nhd", "cuda:0", 3)
     ring = BlockRing(caches, max_blocks=2, slots=2)
     hosts = [_host(2) for _ in range(3)]
     syncs = sum(gpu.syncs.values())
     first = gather_blocks(caches, [1, 2], hosts[0], ring.take())
     second = gather_blocks(caches, [3, 4], hosts[1], ring.take())
-    assert ring.waits == 0 and sum(gpu.syncs.values()) == syncs and ring.slots[0] is not ring.slots[1]
+    assert sum(gpu.syncs.values()) == syncs and ring.slots[0] is not ring.slots[1]
     with pytest.raises(InvalidArgument, match="still in use"):
         gather_blocks(caches, [5], hosts[2], ring.slots[0])
-    third = gather_blocks(caches, [5, 6], hosts[2], ring.take())  # both busy: waits for the oldest
-    assert ring.waits == 1 and first.done()
+    assert ring.take() is None and ring.busy == 1  # both busy: no wait, no slot
+    assert sum(gpu.syncs.values()) == syncs and not first.done()
     gpu.advance()  # the GPU catches up: polling finds the buffers free again
-    ring.take()
-    assert ring.waits == 1
+    third = gather_blocks(caches, [5, 6], hosts[2], ring.take())
+    assert ring.busy == 1
     for moved, host, ids in ((first, hosts[0], [1, 2]), (second, hosts[1], [3, 4]), (third, hosts[2], [5, 6])):
         moved.wait()
         assert torch.equal(_bits(host), _bits(torch.stack([v[ids] for v in values], dim=1)))

@@ -243,6 +243,23 @@ def test_two_restores_in_a_row_through_one_staging_pool(gpu, tmp_path):
             assert torch.equal(_bits(dst[layer][[0, 1, 2, 3]].cpu()), _bits(want))
 
 
+def test_a_restore_larger_than_the_staging_goes_in_chunks_through_it(gpu, tmp_path):
+    """Pinned and device memory bounded by the staging pool, whatever the request's length: three
+    blocks through a pool that holds one (one pinned buffer, device buffers for one block: the
+    device has no room for more), each in its slot, bit for bit."""
+    with SegmentStore(tmp_path / "s") as store:
+        src, keys, dst = _paged(gpu, tmp_path, store, "cuda:0")
+        block_bytes = src[0][0].numel() * 2 * L
+        pool = StagingPool(block_bytes + 8, pinned=True)
+        before = gpu.allocated[0]
+        gpu.memory_limit[0] = before + block_bytes + 64  # room for one block's device buffers only
+        restore_paged(store, keys, dst, [7, 0, 3], model="m", staging=pool)
+        del gpu.memory_limit[0]
+        assert gpu.pinned_allocs == 1
+        for layer in range(L):
+            assert torch.equal(_bits(dst[layer][[7, 0, 3]].cpu()), _bits(src[layer][[1, 4, 6]]))
+
+
 def test_segments_loaded_by_worker_threads_are_fenced_for_the_callers_own_stream(gpu, tmp_path):
     with SegmentStore(tmp_path / "s") as store:
         keys = [store.put(torch.arange(64.0) + i).key for i in range(3)]

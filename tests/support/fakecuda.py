@@ -42,7 +42,16 @@ What CUDA does that this enforces:
 - **allocator**: memory allocated on one stream, used on another and dropped without
   ``record_stream`` while that use may still run (neither the allocating stream nor the
   dropping thread waited for it) is reported in ``violations``;
-- several devices are distinct (their own default streams, memory and checks).
+- several devices are distinct (their own default streams, memory and checks);
+- **stream pool**: ``torch.cuda.Stream()`` hands out streams from a pool per device and priority,
+  round-robin (``stream_pool`` of them, 32 as torch's), so a stream kvj asks for may be one that
+  other code (vLLM's compute stream) holds;
+- **host waits**, per thread (``host_waits(thread)``): every call that blocks the calling host
+  thread: event, stream and device synchronizations, host reads, blocking copies from or into
+  pageable memory, pinned allocations (milliseconds on CUDA), and waits on a
+  ``threading.Condition`` (a lock, queue, future or semaphore another thread must release:
+  ``Future.result``, ``Event.wait``, a full staging pool; not the start of a new thread), so a
+  test can show that a thread (vLLM's serving thread) never waited.
 
 The host's knowledge is per thread: a thread that waited on an event knows that work is done,
 another learns it only through a ``concurrent.futures`` result the first thread set afterwards
@@ -100,7 +109,14 @@ class FakeStream:
 
     _count = 0
 
+    def __new__(cls, device: Any = None, priority: int = 0, *, name: Optional[str] = None) -> "FakeStream":
+        if name is None:  # torch.cuda.Stream(): one of the pool's (FakeCuda.pooled_stream)
+            return _sim().pooled_stream(device, priority)
+        return super().__new__(cls)
+
     def __init__(self, device: Any = None, priority: int = 0, *, name: Optional[str] = None):
+        if "seq" in self.__dict__:  # a pooled stream handed out again
+            return
         sim = self._sim = _sim()  # a stream (and an event) belongs to the stand-in that made it
         FakeStream._count += 1
         self.device = sim.resolve("cuda" if device is None else device)
@@ -482,6 +498,11 @@ class FakeCuda:
         self.memory_limit: Dict[int, int] = {}  #: device index -> bytes; beyond it allocation fails
         self.fail_next: Optional[str] = None  #: "record", "synchronize" or "pin": that call raises once
         self._meta_cache: Dict[Tuple[Any, ...], Any] = {}
+        self.stream_pool = 32  #: streams per device and priority that torch.cuda.Stream() hands out
+        self._pools: Dict[Tuple[int, int], List[FakeStream]] = {}
+        self._handed: "collections.Counter[Tuple[int, int]]" = collections.Counter()
+        self._waits: Dict[int, "collections.Counter[str]"] = collections.defaultdict(collections.Counter)
+        self._waits_lock = threading.Lock()
 
     # -- installing ------------------------------------------------------------------------
 
@@ -510,9 +531,59 @@ class FakeCuda:
             monkeypatch.setattr(torch.Tensor, name, method)
         for name, method in self._future_methods().items():
             monkeypatch.setattr(concurrent.futures.Future, name, method)
+        monkeypatch.setattr(threading.Condition, "wait", self._counted_wait(threading.Condition.wait))
+        monkeypatch.setattr(threading.Thread, "start", self._uncounted_start(threading.Thread.start))
         monkeypatch.setattr(device, "CUDA", device.Cuda())
         monkeypatch.setattr(segload, "_default_staging", None)  # pinned memory of no other "machine"
         return self
+
+    def pooled_stream(self, device: Any = None, priority: int = 0) -> FakeStream:
+        """``torch.cuda.Stream()``: the next stream of the device's pool for that priority class,
+        round-robin (made on first use), as torch hands them out: not necessarily a new one."""
+        dev = self.resolve("cuda" if device is None else device)
+        key = (dev.index, -1 if priority < 0 else 0)
+        with self.lock:
+            pool = self._pools.setdefault(key, [])
+            n = self._handed[key]
+            self._handed[key] += 1
+            if len(pool) < self.stream_pool:
+                pool.append(FakeStream(dev, priority, name=f"pool{len(pool)}@{dev}"))
+                return pool[-1]
+            return pool[n % self.stream_pool]
+
+    # -- host waits, per thread ------------------------------------------------------------
+
+    def _note_wait(self, kind: str) -> None:
+        with self._waits_lock:
+            self._waits[threading.get_ident()][kind] += 1
+
+    def host_waits(self, thread: Optional[int] = None) -> "collections.Counter[str]":
+        """The host waits of thread ``thread`` (an ident; default the caller) so far, by kind."""
+        with self._waits_lock:
+            return collections.Counter(self._waits.get(threading.get_ident() if thread is None else thread, {}))
+
+    def _counted_wait(self, orig: Callable[..., bool]) -> Callable[..., bool]:
+        """``threading.Condition.wait``, counted as a host wait of the calling thread."""
+        sim = self
+
+        def wait(cond: threading.Condition, timeout: Optional[float] = None) -> bool:
+            if (timeout is None or timeout > 0) and not getattr(sim._tls, "starting", False):
+                sim._note_wait("lock wait")
+            return orig(cond, timeout)
+        return wait
+
+    def _uncounted_start(self, orig: Callable[..., None]) -> Callable[..., None]:
+        """``threading.Thread.start``, whose wait for the new thread to run (microseconds, on no
+        other thread's work: a thread pool's first jobs start threads) is not counted."""
+        sim = self
+
+        def start(thread: threading.Thread) -> None:
+            sim._tls.starting = True
+            try:
+                orig(thread)
+            finally:
+                sim._tls.starting = False
+        return start
 
     def sleep(self, cycles: int) -> None:
         """``torch.cuda._sleep``: a kernel that only takes time, on the current stream. Every op
@@ -653,6 +724,7 @@ class FakeCuda:
             self._run(clock)
             _join(self._host(), clock)
             self.syncs[kind] += 1
+        self._note_wait(kind)
 
     def _query(self, clock: Dict[FakeStream, int]) -> bool:
         """True once the work has run (the GPU here runs only when asked: see ``advance``)."""
@@ -704,6 +776,7 @@ class FakeCuda:
         with self.lock:
             self._pinned[key] = _Memory(self, f"pinned buffer of {storage.nbytes()} bytes", None, None)
             self.pinned_allocs += 1
+        self._note_wait("pinned allocation")
         weakref.finalize(storage, self._pinned.pop, key, None)
         return t
 

@@ -95,7 +95,7 @@ SITES: List[Site] = [
     Site(D, "Transfer.wait", "CUDA.finish(self.event, self.stream)", hint=("two_restores",)),
     Site(D, "Transfer.fence", "CUDA.gpu_wait(waiter, self.event)", hint=("scatter_loads",)),
     Site(D, "BlockBuffers.busy", "not self.transfer.done()", "False", hint=("ring",)),
-    Site(D, "BlockRing.take", "bufs.transfer.wait()", hint=("ring",)),
+    Site(D, "BlockRing.take", "return None", "return (bufs.transfer.wait(), bufs)[1]", hint=("slow_disk",)),
     Site(K, "restore_paged", "moved.wait()", hint=("two_restores",)),
     Site(R, "load_many", "with cuda.CUDA.use(stream):", "if True:", hint=("worker_threads_are_fenced",)),
     # the training capture (StateJournal's saves, recovery onto a device)
@@ -113,17 +113,24 @@ SITES: List[Site] = [
          hint=("recovered_onto_the_device",)),
     # the vLLM connector's worker side (a step's saves written from pinned staging; a load reported done)
     Site(V, "WorkerJournal._write_round", "moved.wait()", hint=("device_a_step_saves",)),
-    Site(V, "WorkerJournal.poll", "all(t.done() for t in ld.copies)", "True", hint=("device_a_step_saves",)),
+    Site(V, "WorkerJournal._advance", "ch.copy.done()", "True", hint=("device_a_step_saves",)),
+    # ... and never makes the serving thread wait (a wait reintroduced: issue 39 item 3)
+    Site(V, "WorkerJournal._gather_round", "job.add_done_callback(self._round_done)",
+         "job.add_done_callback(self._round_done); job.result()", hint=("slow_disk",)),
+    Site(V, "WorkerJournal._gather_round", "slot = self._save_slots.take() if self._save_slots is not None else None",
+         "slot = device.CUDA.pinned(self._save_slots.slot_bytes)", hint=("slow_disk",)),
+    Site(V, "WorkerJournal._start_reads", "slot = pool.take() if pool is not None else None",
+         "slot = device.CUDA.pinned(pool.slot_bytes)", hint=("larger_than_the_staging",)),
 ]
 
 #: The CPU-into-CUDA ``index_copy_`` the vLLM connector once had: the host's ids and blocks
 #: scattered straight into a device cache.
-CPU_INTO_CUDA = Site(D, "scatter_blocks", "cache.index_copy_(0, dev_ids, blocks[:, layer])",
-                     "cache.index_copy_(0, ids_host, src[:, layer])", hint=("scatter_loads",))
+CPU_INTO_CUDA = Site(D, "scatter_blocks", "cache.index_copy_(0, dev_ids, part)",
+                     "cache.index_copy_(0, ids_host, part)", hint=("scatter_loads",))
 
 #: The device-path tests every mutant runs against (files under tests/).
 MODULES = ["segments/test_device_paths.py", "segments/test_device_blocks.py", "integrations/test_training_device.py",
-           "integrations/test_dcp.py", "integrations/test_vllm_worker.py"]
+           "integrations/test_dcp.py", "integrations/test_vllm_worker.py", "integrations/test_vllm_serving.py"]
 
 FIXTURES = {"gpu", "tmp_path", "monkeypatch"}
 

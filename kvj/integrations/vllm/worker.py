@@ -13,34 +13,50 @@ included, before the forward pass):
   (queued behind their segments, on kvj's threads);
 * the saves: every block named was computed by the end of the previous step. A block already
   durable (loaded, or saved for another request) is journaled again by reference. The others
-  go through **one gather**: one indexed copy per layer, on the compute stream, into a
-  bounded, preallocated buffer (on the caches' device), so that any later kernel that
-  overwrites a block (a finished or preempted request's) is ordered after it; for a device
-  cache, then **one copy** into pinned host staging on kvj's side stream, which the compute
-  stream never waits for. A step with more blocks than the buffer holds gathers in rounds.
-  **One job** per round on kvj's thread then waits for that copy and hands the blocks to the
-  flusher, which compresses, writes and fsyncs them and journals each SEGMENT record once its
-  segment is durable. A finished request's blocks can go back to vLLM once their gather is
-  enqueued: it is reported ``finished_sending`` in the same step.
+  go through **one gather** per round: one indexed copy (one per layer unless the layers share
+  one allocation), on the compute stream, into a slot of a small ring of device buffers, so
+  that any later kernel that overwrites a block (a finished or preempted request's) is ordered
+  after it; for a device cache, then **one copy** into a slot of pinned host staging on kvj's
+  side stream, which the compute stream never waits for. **One job** per round on kvj's
+  thread then waits for that copy and hands the slot to the flusher, which compresses, writes
+  and fsyncs the blocks in place and journals each SEGMENT record once its segment is durable;
+  the slot is free again after that. A finished request's blocks can go back to vLLM once
+  their gather is enqueued: it is reported ``finished_sending`` in the same step.
 
-``start_loads(plan)`` (from ``start_load_kv``): loads are asynchronous across steps. The
-blocks of each request are read, checked (chunk CRCs, digest, layout) and decoded by kvj's
-loader threads into pinned staging; ``poll()`` (from ``get_finished``, every step) copies a
-request's good prefix in once all its reads are done (one copy to the device, one scatter per
-layer) and reports it ``finished_recving`` once that copy is complete, with its failed blocks
-reported by ``load_errors()`` in the same pass (vLLM recomputes them).
+The serving thread never waits on kvj (docs/vllm.md, "The serving thread"). Ring slots are
+polled (``event.query()``); host staging is allocated once, at ``register``, and taken without
+waiting. When kvj falls behind (no free ring slot or staging: the flusher is slower than the
+engine), the step's remaining blocks are **not journaled** (``blocks_skipped``), never the step
+delayed; nor is any later block of those requests, so that a request's journaled blocks stay a
+prefix: it stays durable up to its last journaled block, and recovery recomputes the rest.
 
-Device buffers are bounded and made once (``gather_bytes``); if the device cannot give that
-memory (vLLM may have taken it all), the step's saves are skipped with a warning and serving
-goes on. A failed write or fsync stops journaling for good, logged once; serving goes on.
-``close()`` (vLLM's shutdown, and the interpreter's exit) drains everything queued.
+``start_loads(plan)`` (from ``start_load_kv``): loads are asynchronous across steps and go
+through the same bounded staging, in chunks of a ring slot's blocks, whatever the prompt's
+length. The blocks of each chunk are read, checked (chunk CRCs, digest, layout) and decoded by
+kvj's loader threads into a staging slot; ``poll()`` (from ``get_finished``, every step) copies
+a chunk in once its reads are done (one copy to the device, one scatter), and its slot is free
+again once that copy is; a request is reported ``finished_recving`` once all its chunks are in,
+with its failed blocks (the first that failed and all after it) reported by ``load_errors()``
+in the same pass (vLLM recomputes them).
+
+Memory is bounded and made once: ``gather_bytes`` of device buffers, made on the first step
+that needs them (if the device has no room, vLLM may have taken it all, steps' blocks are not
+journaled and loads are recomputed; tried again every ``ROOM_RETRY`` seconds), and
+``staging_bytes`` of host staging for saves and as much for loads (pinned for a device cache),
+at ``register`` (if the host cannot give it: nothing is journaled or loaded, with a warning).
+A failed write or fsync stops journaling for good, logged once. Serving goes on either way.
+``close()`` (vLLM's shutdown, and the interpreter's exit) drains everything queued. Every
+``STATS_EVERY`` seconds and at close the counters go to ``JOURNAL/connector.json``, which
+``kvj status`` shows.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -51,21 +67,30 @@ import torch
 
 import kvj
 from kvj.errors import DeviceOutOfMemory, KvjError, LayoutMismatch, SegmentCorrupt
-from kvj.fileio import FS
+from kvj.fileio import FS, atomic_write
 from kvj.journal.journal import default_store_path
+from kvj.ops.status import CONNECTOR_STATS
 from kvj.segments import device
 from kvj.segments import tensors as seg
 from kvj.segments import kvblock
 from kvj.segments.flusher import Flusher
 from kvj.segments.kvblock import KVBlockLayout
-from kvj.segments.staging import StagingPool
+from kvj.segments.staging import SlotPool
 from kvj.segments.store import SegmentInfo, SegmentStore
 
 log = logging.getLogger("kvj.vllm")
 
-#: Default bound of the device gather buffer (and of each host staging pool).
+#: Default bounds: the device buffers (a ring of ``RING_SLOTS``) and each host staging pool
+#: (one for saves, one for loads), in bytes.
 GATHER_BYTES = 64 << 20
 STAGING_BYTES = 512 << 20
+RING_SLOTS = 4
+#: Seconds between tries to make the device buffers once the device had no room for them (a
+#: failed device allocation makes torch free its cache, which synchronizes the device).
+ROOM_RETRY = 60.0
+#: Seconds between writes of the counters to ``JOURNAL/connector.json``, and between warnings
+#: that blocks were not journaled.
+STATS_EVERY = 10.0
 #: Seconds between the worker's compactions under a byte budget (``max_store_bytes``).
 BUDGET_EVERY = 300.0
 
@@ -207,15 +232,27 @@ def durable_blocks(state: "kvj.JournalState", seed: str) -> Dict[str, Dict[str, 
     return found
 
 
-@dataclass
+#: A load chunk's states: waiting for a staging slot, its blocks being read, read and checked
+#: (waiting for a ring slot), copying into the cache, done (its slot given back).
+QUEUED, READING, READ, COPYING, DONE = range(5)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    start: int  #: its blocks are the load's [start, end)
+    end: int
+    state: int = QUEUED
+    slot: Optional[torch.Tensor] = None
+    reads: List["Future[SegmentInfo]"] = field(default_factory=list)
+    good: int = 0  #: blocks of it to copy in (once READ)
+    copy: Optional[device.Transfer] = None
+
+
+@dataclass(eq=False)
 class _Loading:
     load: Load
-    buf: torch.Tensor
-    host: torch.Tensor  #: [n, layers, *block] view of buf
-    reads: List["Future[SegmentInfo]"]
-    copies: List[device.Transfer] = field(default_factory=list)
-    copying: bool = False
-    good: int = 0
+    chunks: List[_Chunk]
+    failed: Optional[int] = None  #: the first block not loaded (it and all after it are errors)
 
 
 # ---------------------------------------------------------------------------- the worker journal
@@ -251,12 +288,18 @@ class WorkerJournal:
                                 staging_bytes=staging_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvj-save")
         self._loader = ThreadPoolExecutor(max_workers=load_threads or min(8, cpus), thread_name_prefix="kvj-load")
-        self._save_staging = StagingPool(staging_bytes)
-        self._load_staging = StagingPool(staging_bytes)
-        self._gather_bytes = int(gather_bytes)
-        self._per_round = 1  #: blocks one gather takes (set by ``register``)
-        self._ring: Optional[device.BlockRing] = None  #: staging on the caches' device, made on first use
-        self._no_room = False  #: the last attempt to make it failed (warned once until it succeeds)
+        self._path = path
+        self._gather_bytes, self._staging_bytes = int(gather_bytes), int(staging_bytes)
+        self._per_round = 1  #: blocks one gather (or load chunk) takes (set by ``register``)
+        self._ring_slots = 1
+        #: host staging for saves and for loads, made by ``register`` (None: the host had no room)
+        self._save_slots: Optional[SlotPool] = None
+        self._load_slots: Optional[SlotPool] = None
+        self._ids_host: Optional[torch.Tensor] = None  #: the ring's block ids on the host
+        self._ring: Optional[device.BlockRing] = None  #: buffers on the caches' device, made on first use
+        self._no_room_at: Optional[float] = None  #: when the last try to make them failed
+        self._gaps: Dict[str, int] = {}  #: journal id -> its first block not journaled (kvj was behind)
+        self._skip_warned = 0.0
         self._caches: List[torch.Tensor] = []
         self._on_device = False
         self._spare: Set[int] = set()  #: CPUs for kvj's threads (see _place_threads)
@@ -267,7 +310,6 @@ class WorkerJournal:
         self._pending: Dict[str, List["Future[Any]"]] = {}  #: journal id -> its saves not yet recorded
         self._ending: Set["Future[Any]"] = set()
         self._starts: List[Tuple[str, Union[int, "Future[int]"]]] = []
-        self._queued_loads: Deque[Load] = deque()
         self._loading: List[_Loading] = []
         self._load_errors: Set[int] = set()
         self._sent: Set[str] = set()  #: finished requests whose blocks vLLM may free
@@ -279,7 +321,7 @@ class WorkerJournal:
         self.last_plan: Optional[Callable[[], Optional[StepPlan]]] = None
         self.stats = {"steps": 0, "blocks_saved": 0, "blocks_referenced": 0, "blocks_skipped": 0,
                       "blocks_loaded": 0, "blocks_failed": 0, "bytes_raw": 0, "bytes_stored": 0, "tokens": 0,
-                      "rounds": 0, "segments_collected": 0}
+                      "rounds": 0, "segments_collected": 0, "steps_skipping": 0}
         self._rounds: Set["Future[None]"] = set()  #: jobs on kvj's save thread not yet done
         #: (LSN or its future, tokens, blocks) of records not yet known durable: ``progress``
         self._marks: Deque[Tuple[Union[int, "Future[int]"], int, int]] = deque()
@@ -293,6 +335,8 @@ class WorkerJournal:
             self._budget = threading.Thread(target=self._keep_budget, args=(path, max_store_bytes, budget_every),
                                             name="kvj-budget", daemon=True)
             self._budget.start()
+        self._reporter = threading.Thread(target=self._report_every, name="kvj-stats", daemon=True)
+        self._reporter.start()
 
     def _keep_budget(self, path: str, max_store_bytes: int, every: float) -> None:
         """At start and every ``every`` seconds, compact the journal and evict what the store holds
@@ -315,18 +359,44 @@ class WorkerJournal:
                     warned = True
             self._stop.wait(every)
 
+    def _report_every(self) -> None:
+        """Every ``STATS_EVERY`` seconds, the counters to ``JOURNAL/connector.json`` (``kvj status``)."""
+        while not self._stop.wait(STATS_EVERY):
+            self._report()
+
+    def _report(self) -> None:
+        """Write the counters (``counters()``) with the time, atomically; a failure is only logged
+        (they are statistics, not the journal)."""
+        try:
+            doc = {"time": time.time(), "pid": os.getpid(), "rank": self.layout.rank, **self.counters()}
+            atomic_write(os.path.join(self._path, CONNECTOR_STATS), json.dumps(doc, sort_keys=True).encode())
+        except (OSError, KvjError) as exc:
+            log.debug("kvj: the connector's counters were not written: %s", exc)
+
     # ------------------------------------------------------------------ caches
 
     def register(self, caches: Sequence[torch.Tensor]) -> None:
-        """The per-layer paged caches, in layer order; refused unless they fit the block layout."""
+        """The per-layer paged caches, in layer order; refused unless they fit the block layout.
+        Allocates the host staging (pinned for a device cache) now, never during a step."""
         self.layout.check_caches(caches)
         self._caches = list(caches)
         self._on_device = device.CUDA.is_device_tensor(self._caches[0])
         self._spare = spare_cpus()
         self._threads = 0
         self._place_threads()
-        # Two slots of device staging: one round is copied while the next gathers (or scatters).
-        self._per_round = max(1, self._gather_bytes // (2 if self._on_device else 1) // self.layout.nbytes)
+        nbytes = self.layout.nbytes
+        ring = RING_SLOTS if self._on_device else 1  # on the CPU a gather is done when it returns
+        self._per_round = max(1, min(self._gather_bytes // ring, self._staging_bytes) // nbytes)
+        slots = max(1, self._staging_bytes // (self._per_round * nbytes))
+        try:
+            self._save_slots = SlotPool(self._per_round * nbytes, slots, pinned=self._on_device)
+            self._load_slots = SlotPool(self._per_round * nbytes, slots, pinned=self._on_device)
+            if self._on_device:
+                self._ids_host = device.CUDA.pinned(ring * self._per_round * 8).view(torch.long)
+        except DeviceOutOfMemory as exc:
+            self._save_slots = self._load_slots = None
+            log.warning("kvj: %s: nothing is journaled nor loaded (serving goes on); lower staging_bytes", exc)
+        self._ring_slots = ring
 
     # ------------------------------------------------------------------ each step, before the forward
 
@@ -367,50 +437,89 @@ class WorkerJournal:
                 self._placed.add(t.native_id)
 
     def _save(self, saves: Sequence[Save]) -> None:
+        """Gather the blocks not yet durable in rounds, as long as a ring slot and staging are
+        free; then journal the durable ones by reference. Every block at or after a request's
+        first skipped one is skipped too: its journaled blocks stay a prefix."""
         copies: List[Save] = []
+        refs: List[Tuple[Save, SegmentInfo]] = []
+        skipped = 0
         for save in saves:
             known = self._known.get((save.chain, save.token_ids[-1]))
-            if known is None:
+            if known is not None:
+                refs.append((save, known))
+            elif self._gapped(save):
+                skipped += self._skip(save)
+            else:
                 copies.append(save)
+        for i in range(0, len(copies), self._per_round):
+            if not self._gather_round(copies[i:i + self._per_round]):
+                for save in copies[i:]:
+                    skipped += self._skip(save)
+                break
+        for save, known in refs:
+            if self._gapped(save):
+                skipped += self._skip(save)
                 continue
             self._pending.setdefault(save.jid, []).append(self._writer.submit(self._reference, save, known))
             self.stats["blocks_referenced"] += 1
             with self._lock:  # its segment is durable: this rank holds it (again, after a loss elsewhere)
                 self._durable[save.chain] = {"key": known.key, "layout": known.layout}
                 self._news.durable[save.chain] = [self.layout.rank]
-        for i in range(0, len(copies), self._per_round):
-            if not self._gather_round(copies[i:i + self._per_round]):
-                self.stats["blocks_skipped"] += len(copies) - i
-                return
+        if skipped:
+            self.stats["steps_skipping"] += 1
+            now = time.monotonic()
+            if now - self._skip_warned >= STATS_EVERY:
+                self._skip_warned = now
+                log.warning("kvj: behind the engine, %d block(s) of this step not journaled (%d in all); those "
+                            "requests stay durable up to their last journaled block", skipped,
+                            self.stats["blocks_skipped"])
 
-    def _buffers(self) -> Optional[device.BlockBuffers]:
-        """A slot of the block staging (device memory for device caches), made on first use; None
-        when the device has no room for it (vLLM may have taken it all)."""
+    def _gapped(self, save: Save) -> bool:
+        """Whether ``save`` comes at or after a block of its request that was not journaled."""
+        gap = self._gaps.get(save.jid)
+        return gap is not None and save.block >= gap
+
+    def _skip(self, save: Save) -> int:
+        """Count ``save`` not journaled; no later block of its request will be. Returns 1."""
+        self._gaps[save.jid] = min(save.block, self._gaps.get(save.jid, save.block))
+        self.stats["blocks_skipped"] += 1
+        return 1
+
+    def _take_ring(self) -> Union[device.BlockBuffers, None, bool]:
+        """A free slot of the device buffers, made on first use; None when every slot is busy
+        (a poll: never waits); False when the device has no room for them (vLLM may have taken
+        it all: warned, and tried again after ``ROOM_RETRY`` seconds)."""
         if self._ring is None:
+            now = time.monotonic()
+            if self._no_room_at is not None and now - self._no_room_at < ROOM_RETRY:
+                return False
             try:
-                self._ring = device.BlockRing(self._caches, self._per_round, slots=2)
+                self._ring = device.BlockRing(self._caches, self._per_round, self._ring_slots, self._ids_host)
             except DeviceOutOfMemory as exc:
-                if not self._no_room:
+                if self._no_room_at is None:
                     log.warning("kvj: %s: blocks of steps are not journaled (nor loaded) until there is room; "
                                 "lower gpu_memory_utilization or gather_bytes", exc)
-                self._no_room = True
-                return None
-            self._no_room = False
+                self._no_room_at = now
+                return False
+            self._no_room_at = None
         return self._ring.take()
 
     def _gather_round(self, saves: Sequence[Save]) -> bool:
-        """One gather of ``saves``' blocks, and one job for kvj's thread to write them."""
+        """One gather of ``saves``' blocks, and one job for kvj's thread to write them; False
+        (nothing done) when no staging slot or ring slot is free: kvj is behind."""
         n, lay = len(saves), self.layout
-        nbytes = n * lay.nbytes
-        bufs = self._buffers()
-        if bufs is None:
+        slot = self._save_slots.take() if self._save_slots is not None else None
+        if slot is None:
             return False
-        slot = self._save_staging.acquire(nbytes, pinned=self._on_device)  # waits while kvj's threads lag
-        host = slot[:nbytes].view(lay.torch_dtype).view(n, *lay.shape)
+        bufs = self._take_ring()
+        if not bufs:
+            self._save_slots.give(slot)  # type: ignore[union-attr]
+            return False
+        host = slot[:n * lay.nbytes].view(lay.torch_dtype).view(n, *lay.shape)
         try:
             moved = device.gather_blocks(self._caches, [s.block_id for s in saves], host, bufs)
         except BaseException:
-            self._save_staging.release(slot)  # gather_blocks raises only once nothing writes the slot
+            self._save_slots.give(slot)  # type: ignore[union-attr]  # raises only once nothing writes it
             raise
         done: "Future[None]" = Future()
         for s in saves:
@@ -429,23 +538,28 @@ class WorkerJournal:
 
     def _write_round(self, slot: torch.Tensor, host: torch.Tensor, moved: device.Transfer, saves: List[Save],
                      done: "Future[None]") -> None:
-        """On kvj's thread: wait for the round's copy, hand each block to the flusher."""
+        """On kvj's thread: wait for the round's copy, hand the blocks to the flusher where they
+        are (one pack); the staging slot is free again once the flusher is done with them."""
+        pool = self._save_slots
+        assert pool is not None
         landed = False
         try:
             moved.wait()
             landed = True
             layouts = [self.layout.segment_layout(save.token_ids, save.chain) for save in saves]
             # one pack: one fdatasync makes the step's blocks durable together, each its own segment
-            futures = [self._flusher.submit_many([host[i] for i in range(len(saves))], layouts,
-                                                 lambda infos: self._saved_many(saves, infos))]
+            written = self._flusher.submit_many(host, layouts, lambda infos: self._saved_many(saves, infos))
         except BaseException as exc:
+            pool.give(slot, reuse=landed)
             self._fail(exc)
             done.set_exception(exc)
             return
-        finally:
-            self._save_staging.release(slot, reuse=landed)
         self.stats["blocks_saved"] += len(saves)
-        when_all(futures).add_done_callback(lambda f: _settle(done, f))
+
+        def written_out(f: "Future[Any]") -> None:
+            pool.give(slot)
+            _settle(done, f)
+        written.add_done_callback(written_out)
 
     def _reference(self, save: Save, known: SegmentInfo) -> None:
         """On kvj's thread: claim ``known``'s segment (a use: compaction now keeps it through its
@@ -479,6 +593,7 @@ class WorkerJournal:
     def _finish(self, fin: Finish) -> None:
         """END once the request's segments are recorded; its blocks may go back to vLLM now."""
         self._sent.add(fin.vllm_id)
+        self._gaps.pop(fin.jid, None)
         pending = self._pending.pop(fin.jid, [])
         if self._failed is not None:
             return
@@ -518,32 +633,51 @@ class WorkerJournal:
         return self._failed
 
     def counters(self) -> Dict[str, int]:
-        """What this worker did so far: steps, blocks saved, referenced, skipped, loaded and failed,
-        bytes raw and stored, tokens journaled, gather rounds, fsyncs (store and journal)."""
+        """What this worker did so far: steps, blocks saved, referenced, skipped (not journaled:
+        kvj was behind) and the steps that skipped some, blocks loaded and failed, bytes raw and
+        stored, tokens journaled, gather rounds, fsyncs (store and journal)."""
         return {**self.stats, "fsyncs": self.fs.fsyncs}
 
     # ------------------------------------------------------------------ loads
 
     def start_loads(self, plan: StepPlan) -> None:
-        """Queue the plan's loads; their reads start as pinned staging allows."""
-        self._queued_loads.extend(plan.loads)
-        self._start_queued()
+        """Queue the plan's loads, in chunks of a ring slot's blocks; their reads start as
+        staging slots are free (never waiting for one)."""
+        for load in plan.loads:
+            n, per = len(load.blocks), self._per_round
+            ld = _Loading(load, [_Chunk(i, min(n, i + per)) for i in range(0, n, per)])
+            if self._load_slots is None:  # no staging: vLLM computes them all
+                self._fail_load(ld, 0, None)
+            self._loading.append(ld)
+        self._start_reads()
 
-    def _start_queued(self) -> None:
-        pool, lay = self._load_staging, self.layout
-        while self._queued_loads:
-            load = self._queued_loads[0]
-            nbytes = len(load.blocks) * lay.nbytes
-            if pool.in_use and pool.in_use + StagingPool._size_class(nbytes) > pool.capacity:
-                return  # started once earlier loads give their staging back
-            self._queued_loads.popleft()
-            buf = pool.acquire(nbytes, pinned=self._on_device)
-            host = buf[:nbytes].view(lay.torch_dtype).view(len(load.blocks), *lay.shape)
-            reads = [self._loader.submit(self._read_block, chain, buf[i * lay.nbytes:(i + 1) * lay.nbytes])
-                     for i, (_, chain) in enumerate(load.blocks)]
-            self._loading.append(_Loading(load, buf, host, reads))
+    def _start_reads(self) -> None:
+        """Start the reads of queued chunks, in arrival order, while staging slots are free."""
+        pool, lay = self._load_slots, self.layout
+        for ld in self._loading:
+            for ch in ld.chunks:
+                if ch.state != QUEUED or ld.failed is not None:
+                    continue
+                slot = pool.take() if pool is not None else None
+                if slot is None:
+                    return  # started once earlier chunks give their slots back
+                ch.slot, ch.state = slot, READING
+                read = self._read_block if self._on_device else self._read_into_cache
+                ch.reads = [self._loader.submit(read, chain, slot[k * lay.nbytes:(k + 1) * lay.nbytes], block_id)
+                            for k, (block_id, chain) in enumerate(ld.load.blocks[ch.start:ch.end])]
 
-    def _read_block(self, chain: str, out: torch.Tensor) -> SegmentInfo:
+    def _read_into_cache(self, chain: str, out: torch.Tensor, block_id: int) -> SegmentInfo:
+        """On a loader thread, for caches on the CPU: ``_read_block``, then the block into its
+        slot of every layer, here (vLLM touches none of a loading request's blocks before the
+        load is reported finished; a block after a failed one is written but reported an error,
+        and computed again)."""
+        info = self._read_block(chain, out)
+        block = out.view(self.layout.torch_dtype).view(self.layout.shape)
+        for layer, cache in enumerate(self._caches):
+            cache[block_id].copy_(block[layer])
+        return info
+
+    def _read_block(self, chain: str, out: torch.Tensor, block_id: int = -1) -> SegmentInfo:
         """On a loader thread: read, verify (chunk CRCs, digest, layout) and decode one block into ``out``."""
         with self._lock:
             entry = self._durable.get(chain)
@@ -566,60 +700,104 @@ class WorkerJournal:
 
     def poll(self) -> Tuple[Set[str], Set[str]]:
         """Finished sends (blocks vLLM may free) and finished loads, for vLLM's ``get_finished``:
-        a load is finished once its copy into the cache is done (polled, never waited for)."""
+        a load is finished once the copies of all its chunks into the cache are done (polled,
+        never waited for)."""
         recving: Set[str] = set()
         still: List[_Loading] = []
         for ld in self._loading:
-            if not ld.copying:
-                if not all(f.done() for f in ld.reads):
-                    still.append(ld)
-                    continue
-                self._copy_in(ld)
-            if not all(t.done() for t in ld.copies):  # once it is, later work on any stream sees the blocks
+            if not self._advance(ld):
                 still.append(ld)
                 continue
-            self._load_staging.release(ld.buf)
             recving.add(ld.load.vllm_id)
+            good = len(ld.load.blocks) if ld.failed is None else ld.failed
             with self._lock:
                 by_rank = self._news.loaded.setdefault(ld.load.vllm_id, {})
-                by_rank[self.layout.rank] = by_rank.get(self.layout.rank, 0) + ld.good * self.layout.block_size
+                by_rank[self.layout.rank] = by_rank.get(self.layout.rank, 0) + good * self.layout.block_size
         self._loading = still
-        self._start_queued()
+        self._start_reads()
         sending, self._sent = self._sent, set()
         return sending, recving
 
-    def _copy_in(self, ld: _Loading) -> None:
-        """The request's good prefix into its blocks; the first failed block and all after it are errors."""
-        ld.copying = True
-        failed = False
-        for (block_id, chain), read in zip(ld.load.blocks, ld.reads):
+    def _advance(self, ld: _Loading) -> bool:
+        """Move ``ld``'s chunks on as far as they go without waiting; True once all are done.
+        Chunks are checked in order (the first failed block ends what is loaded); any chunk
+        read and checked is copied in as soon as a ring slot is free."""
+        in_order = True  # every earlier chunk has been checked
+        for ch in ld.chunks:
+            if ch.state == READING and all(f.done() for f in ch.reads):
+                if ld.failed is not None:  # after a failed block: read, but not used
+                    self._forget_lost(ld, ch)
+                    self._give_chunk(ch)
+                elif in_order:
+                    self._check_chunk(ld, ch)
+            if ch.state == READ:
+                if ld.failed is not None:
+                    ch.good = max(0, min(ch.good, ld.failed - ch.start))
+                bufs = self._take_ring() if ch.good and self._on_device else None
+                if bufs is False:  # no room on the device: vLLM computes this chunk and the rest
+                    self._fail_load(ld, ch.start, None)
+                    ch.good = 0
+                if not ch.good:
+                    self._give_chunk(ch)
+                elif not self._on_device:  # the loader threads put the blocks in already
+                    self.stats["blocks_loaded"] += ch.good
+                    self._give_chunk(ch)
+                elif bufs:
+                    ids = [b for b, _ in ld.load.blocks[ch.start:ch.start + ch.good]]
+                    host = ch.slot[:ch.good * self.layout.nbytes].view(self.layout.torch_dtype)  # type: ignore[index]
+                    ch.copy = device.scatter_blocks(self._caches, ids, host.view(ch.good, *self.layout.shape), bufs)
+                    ch.state = COPYING
+                    self.stats["blocks_loaded"] += ch.good
+            if ch.state == COPYING and ch.copy is not None and ch.copy.done():  # later work on any stream sees it
+                self._give_chunk(ch)
+            in_order = in_order and ch.state not in (QUEUED, READING)
+        return all(ch.state == DONE for ch in ld.chunks)
+
+    def _check_chunk(self, ld: _Loading, ch: _Chunk) -> None:
+        """A chunk's reads are done: its blocks up to the load's first failed one are to be copied."""
+        for k, read in enumerate(ch.reads):
             exc = read.exception()
-            if not failed and exc is None:
-                info = read.result()
-                with self._lock:
-                    if "store" not in self._durable.get(chain, {}):  # a source's block is saved here anew
-                        self._known[(chain, int(info.layout["token_ids"][-1]))] = info
-                ld.good += 1
-                continue
-            if not failed:
+            if exc is not None:
+                chain = ld.load.blocks[ch.start + k][1]
                 log.warning("kvj: block %s not loaded (%s); vLLM recomputes it and what follows", chain[:16], exc)
-                failed = True
-            if exc is not None:  # a later block that read fine is only not used this time
+                self._fail_load(ld, ch.start + k, ch)
+                break
+            chain = ld.load.blocks[ch.start + k][1]
+            info = read.result()
+            with self._lock:
+                if "store" not in self._durable.get(chain, {}):  # a source's block is saved here anew
+                    self._known[(chain, int(info.layout["token_ids"][-1]))] = info
+            ch.good = k + 1
+        ch.state = READ
+
+    def _fail_load(self, ld: _Loading, first: int, ch: Optional[_Chunk]) -> None:
+        """Block ``first`` of the load and all after it are not loaded: load errors (vLLM
+        recomputes them); chunks not started never are. ``ch``: the chunk whose read failed."""
+        ld.failed = first
+        ids = [b for b, _ in ld.load.blocks[first:]]
+        self._load_errors.update(ids)
+        self.stats["blocks_failed"] += len(ids)
+        if ch is not None:
+            self._forget_lost(ld, ch)
+        for other in ld.chunks:
+            if other.state == QUEUED:
+                other.state = DONE
+
+    def _forget_lost(self, ld: _Loading, ch: _Chunk) -> None:
+        """The blocks of ``ch`` whose read failed are no longer durable here (news: lost)."""
+        for k, read in enumerate(ch.reads):
+            if read.done() and read.exception() is not None:
+                chain = ld.load.blocks[ch.start + k][1]
                 with self._lock:
                     self._durable.pop(chain, None)
-                    self._news.lost.append(chain)
-            self._load_errors.add(block_id)
-            self.stats["blocks_failed"] += 1
-        ids = [b for b, _ in ld.load.blocks]
-        for i in range(0, ld.good, self._per_round):
-            bufs = self._buffers()
-            if bufs is None:  # no staging on the device: vLLM computes the rest
-                self._load_errors.update(ids[i:])
-                ld.good = i
-                break
-            j = min(ld.good, i + self._per_round)
-            ld.copies.append(device.scatter_blocks(self._caches, ids[i:j], ld.host[i:j], bufs))
-        self.stats["blocks_loaded"] += ld.good
+                    if chain not in self._news.lost:
+                        self._news.lost.append(chain)
+
+    def _give_chunk(self, ch: _Chunk) -> None:
+        """``ch`` is done: nothing reads or writes its slot any more."""
+        if ch.slot is not None and self._load_slots is not None:
+            self._load_slots.give(ch.slot)
+        ch.slot, ch.state = None, DONE
 
     def load_errors(self) -> Set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -697,6 +875,7 @@ class WorkerJournal:
             self.drain()
         finally:
             self._stop.set()
+            self._reporter.join()
             if self._budget is not None:
                 self._budget.join()
             self._writer.shutdown(wait=True)
@@ -710,6 +889,7 @@ class WorkerJournal:
                 self.journal.store.close()
                 for ro in self._sources:
                     ro.close()
+                self._report()
 
 
 def spare_cpus() -> Set[int]:
