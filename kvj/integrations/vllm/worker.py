@@ -72,7 +72,7 @@ from kvj.journal.journal import default_store_path
 from kvj.ops.status import CONNECTOR_STATS
 from kvj.segments import device
 from kvj.segments import tensors as seg
-from kvj.segments import kvblock
+from kvj.segments import kvblock, segfile
 from kvj.segments.flusher import Flusher
 from kvj.segments.kvblock import KVBlockLayout
 from kvj.segments.staging import SlotPool
@@ -673,8 +673,7 @@ class WorkerJournal:
         and computed again)."""
         info = self._read_block(chain, out)
         block = out.view(self.layout.torch_dtype).view(self.layout.shape)
-        for layer, cache in enumerate(self._caches):
-            cache[block_id].copy_(block[layer])
+        torch._foreach_copy_([cache[block_id] for cache in self._caches], list(block.unbind(0)))  # one dispatch
         return info
 
     def _read_block(self, chain: str, out: torch.Tensor, block_id: int = -1) -> SegmentInfo:
@@ -686,16 +685,14 @@ class WorkerJournal:
         key, layout = entry["key"], entry["layout"]
         self.layout.check(layout, f"segment {key}")
         store = entry.get("store") or self.journal.store  # another engine's, read-only: never touched
-        name = store.backend.describe(key)
-        with store.counted_load(key):
-            header, _ = seg.decode_into(store.read_stored(key), out, name=name, max_raw=store.max_segment_bytes)
+        with store.counted_load(key), store.backend.open(key) as src:  # read by chunk straight into ``out``
+            header = segfile.read_header(src)
             if header.digest.hex() != key:
-                raise SegmentCorrupt(name, None, "segment digest does not match the key")
+                raise SegmentCorrupt(src.name, None, "header digest does not match the key")
             if header.layout != layout or tuple(header.shape) != self.layout.shape or header.dtype != self.layout.dtype:
-                raise LayoutMismatch(f"segment {name} holds {header.dtype} {header.shape} {header.layout}, "
+                raise LayoutMismatch(f"segment {src.name} holds {header.dtype} {header.shape} {header.layout}, "
                                      f"the journal says {self.layout.shape} {layout}")
-        if store is self.journal.store:
-            store.backend.touch(key)  # claimed: collection keeps it while requests name it again
+            seg.decode_into(src, out, name=src.name, max_raw=store.max_segment_bytes, header=header)
         return SegmentInfo.from_header(header)
 
     def poll(self) -> Tuple[Set[str], Set[str]]:
