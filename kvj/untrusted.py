@@ -1,12 +1,6 @@
-"""Reading and showing what kvj does not control: JSON documents found on disk or in a
-replica (``kvj.conf``, ``manifest.json``, ``lock.json``) and text taken from them.
-
-``read_json`` reads such a file through ``kvj.fileio.read_bounded`` (no symlink, FIFO or
-device; its size checked before reading) and parses it with ``load_json``, which bounds what
-such a document can cost or smuggle in: its size, its nesting, numbers that are not finite or
-do not fit 64 bits. ``printable`` escapes text before it
-reaches a terminal, so a hostile name cannot move the cursor or recolour the screen.
-"""
+"""Reading and showing what kvj does not control: JSON documents found on disk or in a replica
+(``kvj.conf``, ``manifest.json``, ``lock.json``), bounded in size, nesting and numbers, and
+text from them escaped before it reaches a terminal."""
 
 from __future__ import annotations
 
@@ -43,7 +37,7 @@ def _int(text: str) -> int:
 
 
 def _depth(doc: Any, limit: int) -> int:
-    """How deeply ``doc`` nests (iterative: the check itself cannot overflow the stack)."""
+    """How deeply ``doc`` nests, iteratively (the check itself cannot overflow the stack)."""
     deepest, stack = 0, [(doc, 1)]
     while stack:
         node, depth = stack.pop()
@@ -56,9 +50,9 @@ def _depth(doc: Any, limit: int) -> int:
 
 
 def load_json(data: Union[bytes, str], what: str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse the JSON document ``what`` (named in errors); ``FormatError`` for anything that is
-    not one within the bounds: over ``max_bytes``, not UTF-8, not JSON, nested deeper than
-    ``max_depth``, NaN or Infinity, a float that overflows or an integer beyond 64 bits."""
+    """Parse the JSON document ``what`` (named in errors); ``FormatError`` when it is over
+    ``max_bytes``, not UTF-8 JSON, nested deeper than ``max_depth``, or holds NaN, Infinity,
+    an overflowing float or an integer beyond 64 bits."""
     if len(data) > max_bytes:
         raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} it may be")
     try:
@@ -76,15 +70,13 @@ def load_json(data: Union[bytes, str], what: str, *, max_bytes: int, max_depth: 
 
 
 def read_json(path: PathLike, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
-    """The JSON document in the small file ``path``, read by ``read_bounded`` and parsed by
-    ``load_json``: ``UnsafePath`` for a symlink, FIFO or device, ``FormatError`` for anything
-    over the bounds or not JSON, ``FileNotFoundError`` when there is none."""
+    """The JSON document in the small file ``path`` (``read_bounded``, then ``load_json``)."""
     return load_json(read_bounded(path, max_bytes), os.fspath(path), max_bytes=max_bytes, max_depth=max_depth)
 
 
 def printable(text: object, limit: int = 200) -> str:
-    """``text`` safe for a terminal and one line: control and other unprintable characters
-    escaped as Python writes them, at most ``limit`` characters (then ``...``)."""
+    """``text`` safe for a terminal on one line: unprintable characters escaped as Python
+    writes them, at most ``limit`` characters (then ``...``)."""
     text = str(text)
     shown = text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return shown if len(shown) <= limit else shown[:limit] + "..."
