@@ -74,6 +74,28 @@ def read_json(path: PathLike, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> 
     return load_json(read_bounded(path, max_bytes), os.fspath(path), max_bytes=max_bytes, max_depth=max_depth)
 
 
+_KINDS = {int: "an integer", float: "a time", str: "a string", bool: "true or false", list: "a list",
+          dict: "an object"}
+
+
+def json_field(doc: Any, key: Any, kind: type, what: str = "", hi: int = MAX_INT) -> Any:
+    """``doc[key]`` of a parsed untrusted document, ``FormatError`` unless it is ``kind``: an
+    ``int`` in 0..``hi`` (never a bool), a ``float`` (any finite number, as a float), a ``str``,
+    ``bool``, ``list`` or ``dict``. ``what`` names it in the error (default: ``key``)."""
+    value = doc[key]
+    if kind is int:
+        ok = type(value) is int and 0 <= value <= hi
+    elif kind is float:
+        ok = type(value) in (int, float) and math.isfinite(value)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = f"an integer in 0..{hi}" if kind is int else _KINDS[kind]
+        raise FormatError(f"{what or key} {printable(value, 40)} is not {expected}")
+    return value
+
+
 def printable(text: object, limit: int = 200) -> str:
     """``text`` safe for a terminal on one line: unprintable characters escaped as Python
     writes them, at most ``limit`` characters (then ``...``)."""
