@@ -23,15 +23,7 @@ from kvj.segments.load import load as load_segment
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal
-    from kvj.segments.store import SegmentStore
 
-def layout_of_config(config: Any, *, model: str, block_size: int, dtype: torch.dtype) -> KVBlockLayout:
-    """The block layout for a transformers config (``num_key_value_heads``, ``head_dim``...)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return KVBlockLayout(model, str(dtype).replace("torch.", ""), config.num_hidden_layers, kv_heads, head_dim,
-                         block_size)
 
 
 def prompt_hash(prompt: Sequence[int]) -> str:
@@ -131,15 +123,6 @@ class BlockJournal:
         self._requests: Dict[str, _Progress] = {}
         self._staging: Any = None
 
-    @property
-    def store(self) -> "SegmentStore":
-        return self.journal.store
-
-    @property
-    def layout_bytes(self) -> int:
-        """Bytes of one block."""
-        return self.layout.nbytes
-
     def start(self, request_id: str, prompt: Sequence[int], max_new_tokens: int,
               meta: Optional[Mapping[str, Any]] = None) -> None:
         """Journal a new request: its prompt token ids and how many tokens it will generate."""
@@ -185,11 +168,11 @@ class BlockJournal:
         device = torch.device(device)
         if device.type == "cuda" and self._staging is None:  # reused pinned buffers for host-to-device copies
             from kvj.segments.staging import StagingPool
-            self._staging = StagingPool(4 * self.layout_bytes, pinned=True)
+            self._staging = StagingPool(4 * self.layout.nbytes, pinned=True)
         blocks: List[torch.Tensor] = []
         for b, key in enumerate(point.keys):
             try:
-                block = load_segment(self.store, key, device, expect_layout=point.layouts[b], staging=self._staging)
+                block = load_segment(self.journal.store, key, device, expect_layout=point.layouts[b], staging=self._staging)
             except (SegmentMissing, SegmentCorrupt) as exc:
                 _cut(point, b, self.layout.block_size, f"segment {b} unreadable ({exc}); resuming before it")
                 break

@@ -86,14 +86,6 @@ def decode_metadata(data: bytes) -> Metadata:
         raise FormatError(f"bad DCP metadata: {exc}") from None
 
 
-def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
-    """The part of stored shard ``t`` a load request wants."""
-    for dim, (off, n) in enumerate(zip(offsets, lengths)):
-        if off != 0 or n != t.size(dim):
-            t = t.narrow(dim, off, n)
-    return t
-
-
 def plain_value(raw: bytes, fqn: str) -> Any:
     """The value a ``BYTE_IO`` item's bytes hold, read with ``torch.load(weights_only=True)``:
     plain data and tensors; anything that needs pickle's full unpickler is refused."""
@@ -207,8 +199,7 @@ class JournalReader(_JournalPath, StorageReader):
             raise FormatError(f"no DCP checkpoint committed in {self.path}")
         self.step = ckpt["step"]
         with SegmentStore(default_store_path(self.path)) as store:
-            md = decode_metadata(store.get(ckpt["keys"][METADATA]).numpy().tobytes())
-        return md
+            return decode_metadata(store.get(ckpt["keys"][METADATA]).numpy().tobytes())
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._storage = metadata.storage_data
@@ -235,7 +226,8 @@ class JournalReader(_JournalPath, StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 # Onto a GPU through kvj's upload, which the current stream waits for.
                 where = cuda.CUDA.device_of(target) if cuda.CUDA.is_device_tensor(target) else target.device
-                tensor = _narrow(load(store, key, where), req.storage_offsets, req.lengths)
+                wanted = tuple(slice(off, off + n) for off, n in zip(req.storage_offsets, req.lengths))
+                tensor = load(store, key, where)[wanted]  # the part of the stored shard asked for
                 if target.size() != tensor.size():
                     raise FormatError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
                                       f"wanted {tuple(target.size())}")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvj.errors import FormatError
-from kvj.integrations.blocks import BlockJournal, ResumePoint, layout_of_config
+from kvj.integrations.blocks import BlockJournal, ResumePoint
 from kvj.segments.kvblock import KVBlockLayout
 
 if TYPE_CHECKING:
@@ -26,8 +26,12 @@ if TYPE_CHECKING:
 def layout_for(model: "PreTrainedModel", block_size: int = 16, model_id: Optional[str] = None) -> KVBlockLayout:
     """The block layout of ``model``'s KV cache; ``model_id`` names the weights (default: the
     config's ``name_or_path``), and segments of another name are refused on load."""
-    name = model_id or getattr(model.config, "name_or_path", "") or model.config.model_type
-    return layout_of_config(model.config, model=name, block_size=block_size, dtype=model.dtype)
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVBlockLayout(model_id or getattr(config, "name_or_path", "") or config.model_type,
+                         str(model.dtype).replace("torch.", ""), config.num_hidden_layers, kv_heads, head_dim, block_size)
 
 
 def _layer_kv(cache: "DynamicCache", layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
