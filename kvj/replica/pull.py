@@ -207,17 +207,13 @@ def fetch_segments(remote: Remote, sizes: Dict[str, int], store: Any, threads: i
     return total
 
 
-def _check_target(target: str) -> None:
-    """Refuse, before anything is made, a target that is a symbolic link or no directory."""
+def _make_target(target: str) -> bool:
+    """Create ``target`` (and its parents) durably, refusing a symbolic link or a file there;
+    True when this call made it (a failure removes only a directory it made)."""
     if os.path.islink(target):
         raise UnsafePath(f"{target} is a symbolic link: restore into the directory it points to")
     if os.path.lexists(target) and not os.path.isdir(target):
         raise InvalidArgument(f"{target} exists and is not a directory: restore into a new or empty directory")
-
-
-def _make_target(target: str) -> bool:
-    """Create ``target`` (and its parents) durably; True when this call made it (a failure
-    removes only a directory it made)."""
     makedirs_durable(os.path.dirname(target))
     try:
         REAL_FS.mkdir(target)
@@ -334,7 +330,6 @@ def restore(remote: Remote, journal: str, *, store: Optional[str] = None, at_lsn
 
     t0 = time.perf_counter()
     target = os.path.abspath(journal)
-    _check_target(target)
     created = _make_target(target)
     staging = os.path.join(target, STAGING)
     moved: List[str] = []
