@@ -1,5 +1,4 @@
-"""Exceptions kvj raises. Every user-facing failure is one of these, so the CLI can map
-each to one line on stderr and a documented exit code."""
+"""Exceptions kvj raises on purpose: the CLI maps each to one line on stderr and an exit code."""
 
 from __future__ import annotations
 
@@ -11,25 +10,20 @@ class KvjError(Exception):
 
 
 class InvalidArgument(KvjError, ValueError):
-    """A caller passed an argument kvj cannot use (a bad device, an inconsistent option);
-    nothing was written. A ``ValueError`` too, for callers that catch that."""
+    """An argument kvj cannot use (a bad device, inconsistent options); nothing was written."""
 
 
 class CacheFull(KvjError, MemoryError):
-    """A paged KV cache has no free block left for a request: free or evict one first.
-    A ``MemoryError`` too, for callers that catch that."""
+    """A paged KV cache has no free block left for a request: free or evict one first."""
 
 
 class DeviceOutOfMemory(KvjError, MemoryError):
-    """A device (or its pinned host memory) has no room for the staging buffers kvj asked for:
-    nothing was allocated. A ``MemoryError`` too, for callers that catch that."""
+    """A device (or its pinned host memory) has no room for kvj's staging buffers."""
 
 
 class UnsafePath(KvjError):
-    """A path kvj would read or write is a symbolic link, a FIFO, a device, a file with other
-    hard links, or a directory whose owner kvj should not trust: refused, nothing done.
-    (Planted in a directory another user can write, such a path could turn a privileged kvj
-    against its machine.)"""
+    """A symlink, FIFO, device, hard-linked file or untrusted directory where kvj would read or
+    write: refused, since one planted there could turn a privileged kvj against its machine."""
 
 
 class NotFound(KvjError):
@@ -41,8 +35,7 @@ class FormatError(KvjError):
 
 
 class LegacyJournal(FormatError):
-    """A seed-era JSON-lines journal where a kvj journal is expected: kvj reads that format only
-    to migrate it (``kvj migrate SEED -j NEWDIR``); nothing was changed."""
+    """A seed-era JSON-lines journal: kvj reads it only to migrate it (``kvj migrate``)."""
 
 
 class CorruptionError(KvjError):

@@ -1,18 +1,11 @@
 """The one door through which kvj touches the disk.
 
-Every write, fsync, rename, create and unlink the engine performs goes through an
-``FS`` object, so tests can swap in a recording or fault-injecting implementation
-(see ``tests/crashfs.py``) and construct the crash states a real disk allows.
-Reads go through ``open_regular`` (or ``open_read``), not through the FS: a crash state is
-materialised as real files. A small file kvj reads whole (a control or metadata file: ``kvj.conf``,
-``handoff.json``, ``ranks.json``, ``SALVAGE.json``, a manifest) is read by ``read_bounded``: its
-size is checked before a byte is read.
-
-Every file kvj opens, to read or to write, is opened with ``O_NOFOLLOW`` and must be a
-regular file (``open_regular``): a symlink, FIFO, device or socket planted in a journal
-or store directory is refused (``UnsafePath``), and so is a file with other hard links
-that kvj would write to. A directory kvj creates or writes into is never a symlink
-(``makedirs_durable``).
+Every write, fsync, rename, create and unlink goes through an ``FS`` object, so tests can swap
+in a recording or fault-injecting one (``tests/support/crashfs.py``) and build the crash states
+a real disk allows. Reads go through ``open_regular``; a small file read whole goes through
+``read_bounded``, its size checked first. Every file is opened with ``O_NOFOLLOW`` and must be
+a regular file: a symlink, FIFO, device or socket planted in a journal or store is refused
+(``UnsafePath``), and so is a file with other hard links that kvj would write to.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import errno
 import fcntl
 import os
 import stat
-from typing import BinaryIO, List, Union
+from typing import BinaryIO, Callable, List, Union
 
 from kvj.errors import FormatError, UnsafePath
 
@@ -29,7 +22,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: Bytes kvj writes or reads without copying them first.
 Buffer = Union[bytes, bytearray, memoryview]
 
-#: Files kvj creates are owner-only unless the caller asks otherwise.
+#: Files and directories kvj creates are owner-only unless the caller asks otherwise.
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
 
@@ -39,9 +32,9 @@ class DurabilityError(OSError):
 
 
 def open_regular(path: PathLike, flags: int = os.O_RDONLY, mode: int = DEFAULT_FILE_MODE) -> int:
-    """Open a file kvj keeps: never through a symlink (``O_NOFOLLOW``), never a FIFO, device
-    or socket (opened non-blocking, so a FIFO cannot hang the open, then checked), and to
-    write never a file with other hard links. Anything else is ``UnsafePath``."""
+    """Open a file kvj keeps: never through a symlink, never a FIFO, device or socket (opened
+    non-blocking so a FIFO cannot hang, then checked), to write never a file with other hard
+    links; ``UnsafePath`` else."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:
@@ -71,15 +64,37 @@ def open_read(path: PathLike) -> BinaryIO:
 
 
 def read_bounded(path: PathLike, max_bytes: int) -> bytes:
-    """The whole of the small file ``path``, opened as ``open_regular`` opens (a symlink, FIFO or
-    device is ``UnsafePath``, a FIFO never blocks); over ``max_bytes`` (a planted huge or sparse
-    file) is ``FormatError``, refused by its size before anything is read."""
+    """The whole of the small file ``path`` (opened by ``open_regular``); one over ``max_bytes``
+    (a planted huge or sparse file) is ``FormatError``, refused by its size before reading."""
     with open_read(path) as f:
         size = os.fstat(f.fileno()).st_size
         data = f.read(max_bytes + 1) if size <= max_bytes else b""
     if size > max_bytes or len(data) > max_bytes:
         raise FormatError(f"{os.fspath(path)} is {max(size, len(data))} bytes, more than the {max_bytes} it may be")
     return data
+
+
+def _on_fd(fd: int, call: Callable[..., object], *args: object) -> None:
+    """``call(*args)``; its ``OSError`` names the file ``fd`` is open on (the OS names none for a
+    write or fsync), so that "Input/output error" says where."""
+    try:
+        call(*args)
+    except OSError as exc:
+        if exc.filename is None:
+            try:
+                exc.filename = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # no /proc (macOS), or the descriptor is gone
+                pass
+        raise
+
+
+def _write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:  # pragma: no cover - os.write raises instead on real errors
+            raise OSError(errno.EIO, "short write")
+        view = view[n:]
 
 
 class FS:
@@ -90,16 +105,7 @@ class FS:
 
     def write(self, fd: int, data: Buffer) -> None:
         """Write all of ``data`` at the current offset (loops over short writes)."""
-        view = memoryview(data).cast("B")
-        try:
-            while view:
-                n = os.write(fd, view)
-                if n <= 0:  # pragma: no cover - os.write raises instead on real errors
-                    raise OSError(errno.EIO, "short write")
-                view = view[n:]
-        except OSError as exc:
-            name_fd(exc, fd)
-            raise
+        _on_fd(fd, _write_all, fd, data)
 
     def writev(self, fd: int, parts: "list[Buffer]") -> None:
         """Write several buffers in order without joining them (one ``write`` each)."""
@@ -107,28 +113,13 @@ class FS:
             self.write(fd, part)
 
     def fsync(self, fd: int) -> None:
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            name_fd(exc, fd)
-            raise
+        _on_fd(fd, os.fsync, fd)
 
     def fdatasync(self, fd: int) -> None:
-        try:
-            if hasattr(os, "fdatasync"):
-                os.fdatasync(fd)
-            else:  # pragma: no cover - macOS
-                os.fsync(fd)
-        except OSError as exc:
-            name_fd(exc, fd)
-            raise
+        _on_fd(fd, getattr(os, "fdatasync", os.fsync), fd)  # macOS has no fdatasync
 
     def ftruncate(self, fd: int, length: int) -> None:
-        try:
-            os.ftruncate(fd, length)
-        except OSError as exc:
-            name_fd(exc, fd)
-            raise
+        _on_fd(fd, os.ftruncate, fd, length)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -158,86 +149,44 @@ class FS:
 REAL_FS = FS()
 
 
-def name_fd(exc: OSError, fd: int) -> None:
-    """Name in ``exc``, the error of a call on ``fd`` alone (write, fsync: the OS names no
-    file), the file ``fd`` is open on, so that "Input/output error" says where."""
-    if exc.filename is None:
-        try:
-            exc.filename = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # no /proc (macOS), or the descriptor is gone: the message stays as it was
-            pass
+def _refusing(what: str, names_path: bool = False) -> Callable[..., None]:
+    """A ``ReadOnlyFS`` method: ``EROFS`` for the change ``what`` (naming its path, if it has one)."""
+    def refuse(self: FS, *args: object) -> None:
+        raise OSError(errno.EROFS, f"a read-only command must not {what}", args[0] if names_path else None)
+    return refuse
 
 
 class ReadOnlyFS(FS):
-    """Refuses every change (``EROFS``): what a read-only command works through, so that a
-    write it must never make fails loudly instead of happening."""
+    """Refuses every change (``EROFS``): a read-only command's FS, so a write it must never make
+    fails loudly instead of happening."""
 
     _WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
-    def _refuse(self, what: str, path: object = None) -> OSError:
-        return OSError(errno.EROFS, f"a read-only command must not {what}", path)
-
     def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
         if flags & self._WRITING:
-            raise self._refuse("open a file for writing", path)
+            raise OSError(errno.EROFS, "a read-only command must not open a file for writing", path)
         return super().open(path, flags, mode)
 
-    def write(self, fd: int, data: Buffer) -> None:
-        raise self._refuse("write")
-
-    def writev(self, fd: int, parts: "list[Buffer]") -> None:
-        raise self._refuse("write")
-
-    def fsync(self, fd: int) -> None:
-        raise self._refuse("fsync")
-
-    def fdatasync(self, fd: int) -> None:
-        raise self._refuse("fsync")
-
-    def ftruncate(self, fd: int, length: int) -> None:
-        raise self._refuse("truncate")
-
-    def rename(self, src: PathLike, dst: PathLike) -> None:
-        raise self._refuse("rename", src)
-
-    def unlink(self, path: PathLike) -> None:
-        raise self._refuse("remove", path)
-
-    def mkdir(self, path: PathLike, mode: int = DEFAULT_DIR_MODE) -> None:
-        raise self._refuse("make a directory", path)
-
-    def fsync_dir(self, path: PathLike) -> None:
-        raise self._refuse("fsync", path)
+    write = writev = _refusing("write")
+    fsync = fdatasync = _refusing("fsync")
+    ftruncate = _refusing("truncate")
+    rename = _refusing("rename", names_path=True)
+    unlink = _refusing("remove", names_path=True)
+    mkdir = _refusing("make a directory", names_path=True)
+    fsync_dir = _refusing("fsync", names_path=True)
 
 
 READ_ONLY_FS = ReadOnlyFS()
 
 
 def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_MODE) -> None:
-    """Create ``path`` and any missing parents, fsyncing each new entry's parent.
-
-    ``path`` itself must not be a symlink (``UnsafePath``): kvj writes into the directories
-    it makes (``torn/``, ``recovery/``, a store's folders), never through a link to another
-    place. Parents that exist are taken as they are (a journal may live behind a symlink
-    its owner made).
-    """
+    """Create ``path`` and any missing parents, fsyncing each new entry's parent. ``path`` itself
+    must not be a symlink (``UnsafePath``): kvj writes only into directories it made; parents are
+    taken as they are (a journal may live behind its owner's symlink)."""
     path = os.path.abspath(os.fspath(path))
     if os.path.islink(path):
         raise UnsafePath(f"{path} is a symbolic link: refused (kvj writes only into directories it made)")
     _makedirs(path, fs, mode)
-
-
-def list_dir(path: PathLike) -> List[str]:
-    """The names in directory ``path`` ([] when it does not exist). A symlink where kvj keeps
-    its own folder (``torn/``, ``recovery/``, ``quarantine/``) is ``UnsafePath``: what kvj
-    lists there it may remove, and it removes nothing through a link to another place."""
-    path = os.fspath(path)
-    if os.path.islink(path):
-        raise UnsafePath(f"{path} is a symbolic link: refused (kvj lists only directories it made)")
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
 
 
 def _makedirs(path: str, fs: FS, mode: int) -> None:
@@ -253,6 +202,18 @@ def _makedirs(path: str, fs: FS, mode: int) -> None:
             raise
         return
     fs.fsync_dir(parent)
+
+
+def list_dir(path: PathLike) -> List[str]:
+    """The names in directory ``path`` ([] when it does not exist). A symlink where kvj keeps its
+    own folder is ``UnsafePath``: what kvj lists there it may remove, never through a link."""
+    path = os.fspath(path)
+    if os.path.islink(path):
+        raise UnsafePath(f"{path} is a symbolic link: refused (kvj lists only directories it made)")
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
 
 
 def rename_durable(src: PathLike, dst: PathLike, fs: FS = REAL_FS) -> None:
@@ -274,9 +235,9 @@ def fsync_path(path: PathLike, fs: FS = REAL_FS) -> None:
         fs.close(fd)
 
 
-def discard_temp(fs: "FS", fd: int, tmp: str) -> None:
-    """Close ``fd`` and remove the temporary file ``tmp`` it was writing, after a failure:
-    best effort (what fails here changes nothing; the caller reports the first error)."""
+def discard_temp(fs: FS, fd: int, tmp: str) -> None:
+    """After a failure, close ``fd`` and remove the temporary file ``tmp`` it was writing; best
+    effort (the caller reports the first error)."""
     try:
         fs.close(fd)
     except OSError:
@@ -287,42 +248,28 @@ def discard_temp(fs: "FS", fd: int, tmp: str) -> None:
         pass
 
 
-def atomic_write(path: PathLike, data: Buffer, fs: FS = REAL_FS,
-                 mode: int = DEFAULT_FILE_MODE) -> None:
-    """Durably replace ``path`` with ``data``: temp file, fsync, rename, fsync directory.
-
-    After this returns the new content survives power loss; if it raises, ``path``
-    holds either its old content or the new one, never a mix. An ``OSError`` names
-    ``path``, never the temporary file, which is gone by the time anyone reads the message.
-    """
+def atomic_write(path: PathLike, data: Buffer, fs: FS = REAL_FS, mode: int = DEFAULT_FILE_MODE) -> None:
+    """Durably replace ``path`` with ``data`` (temp file, fsync, rename, fsync directory): after
+    a crash it holds the old content or the new, never a mix. An ``OSError`` names ``path``,
+    never the temporary file."""
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        _replace(path, tmp, data, fs, mode)
+        try:
+            fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:  # left by a crashed run with this pid, or planted: replace the name, not its target
+            fs.unlink(tmp)
+            fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            fs.write(fd, data)
+            fs.fsync(fd)
+        except BaseException:
+            discard_temp(fs, fd, tmp)
+            raise
+        fs.close(fd)
+        fs.rename(tmp, path)
+        fs.fsync_dir(os.path.dirname(os.path.abspath(path)))
     except OSError as exc:
-        if exc.filename in (None, tmp, os.path.realpath(tmp)):  # realpath: as name_fd names it
+        if exc.filename in (None, tmp, os.path.realpath(tmp)):  # realpath: as _on_fd names it
             exc.filename = path
         raise
-
-
-def _replace(path: str, tmp: str, data: Buffer, fs: FS, mode: int) -> None:
-    """``atomic_write``'s steps, through the temporary file ``tmp``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    except FileExistsError:  # left by a crashed run with this pid, or planted: replace the name, not its target
-        fs.unlink(tmp)
-        fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        fs.write(fd, data)
-        fs.fsync(fd)
-    except BaseException:
-        fs.close(fd)
-        try:
-            fs.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fs.close(fd)
-    fs.rename(tmp, path)
-    fs.fsync_dir(directory)

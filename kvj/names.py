@@ -1,8 +1,4 @@
-"""Names that become parts of paths: request ids and segment keys, validated in one place.
-
-The journal records them and the segment store files segments under them, so both check
-them here before a name touches a path (no traversal, no surprises).
-"""
+"""Request ids and segment keys, validated before they become parts of paths (no traversal)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Which journal and store directories a kvj run as root may work on.
+"""Which journal and store directories kvj run as root may work on (as git's ``safe.directory``).
 
-As git's ``safe.directory`` and logrotate do, kvj run as root refuses a directory that
-another user owns, or that a group other than root's or everyone may write: whoever can
-write it could plant links there to turn a privileged kvj against its machine. ``Journal.open``,
-``SegmentStore`` opened on a directory and every command check it (``UnsafePath``); run kvj
-as that user, or set ``KVJ_TRUST_OWNER=1`` to trust the directory anyway.
+Whoever can write a directory could plant links there to turn a privileged kvj against its
+machine, so root refuses one another user owns or a non-root group or everyone may write,
+unless ``KVJ_TRUST_OWNER=1``.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import stat
 
 from kvj.errors import UnsafePath
 
-#: Set to 1 to let kvj run as root on a journal or store directory another user owns.
 TRUST_ENV = "KVJ_TRUST_OWNER"
 
 
@@ -24,9 +21,8 @@ def trusted() -> bool:
 
 
 def check_owner(path: "str | os.PathLike[str]") -> None:
-    """As root, refuse (``UnsafePath``) directory ``path`` when another user owns it, or a group
-    other than root's or everyone may write it, unless ``KVJ_TRUST_OWNER=1``. A path that does
-    not exist yet passes: kvj makes it, as root."""
+    """As root, ``UnsafePath`` for directory ``path`` when another user owns it or a group other
+    than root's or everyone may write it. A path that does not exist yet passes (root makes it)."""
     if os.geteuid() != 0 or trusted():
         return
     path = os.fspath(path)

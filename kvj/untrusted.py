@@ -1,12 +1,6 @@
-"""Reading and showing what kvj does not control: JSON documents found on disk or in a
-replica (``kvj.conf``, ``manifest.json``, ``lock.json``) and text taken from them.
-
-``read_json`` reads such a file through ``kvj.fileio.read_bounded`` (no symlink, FIFO or
-device; its size checked before reading) and parses it with ``load_json``, which bounds what
-such a document can cost or smuggle in: its size, its nesting, numbers that are not finite or
-do not fit 64 bits. ``printable`` escapes text before it
-reaches a terminal, so a hostile name cannot move the cursor or recolour the screen.
-"""
+"""Reading and showing what kvj does not control: JSON documents found on disk or in a replica
+(``kvj.conf``, ``manifest.json``, ``lock.json``), bounded in size, nesting and numbers, and
+text from them escaped before it reaches a terminal."""
 
 from __future__ import annotations
 
@@ -43,7 +37,7 @@ def _int(text: str) -> int:
 
 
 def _depth(doc: Any, limit: int) -> int:
-    """How deeply ``doc`` nests (iterative: the check itself cannot overflow the stack)."""
+    """How deeply ``doc`` nests, iteratively (the check itself cannot overflow the stack)."""
     deepest, stack = 0, [(doc, 1)]
     while stack:
         node, depth = stack.pop()
@@ -56,9 +50,9 @@ def _depth(doc: Any, limit: int) -> int:
 
 
 def load_json(data: Union[bytes, str], what: str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse the JSON document ``what`` (named in errors); ``FormatError`` for anything that is
-    not one within the bounds: over ``max_bytes``, not UTF-8, not JSON, nested deeper than
-    ``max_depth``, NaN or Infinity, a float that overflows or an integer beyond 64 bits."""
+    """Parse the JSON document ``what`` (named in errors); ``FormatError`` when it is over
+    ``max_bytes``, not UTF-8 JSON, nested deeper than ``max_depth``, or holds NaN, Infinity,
+    an overflowing float or an integer beyond 64 bits."""
     if len(data) > max_bytes:
         raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} it may be")
     try:
@@ -76,15 +70,35 @@ def load_json(data: Union[bytes, str], what: str, *, max_bytes: int, max_depth: 
 
 
 def read_json(path: PathLike, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
-    """The JSON document in the small file ``path``, read by ``read_bounded`` and parsed by
-    ``load_json``: ``UnsafePath`` for a symlink, FIFO or device, ``FormatError`` for anything
-    over the bounds or not JSON, ``FileNotFoundError`` when there is none."""
+    """The JSON document in the small file ``path`` (``read_bounded``, then ``load_json``)."""
     return load_json(read_bounded(path, max_bytes), os.fspath(path), max_bytes=max_bytes, max_depth=max_depth)
 
 
+_KINDS = {int: "an integer", float: "a time", str: "a string", bool: "true or false", list: "a list",
+          dict: "an object"}
+
+
+def json_field(doc: Any, key: Any, kind: type, what: str = "", hi: int = MAX_INT) -> Any:
+    """``doc[key]`` of a parsed untrusted document, ``FormatError`` unless it is ``kind``: an
+    ``int`` in 0..``hi`` (never a bool), a ``float`` (any finite number, as a float), a ``str``,
+    ``bool``, ``list`` or ``dict``. ``what`` names it in the error (default: ``key``)."""
+    value = doc[key]
+    if kind is int:
+        ok = type(value) is int and 0 <= value <= hi
+    elif kind is float:
+        ok = type(value) in (int, float) and math.isfinite(value)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = f"an integer in 0..{hi}" if kind is int else _KINDS[kind]
+        raise FormatError(f"{what or key} {printable(value, 40)} is not {expected}")
+    return value
+
+
 def printable(text: object, limit: int = 200) -> str:
-    """``text`` safe for a terminal and one line: control and other unprintable characters
-    escaped as Python writes them, at most ``limit`` characters (then ``...``)."""
+    """``text`` safe for a terminal on one line: unprintable characters escaped as Python
+    writes them, at most ``limit`` characters (then ``...``)."""
     text = str(text)
     shown = text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return shown if len(shown) <= limit else shown[:limit] + "..."

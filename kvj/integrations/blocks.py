@@ -1,23 +1,10 @@
-"""Journaling a request's KV block by block: the convention the transformers integration and
-kvj's demo engines share (what a block is belongs to ``kvj.segments.kvblock``).
+"""Journaling a request's KV block by block, as the transformers integration and the demo's
+engines do (kvj-segment(5), Requests of kvj.integrations.blocks).
 
-A request's KV cache is journaled in blocks of ``block_size`` token positions. Block ``b``
-covers positions ``[b*block_size, (b+1)*block_size)`` and is segment number ``b`` of its
-request: one ``KVBlockLayout`` tensor ``[layers, 2, block_size, kv_heads, head_dim]`` (K then
-V, every layer; order ``L2NHD``), which is exactly one block of a vLLM-style paged cache, so a
-block written by the transformers integration can be scattered into a paged cache and vice
-versa.
-
-Each segment's layout names the model and cache geometry (loading into another is refused)
-and carries ``token_ids``: the ids at positions ``[start, end]``, the block's own tokens
-plus the one after it. The token after a block is the one sampled from the logits of the
-block's last position, so a request resumed from its last durable block knows its next
-input without recomputing anything before the block's end.
-
-``BlockJournal`` writes this (start, one segment per completed block, end); ``resume_points``
-reads it back from ``kvj.replay`` state or a ``kvj recover`` manifest; ``BlockJournal.load``
-fetches the blocks, falling back to the longest intact prefix when a segment is damaged.
-Journals written by kvj 0.2 (layout ``kvj-kv-block/1``) resume as before.
+Block ``b`` is segment ``b`` of its request, positions ``[b*block_size, (b+1)*block_size)``
+of every layer, with the ids of its tokens and of the one after it: a request resumed after
+its last durable block knows its next input. ``BlockJournal`` writes requests,
+``resume_points`` reads them back, ``BlockJournal.load`` fetches their longest intact prefix.
 """
 
 from __future__ import annotations
@@ -36,15 +23,7 @@ from kvj.segments.load import load as load_segment
 
 if TYPE_CHECKING:
     from kvj.journal.journal import Journal
-    from kvj.segments.store import SegmentStore
 
-def layout_of_config(config: Any, *, model: str, block_size: int, dtype: torch.dtype) -> KVBlockLayout:
-    """The block layout for a transformers config (``num_key_value_heads``, ``head_dim``...)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return KVBlockLayout(model, str(dtype).replace("torch.", ""), config.num_hidden_layers, kv_heads, head_dim,
-                         block_size)
 
 
 def prompt_hash(prompt: Sequence[int]) -> str:
@@ -54,12 +33,8 @@ def prompt_hash(prompt: Sequence[int]) -> str:
 
 @dataclass
 class ResumePoint:
-    """Where a journaled request can continue: its durable KV prefix and the tokens it knows.
-
-    ``tokens`` holds the prompt and every token known up to and including position
-    ``position`` (the next input), so ``tokens[position]`` is fed next when
-    ``position`` < len(tokens); KV for ``[0, position)`` comes from ``keys``.
-    """
+    """Where a journaled request can continue: KV for ``[0, position)`` from ``keys``, and
+    ``tokens`` up to and including ``position``, the next input."""
 
     request_id: str
     prompt: List[int]
@@ -108,11 +83,8 @@ def _point(req_id: str, prompt: Optional[Sequence[int]], meta: Mapping[str, Any]
 
 
 def resume_points(source: Union[JournalState, Mapping[str, Any]], layout: KVBlockLayout) -> List[ResumePoint]:
-    """Resume points of every in-flight request, from ``kvj.replay`` state or a recovery manifest.
-
-    Requests are ordered by their start LSN. Raises ``LayoutMismatch`` if a segment was
-    journaled for another model or geometry.
-    """
+    """Resume points of every in-flight request (in start order), from ``kvj.replay`` state or a
+    recovery manifest; ``LayoutMismatch`` for a segment of another model or geometry."""
     if isinstance(source, JournalState):
         reqs: List[RequestState] = sorted(source.in_flight(), key=lambda r: r.start_lsn)
         return [_point(r.id, r.tokens, r.meta,
@@ -142,26 +114,14 @@ class _Progress:
 
 
 class BlockJournal:
-    """Journals requests' KV block by block: ``start``, ``flush`` per completed block, ``end``.
-
-    ``flush`` returns at once (the store compresses and writes in the background); ``end``
-    waits for the request's flushes so its end record follows every segment record.
-    """
+    """Journals requests' KV block by block: ``start``, ``flush`` per completed block (returns at
+    once, stored in the background), ``end`` (after every flush of the request)."""
 
     def __init__(self, journal: "Journal", layout: KVBlockLayout):
         self.journal = journal
         self.layout = layout
         self._requests: Dict[str, _Progress] = {}
         self._staging: Any = None
-
-    @property
-    def store(self) -> "SegmentStore":
-        return self.journal.store
-
-    @property
-    def layout_bytes(self) -> int:
-        """Bytes of one block."""
-        return self.layout.nbytes
 
     def start(self, request_id: str, prompt: Sequence[int], max_new_tokens: int,
               meta: Optional[Mapping[str, Any]] = None) -> None:
@@ -203,19 +163,16 @@ class BlockJournal:
         self.journal.end(request_id, status)
 
     def load(self, point: ResumePoint, device: Union[str, torch.device] = "cpu") -> List[torch.Tensor]:
-        """Fetch a resume point's blocks onto ``device``, in order.
-
-        A missing or damaged segment (digest mismatch) ends the usable prefix there:
-        ``point`` is cut back to the blocks before it and says so in ``fallback``.
-        """
+        """Fetch a resume point's blocks onto ``device``, in order; a missing or damaged segment
+        ends the usable prefix, and ``point`` is cut back to it (saying so in ``fallback``)."""
         device = torch.device(device)
         if device.type == "cuda" and self._staging is None:  # reused pinned buffers for host-to-device copies
             from kvj.segments.staging import StagingPool
-            self._staging = StagingPool(4 * self.layout_bytes, pinned=True)
+            self._staging = StagingPool(4 * self.layout.nbytes, pinned=True)
         blocks: List[torch.Tensor] = []
         for b, key in enumerate(point.keys):
             try:
-                block = load_segment(self.store, key, device, expect_layout=point.layouts[b], staging=self._staging)
+                block = load_segment(self.journal.store, key, device, expect_layout=point.layouts[b], staging=self._staging)
             except (SegmentMissing, SegmentCorrupt) as exc:
                 _cut(point, b, self.layout.block_size, f"segment {b} unreadable ({exc}); resuming before it")
                 break

@@ -5,23 +5,12 @@
     dcp.save(state_dict, storage_writer=JournalWriter("/ckpt/run-7", step=step))
     dcp.load(state_dict, storage_reader=JournalReader("/ckpt/run-7"))   # the newest committed one
 
-Every rank stores its shards as kvj segments through a ``Flusher`` (a CUDA shard leaves
-through pinned staging and kvj's device-to-host copy; content-addressed, checksummed,
-compressed by the codec that pays, durable when ``write_data`` returns; an unchanged shard is
-not written again) and loads them back through ``kvj.segments.load.load`` (onto a CUDA
-shard through pinned staging and kvj's upload). The coordinator then stores DCP's ``Metadata`` (encoded as msgpack, no pickle) as one
-more segment and appends **one** journal checkpoint record naming the metadata and every
-shard, durably: that record is the commit point. DCP runs ``finish`` only after every rank's
-``write_data`` returned, so a checkpoint counts only when all shards and the metadata are
-durable; a rank killed mid-save leaves no record, and ``JournalReader`` loads the previous
-checkpoint whole. Use a journal directory of its own for DCP checkpoints.
-
-Non-tensor values are DCP's ``BYTE_IO`` items, which DCP's planner serialises with
-``torch.save`` and loads with pickle's full unpickler (``weights_only=False``). kvj never
-lets stored bytes reach that: it reads each such value with
-``torch.load(weights_only=True)`` (plain data and tensors only) when saving, refusing anything
-else, and again when loading, and hands the planner only a fresh ``torch.save`` of the value so
-read.
+Every rank stores its shards as segments, durable when ``write_data`` returns; the
+coordinator then stores the metadata (msgpack, no pickle) and appends one checkpoint record,
+the commit point (kvj-segment(5) DCP CHECKPOINTS): a rank killed mid-save leaves the previous
+checkpoint whole. Use a journal directory of its own. DCP's planner unpickles non-tensor
+values in full; kvj reads each with ``torch.load(weights_only=True)``, at save and at load,
+and hands the planner only a fresh ``torch.save`` of the value so read.
 """
 
 from __future__ import annotations
@@ -97,14 +86,6 @@ def decode_metadata(data: bytes) -> Metadata:
         raise FormatError(f"bad DCP metadata: {exc}") from None
 
 
-def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
-    """The part of stored shard ``t`` a load request wants."""
-    for dim, (off, n) in enumerate(zip(offsets, lengths)):
-        if off != 0 or n != t.size(dim):
-            t = t.narrow(dim, off, n)
-    return t
-
-
 def plain_value(raw: bytes, fqn: str) -> Any:
     """The value a ``BYTE_IO`` item's bytes hold, read with ``torch.load(weights_only=True)``:
     plain data and tensors; anything that needs pickle's full unpickler is refused."""
@@ -140,10 +121,9 @@ class _JournalPath:
 
 
 class JournalWriter(_JournalPath, StorageWriter):
-    """DCP ``StorageWriter`` into the kvj journal directory ``path`` (shared by all ranks):
-    the checkpoint of training step ``step`` commits with one journal record. ``codec``
-    names the segment codec (``"auto"``: what pays; ``"raw"``: no compression, faster on a
-    busy CPU; see ``kvj.segments.codecs``)."""
+    """DCP ``StorageWriter`` into the journal directory ``path`` (shared by all ranks) for the
+    checkpoint of training step ``step``; ``codec`` names the segment codec (``"auto"``: what
+    pays; ``"raw"``: faster on a busy CPU)."""
 
     def __init__(self, path: Union[str, "os.PathLike[str]"], step: int, *, model: str = "dcp", codec: str = "auto"):
         super().__init__()
@@ -166,8 +146,8 @@ class JournalWriter(_JournalPath, StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[List[WriteResult]]":
-        """Store this rank's shards; every one is durable when the future is set. A non-tensor
-        value that is not plain data is refused before anything is stored."""
+        """Store this rank's shards, durably; a non-tensor value that is not plain data is refused
+        before anything is stored."""
         items = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -191,8 +171,8 @@ class JournalWriter(_JournalPath, StorageWriter):
         return _done(results)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
-        """On the coordinator, after every rank's shards are durable: store the metadata,
-        then append the checkpoint record (durably): the commit point."""
+        """On the coordinator, once every rank's shards are durable: store the metadata, then
+        append the checkpoint record durably (the commit point)."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         with Journal.open(self.path) as journal:
             doc = encode_metadata(metadata)
@@ -219,8 +199,7 @@ class JournalReader(_JournalPath, StorageReader):
             raise FormatError(f"no DCP checkpoint committed in {self.path}")
         self.step = ckpt["step"]
         with SegmentStore(default_store_path(self.path)) as store:
-            md = decode_metadata(store.get(ckpt["keys"][METADATA]).numpy().tobytes())
-        return md
+            return decode_metadata(store.get(ckpt["keys"][METADATA]).numpy().tobytes())
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._storage = metadata.storage_data
@@ -237,8 +216,7 @@ class JournalReader(_JournalPath, StorageReader):
             for req in plan.items:
                 key = self._storage[req.storage_index]["key"]
                 if req.type == LoadItemType.BYTE_IO:
-                    # The planner unpickles what it is handed: give it a torch.save of the value
-                    # torch.load(weights_only=True) read, never the stored bytes themselves.
+                    # The planner unpickles what it is handed: never the stored bytes themselves.
                     value = plain_value(store.get(key).numpy().tobytes(), req.storage_index.fqn)
                     fresh = io.BytesIO()
                     torch.save(value, fresh)
@@ -246,10 +224,10 @@ class JournalReader(_JournalPath, StorageReader):
                     planner.load_bytes(req, fresh)
                     continue
                 target = planner.resolve_tensor(req).detach()
-                # A shard on a GPU arrives through pinned staging and kvj's upload, which the
-                # current stream waits for: the copy into the target below runs after it.
+                # Onto a GPU through kvj's upload, which the current stream waits for.
                 where = cuda.CUDA.device_of(target) if cuda.CUDA.is_device_tensor(target) else target.device
-                tensor = _narrow(load(store, key, where), req.storage_offsets, req.lengths)
+                wanted = tuple(slice(off, off + n) for off, n in zip(req.storage_offsets, req.lengths))
+                tensor = load(store, key, where)[wanted]  # the part of the stored shard asked for
                 if target.size() != tensor.size():
                     raise FormatError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
                                       f"wanted {tuple(target.size())}")

@@ -1,13 +1,9 @@
-"""Hugging Face transformers integration: journal a ``DynamicCache`` block by block, restore it.
+"""Hugging Face transformers: journal a ``DynamicCache`` block by block, restore it.
 
-``CacheJournal`` is for your own decode loop: ``start`` a request, call ``observe`` after
-each forward pass (it flushes every block the cache completed, in the background), ``end``
-it; after a crash ``restore`` gives back a ``DynamicCache`` holding the durable prefix and
-the token ids to continue from. (The demo's ``GenerationLoop`` runs several requests over
-``DynamicCache`` through ``kvj.demo.backends.HFBackend``.)
-
-Block tensors are ``[layers, 2, block_size, kv_heads, head_dim]`` (``kvj.segments.kvblock``,
-order ``L2NHD``); a ``DynamicCache`` layer holds ``[batch=1, kv_heads, seq, head_dim]``.
+In your decode loop: ``start`` a request, ``observe`` after each forward pass (it flushes each
+block the cache completed), ``end`` it; after a crash ``restore`` gives back a ``DynamicCache``
+of the durable prefix and the token ids to continue from. A block is ``[layers, 2,
+block_size, kv_heads, head_dim]`` (order L2NHD); a cache layer ``[1, kv_heads, seq, head_dim]``.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvj.errors import FormatError
-from kvj.integrations.blocks import BlockJournal, ResumePoint, layout_of_config
+from kvj.integrations.blocks import BlockJournal, ResumePoint
 from kvj.segments.kvblock import KVBlockLayout
 
 if TYPE_CHECKING:
@@ -28,10 +24,14 @@ if TYPE_CHECKING:
 
 
 def layout_for(model: "PreTrainedModel", block_size: int = 16, model_id: Optional[str] = None) -> KVBlockLayout:
-    """The block layout of ``model``'s KV cache. ``model_id`` names the weights (default: the
-    config's ``name_or_path``); segments journaled under another name are refused on load."""
-    name = model_id or getattr(model.config, "name_or_path", "") or model.config.model_type
-    return layout_of_config(model.config, model=name, block_size=block_size, dtype=model.dtype)
+    """The block layout of ``model``'s KV cache; ``model_id`` names the weights (default: the
+    config's ``name_or_path``), and segments of another name are refused on load."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVBlockLayout(model_id or getattr(config, "name_or_path", "") or config.model_type,
+                         str(model.dtype).replace("torch.", ""), config.num_hidden_layers, kv_heads, head_dim, block_size)
 
 
 def _layer_kv(cache: "DynamicCache", layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -71,12 +71,7 @@ def cache_kwarg(model: "PreTrainedModel") -> str:
 
 
 class CacheJournal(BlockJournal):
-    """Journals ``DynamicCache`` KV as it grows; restores it after a crash.
-
-    Call ``observe(request_id, cache, token_ids)`` after every forward pass, with all token
-    ids known so far (the prompt, what was generated, and the token just sampled): each
-    block the cache has completed is flushed once, as one segment.
-    """
+    """Journals ``DynamicCache`` KV as it grows; restores it after a crash."""
 
     def __init__(self, journal: "Journal", model: "PreTrainedModel", block_size: int = 16,
                  model_id: Optional[str] = None):
@@ -84,7 +79,8 @@ class CacheJournal(BlockJournal):
         self.config = model.config
 
     def observe(self, request_id: str, cache: "DynamicCache", token_ids: Sequence[int]) -> int:
-        """Flush the blocks ``cache`` completed since the last call; returns how many."""
+        """Flush the blocks ``cache`` completed since the last call; returns how many.
+        ``token_ids``: every id known so far (the prompt, the generated, the one just sampled)."""
         bs, b, n = self.layout.block_size, self.next_block(request_id), 0
         length = cache.get_seq_length()
         while (b + 1) * bs <= length and len(token_ids) > (b + 1) * bs:
@@ -94,11 +90,8 @@ class CacheJournal(BlockJournal):
 
     def restore(self, point: ResumePoint, device: Union[str, torch.device] = "cpu"
                 ) -> Tuple["DynamicCache", List[int]]:
-        """The cache of ``point``'s durable blocks and the token ids known so far.
-
-        The cache holds positions ``[0, point.position)``; feed ``token_ids[point.position:]``
-        next. Further blocks of the request are journaled by ``observe`` as usual.
-        """
+        """The cache of ``point``'s durable blocks (positions ``[0, point.position)``) and the
+        token ids known so far: feed ``token_ids[point.position:]`` next."""
         blocks = self.load(point, device)
         self.adopt(point)
         return build_cache(blocks, self.config), list(point.tokens)

@@ -1,34 +1,18 @@
 """Hugging Face ``Trainer`` (and TRL on top of it) that survives a crash: ``KvjCallback``.
 
-``KvjCallback(journal=..., full_every=...)`` journals, after every optimizer step (or every
-``every``), what the run needs to continue (``kvj.integrations.training``): the trainable
-parameters (for PEFT, the adapter only), the optimizer's and scheduler's state, the gradient
-scaler, the RNG streams and the ``TrainerState`` (step, epoch...), which is the data
-position: Trainer's own resume skips exactly ``global_step`` batches of the epoch. The
-``TrainerState``'s ``log_history`` is left out: resuming does not need it, and it grows
-with every logged step (so would every save). The copy off the device happens in the
-callback; storing it runs on a background thread.
-
-Resuming (the kvj equivalent of ``resume_from_checkpoint``)::
+After every optimizer step (or every ``every``) the callback journals what the run needs to
+continue (``kvj.integrations.training``), the ``TrainerState`` (without its ``log_history``)
+as the data position; storing runs on a background thread. Resuming::
 
     cb = KvjCallback(journal="/var/lib/kvj/train", full_every=50)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
     trainer.train(resume_from_checkpoint=cb.resume(trainer))   # None on a fresh start
 
-``resume`` rebuilds the newest state from the journal, puts the trainable weights into the
-model and writes a small directory (``trainer_state.json`` and the trainable weights as
-safetensors, no pickle) for Trainer's resume path, which restores the step, the epoch and
-the dataloader position; the callback then installs the optimizer, scheduler and scaler
-state at train begin and the RNG streams where Trainer's own resume would (after the
-dataloader is fast-forwarded). After a resume, ``trainer.state.log_history`` holds what was
-logged since. A journal that does not fit the model (a changed LoRA rank, target modules or
-dtype) is refused by ``resume`` with a ``FormatError`` naming what differs, before anything is
-copied; one whose optimizer state does not fit Trainer's optimizer (made only once training
-begins) is refused at train begin, before that state is loaded (the model has the journaled
-weights by then, in memory only); a run configured differently (learning rate, dataset
-size...) resumes with the journaled values and one ``ResumeMismatch`` warning naming each
-difference. Each save's copy runs beside the next forward and backward: only the optimizer's
-next step waits for it, on the GPU.
+``resume`` puts the newest journaled weights into the model and writes a directory for
+Trainer's own resume path (step, epoch, dataloader position); the callback installs the
+optimizer, scheduler and scaler state at train begin and the RNG streams where Trainer's
+resume would. What does not fit is refused before it is copied; a run configured
+differently resumes with the journaled values and one ``ResumeMismatch`` warning.
 """
 
 from __future__ import annotations
@@ -37,16 +21,15 @@ import dataclasses
 import json
 import os
 import shutil
-import warnings
 from typing import Any, Dict, Optional, Union
 
 from transformers import TrainerCallback
 
 from kvj.errors import FormatError
 from kvj.fileio import atomic_write
-from kvj.integrations.training import (RecoveredState, ResumeMismatch, StateJournal, changed_settings,
-                                       check_optimizer_state, load_scaler, load_trainable, optimizer_shapes,
-                                       recover_training, rng_state, scaler_state, set_rng_state, trainable_state_dict)
+from kvj.integrations.training import (RecoveredState, StateJournal, load_trainable, optimizer_shapes,
+                                       recover_training, restore_training_state, rng_state, scaler_state,
+                                       set_rng_state, trainable_state_dict)
 from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 
@@ -56,11 +39,9 @@ RESUME_DIR = "kvj-resume"
 
 class KvjCallback(TrainerCallback):
     """Journals a ``Trainer``'s state at every ``every``-th optimizer step (a full save every
-    ``full_every`` steps, deltas between), and puts a killed run back exactly (``resume``).
-
-    ``journal`` is a journal directory (opened at train begin, closed at train end) or an
-    open ``kvj.Journal``. ``model_id`` names the run in every segment's layout.
-    """
+    ``full_every`` steps, deltas between) and puts a killed run back exactly (``resume``).
+    ``journal``: a directory (opened at train begin, closed at train end) or an open
+    ``kvj.Journal``; ``model_id`` names the run in every segment's layout."""
 
     def __init__(self, journal: Union[str, "os.PathLike[str]", Journal], full_every: int = 50, *, every: int = 1,
                  model_id: str = "hf-trainer", max_pending: int = 2):
@@ -82,8 +63,7 @@ class KvjCallback(TrainerCallback):
 
     @property
     def durable_step(self) -> Optional[int]:
-        """The newest step whose save is durable: where a crash now would resume (None before
-        the first; see ``StateJournal.durable_step``)."""
+        """The newest step whose save is durable: where a crash now would resume."""
         if self._saver is not None:
             return self._saver.durable_step
         return self.recovered.step if self.recovered is not None else None
@@ -93,11 +73,9 @@ class KvjCallback(TrainerCallback):
         arg = self.journal_arg
         return arg.path if isinstance(arg, Journal) else os.path.abspath(os.fspath(arg))
 
-    # -- resume ---------------------------------------------------------------------------
-
     def resume(self, trainer: Any) -> Optional[str]:
-        """The ``resume_from_checkpoint`` for ``trainer.train``: None when the journal holds no
-        training state (a fresh start), else a directory rebuilt from the newest state."""
+        """The ``resume_from_checkpoint`` for ``trainer.train``: a directory rebuilt from the newest
+        journaled state, None on a fresh start."""
         self._trainer = trainer
         path = self.journal_path
         if not os.path.isdir(path):
@@ -124,8 +102,6 @@ class KvjCallback(TrainerCallback):
         atomic_write(os.path.join(out, "trainer_state.json"), rec.state["data"]["trainer_state"].encode())
         return out
 
-    # -- callback events --------------------------------------------------------------------
-
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if isinstance(self.journal_arg, Journal):
@@ -139,33 +115,19 @@ class KvjCallback(TrainerCallback):
             if state.global_step != rec.step:
                 raise FormatError(f"Trainer resumed at step {state.global_step}, the journal holds step {rec.step}: "
                                   "pass cb.resume(trainer) as resume_from_checkpoint")
-            check_optimizer_state(optimizer, rec.state["optimizer"], rec.state.get("optimizer_shapes"), model)
-            self._warn_changes(optimizer, rec)
-            optimizer.load_state_dict(rec.state["optimizer"])
-            if lr_scheduler is not None and rec.state["scheduler"] is not None:
-                lr_scheduler.load_state_dict(rec.state["scheduler"])
-            scaler = self._scaler()
-            if scaler is not None and rec.state["scaler"] is not None:
-                load_scaler(scaler, rec.state["scaler"])
+            journaled = (rec.state["data"].get("dataset") or {}).get("samples")
+            differences = []
+            if journaled is not None and self._samples is not None and journaled != self._samples:
+                differences.append(f"dataset size: journaled {journaled} samples, this run {self._samples} (the "
+                                   f"journaled position, step {rec.step}, is kept: the batches after it are not the "
+                                   "ones the journaled run would have seen)")
+            restore_training_state(rec.state, model, optimizer, scheduler=lr_scheduler, scaler=self._scaler(),
+                                   rng=False, differences=differences)  # RNG once Trainer has skipped batches
             self._rng_pending = True
         self._trainable = trainable_state_dict(model)
         # The optimizer's next step waits for each save's copy to have read the state (on the GPU).
         self._saver = StateJournal(self._journal, self.full_every, model=self.model_id, resume=rec,
                                    max_pending=self.max_pending, optimizer=optimizer)
-
-    def _warn_changes(self, optimizer: Any, rec: RecoveredState) -> None:
-        """One warning naming what this run sets differently from the journaled one (optimizer
-        settings such as the learning rate, the dataset's size): the journaled optimizer and
-        scheduler state and data position are what continues."""
-        changed = changed_settings(optimizer, rec.state["optimizer"])
-        journaled = (rec.state["data"].get("dataset") or {}).get("samples")
-        if journaled is not None and self._samples is not None and journaled != self._samples:
-            changed.append(f"dataset size: journaled {journaled} samples, this run {self._samples} (the journaled "
-                           f"position, step {rec.step}, is kept: the batches after it are not the ones the "
-                           "journaled run would have seen)")
-        if changed:
-            warnings.warn(f"resuming a run configured differently from the journaled one; the journaled values are "
-                          f"kept: {'; '.join(changed)}", ResumeMismatch, stacklevel=2)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Resumed at an epoch's end: Trainer would restore RNG before the new epoch's iterator.
@@ -203,8 +165,6 @@ class KvjCallback(TrainerCallback):
                 self._journal.close()
             self._journal = None
 
-    # -- helpers ------------------------------------------------------------------------------
-
     def _scaler(self) -> Any:
         accelerator = getattr(self._trainer, "accelerator", None)
         return getattr(accelerator, "scaler", None)
@@ -227,7 +187,7 @@ class KvjCallback(TrainerCallback):
 
 
 def _resume_fields(state: Any) -> str:
-    """``trainer_state.json`` as Trainer's resume reads it (step, epoch, batch size, best
-    metric, callbacks' states...) without ``log_history``: a bounded size at every save."""
+    """``trainer_state.json`` as Trainer's resume reads it, without ``log_history`` (which grows
+    with every logged step)."""
     return json.dumps({f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "log_history"},
                       sort_keys=True)

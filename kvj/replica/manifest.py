@@ -1,8 +1,7 @@
 """The replica manifest (``manifest.json``): which objects make up the replicated journal.
 
-Restore and verify read only what the manifest names; an object it does not name is not
-part of the replica. It is replaced by compare-and-swap on its ETag, so a replicator that
-lost its lease (the manifest then carries a newer generation) can never commit.
+Restore and verify read only what it names; it is replaced by compare-and-swap on its ETag,
+and carries the lease generation, so a replicator that lost its lease can never commit.
 
     {"format": "kvj-replica", "version": 1, "generation": G, "updated": T, "last_lsn": L,
      "snapshot": {"lsn", "object", "size", "blake3"} | null,
@@ -15,7 +14,6 @@ lost its lease (the manifest then carries a newer generation) can never commit.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -24,7 +22,7 @@ import blake3
 
 from kvj.errors import CorruptionError, FormatError
 from kvj.replica.remote import Remote
-from kvj.untrusted import MAX_INT, load_json, printable
+from kvj.untrusted import json_field, load_json, printable
 
 MANIFEST_OBJECT = "manifest.json"
 FORMAT = "kvj-replica"
@@ -66,22 +64,22 @@ def parse_part(name: str) -> Optional[Tuple[int, int, int, int]]:
     return (seq, start, end, generation) if name == part_object(seq, start, end, generation) else None
 
 
-def is_object_name(name: str) -> bool:
-    """Whether ``name`` is one kvj writes (a log part, a snapshot or a segment object). A
-    manifest naming anything else (``..``, an absolute path, a NUL) is refused before the
-    name reaches the object store."""
-    if parse_part(name) is not None:
-        return True
+def snapshot_lsn(name: str) -> Optional[int]:
+    """The LSN of a snapshot object's name, or None for any other name."""
     m = _SNAP_RE.fullmatch(name)
-    if m is not None:
-        return name == snapshot_object(int(m[1]), int(m[2]))
-    return segment_key(name) is not None
+    return int(m[1]) if m is not None and name == snapshot_object(int(m[1]), int(m[2])) else None
 
 
 def segment_key(path: str) -> Optional[str]:
     """The key of a segment object's path, or None for any other path (one kvj did not write)."""
     m = _SEG_RE.fullmatch(path)
     return m[2] if m is not None and m[1] == m[2][:2] else None
+
+
+def is_object_name(name: str) -> bool:
+    """Whether kvj writes objects so named: anything else in a manifest (``..``, an absolute
+    path, a NUL) is refused before it reaches the object store."""
+    return parse_part(name) is not None or snapshot_lsn(name) is not None or segment_key(name) is not None
 
 
 @dataclass
@@ -131,8 +129,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "Manifest":
-        """Parse and check a manifest read from a replica: every field of the right type and
-        range, every object name one kvj writes; ``CorruptionError`` or ``FormatError`` else."""
+        """Parse and check a manifest from a replica: every field of its type and range, every
+        object name one kvj writes; ``CorruptionError`` or ``FormatError`` else."""
         try:
             doc = load_json(data, "manifest", max_bytes=MAX_MANIFEST_BYTES)
         except FormatError as exc:
@@ -152,20 +150,20 @@ class Manifest:
     def _parse(cls, doc: Dict[str, Any]) -> "Manifest":
         snap, snapshot = doc["snapshot"], None
         if snap is not None:
-            snapshot = SnapshotEntry(_int(snap["lsn"], "snapshot lsn"), _str(snap["object"], "snapshot object"),
-                                     _int(snap["size"], "snapshot size", MAX_OBJECT_BYTES),
-                                     _str(snap["blake3"], "snapshot blake3"))
-            named = _SNAP_RE.fullmatch(snapshot.object)
-            if named is None or int(named[1]) != snapshot.lsn or not is_object_name(snapshot.object):
+            snapshot = SnapshotEntry(json_field(snap, "lsn", int, "snapshot lsn"),
+                                     json_field(snap, "object", str, "snapshot object"),
+                                     json_field(snap, "size", int, "snapshot size", MAX_OBJECT_BYTES),
+                                     json_field(snap, "blake3", str, "snapshot blake3"))
+            if snapshot_lsn(snapshot.object) != snapshot.lsn:
                 raise FormatError(f"'{printable(snapshot.object)}' is not the name of a snapshot at LSN {snapshot.lsn}")
         logs = []
-        for e in _list(doc["logs"], "logs"):
-            entry = LogEntry(_int(e["seq"], "seq"), _int(e["base_lsn"], "base_lsn"),
-                             _int(e["salt"], "salt", 0xFFFFFFFF), _int(e["size"], "size"),
-                             _int(e["last_lsn"], "last_lsn"), _bool(e["sealed"], "sealed"))
-            for p in _list(e["parts"], "parts"):
-                part = Part(_str(p["object"], "part object"), _int(p["start"], "part start"),
-                            _int(p["end"], "part end"), _str(p["blake3"], "part blake3"))
+        for e in json_field(doc, "logs", list):
+            entry = LogEntry(json_field(e, "seq", int), json_field(e, "base_lsn", int),
+                             json_field(e, "salt", int, hi=0xFFFFFFFF), json_field(e, "size", int),
+                             json_field(e, "last_lsn", int), json_field(e, "sealed", bool))
+            for p in json_field(e, "parts", list):
+                part = Part(json_field(p, "object", str, "part object"), json_field(p, "start", int, "part start"),
+                            json_field(p, "end", int, "part end"), json_field(p, "blake3", str, "part blake3"))
                 named = parse_part(part.object)
                 if named is None or named[:3] != (entry.seq, part.start, part.end):
                     raise FormatError(f"log {entry.name}: '{printable(part.object)}' is not the name of its part "
@@ -176,19 +174,17 @@ class Manifest:
                 entry.parts.append(part)
             logs.append(entry)
         history = []
-        for pair in _list(doc["history"], "history"):
+        for pair in json_field(doc, "history", list):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise FormatError(f"history entry {printable(pair, 40)} is not [time, LSN]")
-            history.append([_time(pair[0], "history time"), _int(pair[1], "history LSN")])
-        garbage = doc["garbage"]
-        if not isinstance(garbage, dict):
-            raise FormatError("garbage is not an object")
+            history.append([json_field(pair, 0, float, "history time"), json_field(pair, 1, int, "history LSN")])
+        garbage = json_field(doc, "garbage", dict)
         for name in garbage:
             if not is_object_name(name):
                 raise FormatError(f"garbage entry '{printable(name)}' is not the name of an object kvj writes")
-        return cls(generation=_int(doc["generation"], "generation"), updated=_time(doc["updated"], "updated"),
-                   last_lsn=_int(doc["last_lsn"], "last_lsn"), snapshot=snapshot, logs=logs, history=history,
-                   garbage={name: _time(since, "garbage time") for name, since in garbage.items()})
+        return cls(generation=json_field(doc, "generation", int), updated=json_field(doc, "updated", float),
+                   last_lsn=json_field(doc, "last_lsn", int), snapshot=snapshot, logs=logs, history=history,
+                   garbage={name: json_field(garbage, name, float, "garbage time") for name in garbage})
 
     def objects(self) -> Dict[str, str]:
         """Every log part and snapshot object the manifest needs -> its BLAKE3."""
@@ -236,36 +232,6 @@ class Manifest:
         return best
 
 
-def _int(value: Any, what: str, hi: int = MAX_INT) -> int:
-    if type(value) is not int or not 0 <= value <= hi:
-        raise FormatError(f"{what} {printable(value, 40)} is not an integer in 0..{hi}")
-    return value
-
-
-def _time(value: Any, what: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise FormatError(f"{what} {printable(value, 40)} is not a time")
-    return float(value)
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise FormatError(f"{what} {printable(value, 40)} is not a string")
-    return value
-
-
-def _bool(value: Any, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise FormatError(f"{what} {printable(value, 40)} is not true or false")
-    return value
-
-
-def _list(value: Any, what: str) -> List[Any]:
-    if not isinstance(value, list):
-        raise FormatError(f"{what} is not a list")
-    return value
-
-
 def load(remote: Remote) -> Tuple[Optional[Manifest], Optional[str]]:
     """The replica's manifest and its ETag, or (None, None) for an empty replica."""
     found = remote.get(MANIFEST_OBJECT, MAX_MANIFEST_BYTES)
@@ -275,7 +241,6 @@ def load(remote: Remote) -> Tuple[Optional[Manifest], Optional[str]]:
 
 
 def commit(remote: Remote, manifest: Manifest, etag: Optional[str], unacked: Optional[bytes] = None) -> Optional[str]:
-    """Compare-and-swap the manifest; its new ETag (LostRace if it changed since ``etag``).
-    ``unacked``: a manifest this writer sent over ``etag`` whose answer was lost (see
-    ``Remote.put_if_match``)."""
+    """Compare-and-swap the manifest; its new ETag (``LostRace`` if it changed since ``etag``;
+    ``unacked``: see ``Remote.put_if_match``)."""
     return remote.put_if_match(MANIFEST_OBJECT, manifest.to_json(), etag, unacked)

@@ -1,26 +1,14 @@
-"""Pull: a journal from its replica onto a new or empty directory, verifying every object.
+"""Restore: a journal from its replica into a new or empty directory, every object verified.
 
-Each log part and the snapshot must have the size and the BLAKE3 the manifest recorded
-(an object of another size is refused before it is read), the log files are then read
-back strictly (every CRC, LSN continuity), and every segment the restored state needs is
-checked in full (chunk CRCs and the content digest) before it is stored; no read goes
-past the size declared for it.
+Each object must have the size and BLAKE3 the manifest recorded (another size is refused
+unread), the log files are read back strictly, and every segment the restored state needs
+is checked in full before it is stored. What can fail without downloading fails first.
 
-The target may be a mount point (a fresh disk): everything is written durably into a
-staging directory *inside* it, then moved into place, so the target directory itself, its
-owner and mode, stays. What can fail without downloading fails first: the target is not
-empty, cannot be written, or has too little space. The move puts the segments first and
-the log files newest first, the oldest last, then the snapshot: a journal cut short by a
-crash mid-move lacks its first LSNs, which replay reports as a gap (never a silently
-shorter journal), and the staging directory left behind keeps the target from being
-taken as empty.
-
-A restore holds an exclusive ``flock`` on the target directory throughout, so a second
-one into it is refused (``JournalLocked``). A staging directory that no restore holds was
-left by one cut short (killed, power lost): the next restore removes it and what its move
-had put in place (log files, snapshots, the store directory: the target was empty when it
-began), then restores anew. Anything else in the target is not restore's, and is refused
-with nothing removed.
+The target may be a mount point: everything is staged durably inside it (``STAGING``), then
+moved into place, segments first, the log files newest first, the snapshot last, so a
+journal cut short mid-move lacks its first LSNs (a gap replay reports). A restore holds an
+exclusive ``flock`` on the target; a staging directory no restore holds was left by one cut
+short, and the next removes it and what its move had put in place, nothing else.
 """
 
 from __future__ import annotations
@@ -75,6 +63,7 @@ class RestoreResult:
 
 
 def _checked(remote: Remote, obj: str, size: int, blake: str) -> bytes:
+    """Object ``obj``, of the ``size`` and BLAKE3 the manifest declares."""
     data = remote.read(obj, size)
     if mf.digest(data) != blake:
         raise CorruptionError(f"{remote.url}/{obj}", None, "object differs from the digest the manifest recorded")
@@ -82,10 +71,9 @@ def _checked(remote: Remote, obj: str, size: int, blake: str) -> bytes:
 
 
 def trim_log(data: bytes, at_lsn: int, path: str) -> bytes:
-    """The log file ``data`` (named ``path``) cut after LSN ``at_lsn``: a group holding it is
-    re-framed up to it, in the file's own format version and with the group's own time. The
-    file is read by the one walker, ``Scan``; anything it reports is an error, a torn tail too
-    (a replicated file is whole)."""
+    """The log file ``data`` (named ``path``) cut after LSN ``at_lsn``: the group holding it is
+    re-framed up to it, in the file's format version and with the group's time. Anything the
+    walk reports is an error, a torn tail too (a replicated file is whole)."""
     header = decode_file_header(data)
     if header is None:
         raise CorruptionError(path, 0, "bad log file header")
@@ -158,6 +146,7 @@ def resolve_at(m: mf.Manifest, at_lsn: Optional[int], at_time: Optional[float]) 
 
 
 def load_manifest(remote: Remote) -> mf.Manifest:
+    """The replica's manifest, checked for continuity; ``FileNotFoundError`` for an empty replica."""
     m, _ = mf.load(remote)
     if m is None:
         raise FileNotFoundError(2, "no replica here (no manifest.json)", remote.url)
@@ -174,8 +163,8 @@ class SegmentSizes(NamedTuple):
 
 
 def segment_sizes(remote: Remote, state: JournalState) -> SegmentSizes:
-    """The size of the replica's object of each segment ``state`` needs, checked against what
-    the journal declares (a request segment's stored size, plus at most a header)."""
+    """The size of the replica's object of each segment ``state`` needs, checked against the
+    journal's declaration (a request segment's stored size, plus at most a header)."""
     listed = {k: o.size for o in remote.list("segments/") for k in [mf.segment_key(o.path)] if k}
     declared: Dict[str, int] = {}
     for req in state.in_flight() + state.moved():
@@ -201,8 +190,8 @@ def segment_sizes(remote: Remote, state: JournalState) -> SegmentSizes:
 
 def fetch_segments(remote: Remote, sizes: Dict[str, int], store: Any, threads: int = 8,
                    progress: Optional[Progress] = None) -> int:
-    """Download (each as large as ``sizes`` says, no more), verify in full and store the
-    segments of ``sizes``; returns the bytes downloaded."""
+    """Download (no more than ``sizes`` says), verify in full and store the segments of
+    ``sizes``; returns the bytes downloaded."""
     keys = sorted(sizes)
 
     def one(key: str) -> int:
@@ -218,17 +207,13 @@ def fetch_segments(remote: Remote, sizes: Dict[str, int], store: Any, threads: i
     return total
 
 
-def _check_target(target: str) -> None:
-    """Refuse, before anything is made, a target that is a symbolic link or no directory."""
+def _make_target(target: str) -> bool:
+    """Create ``target`` (and its parents) durably, refusing a symbolic link or a file there;
+    True when this call made it (a failure removes only a directory it made)."""
     if os.path.islink(target):
         raise UnsafePath(f"{target} is a symbolic link: restore into the directory it points to")
     if os.path.lexists(target) and not os.path.isdir(target):
         raise InvalidArgument(f"{target} exists and is not a directory: restore into a new or empty directory")
-
-
-def _make_target(target: str) -> bool:
-    """Create ``target`` (and its parents) durably; True when this call made it, so that a
-    failure removes only a directory it made."""
     makedirs_durable(os.path.dirname(target))
     try:
         REAL_FS.mkdir(target)
@@ -240,9 +225,8 @@ def _make_target(target: str) -> bool:
 
 @contextmanager
 def _target_lock(target: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on the target directory: a restore running there is
-    ``JournalLocked``. Yields False where the file system has no flock on a directory (NFS):
-    a staging directory there cannot be told from a running restore's."""
+    """Hold an exclusive ``flock`` on the target (a restore running there: ``JournalLocked``);
+    yields False where directories cannot be locked (NFS)."""
     fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         try:
@@ -258,8 +242,8 @@ def _target_lock(target: str) -> Iterator[bool]:
 
 
 def _published(target: str, name: str) -> bool:
-    """Whether ``name`` in ``target`` is what a restore's move puts there: the store
-    directory, a log file, a snapshot (never a link)."""
+    """Whether ``name`` in ``target`` is what a restore's move puts there (the store
+    directory, a log file, a snapshot; never a link)."""
     mode = os.lstat(os.path.join(target, name)).st_mode
     if name == STORE_DIR:
         return stat.S_ISDIR(mode)
@@ -267,8 +251,7 @@ def _published(target: str, name: str) -> bool:
 
 
 def _remove_published(target: str, names: List[str]) -> None:
-    """Remove what a restore moved into ``target`` (``names``: the store directory, log
-    files, snapshots)."""
+    """Remove what a restore moved into ``target``."""
     for name in names:
         path = os.path.join(target, name)
         if name == STORE_DIR:
@@ -278,9 +261,9 @@ def _remove_published(target: str, names: List[str]) -> None:
 
 
 def _check_empty(target: str, locked: bool) -> List[str]:
-    """Refuse a target that is not empty (an empty ``lost+found`` of a fresh file system's
-    root is allowed). What a restore cut short left there is removed first, where this one
-    holds the target's lock (``locked``); returns its names."""
+    """Refuse a target that is not empty (but for a fresh file system's empty ``lost+found``),
+    after removing what a restore cut short left there, if this one holds the lock; returns
+    what was removed."""
     names = os.listdir(target)
     removed: List[str] = []
     if STAGING in names:
@@ -298,10 +281,8 @@ def _check_empty(target: str, locked: bool) -> List[str]:
 
 
 def _clean_up_cut_short(target: str, names: List[str]) -> List[str]:
-    """Remove the staging directory of a restore cut short (no restore holds the target) and
-    what its move had put in place, ``names`` being the target's; returns what was removed.
-    The target was empty when that restore began, so anything else there is not its own:
-    refused, nothing removed."""
+    """Remove the staging directory of a restore cut short and what its move had put in place
+    (``names``: the target's); anything else there is not its own: refused, nothing removed."""
     left = sorted(n for n in names if n != "lost+found")
     foreign = [n for n in left if n != STAGING and not _published(target, n)]
     if foreign or not stat.S_ISDIR(os.lstat(os.path.join(target, STAGING)).st_mode):
@@ -328,8 +309,8 @@ def _check_space(path: str, nbytes: int, what: str) -> None:
 
 
 def _publish(staging: str, target: str, moved: List[str]) -> None:
-    """Move the staged journal into ``target``: segments first, then the log files newest
-    first, the snapshot last (see the module docstring); ``moved`` lists what is in place."""
+    """Move the staged journal into ``target`` in the order the module docstring gives;
+    ``moved`` lists what is in place."""
     names = os.listdir(staging)
     logs = sorted((n for n in names if n.endswith(".log")), reverse=True)
     order = [n for n in names if n not in logs and not n.endswith(".snap")] + logs + \
@@ -344,12 +325,11 @@ def _publish(staging: str, target: str, moved: List[str]) -> None:
 def restore(remote: Remote, journal: str, *, store: Optional[str] = None, at_lsn: Optional[int] = None,
             at_time: Optional[float] = None, threads: int = 8, progress: Optional[Progress] = None) -> RestoreResult:
     """Restore the replica at ``remote`` into ``journal``, a new or empty directory (a mount
-    point included: it is kept, with its owner and mode). See the module docstring."""
+    point is kept, with its owner and mode)."""
     from kvj.segments.store import SegmentStore
 
     t0 = time.perf_counter()
     target = os.path.abspath(journal)
-    _check_target(target)
     created = _make_target(target)
     staging = os.path.join(target, STAGING)
     moved: List[str] = []

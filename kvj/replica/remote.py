@@ -1,11 +1,8 @@
-"""Object storage access for the replica: one small door over obstore, errors mapped to kvj's.
+"""The replica's object store: one small door over obstore (S3), its errors mapped to kvj's.
 
-A replica lives under ``s3://bucket/prefix``. Credentials, region and endpoint come from
-the usual AWS environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``) and,
-when boto3 is installed, from its credential chain (``~/.aws`` profiles, SSO, instance
-roles). Conditional writes: create-only (``If-None-Match: *``) and compare-and-swap
-(``If-Match``); a 412 and a 409 ``ConditionalRequestConflict`` both mean "lost the race".
+Credentials, region and endpoint come from the AWS environment variables or, with boto3
+installed, its credential chain. Conditional writes are create-only (``If-None-Match: *``)
+and compare-and-swap (``If-Match``); a 412 and a 409 both mean "lost the race".
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,15 +23,13 @@ from obstore.exceptions import AlreadyExistsError, BaseError, InvalidPathError, 
 from kvj.errors import CorruptionError, FormatError, KvjError
 from kvj.untrusted import printable
 
-#: Every request may take this long, plus the time its bytes take at ``MIN_RATE``; a
-#: download also fails once this long passes without a byte arriving.
+#: A request may take this long plus the time its bytes take at ``MIN_RATE``; a download
+#: also fails once this long passes without a byte arriving.
 DEFAULT_TIMEOUT = 30.0
-#: An upload slower than this (bytes/s) counts as stalled. S3 clients' time limits are per
-#: request, so a fixed one would fail every upload of an object too large to send in it,
-#: round after round: a replica that never catches up.
+#: An upload slower than this (bytes/s) counts as stalled: a fixed time limit per request
+#: would fail every upload of a large object, round after round.
 MIN_RATE = 256 << 10
-#: Requests moving up to this many bytes get the plain ``timeout``; reads are streamed in
-#: pieces of this size, so no more than the bytes expected (plus one piece) is ever read.
+#: Requests moving up to this many bytes get the plain timeout; reads stream in pieces of it.
 CHUNK = 1 << 20
 
 
@@ -46,8 +42,8 @@ class RemoteUnavailable(OSError):
 
 
 class UnexpectedSize(CorruptionError):
-    """An object is larger than it may be, or of another size than declared: refused before
-    its body is read. ``etag`` is its ETag, for a conditional replacement."""
+    """An object of another size than it may have: refused before its body is read (``etag``
+    kept for a conditional replacement)."""
 
     def __init__(self, path: str, reason: str, etag: Optional[str]):
         super().__init__(path, None, reason)
@@ -63,7 +59,7 @@ class ObjectInfo:
 
 @dataclass(frozen=True)
 class Fetched:
-    """An object's bytes, ETag and last-modified time (Unix seconds), as one GET returned them."""
+    """An object's bytes, ETag and last-modified time (Unix seconds), from one GET."""
 
     data: bytes
     etag: Optional[str]
@@ -80,20 +76,16 @@ def _unavailable(exc: BaseException, what: str) -> RemoteUnavailable:
     return RemoteUnavailable(errno.EIO, f"object store: {what}: {first[:300]}")
 
 
-def md5_etag(data: Any) -> str:
+def _md5_etag(data: Any) -> str:
     """The ETag S3 gives a single-part upload of ``data`` (its quoted MD5)."""
     return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'
 
 
 class Remote:
-    """A replica's objects, addressed by paths relative to the replica's prefix.
-
-    ``make_store(total, idle)`` makes an obstore store whose requests fail after ``total``
-    seconds, and (``idle`` not None) once ``idle`` seconds pass without a byte of the answer
-    arriving. A request moving ``n`` bytes gets ``timeout`` plus ``n / MIN_RATE`` in all (``n``
-    rounded up to a power of two, so a few clients serve every size); a download also fails
-    after ``timeout`` without a byte, which tells a stalled connection from a slow one.
-    """
+    """A replica's objects, by paths relative to its prefix. ``make_store(total, idle)`` makes an
+    obstore store whose requests fail after ``total`` seconds and (``idle`` not None) after
+    ``idle`` seconds without a byte; a request moving ``n`` bytes gets ``timeout + n / MIN_RATE``
+    (``n`` rounded up to a power of two, so a few stores serve every size)."""
 
     def __init__(self, url: str, make_store: Callable[[float, Optional[float]], Any],
                  timeout: float = DEFAULT_TIMEOUT):
@@ -104,7 +96,7 @@ class Remote:
         self._lock = threading.Lock()
 
     def store(self, nbytes: int = 0, download: bool = False) -> Any:
-        """The store to use for a request that moves ``nbytes`` (or downloads at most that)."""
+        """The store for a request that moves ``nbytes`` (or downloads at most that)."""
         key = (1 << (nbytes - 1).bit_length() if nbytes > CHUNK else 0, download)
         with self._lock:
             if key not in self._stores:
@@ -112,15 +104,10 @@ class Remote:
                                                      self.timeout if download else None)
             return self._stores[key]
 
-    # -- reads ------------------------------------------------------------------------
-
     def get(self, path: str, limit: int, exact: bool = False) -> Optional[Fetched]:
-        """``path`` as one GET returns it, or None when it does not exist.
-
-        At most ``limit`` bytes are read: an object the store says is larger (or, with
-        ``exact``, of any other size than ``limit``) is ``UnexpectedSize`` before its body
-        is read, and a body that runs past ``limit`` is cut off there.
-        """
+        """``path`` as one GET returns it, None when there is none. An object said to be larger
+        than ``limit`` (with ``exact``, of any other size) is ``UnexpectedSize``, unread; a body
+        running past ``limit`` is cut off there."""
         where = f"{self.url}/{path}"
         try:
             result = obstore.get(self.store(limit, download=True), path)
@@ -146,8 +133,7 @@ class Remote:
         return Fetched(b"".join(pieces), result.meta.get("e_tag"), result.meta["last_modified"].timestamp())
 
     def read(self, path: str, size: int) -> bytes:
-        """The ``size`` bytes of ``path``, as a manifest or journal declares them; a missing
-        object, or one of another size, is an error naming it (and is not read)."""
+        """The ``size`` bytes of ``path``, as declared; missing or of another size is an error, unread."""
         found = self.get(path, size, exact=True)
         if found is None:
             raise FileNotFoundError(errno.ENOENT, "missing object in the replica", f"{self.url}/{path}")
@@ -166,30 +152,34 @@ class Remote:
         except BaseError as exc:
             raise _unavailable(exc, f"listing {prefix}") from None
 
-    # -- writes -----------------------------------------------------------------------
-
     def put_create(self, path: str, data: Any) -> Optional[str]:
         """Create ``path`` only if absent (If-None-Match: *); its ETag, or None if it existed."""
         try:
-            return obstore.put(self.store(len(data)), path, data, mode="create")["e_tag"]
-        except (AlreadyExistsError, PreconditionError):
+            return self._put(path, data, None)
+        except LostRace:
             return None
-        except BaseError as exc:
-            if _conflict(exc):
-                return None
-            raise _unavailable(exc, f"writing {path}") from None
+
+    def put_once(self, path: str, data: Any, verify: bool = True) -> None:
+        """Create ``path`` holding ``data``; an object already there must hold the same bytes,
+        and with ``verify`` a plain MD5 ETag must be ``data``'s (else ``CorruptionError``)."""
+        etag = self.put_create(path, data)
+        if etag is None:
+            try:
+                same = self.read(path, len(data)) == bytes(data)
+            except UnexpectedSize:
+                same = False
+            if not same:
+                raise CorruptionError(f"{self.url}/{path}", None, "the replica holds different bytes under this name")
+        elif verify and re.fullmatch("[0-9a-f]{32}", etag.strip('"')) and etag != _md5_etag(data):
+            raise CorruptionError(f"{self.url}/{path}", None, f"the object store stored other bytes than were sent "
+                                  f"(ETag {etag})")
 
     def put_if_match(self, path: str, data: bytes, etag: Optional[str],
                      unacked: Optional[bytes] = None) -> Optional[str]:
-        """Replace ``path`` if its ETag is still ``etag`` (create it if ``etag`` is None); new ETag.
-
-        A write whose answer was lost (the connection dropped after the store applied it, and
-        the client's retry then failed its precondition) is recognised by reading the object
-        back: holding ``data``, the write landed. ``unacked`` is an earlier body this writer
-        sent over ``etag`` without learning whether it landed: if the object holds that, the
-        object is still this writer's, and ``data`` replaces it. Else ``LostRace``: another
-        writer changed (or created) it first.
-        """
+        """Replace ``path`` if its ETag is still ``etag`` (create it if None); its new ETag, else
+        ``LostRace``. A write whose answer was lost (the retry then failed its precondition) is
+        recognised by reading the object back: holding ``data``, it landed; holding ``unacked``
+        (an earlier body this writer sent over ``etag`` unanswered), it is still this writer's."""
         try:
             return self._put(path, data, etag)
         except LostRace:
@@ -203,7 +193,7 @@ class Remote:
                 return self._put(path, data, found.etag)
             raise
 
-    def _put(self, path: str, data: bytes, etag: Optional[str]) -> Optional[str]:
+    def _put(self, path: str, data: Any, etag: Optional[str]) -> Optional[str]:
         mode: Any = "create" if etag is None else {"e_tag": etag}
         try:
             return obstore.put(self.store(len(data)), path, data, mode=mode)["e_tag"]
@@ -225,8 +215,7 @@ class Remote:
 
 
 def open_remote(url: str, *, retries: int = 3, timeout: float = DEFAULT_TIMEOUT) -> Remote:
-    """The replica at ``url`` (``s3://bucket/prefix``), configured from the environment;
-    ``timeout`` is what a request moving little data may take (see ``Remote``)."""
+    """The replica at ``url`` (``s3://bucket/prefix``), configured from the environment."""
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
         raise FormatError(f"{url!r} is not a replica URL: use s3://bucket/prefix")

@@ -1,39 +1,30 @@
 """The replicator: ships a journal's durable bytes to its replica, round by round.
 
-A round reads what is new in the log files (whole commit groups only, every CRC checked),
-fsyncs those files (so nothing is shipped that the node itself could still lose), uploads
-new segments (create-only, per key, CRCs checked first), the newest snapshot and the new
-log bytes as create-only *parts* named with the lease generation, then commits the
-manifest by compare-and-swap. Data goes before the manifest that points at it. Log files
-and snapshots that the newest snapshot covers, and segments that the node collected and
-no log or snapshot in the manifest references, leave the manifest and become garbage,
-deleted once they have been garbage for the grace period.
-
-The replicator only reads the journal's files: the writer never waits on it or on the
-network. ``follow`` runs rounds every ``interval`` seconds; what a lost node can lose is
-what was written since the last completed round.
+A round reads the log files' new whole commit groups (every CRC checked) and fsyncs them,
+uploads new segments, the newest snapshot and the new log bytes as create-only objects
+named with the lease generation, then commits the manifest by compare-and-swap: data before
+the manifest pointing at it. What the newest snapshot covers, and segments collected on the
+node that nothing in the manifest references, become garbage, deleted after the grace
+period. The replicator only reads the journal's files: the writer never waits on it.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from kvj.errors import CorruptionError, FormatError, KvjError, SegmentMissing
-from kvj.fileio import fsync_path, open_read
-from kvj.journal.framing import FILE_HEADER_SIZE
+from kvj.errors import FormatError, KvjError, SegmentMissing
+from kvj.fileio import open_read
 from kvj.journal.journal import default_store_path
-from kvj.journal.reader import TORN, Damage, Scan, list_logs, log_seq, raise_on_damage, read_header
-from kvj.journal.records import RecordType, decode_payload
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.replica import manifest as mf
 from kvj.replica.lease import DEFAULT_TTL, Lease
-from kvj.replica.remote import LostRace, UnexpectedSize, Remote, RemoteUnavailable, md5_etag
+from kvj.replica.remote import LostRace, Remote, RemoteUnavailable
+from kvj.replica.tail import JournalTail, LocalLog
 
 DEFAULT_INTERVAL = 1.0
 DEFAULT_GRACE = 3600.0
@@ -67,28 +58,6 @@ class RoundResult:
         return asdict(self)
 
 
-@dataclass
-class _LocalLog:
-    """What the replicator knows of one local log file: its header and its parsed prefix."""
-
-    seq: int
-    base_lsn: int
-    salt: int
-    valid_end: int
-    last_lsn: int
-    keys: Set[str] = field(default_factory=set)
-    checked: bool = False  # its shipped prefix was compared with the replica's
-
-
-def record_keys(rtype: int, payload: bytes) -> List[str]:
-    """Segment keys a record points at."""
-    if rtype == RecordType.SEGMENT:
-        return [decode_payload(rtype, payload)["key"]]
-    if rtype in (RecordType.CHECKPOINT, RecordType.DELTA):
-        return [k for k in decode_payload(rtype, payload)["keys"].values() if isinstance(k, str)]
-    return []
-
-
 class Replicator:
     """Replicates the journal at ``journal`` to ``remote``. Use as a context manager."""
 
@@ -107,12 +76,10 @@ class Replicator:
         self.manifest = mf.Manifest()
         self._etag: Optional[str] = None
         self._unacked: Optional[bytes] = None  # a manifest sent whose answer was lost
-        self._logs: Dict[int, _LocalLog] = {}
+        self._tail = JournalTail(self.journal)
         self._remote_keys: Set[str] = set()
         self._snap_keys: Optional[Set[str]] = None
         self._store: Any = None
-
-    # -- lifecycle ----------------------------------------------------------------------
 
     def open(self) -> "Replicator":
         """Take the lease, fence older holders (manifest carries our generation), list the replica."""
@@ -179,8 +146,6 @@ class Replicator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- one round ----------------------------------------------------------------------
-
     def round(self) -> RoundResult:
         """Ship everything durable now; returns what was shipped. See the module docstring."""
         t0 = time.perf_counter()
@@ -191,12 +156,11 @@ class Replicator:
         m = mf.Manifest.from_json(old.to_json(), "manifest")
         try:
             snaps = list_snapshots(self.journal)
-            paths = list_logs(self.journal)
-            local = self._scan_logs(paths)
+            local = self._tail.scan()
             snap, pending = self._prepare_snapshot(snaps, m, result)
             local_keys = self._ship_segments(result)
             if pending is not None:  # after the segments its state points at
-                self._put_checked(*pending)
+                self.remote.put_once(*pending, self.verify)
             self._ship_logs(local, m, result, now)
         except FileNotFoundError as exc:
             raise JournalChanged(f"{exc.filename or exc}: vanished during the round (compaction); retrying") from None
@@ -244,57 +208,7 @@ class Replicator:
         self._unacked = None
         self.manifest = m
 
-    # -- logs ---------------------------------------------------------------------------
-
-    def _scan_logs(self, paths: List[str]) -> List[_LocalLog]:
-        """Walk what is new in each log file (whole groups, with ``reader.Scan``), then fsync
-        the files read."""
-        found: List[_LocalLog] = []
-        for index, path in enumerate(paths):
-            sealed = index < len(paths) - 1
-            seq = log_seq(path)
-            info = self._logs.get(seq)
-            if info is None:
-                header = read_header(path)
-                if header is None:
-                    if not sealed and os.path.getsize(path) <= FILE_HEADER_SIZE:
-                        break  # the writer is creating it: nothing in it was acknowledged
-                    raise CorruptionError(path, 0, "bad log file header")
-                info = _LocalLog(seq, header.base_lsn, header.salt, FILE_HEADER_SIZE, header.base_lsn - 1)
-                self._logs[seq] = info
-            if self._walk(path, info, sealed):
-                fsync_path(path)  # what we ship must be durable here too: the node can never lose it
-            found.append(info)
-        live = {i.seq for i in found}
-        for seq in [s for s in self._logs if s not in live]:
-            del self._logs[seq]
-        return found
-
-    def _walk(self, path: str, info: _LocalLog, sealed: bool) -> int:
-        """Read the whole groups after ``info.valid_end`` (the journal's own copy: its bytes are
-        what is uploaded), note their segment keys; returns the bytes consumed. Damage raises
-        ``CorruptionError``; an incomplete group at the end of the newest file is one still
-        being written (or a torn tail the writer will cut) and waits for the next round."""
-        def report(damage: Damage) -> None:
-            if damage.kind == TORN and sealed:
-                raise CorruptionError(path, damage.offset, "damaged commit group in a sealed log file")
-            raise_on_damage(damage)
-
-        scan = Scan(self.journal, logs=[path], after_lsn=info.last_lsn, start=(path, info.valid_end),
-                    reporter=report, mirror=False)
-        for rec in scan:
-            try:
-                info.keys.update(record_keys(rec.rtype, rec.payload))
-            except FormatError as exc:
-                raise CorruptionError(path, rec.offset, f"LSN {rec.lsn}: {exc}") from None
-            info.last_lsn = rec.lsn
-        if scan.end_offset < info.valid_end:  # the walk found no file: a compaction removed it
-            raise FileNotFoundError(errno.ENOENT, "log file vanished during the round", path)
-        consumed = scan.end_offset - info.valid_end
-        info.valid_end = scan.end_offset
-        return consumed
-
-    def _ship_logs(self, local: List[_LocalLog], m: mf.Manifest, result: RoundResult, now: float) -> None:
+    def _ship_logs(self, local: List[LocalLog], m: mf.Manifest, result: RoundResult, now: float) -> None:
         """Upload new log bytes as parts; the manifest keeps the logs the snapshot does not cover."""
         floor = m.snapshot.lsn if m.snapshot else 0
         start = 0
@@ -323,7 +237,7 @@ class Replicator:
         for entry, start_, end, fut in futures:
             entry.parts.append(fut.result())
             entry.size = end
-            entry.last_lsn = self._logs[entry.seq].last_lsn
+            entry.last_lsn = self._tail.logs[entry.seq].last_lsn
             result.parts_uploaded += 1
             result.log_bytes += end - start_
         for entry in kept:  # a sealed log's parts become one object: restore reads one, not thousands
@@ -337,7 +251,7 @@ class Replicator:
         m.logs = kept
         m.last_lsn = kept[-1].last_lsn if kept else floor
 
-    def _check_same(self, info: _LocalLog, entry: mf.LogEntry) -> None:
+    def _check_same(self, info: LocalLog, entry: mf.LogEntry) -> None:
         """The replica's copy of a log must be a prefix of ours (same header, same bytes)."""
         name = f"{self.remote.url} log {entry.name}"
         if (info.base_lsn, info.salt) != (entry.base_lsn, entry.salt):
@@ -347,28 +261,20 @@ class Replicator:
                            "bytes: the replica is ahead of this journal")
         if not info.checked and entry.parts:
             last = entry.parts[-1]
-            with open_read(os.path.join(self.journal, entry.name)) as f:
-                f.seek(last.start)
-                if mf.digest(f.read(last.end - last.start)) != last.blake3:
-                    raise Diverged(f"{name}: bytes {last.start}-{last.end} differ from the local file")
+            if mf.digest(self._tail.read(entry.seq, last.start, last.end)) != last.blake3:
+                raise Diverged(f"{name}: bytes {last.start}-{last.end} differ from the local file")
             info.checked = True
 
     def _upload_part(self, seq: int, start: int, end: int) -> mf.Part:
-        with open_read(os.path.join(self.journal, f"{seq:016d}.log")) as f:
-            f.seek(start)
-            data = f.read(end - start)
-        if len(data) != end - start:
-            raise CorruptionError(f.name, start, "log file shrank while it was being replicated")
+        data = self._tail.read(seq, start, end)
         obj = mf.part_object(seq, start, end, self.lease.generation)
-        self._put_checked(obj, data)
+        self.remote.put_once(obj, data, self.verify)
         return mf.Part(obj, start, end, mf.digest(data))
-
-    # -- snapshots and segments ---------------------------------------------------------
 
     def _prepare_snapshot(self, snaps: List[Tuple[int, str]], m: mf.Manifest,
                           result: RoundResult) -> Tuple[Optional[Set[str]], Optional[Tuple[str, bytes]]]:
         """Enter the newest local snapshot in ``m`` if the replica's is older: (the keys the
-        replica's snapshot needs, None if unknown; the (object, bytes) still to upload)."""
+        replica's snapshot needs, None if unknown; the (object, bytes) to upload)."""
         if not snaps:
             return (set() if m.snapshot is None else None), None
         lsn, path = snaps[0]
@@ -420,24 +326,8 @@ class Replicator:
             return None  # collected locally since the listing
         if self.verify:
             check_stored(data, store.backend.describe(key))  # never ship a damaged copy as good
-        self._put_checked(mf.segment_object(key), data)
+        self.remote.put_once(mf.segment_object(key), data, self.verify)
         return len(data)
-
-    def _put_checked(self, obj: str, data: Any) -> None:
-        """Create-only upload; an existing object must hold the same bytes (else corruption)."""
-        etag = self.remote.put_create(obj, data)
-        if etag is None:
-            try:
-                same = self.remote.read(obj, len(data)) == bytes(data)
-            except UnexpectedSize:
-                same = False
-            if not same:
-                raise CorruptionError(f"{self.remote.url}/{obj}", None, "the replica holds different bytes under "
-                                      "this name")
-            return
-        if self.verify and _plain_md5(etag) and etag != md5_etag(data):
-            raise CorruptionError(f"{self.remote.url}/{obj}", None, f"the object store stored other bytes than "
-                                  f"were sent (ETag {etag})")
 
     def _collect_segments(self, m: mf.Manifest, local: Set[str], now: float, snap_keys: Optional[Set[str]]) -> None:
         """Segments gone locally that no log or snapshot in the manifest references become garbage."""
@@ -445,7 +335,7 @@ class Replicator:
             return  # what the replica's snapshot needs is unknown here: collect nothing
         needed = set(snap_keys or ())
         for entry in m.logs:
-            needed |= self._logs[entry.seq].keys
+            needed |= self._tail.logs[entry.seq].keys
         for key in self._remote_keys:
             obj = mf.segment_object(key)
             if key in local or key in needed:
@@ -453,17 +343,12 @@ class Replicator:
             else:
                 m.garbage.setdefault(obj, now)
 
-    # -- follow -------------------------------------------------------------------------
-
     def follow(self, interval: float, stop: threading.Event,
                on_round: Optional[Callable[[RoundResult], None]] = None,
                on_error: Optional[Callable[[BaseException], None]] = None) -> None:
-        """Run rounds every ``interval`` seconds until ``stop`` is set.
-
-        An unreachable endpoint or a concurrent compaction fails only that round (reported
-        to ``on_error``); rounds retry with a backoff doubling up to 30 s. Losing the lease,
-        corruption and divergence end the loop (raised).
-        """
+        """Run rounds every ``interval`` seconds until ``stop`` is set. An unreachable endpoint
+        or a concurrent compaction fails only that round (``on_error``; the wait doubles up to
+        ``MAX_BACKOFF``); losing the lease, corruption and divergence raise."""
         wait = interval
         while not stop.is_set():
             started = time.monotonic()
@@ -480,17 +365,11 @@ class Replicator:
             stop.wait(max(0.0, wait - (time.monotonic() - started)))
 
 
-def _plain_md5(etag: str) -> bool:
-    inner = etag.strip('"')
-    return len(inner) == 32 and all(c in "0123456789abcdef" for c in inner)
-
-
 def replicate_once(replicator: Replicator, attempts: int = 5) -> RoundResult:
     """One round, retried when a concurrent compaction moved files under it."""
-    for attempt in range(attempts):
+    for _ in range(attempts - 1):
         try:
             return replicator.round()
         except JournalChanged:
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return replicator.round()

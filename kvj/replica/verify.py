@@ -1,8 +1,5 @@
-"""Check a replica without restoring it: the continuity of the replicated log and that every
-segment it needs is present and intact (like ``wal-g wal-verify`` and ``restic check
---read-data-subset``). ``sample`` reads only that fraction of the segments in full
-(presence and size are always checked for all), chosen with a printed seed.
-"""
+"""Check a replica without restoring it (like ``wal-g wal-verify``): the replicated log's
+continuity, and every segment it needs present, a ``sample`` of them read in full."""
 
 from __future__ import annotations
 
@@ -12,15 +9,13 @@ import secrets
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from kvj.errors import CorruptionError, FormatError
 from kvj.journal.replay import replay
 from kvj.replica import manifest as mf
+from kvj.replica.pull import Progress, download_journal, load_manifest, segment_sizes
 from kvj.replica.remote import Remote
-from kvj.replica.pull import download_journal, load_manifest, segment_sizes
-
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -48,6 +43,7 @@ class VerifyReport:
 
 
 def _read_segment(remote: Remote, key: str, size: int) -> Optional[str]:
+    """What is wrong with segment ``key``'s object, read in full; None if nothing."""
     from kvj.segments import segfile
 
     obj = mf.segment_object(key)
@@ -64,7 +60,7 @@ def _read_segment(remote: Remote, key: str, size: int) -> Optional[str]:
 
 def verify_remote(remote: Remote, *, sample: float = 1.0, seed: Optional[int] = None, threads: int = 8,
                   progress: Optional[Progress] = None) -> VerifyReport:
-    """Verify the replica at ``remote`` (see the module docstring)."""
+    """Verify the replica at ``remote``; the sample is chosen with ``seed`` (random if None, reported)."""
     if not 0.0 < sample <= 1.0:
         raise FormatError(f"sample {sample} is not a fraction in (0, 1]")
     report = VerifyReport(url=remote.url, sample=sample, seed=secrets.randbelow(1 << 31) if seed is None else seed)

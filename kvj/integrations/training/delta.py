@@ -1,6 +1,5 @@
-"""The XOR delta of a training stream against its base (``kvj-train-xor/1``, kvj-segment(5)
-XOR DELTA): the raw bits of both XORed by the codecs' ``XorDelta`` filter, held as the
-integer type of the element's size."""
+"""The XOR delta of a training stream against its base (kvj-segment(5) XOR DELTA): raw bits
+XORed by the codecs' ``XorDelta`` filter, held as the integer type of the element's size."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Capture: training state off the device into host streams and one document, and back.
 
-``StateBuffers.capture`` takes a state off the device without the host waiting for the GPU.
 The tensors of one role and dtype share a *stream* (the model's float32 weights, Adam's
-``exp_avg``...); on a GPU each stream's tensors are gathered, on kvj's side stream, into one
-device buffer kept for the run, and copied with one device-to-host copy into host buffers
-kept for the run (pinned, one per save in flight), all through ``kvj.segments.device``; only
-the optimizer's next step waits for the gather, on the GPU (a step pre-hook). On the CPU the
-tensors are stacked straight into the host buffers. Everything else (the structure, numbers,
-the RNG tuples) is one msgpack document (format ``FORMAT``, kvj-segment(5) TRAINING STATE);
-``materialize`` rebuilds the nested state from a document and its streams.
+``exp_avg``...), everything else is one msgpack document (kvj-segment(5) TRAINING STATE).
+On a GPU each stream is gathered on kvj's side stream into a device buffer kept for the run
+and leaves in one device-to-host copy, without the host waiting; ``materialize`` rebuilds the
+nested state from a document and its streams.
 """
 
 from __future__ import annotations
@@ -30,15 +26,10 @@ FORMAT = "kvj-train/2"
 
 class Capture:
     """Host copies of a training state: ``streams`` (one flat tensor per role and dtype) and
-    ``document`` (the structure and plain values).
-
-    Device tensors reach ``streams`` through ``kvj.segments.device`` copies that may still
-    be running: ``wait`` before reading them (the saver thread does), then ``release`` them,
-    so the next capture can reuse their buffer (``StateBuffers``). Until ``wait`` returns,
-    the capture keeps the device tensors the copies read referenced, so their memory is not
-    handed out again while kvj's stream still reads it (what ``record_stream`` would buy,
-    without an allocator call per tensor).
-    """
+    ``document`` (the structure and plain values). Copies into ``streams`` may still run:
+    ``wait`` before reading them, then ``release`` the buffer for the next capture. Until
+    ``wait`` returns the device tensors read stay referenced, so their memory is not reused
+    while kvj's stream reads it (``record_stream`` without an allocator call per tensor)."""
 
     def __init__(self, streams: Dict[str, torch.Tensor], document: Dict[str, Any],
                  ready: Tuple[Tuple[Any, Any], ...] = (), *, sources: Tuple[torch.Tensor, ...] = (),
@@ -55,15 +46,14 @@ class Capture:
         return msgspec.msgpack.encode(self.document)
 
     def wait(self) -> None:
-        """Block until the copies have landed (blocking events: no core spins meanwhile); if
-        waiting fails, their stream is settled before the error goes up (``Cuda.finish``)."""
+        """Block until the copies have landed (``Cuda.finish``: no core spins, a failure settles the stream)."""
         for event, stream in self._ready:
             cuda.CUDA.finish(event, stream)
         self._ready, self._sources = (), ()
 
     def release(self, landed: bool = True) -> None:
-        """Give the host buffer back for the next capture; with ``landed`` False (``wait``
-        failed: a copy may still write into it) it is dropped instead."""
+        """Give the host buffer back for the next capture; dropped instead unless ``landed`` (a
+        copy may still write into it)."""
         owner, buffer, self._owner, self._buffer = self._owner, self._buffer, None, None
         if owner is not None and buffer is not None and landed:
             owner.give_back(buffer)
@@ -97,12 +87,10 @@ def _encode(value: Any, path: Tuple[Any, ...], leaves: List[Tuple[Tuple[Any, ...
     if isinstance(value, torch.Tensor):
         leaves.append((path, value))
         return {"t": len(leaves) - 1}
-    if isinstance(value, (bool, str, bytes)):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, np.generic):
-        return value
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, _PLAIN):  # a subclass: an IntEnum, a str...
+        return value
     if isinstance(value, np.ndarray):
         leaves.append((path, value))
         return {"n": len(leaves) - 1}
@@ -166,25 +154,14 @@ def _stack_into(flat: torch.Tensor, groups: _Groups, tensors: List[torch.Tensor]
 
 
 class StateBuffers:
-    """The memory training state leaves the device through, allocated once and reused.
+    """The memory training state leaves the device through, allocated once and reused: per
+    device one gather buffer (allocated and used only on kvj's side stream), on the host up to
+    ``sets`` buffers (pinned for device tensors) that captures take turns in.
 
-    Per device one gather buffer, on the device; on the host up to ``sets`` buffers (pinned
-    when the state has device tensors) that consecutive captures take turns in, so a
-    capture still being stored is never overwritten (``StateJournal`` holds at most
-    ``max_pending`` captures and keeps that many). A capture gathers each stream's device
-    tensors into its slice of the gather buffer on kvj's side stream (one ``torch.stack``
-    per run of same-shaped tensors, not a copy per tensor) and copies each slice to the host
-    with one device-to-host copy. The gather buffer is allocated on that side stream and used
-    only there, so it needs no ``record_stream``.
-
-    The live tensors may change again once the gather has read them. With ``optimizer``,
-    its next ``step`` waits for that on the GPU (a step pre-hook): the next forward and
-    backward run alongside the gather and the copy; only the step, which updates the state in
-    place, waits. That holds for the state's ``model`` and ``optimizer`` parts (as
-    ``training_state`` makes them), which nothing but that step may change in place; the
-    rest (the scaler's scale, the caller's data...) is gathered first and the caller's stream
-    waits for that small gather at once, as it waits for the whole gather without ``optimizer``.
-    """
+    With ``optimizer``, only its next ``step`` waits on the GPU for a gather of the state's
+    ``model`` and ``optimizer`` parts (a step pre-hook), which nothing else changes in place;
+    the rest (the scaler's scale, the caller's data) is gathered first and the caller's
+    stream waits for that at once, as for the whole gather without ``optimizer``."""
 
     def __init__(self, sets: int = 2, optimizer: Optional[torch.optim.Optimizer] = None):
         self.sets = sets
@@ -196,8 +173,7 @@ class StateBuffers:
                       if optimizer is not None else None)
 
     def close(self) -> None:
-        """Remove the optimizer step pre-hook. (The captures' ``wait`` is what orders later
-        changes to the tensors they read: ``StateJournal.close`` returns after every save's.)"""
+        """Remove the optimizer step pre-hook (the captures' ``wait`` orders what comes later)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -231,8 +207,8 @@ class StateBuffers:
         return buf
 
     def capture(self, state: Mapping[str, Any]) -> Capture:
-        """Host copies of ``state`` (any nested mapping of tensors, arrays and plain
-        values), queued on the caller's thread without waiting for the GPU; see ``Capture``."""
+        """Host copies of ``state`` (any nested mapping of tensors, arrays and plain values),
+        queued on the caller's thread without waiting for the GPU."""
         leaves: List[Tuple[Tuple[Any, ...], Any]] = []
         tree = _encode(state, (), leaves)
         tensors: List[torch.Tensor] = []
@@ -295,10 +271,9 @@ class StateBuffers:
 
     def _download(self, device: torch.device, parts: List[Tuple[str, int, int, _Groups]],
                   streams: Dict[str, torch.Tensor], tensors: List[torch.Tensor], guarded: set) -> Tuple[Any, Any]:
-        """Gather ``device``'s part of each stream into its gather buffer and queue one copy
-        of each part to the host, on kvj's side stream after the caller's queued work (the
-        streams the optimizer step does not guard first). Returns (the copies' event, the
-        side stream)."""
+        """Gather ``device``'s part of each stream (those the optimizer step does not guard
+        first) and queue one copy of each to the host, on kvj's side stream after the caller's
+        queued work; returns (the copies' event, the side stream)."""
         if self._hook is not None:
             parts = sorted(parts, key=lambda part: part[0] in guarded)
         # The parts before ``first`` are read before the caller's stream goes on; the rest
@@ -335,17 +310,15 @@ class StateBuffers:
 
 
 def capture(state: Mapping[str, Any]) -> Capture:
-    """``StateBuffers(1).capture(state)``: host copies in fresh buffers, for a one-off save
-    (a loop that saves every step keeps its buffers: ``StateJournal`` does)."""
+    """Host copies of ``state`` in fresh buffers, for a one-off save."""
     return StateBuffers(1).capture(state)
 
 
 def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torch.Tensor],
                 on_device: Optional[Mapping[str, Tuple[int, torch.Tensor]]] = None) -> Dict[str, Any]:
-    """The nested state a ``Capture``'s document (encoded or parsed) and streams describe
-    (tensors that are views of ``streams``; NumPy arrays copied). ``on_device`` maps a
-    stream to (offset, its part from that offset on, on a device): the leaves in that part
-    are views of it instead."""
+    """The nested state a document (encoded or parsed) and its streams describe: tensors are
+    views of ``streams`` or, from the offset ``on_device`` maps a stream to, of the device
+    part it gives; NumPy arrays are copies."""
     try:
         parsed = parse_document(doc) if isinstance(doc, (bytes, bytearray)) else doc
         if parsed.get("format") != FORMAT:
@@ -365,6 +338,7 @@ def materialize(doc: Union[bytes, Mapping[str, Any]], streams: Mapping[str, torc
 
 
 def parse_document(doc: bytes) -> Dict[str, Any]:
+    """A save's msgpack document, parsed; ``FormatError`` for anything but a map."""
     try:
         parsed = msgspec.msgpack.decode(doc)
     except (ValueError, TypeError, RecursionError, msgspec.DecodeError) as exc:

@@ -1,15 +1,9 @@
 """Journaling training saves: a checkpoint every ``full_every`` steps, XOR deltas between.
 
-Every ``full_every`` steps each stream of a save (``kvj.integrations.training.host``) bigger
-than ``INLINE_BYTES`` is stored as a segment and the save is journaled as a checkpoint; at
-other steps such a stream is XORed, as raw bits, against the last full state
-(``kvj.integrations.training.delta``) and stored through the automatic codec when that pays
-(a value that moved a little keeps its sign and exponent, so the XOR's high planes are nearly
-all zeros), whole otherwise. Smaller streams (a step counter, the RNG states) travel inside
-the save's document: a file and an fsync each would cost more than they hold. Deltas are
-against the last full state, not chained, so recovery reads one checkpoint and one delta.
-``StateJournal`` stores on a background thread: the loop waits neither for the disk nor for
-the copy.
+A delta XORs each stream against the last checkpoint (never chained: recovery reads one of
+each), which the codec stores small when values moved a little; small streams travel inside
+the save's document (kvj-segment(5) TRAINING STATE). Saves are stored on a background
+thread: the training loop waits neither for the disk nor for the copy.
 """
 
 from __future__ import annotations
@@ -34,11 +28,10 @@ if TYPE_CHECKING:
 
 FULL_FORMAT = "kvj-train-full/1"
 DELTA_FORMAT = "kvj-train-xor/1"
-#: The record key of the document segment (structure and plain values); streams are "s:<name>".
+#: The record keys of a save's document and of its streams' segments ("s:<name>").
 TREE = "tree"
 STREAM_PREFIX = "s:"
-#: Streams this small (a step counter, the RNG states) travel inside the save's document
-#: instead of a segment of their own, which would cost a file and an fsync per save.
+#: Streams this small travel inside the document: a segment would cost a file and an fsync.
 INLINE_BYTES = 64 << 10
 
 
@@ -53,8 +46,8 @@ class Tally:
 
 @dataclass
 class SaveStats:
-    """Bytes written by full checkpoints and by deltas, in total and per stream; ``whole``
-    counts streams a delta stored whole (their XOR did not pay)."""
+    """Bytes written by checkpoints and deltas, in total and per stream (``whole``: streams a
+    delta stored whole, their XOR not paying)."""
 
     full: Tally = field(default_factory=Tally)
     delta: Tally = field(default_factory=Tally)
@@ -79,19 +72,13 @@ class SaveStats:
 class StateJournal:
     """Journals training state: a checkpoint every ``full_every`` steps, a delta otherwise.
 
-    ``save`` captures the state (host copies, on the caller's thread) and hands it to one
-    background thread (at most ``max_pending`` saves queue; more block the caller), which
-    stores the segments durably and then appends the checkpoint or delta record, durably: the
-    record is the commit point (``durable_step`` tells how far that has come). A delta stores
-    each stream as its XOR against the last full save when that is stored smaller than the
-    stream itself, else whole (``meta.whole`` lists those). Which pays is learnt from what was
-    stored, without trial compressions: the 1st, 2nd, 4th, 8th... delta on a base stores the
-    XOR and compares its stored size with the stream's last whole one (the full save's, until a
-    delta stores it whole); deltas between repeat that choice. A save whose streams differ
-    from the base's (the optimizer's state appears at its first step) is a full one. ``close``
-    (or leaving a ``with`` block) waits for every save. Resuming, pass the ``RecoveredState``
-    so the next deltas are taken against its base. Pass the ``optimizer`` whose state is
-    saved, and on a GPU only its next step waits for a save's gather (``StateBuffers``).
+    ``save`` captures the state on the caller's thread and queues it (at most ``max_pending``)
+    for one background thread, which stores the segments, then appends the record durably:
+    the commit point (``durable_step``). A delta stores a stream whole when its XOR does not
+    store smaller, learnt without trial compressions: the 1st, 2nd, 4th, 8th... delta on a
+    base tries the XOR against the stream's last whole size, deltas between repeat the choice.
+    A save whose streams differ from the base's is a full one. Resuming, pass the
+    ``RecoveredState``; pass the ``optimizer`` so that on a GPU only its next step waits.
     """
 
     def __init__(self, journal: "Journal", full_every: int, *, model: str,
@@ -106,16 +93,14 @@ class StateJournal:
         self.model = model
         self.stats = SaveStats()
         self._buffers = StateBuffers(max_pending, optimizer)
-        # The last full save's streams, in host memory of the journal's own (the capture's
-        # buffer goes back to the next capture): what deltas are XORed against.
+        # The last full save's streams, in host memory of its own: what deltas are XORed against.
         self._base: Optional[Tuple[int, Dict[str, torch.Tensor]]] = None
         self._base_owned = False  # whether the base's buffers are ours to overwrite
         if resume is not None:
             self._base = (resume.base_step, dict(resume.base.streams))
         self._base_signature = resume.base.signature() if resume is not None else None
-        # Whether a stream's XOR paid, and the deltas taken against the current base: the
-        # choice is tried again at the 1st, 2nd, 4th, 8th... delta (as values drift), against
-        # the stream's stored size when last stored whole (unknown after a resume: XOR).
+        # Whether a stream's XOR paid, its stored size when last whole (unknown after a resume:
+        # XOR), and the deltas taken against the current base.
         self._xor_pays: Dict[str, bool] = {}
         self._whole_size: Dict[str, int] = {}
         self._deltas_on_base = 0
@@ -129,11 +114,9 @@ class StateJournal:
         self._failure: Optional[BaseException] = None  # the first save that failed
 
     def save(self, step: int, state: Union[Mapping[str, Any], Capture]) -> "Future[None]":
-        """Journal ``state`` (e.g. ``training_state(...)``) as the state after ``step``. The
-        host copy is queued before this returns, so the caller may go on at once: the next
-        ``optimizer.step`` (given an ``optimizer``), or else any later work on the caller's
-        stream, waits on the GPU until the copy has read the state (``StateBuffers``). After
-        a save failed, every later one raises that failure: nothing after it is durable."""
+        """Journal ``state`` (e.g. ``training_state(...)``) as the state after ``step``; the caller
+        may go on at once (``StateBuffers`` orders its stream). After a save failed, every later
+        one raises that failure: nothing after it is durable."""
         self._slots.acquire()
         try:
             if self._failure is not None:
@@ -216,8 +199,8 @@ class StateJournal:
             self._appended.append((step, lsn))
 
     def _keep_base(self, step: int, snap: Capture) -> None:
-        """Copy the full save ``snap`` into the base buffers (reused while the streams keep
-        their sizes; a resumed base is the caller's, never overwritten)."""
+        """Copy the full save ``snap`` into the base buffers (reused while the streams keep their
+        sizes; a resumed base is the caller's, never overwritten)."""
         old = self._base[1] if self._base is not None and self._base_owned else {}
         base = {}
         for name, t in snap.streams.items():
@@ -229,9 +212,8 @@ class StateJournal:
 
     @property
     def durable_step(self) -> Optional[int]:
-        """The newest step whose save is durable, so where a crash now would resume (None
-        before the first). It trails the step just saved by the saves still queued or being
-        stored and the journal's group-commit delay."""
+        """The newest step whose save is durable: where a crash now would resume (None before the
+        first)."""
         durable_lsn = self.journal.durable_lsn
         with self._lock:
             while self._appended and self._appended[0][1] <= durable_lsn:

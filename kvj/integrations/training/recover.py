@@ -1,8 +1,5 @@
-"""Recovering training state: the journal's checkpoint XOR its newest readable delta.
-
-Deltas are against the checkpoint, not chained: recovery reads one checkpoint and one delta,
-and a damaged delta falls back to the one before it (``RecoveredState.fallback`` says why).
-"""
+"""Recovering training state: the journal's checkpoint XOR its newest readable delta (a
+damaged delta falls back to the one before it, ``RecoveredState.fallback`` says why)."""
 
 from __future__ import annotations
 
@@ -25,9 +22,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class RecoveredState:
-    """Training state rebuilt from the journal: ``state`` is what was saved (the nested
-    structure, its tensors on the device recovery was asked for) after ``step``; ``base``
-    the full save the deltas are against (on the CPU)."""
+    """Training state rebuilt from the journal: ``state``, as saved after ``step`` (its tensors
+    on the device asked for), and ``base``, the full save the deltas are against (on the CPU)."""
 
     step: int
     state: Dict[str, Any]
@@ -47,8 +43,7 @@ def _inline_streams(parsed: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
 
 def _load(store: "SegmentStore", keys: Mapping[str, str]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor],
                                                                    Dict[str, torch.Tensor]]:
-    """A save's document (parsed), its streams stored as segments, and those inside the
-    document, all on the CPU."""
+    """A save's document (parsed), its streams stored as segments, and those inside the document."""
     if TREE not in keys:
         raise FormatError("training record has no state document: written by kvj 0.1.0's flat format, "
                           "which this kvj does not resume (finish that run with kvj 0.1.0)")
@@ -59,9 +54,8 @@ def _load(store: "SegmentStore", keys: Mapping[str, str]) -> Tuple[Dict[str, Any
 
 def _placed(doc: Mapping[str, Any], streams: Mapping[str, torch.Tensor],
             device: Union[str, torch.device]) -> Dict[str, Any]:
-    """The state ``doc`` describes, from host ``streams``: the leaves captured on a device on
-    ``device`` (one upload per stream, through kvj's h2d copies, done when this returns), the
-    others (RNG states, a CPU ``step``...) on the CPU, as views of ``streams``."""
+    """The state ``doc`` describes, from host ``streams``: what was captured on a device goes to
+    ``device`` (one upload per stream, done on return), the rest stays views of ``streams``."""
     target = cuda.CUDA.resolve(device)
     starts = (doc.get("device") or {}) if target.type != "cpu" else {}
     if not (isinstance(starts, dict) and all(n in streams and isinstance(s, int) for n, s in starts.items())):
@@ -82,10 +76,9 @@ def _placed(doc: Mapping[str, Any], streams: Mapping[str, torch.Tensor],
 
 def recover_training(source: Union[JournalState, Mapping[str, Any]], store: "SegmentStore",
                      device: Union[str, torch.device] = "cpu") -> Optional[RecoveredState]:
-    """The newest training state the journal can rebuild: its checkpoint XOR its newest
-    readable delta, with its tensors on ``device`` (the base stays on the CPU). ``source`` is
-    ``kvj.replay`` state or the ``training`` part of a recovery manifest (``{"checkpoint":
-    {...}, "deltas": [...]}``). None when nothing was checkpointed."""
+    """The newest training state the journal can rebuild, its tensors on ``device``; None when
+    nothing was checkpointed. ``source``: ``kvj.replay`` state or the ``training`` part of a
+    recovery manifest."""
     if isinstance(source, JournalState):
         checkpoint, deltas = source.checkpoint, source.deltas
     else:

@@ -1,20 +1,13 @@
-"""What training state is, and the checks a resume makes before installing it.
-
-What is journaled is exactly the state training needs (``training_state``): the trainable
-parameters only (for a PEFT model, the adapter; frozen base weights never), the optimizer's
-whole ``state_dict()`` (any ``torch.optim`` optimizer: AdamW, SGD with momentum, Adafactor,
-fused or capturable variants), the LR scheduler, the gradient scaler, the RNG streams
-(Python, NumPy, torch CPU and CUDA), the step and the caller's data position. Any nested
-structure of tensors and plain values works, in any mix of dtypes. A resume checks every
-part against the live model and optimizer before copying anything (``restore_training_state``).
-"""
+"""What training state is (``training_state``), and the checks a resume makes before installing
+it (``restore_training_state``): every part is compared with the live model and optimizer
+before anything is copied."""
 
 from __future__ import annotations
 
 import random
 import warnings
 from itertools import chain
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -23,8 +16,8 @@ from kvj.errors import FormatError
 
 
 def trainable_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The parameters that train (``requires_grad``), by name: a PEFT model's adapter, never
-    its frozen base weights."""
+    """The parameters that train (``requires_grad``), by name: a PEFT model's adapter, never its
+    frozen base weights."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -39,19 +32,17 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     """Install an ``rng_state()``."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    # A copy of its own: torch.set_rng_state crashes (SIGSEGV, torch 2.13) on a tensor at a
-    # storage offset, which is what a view of a capture's stream is.
+    # A copy: torch.set_rng_state crashes (SIGSEGV, torch 2.13) on a tensor at a storage
+    # offset, which a view of a capture's stream is.
     torch.set_rng_state(state["torch"].clone())
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def optimizer_shapes(optimizer: torch.optim.Optimizer) -> List[List[List[int]]]:
-    """The shapes of the parameters ``optimizer`` holds, group by group (each group as
-    ``[ranks, dims]``: every parameter's number of dimensions, then all dimensions in one
-    list, which costs the save next to nothing): what its state was made for. Journaled
-    beside that state, so a resume can refuse state made for parameters of other shapes
-    (``load_state_dict`` takes it, and a fused kernel reads and writes past its end)."""
+    """The shapes of the parameters ``optimizer`` holds, per group ``[ranks, dims]``
+    (kvj-segment(5) TRAINING STATE): journaled beside its state, so a resume can refuse state
+    made for other shapes, which ``load_state_dict`` takes and a fused kernel overruns."""
     return [[[p.dim() for p in group["params"]], list(chain.from_iterable(p.shape for p in group["params"]))]
             for group in optimizer.param_groups]
 
@@ -76,11 +67,8 @@ def _journaled_shapes(record: Any) -> List[List[Tuple[int, ...]]]:
 
 
 def scaler_state(scaler: Any) -> Optional[Dict[str, Any]]:
-    """``scaler.state_dict()`` without its host synchronisation: ``state_dict()`` reads the
-    scale and the growth tracker with ``.item()``, which waits for the GPU at every save.
-    Here they are the scaler's own tensors (as a model's ``state_dict()`` holds its
-    parameters); ``StateBuffers`` reads them before the caller's stream goes on, and
-    ``load_scaler`` installs the result."""
+    """``scaler.state_dict()`` without its ``.item()`` host synchronisation at every save: the
+    scale and growth tracker as the scaler's own tensors (``load_scaler`` installs it)."""
     if scaler is None:
         return None
     if not scaler.is_enabled() or scaler._scale is None:  # disabled, or before its first scale(): no tensors
@@ -97,9 +85,8 @@ def load_scaler(scaler: Any, state: Mapping[str, Any]) -> None:
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
                    scheduler: Any = None, scaler: Any = None, data: Any = None, rng: bool = True) -> Dict[str, Any]:
     """What training needs to continue after ``step``, for ``StateJournal.save``: trainable
-    parameters, the optimizer's ``state_dict()`` (and the shapes of the parameters it is
-    for), the scheduler's and scaler's state, the RNG states and ``data`` (the caller's data
-    position: epoch, sampler state, samples seen). Nothing here waits for the GPU."""
+    parameters, the optimizer's state (and its parameters' shapes), scheduler, scaler, RNG
+    states and ``data`` (the caller's data position). Nothing here waits for the GPU."""
     return {"step": step, "model": trainable_state_dict(model), "optimizer": optimizer.state_dict(),
             "optimizer_shapes": optimizer_shapes(optimizer),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -107,20 +94,20 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, 
 
 
 def restore_training_state(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                           scheduler: Any = None, scaler: Any = None, rng: bool = True) -> int:
-    """Install a recovered ``training_state`` (``RecoveredState.state``); returns its step.
-
-    Everything is checked before anything is copied: a parameter or optimizer state that
-    does not fit (a changed LoRA rank, target modules, dtype or parameter grouping) is a
-    ``FormatError`` naming it. Optimizer settings that differ from the journaled ones (a new
-    learning rate...) are named in one warning: the journaled ones are what continues.
-    Optimizer state goes in through ``optimizer.load_state_dict``, so each value lands where
-    that optimizer keeps it (for fused or capturable AdamW, ``step`` on the parameter's device)."""
+                           scheduler: Any = None, scaler: Any = None, rng: bool = True,
+                           differences: Sequence[str] = ()) -> int:
+    """Install a recovered ``training_state``; returns its step. A parameter or optimizer state
+    that does not fit is a ``FormatError`` naming it, before anything is copied; settings that
+    differ from the journaled ones (and ``differences``, the caller's) are named in one
+    ``ResumeMismatch`` warning, and the journaled ones continue."""
     check_trainable(model, state.get("model"))
     check_optimizer_state(optimizer, state.get("optimizer"), state.get("optimizer_shapes"), model)
-    warn_changed_settings(optimizer, state["optimizer"])
+    changed = changed_settings(optimizer, state["optimizer"]) + list(differences)
+    if changed:
+        warnings.warn(f"resuming a run configured differently from the journaled one; the journaled values are "
+                      f"kept: {'; '.join(changed)}", ResumeMismatch, stacklevel=2)
     _copy_trainable(model, state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(state["optimizer"])  # each value lands where this optimizer keeps it
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
@@ -131,8 +118,8 @@ def restore_training_state(state: Mapping[str, Any], model: torch.nn.Module, opt
 
 
 def load_trainable(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy saved trainable parameters into ``model``: every trainable one must be there, of
-    its shape and dtype (``check_trainable``), or nothing is copied."""
+    """Copy saved trainable parameters into ``model``, all of them or, if one does not fit
+    (``check_trainable``), none."""
     check_trainable(model, tensors)
     _copy_trainable(model, tensors)
 
@@ -154,9 +141,8 @@ def _refuse(what: str, problems: List[str]) -> None:
 
 
 def check_trainable(model: torch.nn.Module, tensors: Any) -> None:
-    """``FormatError`` unless ``tensors`` holds exactly ``model``'s trainable parameters, each
-    a tensor of the parameter's shape and dtype (``copy_`` would broadcast a smaller one and
-    convert another dtype without a word)."""
+    """``FormatError`` unless ``tensors`` holds exactly ``model``'s trainable parameters, each of
+    its shape and dtype (``copy_`` would broadcast or convert without a word)."""
     if not isinstance(tensors, Mapping):
         raise FormatError(f"the journaled trainable parameters are a {type(tensors).__name__}, not a mapping")
     params = trainable_state_dict(model)
@@ -176,10 +162,8 @@ def check_trainable(model: torch.nn.Module, tensors: Any) -> None:
 def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, shapes: Any,
                           model: Optional[torch.nn.Module] = None) -> None:
     """``FormatError`` unless the journaled optimizer ``state_dict`` ``saved`` was made for
-    parameters of the shapes ``optimizer`` holds, group by group (``shapes``: what
-    ``optimizer_shapes`` journaled beside it). ``load_state_dict`` checks only the counts,
-    and a fused kernel given state of another size writes past its end. ``model`` names
-    the parameters in the message."""
+    parameters of the shapes ``optimizer`` holds, group by group (``shapes``: as
+    ``optimizer_shapes`` journaled them); ``model`` names the parameters in the message."""
     if not isinstance(saved, Mapping) or not isinstance(saved.get("param_groups"), list) \
             or not isinstance(saved.get("state"), Mapping):
         raise FormatError("the journaled optimizer state is not an optimizer state_dict")
@@ -209,23 +193,18 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, shapes: 
 
 
 class ResumeMismatch(UserWarning):
-    """A resumed run was configured differently from the journaled one (learning rate,
-    dataset size...); the journaled values are what continues."""
-
-
-#: Param group entries that are not settings. (With a scheduler attached, ``lr`` is not one
-#: either: it is where the schedule has taken the learning rate, ``initial_lr`` the setting.)
-_NOT_SETTINGS = ("params", "param_names")
+    """A resumed run was configured differently from the journaled one; the journaled values continue."""
 
 
 def changed_settings(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> List[str]:
     """The optimizer settings (learning rate, betas, weight decay, ``fused``...) in which
-    ``optimizer`` differs from the journaled ``state_dict`` ``saved``, one line each."""
+    ``optimizer`` differs from the journaled ``state_dict`` ``saved``, one line each. With a
+    scheduler, ``lr`` is where it took the rate: ``initial_lr`` is compared instead."""
     out = []
     for g, (journaled, here) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
         scheduled = "initial_lr" in journaled and "initial_lr" in here
         for key in sorted(set(journaled) | set(here), key=str):
-            if key in _NOT_SETTINGS or (key == "lr" and scheduled):
+            if key in ("params", "param_names") or (key == "lr" and scheduled):
                 continue
             a, b = _plain(journaled.get(key)), _plain(here.get(key))
             if a != b:
@@ -241,12 +220,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def warn_changed_settings(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
-    """One warning naming every optimizer setting this run changed against the journal: the
-    journaled values are what ``load_state_dict`` keeps."""
-    changed = changed_settings(optimizer, saved)
-    if changed:
-        warnings.warn(f"resuming with optimizer settings that differ from the journal's; the journaled ones are "
-                      f"kept: {'; '.join(changed)}", ResumeMismatch, stacklevel=3)
