@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvj.journal.journal import Journal
     from kvj.journal.records import RecordType
     from kvj.journal.replay import replay
-    from kvj.journal.policy import CommitPolicy
+    from kvj.journal.config import CommitPolicy
     from kvj.journal.state import JournalState, RequestState, SegmentRef
 
 __version__ = "0.1.0"
@@ -45,7 +45,7 @@ _LAZY = {
     **{name: "kvj.errors" for name in _ERRORS},
     "Journal": "kvj.journal.journal", "RecordType": "kvj.journal.records", "replay": "kvj.journal.replay",
     "JournalState": "kvj.journal.state", "RequestState": "kvj.journal.state", "SegmentRef": "kvj.journal.state",
-    "CommitPolicy": "kvj.journal.policy",
+    "CommitPolicy": "kvj.journal.config",
 }
 
 

@@ -1,51 +1,114 @@
-"""Where the reader takes each commit group of one log file from: the file's copies, arbitrated
-(spec: man/kvj-journal.5, MIRROR and THE END OF THE LOG).
+"""Where a read pass takes each commit group from: which copy of a log file (spec:
+man/kvj-journal.5, MIRROR), through which files (held open since one moment, or by path).
 
-A mirrored journal keeps two copies of each log file, byte for byte the same. A
-``GroupSource`` holds the copies of one file, the journal's first, and gives the walk
-(``reader.Scan``) each group from the first copy that holds it intact, reporting each copy
-that lacks it, holds it damaged or differs (not an error: the data is intact). Only damage
-in every copy is damage, and a tail is damaged only when every copy holding bytes there
-shows damage (a group is acknowledged only once written in every copy, so one copy's torn
-write proves it was not). A copy is read only when the walk needs it, unless ``verify``
-(fsck) reads and checks every copy. A journal without a mirror is the case of one copy; a
-file given as bytes (a replica's download) is one copy that is never read from the disk.
+A ``GroupSource`` gives the walk each group from the first copy that holds it intact, reporting
+each copy that lacks it, damages it or differs (not an error: the data is intact). Only damage
+in every copy is damage; a tail is damaged only when every copy holding bytes there shows damage
+(a group is acknowledged only once in every copy). A journal without a mirror is one copy.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import BinaryIO, Callable, Dict, List, Optional, Tuple
 
-from kvj.journal.framing import (FILE_HEADER_SIZE, FileHeader, RawRecord, TailEvidence, decode_file_header,
-                                 header_torn, later_group_exists, parse_group, tail_evidence)
-from kvj.journal.pinned import DIRECT, Files
+from kvj.errors import KvjError
+from kvj.fileio import open_read, open_regular
+from kvj.journal.framing import (FILE_HEADER_SIZE, FileHeader, RawRecord, decode_file_header, header_torn,
+                                 later_group_exists, parse_group)
+from kvj.journal.tail import TailEvidence, tail_evidence
+
+
+class Pinned:
+    """The listings and files one read pass sees. A compaction unlinks the files its snapshot
+    covers; POSIX keeps an unlinked file's bytes while a descriptor holds it, so replay holds
+    them first (as LevelDB's readers pin a ``Version``). A held file is read through its
+    descriptor (from byte 0 at each ``open``: one pass, one thread), a held name that did not
+    exist then does not exist for the pass, and anything not held is read by path."""
+
+    def __init__(self) -> None:
+        self._listings: Dict[str, Optional[List[str]]] = {}
+        self._fds: Dict[str, Optional[int]] = {}
+
+    def hold_listing(self, directory: str) -> Optional[List[str]]:
+        """List ``directory`` now and keep that listing (None: it does not exist)."""
+        try:
+            names: Optional[List[str]] = os.listdir(directory)
+        except FileNotFoundError:
+            names = None
+        self._listings[directory] = names
+        return names
+
+    def hold(self, path: str) -> bool:
+        """Open ``path`` now and keep it; False when it does not exist, or cannot be opened (a FIFO
+        in its place, EIO: then it is not held, and fails as before if the pass opens it)."""
+        try:
+            fd: Optional[int] = open_regular(path)
+        except FileNotFoundError:
+            fd = None
+        except (OSError, KvjError):
+            return False
+        self._fds[path] = fd
+        return fd is not None
+
+    def listdir(self, directory: str) -> List[str]:
+        if directory not in self._listings:
+            return os.listdir(directory)
+        names = self._listings[directory]
+        if names is None:
+            raise FileNotFoundError(errno.ENOENT, "no such directory when the pass began", directory)
+        return list(names)
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds[path]
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file when the pass began", path)
+        return fd
+
+    def open(self, path: str) -> BinaryIO:
+        if path not in self._fds:
+            return open_read(path)
+        fd = os.dup(self._fd(path))
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.fdopen(fd, "rb")
+
+    def size(self, path: str) -> int:
+        return os.fstat(self._fd(path)).st_size if path in self._fds else os.stat(path).st_size
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "Pinned":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+#: Holding nothing: every file by path, as it is now.
+DIRECT = Pinned()
 
 #: Told of each copy that lacks, damages or differs from what the walk reads from another:
 #: (that copy's path, the offset or None, why).
 CopyReport = Callable[[str, Optional[int], str], None]
 
-#: Told of the bytes each read of a copy brought in (how a walk counts its progress).
-ReadCount = Callable[[int], None]
-
-
-def copy_paths(path: str, mirror: Optional[str]) -> List[str]:
-    """The copies of log file ``path``: itself, and the mirror's file of the same name."""
-    return [path] + ([os.path.join(mirror, os.path.basename(path))] if mirror else [])
-
 
 class GroupSource:
-    """The copies of one log file, read from byte ``origin`` on (a group boundary)."""
+    """The copies of one log file (the journal's first), read from byte ``origin`` on (a group
+    boundary); ``data``: the one copy's bytes, given (a replica's download). A copy is read
+    only when the walk needs it, unless ``verify`` (fsck) reads and checks every copy."""
 
-    def __init__(self, paths: List[str], report: CopyReport, counted: ReadCount, *, origin: int = 0,
-                 verify: bool = False, data: Optional[bytes] = None, files: Files = DIRECT):
-        """``paths``: the copies, the journal's first; ``data``: the one copy's bytes, given;
-        ``files``: how they are opened."""
+    def __init__(self, paths: List[str], report: CopyReport, counted: Callable[[int], None], *, origin: int = 0,
+                 verify: bool = False, data: Optional[bytes] = None, files: Pinned = DIRECT):
         self.paths = paths
         self.files = files
         self.origin = origin
         self.report = report
-        self.counted = counted
+        self.counted = counted  # told of the bytes each read brought in
         self.verify = verify
         self._read: Dict[int, Optional[Tuple[bytes, bytes]]] = {}
         if data is not None:
@@ -55,18 +118,20 @@ class GroupSource:
         self._order: List[int] = []
         self._main_head = b""
 
-    # -- the copies' bytes ---------------------------------------------------------------
-
-    def _head(self, i: int) -> Optional[bytes]:
-        """The first bytes of copy ``i`` (enough for its header), or None when it does not exist."""
-        loaded = self._load(i)
-        return None if loaded is None else loaded[0]
-
     def _load(self, i: int) -> Optional[Tuple[bytes, bytes]]:
         """(head, bytes from ``origin`` on) of copy ``i``, or None when it does not exist."""
         if i not in self._read:
             try:
-                self._read[i] = self._read_file(self.paths[i])
+                with self.files.open(self.paths[i]) as f:
+                    if self.origin == 0:
+                        data = f.read()
+                        head = data[:FILE_HEADER_SIZE + 1]
+                    else:
+                        head = f.read(FILE_HEADER_SIZE + 1)
+                        f.seek(self.origin)
+                        data = f.read()
+                    self.counted(len(data))
+                self._read[i] = (head, data)
             except FileNotFoundError:
                 self._read[i] = None
             except OSError as exc:  # a copy that cannot be read (EIO): the other one can stand in
@@ -76,17 +141,9 @@ class GroupSource:
                 self.report(self.paths[i], None, f"this copy cannot be read ({exc}); the other is read")
         return self._read[i]
 
-    def _read_file(self, path: str) -> Tuple[bytes, bytes]:
-        with self.files.open(path) as f:
-            if self.origin == 0:
-                data = f.read()
-                self.counted(len(data))
-                return data[:FILE_HEADER_SIZE + 1], data
-            head = f.read(FILE_HEADER_SIZE + 1)
-            f.seek(self.origin)
-            data = f.read()
-            self.counted(len(data))
-            return head, data
+    def _head(self, i: int) -> Optional[bytes]:
+        loaded = self._load(i)
+        return None if loaded is None else loaded[0]
 
     def _size(self, i: int) -> int:
         """Bytes of copy ``i`` past ``origin`` (-1: it does not exist), without reading it."""
@@ -97,8 +154,6 @@ class GroupSource:
             return self.files.size(self.paths[i]) - self.origin
         except FileNotFoundError:
             return -1
-
-    # -- what the walk asks --------------------------------------------------------------
 
     def exists(self) -> bool:
         """Whether any copy of the file exists."""
@@ -137,9 +192,9 @@ class GroupSource:
         return len(self._order)
 
     def group(self, pos: int) -> Optional[Tuple[List[RawRecord], int]]:
-        """The group at ``pos`` (relative to ``origin``) from the first copy that holds it
-        intact, as (records, end); the copies before it that did not (and, with ``verify``,
-        those after it that differ) are reported. None when no copy holds one."""
+        """The group at ``pos`` (relative to ``origin``) from the first copy holding it intact,
+        as (records, end); the copies before it that did not (and, with ``verify``, those after
+        it that differ) are reported. None when no copy holds one."""
         parsed, src, missing = self._arbitrate(pos)
         if parsed is not None:
             for i, why in missing:
@@ -209,8 +264,7 @@ class GroupSource:
 
     def tail(self, pos: int) -> Tuple[bool, List[Tuple[str, int, TailEvidence]]]:
         """What the bytes from ``pos`` to the end of each copy are, where groups stop and none
-        follows: (damaged, [(copy's path, bytes, evidence)]). Damaged only when every copy
-        holding bytes there shows damage."""
+        follows: (damaged in every copy, [(copy's path, bytes, evidence)])."""
         header = self.header
         assert header is not None
         evidence = [(self.paths[i], len(data) - pos, tail_evidence(data, pos, header.salt, header.version,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from kvj.errors import CorruptionError, FormatError, KvjError, SegmentMissing
 from kvj.fileio import fsync_path, open_read
 from kvj.journal.framing import FILE_HEADER_SIZE
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import default_store_path
 from kvj.journal.reader import TORN, Damage, Scan, list_logs, log_seq, raise_on_damage, read_header
 from kvj.journal.records import RecordType, decode_payload
 from kvj.journal.snapshot import decode_snapshot, list_snapshots

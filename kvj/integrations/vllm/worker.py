@@ -52,7 +52,7 @@ import torch
 import kvj
 from kvj.errors import DeviceOutOfMemory, KvjError, LayoutMismatch, SegmentCorrupt
 from kvj.fileio import FS
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import default_store_path
 from kvj.segments import device
 from kvj.segments import tensors as seg
 from kvj.segments import kvblock
