@@ -1,11 +1,7 @@
-"""The journal reader: the one walk over log files, checking every frame, as LevelDB's
-``log::Reader`` (spec: man/kvj-journal.5, THE END OF THE LOG and RECOVERY MODES).
-
-``Scan`` yields framed records in LSN order and hands what it finds wrong to a ``Reporter``:
-the default raises (replay, compaction and the writer stop at the first damage); fsck's records
-each finding and the walk goes on. An invalid group at the end of the newest log file with no
-valid group after it is the end of the log (``Scan.tail``): torn when its bytes can be a torn
-write, damaged when they cannot (``tail``). Anything else is corruption, never skipped.
+"""The journal reader, as LevelDB's ``log::Reader``: ``Scan``, the one walk over log files, checking
+every frame and handing what it finds wrong to a ``Reporter`` (the default raises; fsck's records
+and goes on). An invalid last group with no valid group after it is the end of the log: torn, or
+damaged when a torn write cannot leave it (``tail``); anything else is corruption, never skipped.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from kvj.journal.source import DIRECT, GroupSource, Pinned
 
 LOG_RE = re.compile(r"^(\d{16})\.log$")
 
-#: Kinds of ``Damage``. A torn tail ends the log, a gap a snapshot covers is expected after
-#: compaction, and ``copy`` is one copy of a mirrored journal lacking or damaging what the other
-#: holds intact; the others are errors. A damaged tail is a last group a torn write cannot leave.
+#: Kinds of ``Damage``: errors, but for a torn tail (the end of the log), a gap a snapshot covers,
+#: and ``copy`` (one copy of a mirrored journal lacking or damaging what the other holds intact).
 CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, TORN, COVERED_GAP, COPY, DAMAGED_TAIL = (
     "corruption", "lsn-gap", "lsn-order", "format", "torn", "covered-gap", "copy", "damaged-tail")
 
@@ -89,9 +84,8 @@ class Group:
 
 @dataclass
 class TornTail:
-    """Bytes at the end of the newest log file that do not form a valid group (``offset`` 0: an
-    incomplete file header). ``damaged``: they cannot be a torn write (``why`` says what was
-    found); ``records``: how many records the group there declares, when known."""
+    """Bytes at the end of the newest log file that are no valid group (``offset`` 0: no header);
+    ``damaged``: no torn write (``why`` says); ``records``: how many its group declares, if known."""
 
     path: str
     offset: int
@@ -150,17 +144,12 @@ def read_header(path: str, files: Pinned = DIRECT) -> Optional[FileHeader]:
 
 
 class Scan:
-    """One pass over a journal's log files.
-
-    Iterate it for framed records with LSN > ``after_lsn`` (``records()`` decodes them,
-    ``groups()`` gives whole commit groups); afterwards ``last_lsn``, ``next_lsn``, ``tail`` and
-    ``end_offset`` (valid length of the newest file) say where the log ends. LSNs up to
-    ``covered_lsn`` (default ``after_lsn``) are in a snapshot: files holding only those may be
-    gone. ``start`` = (path, offset) resumes at a group boundary an earlier scan ended on (a
-    follower's poll). ``mirror``: True reads the mirror the journal records, False the journal's
-    copy alone, a path that directory as the mirror; ``copies`` lists what one copy lacked or
-    held damaged. ``files``: how files are listed and read (``Pinned``: as replay held them).
-    """
+    """One pass over a journal's log files: iterate it for framed records with LSN > ``after_lsn``
+    (``records()`` decodes them, ``groups()`` gives commit groups); afterwards ``last_lsn``,
+    ``next_lsn``, ``tail`` and ``end_offset`` say where the log ends. LSNs up to ``covered_lsn``
+    are in a snapshot (their files may be gone). ``start`` = (path, offset) resumes where an
+    earlier scan ended. ``mirror``: True reads the recorded mirror, False the journal's copy
+    alone, a path that mirror; ``copies`` lists what one copy lacked or damaged."""
 
     def __init__(self, directory: str, *, after_lsn: int = 0, strict: bool = False,
                  logs: Optional[List[str]] = None, reporter: Reporter = raise_on_damage,
@@ -187,8 +176,7 @@ class Scan:
 
     @classmethod
     def of_bytes(cls, data: bytes, path: str, **options: Any) -> "Scan":
-        """A walk of one log file given as bytes (a replica's download), named ``path`` (its
-        file name is the file's number); ``options`` as for ``Scan``."""
+        """A walk of one log file given as bytes (a replica's download), named ``path``."""
         scan = cls(os.path.dirname(path), logs=[path], mirror=False, **options)
         scan._given[path] = data
         return scan
@@ -218,7 +206,7 @@ class Scan:
 
     def live_logs(self) -> List[str]:
         """The log files the walk reads: from ``start``, else from the last file that begins at or
-        before ``after_lsn`` + 1 (compaction deletes the ones before, in any order at a crash)."""
+        before ``after_lsn`` + 1 (compaction deletes those before, in any order)."""
         if self.start is not None and self.start[0] in self.logs:
             self.logs = self.logs[self.logs.index(self.start[0]):]
             return list(self.logs)
@@ -357,8 +345,7 @@ class Scan:
 
     def _torn(self, path: str, offset: int, length: int, why: str = "", records: Optional[int] = None,
               damaged: bool = False) -> None:
-        """The end of the log: a torn tail (or, ``damaged``, a damaged one, an error) of ``length``
-        bytes; ``why`` says what its bytes are, ``records`` how many records its group declares."""
+        """The end of the log: a torn tail (or, ``damaged``, a damaged one: an error) of ``length`` bytes."""
         said = f": {why}" if why else ""
         if damaged:
             self.tail = self.tail or TornTail(path, offset, length, True, records, why)
@@ -385,8 +372,8 @@ class LogEnd:
 
 
 def newest_first(logs: List[str]) -> Iterator[Tuple[str, FileHeader, bool]]:
-    """The log files ``logs`` names, newest first, with their headers and whether each is the
-    newest file: one removed meanwhile (compaction) or still without a header is passed over."""
+    """The log files ``logs`` names, newest first, with their headers and whether each is the newest
+    (one removed meanwhile or without a header is passed over)."""
     for index in range(len(logs) - 1, -1, -1):
         try:
             header = read_header(logs[index])
@@ -397,9 +384,8 @@ def newest_first(logs: List[str]) -> Iterator[Tuple[str, FileHeader, bool]]:
 
 
 def log_end(directory: str, snapshot_lsn: int = 0, mirror: Union[bool, str] = True) -> LogEnd:
-    """The last complete group of the log, reading only the newest log files: what ``kvj status``
-    shows as the last durable write (for a live writer, complete is not yet durable). ``mirror``
-    as for ``Scan``: False reads the one copy at ``directory``."""
+    """The last complete group of the log, from the newest log files only: what ``kvj status`` shows
+    as the last durable write. ``mirror`` as for ``Scan``."""
     tail: Optional[TornTail] = None
     for path, header, newest in newest_first(list_logs(directory)):
         scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None, mirror=mirror)

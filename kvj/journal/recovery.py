@@ -1,11 +1,7 @@
 """Open-time recovery, as LevelDB's ``DB::Recover``: the journal directory's locks, and where a
-writer resuming a journal goes on, with the repairs it makes first (spec: man/kvj-journal.5,
-DIRECTORY LAYOUT, THE END OF THE LOG and MIRROR).
-
-``find_end`` walks the newest log file: a torn tail left by a crash is cut (its bytes kept in
-``torn/`` first), the two copies of a mirrored journal are evened out, what was read is made
-durable, and the writer continues that file or starts the next. Mid-log corruption raises: that
-is fsck's. An I/O error on the mirror's side is for the mirror policy to decide (``open_end``).
+writer resuming a journal goes on (``find_end``), with the repairs it makes first: a torn tail
+cut (its bytes kept in ``torn/``), the two copies of a mirrored journal evened out, what was read
+made durable. Mid-log corruption raises: that is fsck's (spec: man/kvj-journal.5, THE END OF THE LOG).
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ End = Tuple[int, int, Optional[str], Optional[int]]
 
 
 class DirLock:
-    """An exclusive flock on a file in the journal directory that records the holder's pid, so
-    a second holder is refused with ``JournalLocked`` naming it; the kernel releases a killed
-    holder's lock with its descriptor."""
+    """A flock on a file in the journal directory recording the holder's pid (a second holder gets
+    ``JournalLocked`` naming it); the kernel releases a killed holder's lock."""
 
     def __init__(self, directory: str, name: str, what: str):
         self.path = os.path.join(directory, name)
@@ -62,8 +57,8 @@ class DirLock:
         return self
 
     def acquire_shared(self) -> Optional["DirLock"]:
-        """Hold the lock shared, for a reader that must not run beside its holder: the lock file
-        is opened read-only, never created (a read-only mount). None without one: no holder ran."""
+        """Hold the lock shared, for a reader that must not run beside its holder, never creating or
+        writing the file (a read-only mount); None without one: no holder ever ran."""
         try:
             fd = open_regular(self.path)
         except FileNotFoundError:
@@ -159,10 +154,9 @@ def mirror_side(mirror: Optional[str]) -> Iterator[None]:
 
 def open_end(path: str, fs: FS, file_size_limit: int, mirror: Optional[str], mirror_policy: str,
              locks: List[DirLock]) -> Tuple[End, Optional[str]]:
-    """With the journal's writer lock held (``locks``), take its mirror's (the one given, else the
-    one recorded) and find where a writer goes on: (``find_end``'s answer, the mirror used). An
-    I/O error on the mirror's side fails the open under mirror policy fail; under degrade it is
-    logged, the mirror's lock is released, and the journal's copy goes on alone."""
+    """With the journal's writer lock held (``locks``), lock its mirror (``mirror.resolve``) and find
+    where a writer goes on: (``find_end``'s answer, the mirror used). An I/O error on the mirror's
+    side fails the open, or under mirror policy degrade drops the mirror."""
     try:
         with mirror_side(mirror if mirror is not None else mirror_of(path)):
             chosen = resolve(path, mirror, mirror_policy, fs)
@@ -180,10 +174,8 @@ def open_end(path: str, fs: FS, file_size_limit: int, mirror: Optional[str], mir
 
 
 def find_end(directory: str, fs: FS, file_size_limit: int, mirror: Optional[str] = None) -> End:
-    """Where a writer resuming this journal goes on. The newest log file is continued when its
-    tail is clean, it is in the current format and below the size limit, and its copies are the
-    same; otherwise (a torn tail was cut, a 0.1.0 file, a full one, copies that differ) a new
-    file follows it. With a ``mirror``, a copy lacking a file the log needs gets it first."""
+    """Where a writer resuming this journal goes on: the newest log file when its tail is clean, it
+    is in the current format, below the size limit and the same in every copy, else a new file."""
     if mirror is not None:
         _restore_copies(directory, mirror, fs)
     snaps = [lsn for d in (directory, mirror) if d is not None for lsn, _p in list_snapshots(d)[:1]]
@@ -256,9 +248,8 @@ def _restore_copies(directory: str, mirror: str, fs: FS) -> None:
 
 
 def _even_out(paths: List[str], end: int, base_lsn: int, mirror: str, fs: FS) -> None:
-    """Give every copy of the newest log file the bytes of one that holds all of it (up to
-    ``end``) intact on its own: left different (a crash between the copies' writes), the shorter
-    would hold a damaged group in a sealed file once the log goes on. Copies each damaged
+    """Give every copy of the newest log file the bytes of one that holds all of it (up to ``end``)
+    intact (else, once sealed, the shorter copy would hold a damaged group); copies each damaged
     somewhere are left as they are (the log goes on in a new file)."""
     for path in paths:
         if not os.path.exists(path):

@@ -1,9 +1,6 @@
-"""Replay: fold a journal (its newest snapshot, then the log files after it) into state.
-
-A torn tail ends the log and is reported in ``state.tail``; ``strict=True`` fails on any damage.
-Damage in the middle of the log is always an error, never skipped. What one copy of a mirrored
-journal lacks is read from the other (``state.warnings`` says so). A seed-era JSON-lines journal
-is refused (``check_journal``): only ``kvj migrate`` reads it.
+"""Replay: fold a journal (its newest snapshot, then the log after it) into a ``JournalState``. A
+torn tail ends the log (``state.tail``); damage elsewhere is always an error, never skipped; what
+one copy of a mirrored journal lacks is read from the other (``state.warnings``).
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ def holds_journal(directory: str, names: Optional[List[str]] = None) -> bool:
 
 
 def check_journal(path: str) -> None:
-    """Refuse, before anything reads or writes it, a seed-era JSON-lines journal at ``path`` (the
-    file, or a directory holding one and no kvj journal): ``LegacyJournal``, pointing at ``kvj
-    migrate``. Any other file is ``FormatError``; a missing path or another directory passes."""
+    """Refuse, before anything reads or writes it, a seed-era journal at ``path`` (the file, or a
+    directory holding one and no kvj journal: ``LegacyJournal``) or another file (``FormatError``)."""
     if os.path.isfile(path):
         if is_seed(os.path.realpath(path)):  # through a link the caller named
             raise refused(path)
@@ -95,10 +91,9 @@ class RecordStream:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause Python's cycle collector for a fold (replay's, fsck's walk): its passes over the
-    growing state took ~40% of replay's time, and nothing a fold builds is a cycle. What the
-    fold kept then moves to the oldest generation without a pass (``gc.freeze``, unless the
-    process froze objects of its own)."""
+    """Pause Python's cycle collector for a fold: its passes over the growing state took ~40% of
+    replay's time, and a fold builds no cycle. What it kept then moves to the oldest generation
+    without a pass (``gc.freeze``, unless the process froze objects of its own)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -113,10 +108,9 @@ def collector_paused() -> Iterator[None]:
 
 def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False,
            on_group: Optional[Callable[[Group], None]] = None) -> JournalState:
-    """Fold the kvj journal directory at ``path`` into a ``JournalState``, up to ``at_lsn`` if
-    given; ``on_group`` sees each commit group folded. The pass reads files it held open first
-    (``pin``), so a compaction meanwhile does not disturb it; only one that deletes a file beyond
-    those held makes a fresh pass (whose groups ``on_group`` sees again)."""
+    """Fold the kvj journal directory at ``path`` into a ``JournalState``, up to ``at_lsn`` if given;
+    ``on_group`` sees each commit group folded. The pass reads the files it held open first
+    (``pin``), so a compaction meanwhile does not disturb it, unless it deletes one beyond them."""
     if not os.path.exists(path):
         raise FormatError(f"no journal at {path}")
     check_journal(path)
@@ -150,9 +144,9 @@ def newest_snapshot_lsn(path: str, files: Pinned = DIRECT) -> Optional[int]:
 
 
 def pin(path: str) -> Optional[Tuple[Pinned, Optional[int]]]:
-    """Hold the journal's listings, its newest snapshot and its log files (both copies) open,
-    with that snapshot's LSN; None when a newer snapshot appeared meanwhile. Else every file the
-    listings name and the pass cannot open was deleted by a compaction the held snapshot covers."""
+    """Hold the journal's listings, newest snapshot and log files (both copies) open, with that
+    snapshot's LSN; None when a newer snapshot appeared meanwhile (else a file held as missing
+    was deleted by a compaction the held snapshot covers)."""
     pinned = Pinned()
     try:
         dirs = _dirs(path)

@@ -1,10 +1,7 @@
-"""Where a read pass takes each commit group from: which copy of a log file (spec:
-man/kvj-journal.5, MIRROR), through which files (held open since one moment, or by path).
-
-A ``GroupSource`` gives the walk each group from the first copy that holds it intact, reporting
-each copy that lacks it, damages it or differs (not an error: the data is intact). Only damage
-in every copy is damage; a tail is damaged only when every copy holding bytes there shows damage
-(a group is acknowledged only once in every copy). A journal without a mirror is one copy.
+"""Where a read pass takes each commit group from: which copy of a log file (spec: man/kvj-journal.5,
+MIRROR), through which files (held open since one moment, or by path). Only damage in every copy
+is damage; a tail is damaged only if it is in every copy holding bytes there (a group is
+acknowledged only once in every copy). A journal without a mirror is the case of one copy.
 """
 
 from __future__ import annotations
@@ -21,11 +18,10 @@ from kvj.journal.tail import TailEvidence, tail_evidence
 
 
 class Pinned:
-    """The listings and files one read pass sees. A compaction unlinks the files its snapshot
-    covers; POSIX keeps an unlinked file's bytes while a descriptor holds it, so replay holds
-    them first (as LevelDB's readers pin a ``Version``). A held file is read through its
-    descriptor (from byte 0 at each ``open``: one pass, one thread), a held name that did not
-    exist then does not exist for the pass, and anything not held is read by path."""
+    """The listings and files one read pass sees: a compaction unlinks the files its snapshot covers,
+    so replay holds them open first (as LevelDB's readers pin a ``Version``). A held file is read
+    through its descriptor (from byte 0 at each ``open``: one pass, one thread), a held name that
+    did not exist then does not exist for the pass, and anything not held is read by path."""
 
     def __init__(self) -> None:
         self._listings: Dict[str, Optional[List[str]]] = {}
@@ -41,8 +37,8 @@ class Pinned:
         return names
 
     def hold(self, path: str) -> bool:
-        """Open ``path`` now and keep it; False when it does not exist, or cannot be opened (a FIFO
-        in its place, EIO: then it is not held, and fails as before if the pass opens it)."""
+        """Open ``path`` now and keep it; False when it does not exist or cannot be opened (then it
+        is not held, and fails as before if the pass opens it)."""
         try:
             fd: Optional[int] = open_regular(path)
         except FileNotFoundError:
@@ -92,23 +88,20 @@ class Pinned:
 #: Holding nothing: every file by path, as it is now.
 DIRECT = Pinned()
 
-#: Told of each copy that lacks, damages or differs from what the walk reads from another:
-#: (that copy's path, the offset or None, why).
-CopyReport = Callable[[str, Optional[int], str], None]
-
-
 class GroupSource:
     """The copies of one log file (the journal's first), read from byte ``origin`` on (a group
-    boundary); ``data``: the one copy's bytes, given (a replica's download). A copy is read
-    only when the walk needs it, unless ``verify`` (fsck) reads and checks every copy."""
+    boundary), each only when the walk needs it unless ``verify`` (fsck); ``data``: the one copy's
+    bytes, given (a replica's download). ``report`` is told of each copy that lacks, damages or
+    differs from what another holds (path, offset, why), ``counted`` of the bytes each read brings."""
 
-    def __init__(self, paths: List[str], report: CopyReport, counted: Callable[[int], None], *, origin: int = 0,
-                 verify: bool = False, data: Optional[bytes] = None, files: Pinned = DIRECT):
+    def __init__(self, paths: List[str], report: Callable[[str, Optional[int], str], None],
+                 counted: Callable[[int], None], *, origin: int = 0, verify: bool = False,
+                 data: Optional[bytes] = None, files: Pinned = DIRECT):
         self.paths = paths
         self.files = files
         self.origin = origin
         self.report = report
-        self.counted = counted  # told of the bytes each read brought in
+        self.counted = counted
         self.verify = verify
         self._read: Dict[int, Optional[Tuple[bytes, bytes]]] = {}
         if data is not None:
@@ -160,8 +153,8 @@ class GroupSource:
         return any(self._size(i) >= 0 for i in range(len(self.paths)))
 
     def open(self) -> Optional[FileHeader]:
-        """The file header, from the first copy that has a valid one (the copies before it are
-        reported and not read again); None when no copy has one."""
+        """The file header, from the first copy that has a valid one (those before it are reported
+        and dropped); None when no copy has one."""
         main = 0
         for i in range(len(self.paths)):
             head = self._head(i)
@@ -192,9 +185,8 @@ class GroupSource:
         return len(self._order)
 
     def group(self, pos: int) -> Optional[Tuple[List[RawRecord], int]]:
-        """The group at ``pos`` (relative to ``origin``) from the first copy holding it intact,
-        as (records, end); the copies before it that did not (and, with ``verify``, those after
-        it that differ) are reported. None when no copy holds one."""
+        """The group at ``pos`` (from ``origin``) as (records, end), from the first copy holding it
+        intact (the others that do not are reported), or None when no copy does."""
         parsed, src, missing = self._arbitrate(pos)
         if parsed is not None:
             for i, why in missing:
@@ -205,8 +197,8 @@ class GroupSource:
         return parsed
 
     def _arbitrate(self, pos: int) -> Tuple[Optional[Tuple[List[RawRecord], int]], int, List[Tuple[int, str]]]:
-        """(the group at ``pos`` from the first copy holding it intact, that copy, [(copy, why)
-        for the copies before it that did not, and with ``verify`` those after it too])."""
+        """(the group at ``pos``, the copy it is from, [(copy, why) for those that lack it, damage it
+        or, with ``verify``, differ])."""
         header = self.header
         assert header is not None
         order = self._order
@@ -252,8 +244,8 @@ class GroupSource:
         return not any(self._size(i) > pos for i in self._order)
 
     def later_group(self, pos: int, after_lsn: int) -> Optional[int]:
-        """Offset (relative to ``origin``) of a valid group header past ``pos`` with LSNs after
-        ``after_lsn`` in any copy: proof that what is at ``pos`` is damage, not a torn tail."""
+        """Offset of a valid group past ``pos`` with LSNs after ``after_lsn`` in any copy: proof that
+        what is at ``pos`` is damage, not a torn tail."""
         header = self.header
         assert header is not None
         for _i, data in self._beyond(pos):
@@ -263,8 +255,8 @@ class GroupSource:
         return None
 
     def tail(self, pos: int) -> Tuple[bool, List[Tuple[str, int, TailEvidence]]]:
-        """What the bytes from ``pos`` to the end of each copy are, where groups stop and none
-        follows: (damaged in every copy, [(copy's path, bytes, evidence)])."""
+        """What the bytes from ``pos`` to the end of each copy are: (damaged in every copy, [(copy's
+        path, bytes, evidence)])."""
         header = self.header
         assert header is not None
         evidence = [(self.paths[i], len(data) - pos, tail_evidence(data, pos, header.salt, header.version,

@@ -1,14 +1,8 @@
-"""The writer, as LevelDB's write queue and ``log::Writer``: records framed on the caller's
-thread, grouped and made durable on a committer thread, with backpressure (spec:
-man/kvj-journal.5, LOG FILE, DURABILITY and MIRROR).
-
-``append`` frames a record into a buffer and returns its LSN without a syscall. The committer
-takes what accumulated while the previous fdatasync ran and writes it as one commit group,
-fdatasynced in every copy (the journal's, its mirror's) before the next: ``max_delay`` after its
-first record, or once ``max_records`` are pending. With ``max_group_records`` a full buffer is
-sealed for the committer and the next one fills meanwhile. At most ``max_pending_records`` are
-appended but not durable (``append`` blocks beyond): the most a crash can lose. A failed write
-or fsync is final: the writer fails, every waiter gets the error, fsync is never retried.
+"""The writer, as LevelDB's write queue and ``log::Writer`` (spec: man/kvj-journal.5, LOG FILE,
+DURABILITY and MIRROR): ``append`` frames a record into a buffer on the caller's thread; a
+committer thread writes what accumulated as one commit group, fdatasynced in every copy before
+the next, and at most ``max_pending_records`` are ever appended but not durable (``append``
+blocks beyond: the most a crash can lose). A failed write or fsync is final, never retried.
 """
 
 from __future__ import annotations
@@ -71,11 +65,8 @@ class LogCopy:
 
 
 class LogFile:
-    """The newest log file, in the journal's directory and its mirror's, appended to one commit
-    group at a time; ``rotate`` closes a full file and creates the next. A group's two copies
-    are written at once, the mirror's on a thread of its own. A failure of the mirror's copy is
-    the writer's under mirror policy fail; under degrade it is logged and the journal's copy is
-    written alone from then on (``mirror_error`` says why)."""
+    """The newest log file, in the journal's directory and its mirror's (written at once, on a
+    thread of its own), appended to one commit group at a time."""
 
     def __init__(self, directory: str, fs: FS, *, seq: int, next_lsn: int, salt: Optional[int] = None,
                  mirror: Optional[str] = None, mirror_policy: str = FAIL):
@@ -138,8 +129,7 @@ class LogFile:
 
     def _on_mirror(self, op: Callable[[LogCopy], Any]) -> None:
         """Run ``op`` on the mirror's copy, unless it was dropped. A failure is the writer's under
-        policy fail; under degrade it is logged and the mirror is not written again (readers take
-        what its copy lacks from the journal's)."""
+        mirror policy fail; under degrade it is logged and the mirror is not written again."""
         mirror = self._mirror
         if mirror is None:
             return
@@ -164,9 +154,8 @@ class LogWriter:
                  policy: CommitPolicy = CommitPolicy(), fs: FS = REAL_FS, resume_salt: Optional[int] = None,
                  mirror: Optional[str] = None, mirror_policy: str = FAIL,
                  on_durable: Optional[Callable[[int], None]] = None):
-        """Write LSNs from ``next_lsn`` on, in log file ``next_seq`` (appended to when its
-        ``resume_salt`` is given) and in ``mirror`` too when given. ``on_durable(lsn)`` runs on
-        the committer thread once every LSN up to ``lsn`` is durable."""
+        """Write LSNs from ``next_lsn`` on, in log file ``next_seq`` (appended to when its ``resume_salt``
+        is given), in ``mirror`` too; ``on_durable(lsn)`` runs on the committer once ``lsn`` is durable."""
         self.directory = directory
         self._on_durable = on_durable
         self.policy = policy
@@ -209,11 +198,9 @@ class LogWriter:
         """Why the mirror was dropped under policy degrade; None while it is written."""
         return self._log.mirror_error
 
-    # -- caller side ---------------------------------------------------------------------
-
     def append(self, rtype: int, payload: Union[bytes, Mapping[str, Any]], durable: bool = False) -> int:
-        """Frame a record (its encoded payload, or a map to encode, unchecked: the schema is the
-        caller's) into the buffer and return its LSN; with ``durable``, wait for it."""
+        """Frame a record (its payload encoded, or a map, unchecked: the schema is the caller's) into
+        the buffer and return its LSN; with ``durable``, wait for it."""
         body = payload if type(payload) is bytes else encode_payload(payload)
         with self._lock:
             lsn = self._frame(rtype, body)
@@ -246,8 +233,8 @@ class LogWriter:
         return lsn
 
     def _group_due(self, count: int) -> None:
-        """(Lock held) wake the committer for a group's first record (its max_delay starts)
-        or once max_records are pending; seal the group once it holds max_group_records."""
+        """(Lock held) wake the committer for a group's first record (its max_delay starts) or once
+        max_records are pending; seal the group once it holds max_group_records."""
         if count == 1:
             self._first_time = time.monotonic()
         if count == self._group_cap:
@@ -255,7 +242,7 @@ class LogWriter:
         self._wake.notify()
 
     def _seal(self) -> None:
-        """(Lock held) queue the full buffer as a group for the committer and start the next;
+        """(Lock held) queue the full buffer for the committer and fill the next meanwhile;
         ``_max_buffer`` shrinks by the sealed bytes, so ``max_buffer_bytes`` bounds them all."""
         buf = self._buf
         self._sealed.append((buf, self._count, self._first_lsn))
@@ -345,8 +332,6 @@ class LogWriter:
         if self._error is not None:
             raise JournalFailed(f"journal writer failed earlier and accepts nothing more: {self._error}")
         raise JournalClosed("journal is closed")
-
-    # -- committer side ------------------------------------------------------------------
 
     def _take_group(self) -> Optional[tuple]:
         """Wait until a group is due; return (data, count, first_lsn) or None to stop."""
