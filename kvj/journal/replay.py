@@ -14,7 +14,7 @@ from kvj.errors import CorruptionError, FormatError, KvjError
 from kvj.journal.legacy import SEED_SUFFIXES, is_seed, refused
 from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import LOG_RE, Group, Record, Scan, fields_of
-from kvj.journal.snapshot import SNAP_RE, list_snapshots, load_latest, snapshot_name
+from kvj.journal.snapshot import SNAP_RE, all_snapshots, load_latest, snapshot_name
 from kvj.journal.source import DIRECT, Pinned
 from kvj.journal.state import JournalState
 
@@ -134,13 +134,7 @@ def _dirs(path: str) -> List[str]:
 
 def newest_snapshot_lsn(path: str, files: Pinned = DIRECT) -> Optional[int]:
     """The LSN of the newest snapshot in the journal or its mirror (None: there is none)."""
-    found = []
-    for d in _dirs(path):
-        try:
-            found += [lsn for lsn, _ in list_snapshots(d, files)]
-        except FileNotFoundError:
-            continue
-    return max(found, default=None)
+    return max(all_snapshots(path, files), default=None)
 
 
 def pin(path: str) -> Optional[Tuple[Pinned, Optional[int]]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import msgspec
 from crc32c import crc32c
@@ -84,17 +84,24 @@ def _reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def load_latest(directory: str, files: Pinned = DIRECT) -> Optional[JournalState]:
-    """The newest snapshot's state, or None. A damaged newest snapshot is an error, never skipped,
-    unless the mirror holds an intact copy (then a warning says so)."""
+def all_snapshots(directory: str, files: Pinned = DIRECT) -> Dict[int, List[str]]:
+    """LSN -> the paths of the snapshots at it, in the journal and its mirror (the journal's first)."""
     mirror = mirror_of(directory)
-    found: dict = {}
+    found: Dict[int, List[str]] = {}
     for d in [directory] + ([mirror] if mirror else []):
         try:
             for lsn, path in list_snapshots(d, files):
                 found.setdefault(lsn, []).append(path)
         except FileNotFoundError:
             continue
+    return found
+
+
+def load_latest(directory: str, files: Pinned = DIRECT) -> Optional[JournalState]:
+    """The newest snapshot's state, or None. A damaged newest snapshot is an error, never skipped,
+    unless the mirror holds an intact copy (then a warning says so)."""
+    found = all_snapshots(directory, files)
+    mirror = mirror_of(directory)
     if not found:
         return None
     paths = found[max(found)]
