@@ -15,7 +15,7 @@ _LAZY = {
                      "LegacyJournal", "NotFound", "SegmentCorrupt", "SegmentMissing"), "kvj.errors"),
     "Journal": "kvj.journal.journal", "RecordType": "kvj.journal.records", "replay": "kvj.journal.replay",
     "JournalState": "kvj.journal.state", "RequestState": "kvj.journal.state", "SegmentRef": "kvj.journal.state",
-    "CommitPolicy": "kvj.journal.policy",
+    "CommitPolicy": "kvj.journal.config",
 }
 
 __all__ = [*_LAZY, "__version__"]

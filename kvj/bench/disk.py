@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional
 from kvj.bench.journal import sample_payload
 from kvj.journal.journal import Journal
 from kvj.journal.records import RecordType
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.segments.codecs import codec_names
 
 BLOCK = 8192

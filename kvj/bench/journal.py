@@ -47,7 +47,7 @@ from kvj.journal.framing import FILE_HEADER_SIZE, GROUP_HEADERS, decode_file_hea
 from kvj.journal.journal import Journal
 from kvj.journal.reader import list_logs
 from kvj.journal.records import RecordType, encode_payload
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 BATCH = 100
 #: Threads appending durable records at once in section 3 (a serving loop's request threads).

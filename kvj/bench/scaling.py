@@ -160,7 +160,7 @@ def _requests(infos: Sequence[Any], records: int, live_every: int) -> Iterator[T
 def build_journal(path: str, store: str, infos: Sequence[Any], records: int, live_every: int) -> None:
     """Append ``records`` records (see ``_requests``) to a new journal at ``path`` with kvj's writer."""
     from kvj.journal.journal import Journal
-    from kvj.journal.policy import CommitPolicy
+    from kvj.journal.config import CommitPolicy
 
     batch: List[Tuple[int, Dict[str, Any]]] = []
     with Journal.open(path, store=store, policy=CommitPolicy(max_delay=1.0, max_records=10_000)) as j:

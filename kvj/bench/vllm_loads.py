@@ -32,7 +32,7 @@ import torch
 
 import kvj
 from kvj.integrations.vllm.worker import Load, Save, Start, StepPlan, WorkerJournal, durable_blocks
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import default_store_path
 from kvj.segments import kvblock, segfile
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 from kvj.segments.store import SegmentStore

@@ -54,7 +54,7 @@ def init(journal: JournalArg = None,
     nothing is created.
     """
     from kvj.errors import InvalidArgument
-    from kvj.journal.policy import CommitPolicy, check_policy_value
+    from kvj.journal.config import CommitPolicy, check_policy_value
     from kvj.ops.init import init as init_journal
 
     if not journal:

@@ -20,7 +20,7 @@ from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
 from kvj.ops.recover import RecoveryResult, check_device, load_manifest, recover_ranks
 from kvj.ops.recover import recover as recover_journal
-from kvj.journal.entries import PENDING_NAME
+from kvj.journal.recovery import PENDING_NAME
 
 DeviceOpt = typer.Option("--device", metavar="DEVICE",
                          help="Also load every planned segment onto DEVICE (cpu, cuda:0, ...) and report "

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from kvj.errors import FormatError
-from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.config import default_store_path
+from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 from kvj.segments import device as cuda
 from kvj.segments.flusher import Flusher

@@ -1,12 +1,8 @@
 """Following a live journal like ``tail -F``, never showing a record that is not complete.
 
-Each poll is a ``Scan`` that resumes where the previous one ended. The writer appends
-whole commit groups; the scan yields a group only once it parses completely (length,
-every CRC, LSN sequence), and an incomplete group at the end of the newest log file is
-the scan's torn tail, read again from the same offset on the next poll. Compaction
-deletes log files a follower may not have finished; as ``tail -F`` follows a file
-through rotation, the follower then continues after the snapshot that absorbed what it
-missed, and says which LSNs it could not show (``skipped``).
+Each poll is a ``Scan`` resuming where the previous one ended: an incomplete group at the end is
+its torn tail, read again next time. When compaction deletes log files a follower had not read,
+it goes on after the snapshot that absorbed them and says which LSNs it could not show.
 """
 
 from __future__ import annotations

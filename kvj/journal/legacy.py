@@ -1,20 +1,11 @@
-"""Reader for the JSON-lines journal of the well-known KVJournal write-up, for migration.
+"""The seed-era JSON-lines journal (of the well-known KVJournal write-up), read only to migrate it
+(``kvj migrate``: ``LegacyScan``; ``kvj record ndjson``: ``convert_legacy``); everywhere else
+kvj recognises one (``is_seed``) and refuses it, pointing at ``kvj migrate``.
 
-Only ``kvj migrate`` reads such a journal (``LegacyScan``); everywhere else kvj recognises
-one (``is_seed``) to refuse it with ``refused``: one line pointing at ``kvj migrate``.
-``kvj record ndjson`` takes seed-era lines piped to it as migrate does (``convert_legacy``).
-
-One JSON object per line, fsynced per line::
-
-    {"op": "start", "id": ..., "prompt_hash": ...}
-    {"op": "seg_flush", "id": ..., "seg": ..., "ptr": ..., "size": ...}
-    {"op": "end", "id": ...}
-
-Line numbers serve as LSNs. A last line without its newline is a torn tail (the write
-that was cut short), and so are zeros to the end of the file; a complete line that is not a valid record is corruption, the last
-one too: its newline says it was written whole. NaN and Infinity are not JSON, and a
-number too large for a float (1e309) is no prompt hash: both are refused, never turned
-into the strings "nan" and "inf".
+One JSON object per line (``start``, ``seg_flush``, ``end``), fsynced per line; line numbers
+serve as LSNs. A last line without its newline, or zeros to the end of the file, is a torn
+tail; any complete line that is not a valid record is corruption. NaN, Infinity and numbers
+too large for a float are refused, never turned into strings.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""A journal's synchronous mirror: a second copy of its log files (and snapshots) in another
-directory, ideally on another device (spec: man/kvj-journal.5, MIRROR).
+"""A journal's synchronous mirror: a second copy of its log files and snapshots in another
+directory, byte for byte the same, ideally on another device (spec: man/kvj-journal.5, MIRROR).
 
-The writer writes and fdatasyncs every commit group to both copies before it acknowledges
-anything, so each copy alone holds every acknowledged record; the copies are byte for byte
-the same file by file (same names, headers, salts and group offsets), which lets a reader
-take each group from whichever copy holds it intact (``reader.Scan``). A journal and its
-mirror name each other in a ``MIRROR`` file; a pointer the other side does not return is
-ignored, so a planted ``MIRROR`` file cannot send kvj to write into another directory.
+A journal and its mirror name each other in a ``MIRROR`` file; a pointer the other side does not
+return is ignored, so a planted ``MIRROR`` file cannot send kvj to write into another directory.
 """
 
 from __future__ import annotations
@@ -20,9 +16,8 @@ from kvj.errors import InvalidArgument
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable, open_read
 
 MIRROR_NAME = "MIRROR"
-#: What the writer does when writing or syncing the mirror fails: fail (the default: the
-#: writer enters its failed state, as for its own copy) or degrade (log a warning and go on
-#: with the primary copy alone until the next open).
+#: What the writer does when the mirror fails: fail (the default: the writer enters its failed
+#: state) or degrade (log a warning, write the primary copy alone until the next open).
 FAIL, DEGRADE = "fail", "degrade"
 POLICIES = (FAIL, DEGRADE)
 
@@ -51,19 +46,22 @@ def mirror_of(directory: str) -> Optional[str]:
     return other if back is not None and os.path.abspath(back) == directory else None
 
 
+def copies(path: str, mirror: Optional[str]) -> List[str]:
+    """The copies of the journal's file ``path``: itself, and the mirror's file of the same name."""
+    return [path] + ([os.path.join(mirror, os.path.basename(path))] if mirror else [])
+
+
 def check_policy(policy: str) -> str:
+    """``policy`` if it is a mirror policy, else ``InvalidArgument``."""
     if policy not in POLICIES:
         raise InvalidArgument(f"mirror policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     return policy
 
 
 def link(primary: str, mirror: str, fs: FS = REAL_FS) -> None:
-    """Make ``mirror`` (created if needed) and ``primary`` name each other, durably.
-
-    A directory that holds log files or snapshots, or names another journal, is not taken:
-    its files are not copies of this journal's. The mirror's pointer is written first:
-    until the primary's exists, readers see no mirror.
-    """
+    """Make ``mirror`` (created if needed) and ``primary`` name each other, durably: the mirror's
+    pointer first, so readers see no mirror until both exist. A directory holding journal files,
+    or naming another journal, is refused: its files are not copies of this journal's."""
     if os.path.isdir(mirror) and recorded(mirror) != primary:
         if recorded(mirror) is not None:
             raise InvalidArgument(f"{mirror} is the mirror of {recorded(mirror)}, not of {primary}")
@@ -79,7 +77,7 @@ def link(primary: str, mirror: str, fs: FS = REAL_FS) -> None:
 def resolve(primary: str, mirror: Optional[str], policy: str, fs: FS = REAL_FS) -> Optional[str]:
     """The mirror a writer opening ``primary`` uses: ``mirror`` if given (linking it), else the
     one the journal records. A recorded mirror that is gone or does not name this journal back
-    is a ``InvalidArgument`` under policy fail, and a logged warning (no mirror) under degrade."""
+    is ``InvalidArgument`` under policy fail, a logged warning (no mirror) under degrade."""
     check_policy(policy)
     current = mirror_of(primary)
     if mirror is not None:
@@ -102,8 +100,3 @@ def resolve(primary: str, mirror: Optional[str], policy: str, fs: FS = REAL_FS) 
         raise InvalidArgument(message)
     log.warning("%s; writing the primary copy only (mirror policy degrade)", message)
     return None
-
-
-def copies(directory: str, mirror: Optional[str], name: str) -> List[str]:
-    """The paths of file ``name`` in the journal and in its mirror (primary first)."""
-    return [os.path.join(d, name) for d in ([directory] + ([mirror] if mirror else []))]

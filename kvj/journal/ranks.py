@@ -1,23 +1,16 @@
 """Rank journals: one kvj journal per rank of a tensor/pipeline-parallel engine, under one directory.
 
-The ranks of a vLLM engine with tensor parallelism ``tp`` and pipeline parallelism ``pp`` are
-separate processes, and a journal has one writer: rank (t, p) journals its shard of every block
-in ``JOURNAL/rank-t-p/``, a complete kvj journal with its own segment store. ``JOURNAL/ranks.json``
-(``{"tp_size": tp, "pp_size": pp}``, written before any rank journal) says which layout the
-directory serves: an engine of another layout is refused before it writes or loads anything. An
-engine without parallelism journals in ``JOURNAL`` itself, as before.
-
-The stores are not shared: the ranks' shards of a block never have equal bytes (each holds other
-heads or other layers), so one content-addressed store would deduplicate nothing, while a store
-of its own keeps each rank journal a journal every kvj command handles alone (compaction collects
-what its journal no longer names; ``fsck --repair`` quarantines; ``replicate`` copies).
+Rank (t, p) journals its shard of every block in ``JOURNAL/rank-t-p/``, a complete journal with
+its own segment store (the ranks' shards never share bytes, so a shared store would save
+nothing). ``JOURNAL/ranks.json`` says which layout the directory serves, so an engine of another
+layout is refused before it writes or loads anything. An engine without parallelism journals in
+``JOURNAL`` itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Dict, Optional, Tuple
 
 from kvj.errors import FormatError
@@ -28,7 +21,6 @@ from kvj.untrusted import read_json
 
 #: The file that says which parallel layout a directory of rank journals serves.
 RANKS_FILE = "ranks.json"
-RANK_RE = re.compile(r"^rank-(\d+)-(\d+)$")
 #: A layout is two small numbers; anything far larger is not one.
 MAX_RANKS_BYTES = 4096
 #: More ranks than any engine has: a layout beyond it is not one (its journals would be listed one by one).
@@ -36,6 +28,7 @@ MAX_RANKS = 1 << 16
 
 
 def rank_name(tp_rank: int, pp_rank: int) -> str:
+    """The directory name of rank (``tp_rank``, ``pp_rank``)'s journal."""
     return f"rank-{tp_rank}-{pp_rank}"
 
 
@@ -45,9 +38,8 @@ def rank_journal(path: str, tp_rank: int, pp_rank: int, tp_size: int, pp_size: i
 
 
 def read_sizes(path: str) -> Optional[Tuple[int, int]]:
-    """(tp_size, pp_size) that ``path``'s ``ranks.json`` names; None when it has none. A file that
-    is not one (read by ``read_json``: never through a symlink, never a FIFO, its size bounded)
-    is ``FormatError``, or ``UnsafePath`` for a symlink, FIFO or device."""
+    """(tp_size, pp_size) that ``path``'s ``ranks.json`` names, or None; a file that is not one is
+    ``FormatError`` (``UnsafePath`` for a symlink, FIFO or device)."""
     where = os.path.join(path, RANKS_FILE)
     try:
         sizes = read_json(where, max_bytes=MAX_RANKS_BYTES)

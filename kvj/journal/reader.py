@@ -1,21 +1,7 @@
-"""The journal reader: the one walk over log files, checking every frame.
-
-``Scan`` yields framed records in LSN order. What it finds wrong it hands to a reporter,
-as LevelDB's ``log::Reader`` hands corruption to its ``Reporter``: the default raises,
-so replay, compaction and the writer stop at the first damage; fsck passes one that
-records each finding and returns, and the walk goes on past the damage. An invalid group
-at the end of the newest log file, with no valid group after it, is the end of the log
-(``Scan.tail``): a torn tail when its bytes can be a torn write (kind ``torn``), a damaged
-tail when they cannot (kind ``damaged-tail``, an error: ``framing.tail_evidence``). Damage
-anywhere else, or damage followed by a valid later group, is corruption. The recovery
-modes (``RECOVERY_MODES``) say which of these end the log and which are errors, for
-recovery and fsck. ``decode`` turns a framed record into a ``Record`` or raises
-``CorruptionError``; every reader uses it.
-
-The walk checks the order of things: each file begins where the one before it ended, LSNs
-go on from group to group, files a snapshot covers may be gone. Which copy of a file each
-group is read from, in a mirrored journal, is its ``source.GroupSource``'s (reported as kind
-``copy``, not an error: the data is intact).
+"""The journal reader, as LevelDB's ``log::Reader``: ``Scan``, the one walk over log files, checking
+every frame and handing what it finds wrong to a ``Reporter`` (the default raises; fsck's records
+and goes on). An invalid last group with no valid group after it is the end of the log: torn, or
+damaged when a torn write cannot leave it (``tail``); anything else is corruption, never skipped.
 """
 
 from __future__ import annotations
@@ -29,28 +15,19 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tup
 from kvj.errors import CorruptionError, FormatError, InvalidArgument
 from kvj.journal.framing import (FILE_HEADER_SIZE, FORMAT_VERSION, READABLE_VERSIONS, FileHeader, RawRecord,
                                  decode_file_header)
-from kvj.journal.mirror import mirror_of
-from kvj.journal.pinned import DIRECT, Files
+from kvj.journal.mirror import copies, mirror_of
 from kvj.journal.records import decode_fields, decode_payload
-from kvj.journal.source import GroupSource, copy_paths
+from kvj.journal.source import DIRECT, GroupSource, Pinned
 
 LOG_RE = re.compile(r"^(\d{16})\.log$")
 
-#: Kinds of ``Damage``. ``corruption``, ``lsn-gap``, ``lsn-order``, ``format`` and ``damaged-tail``
-#: are errors in themselves; a torn tail ends the log, a gap a snapshot covers is expected after
-#: compaction, and ``copy`` is one copy of a mirrored journal lacking or damaging what the other
-#: holds intact. A damaged tail is a last group whose bytes a torn write cannot leave: it was
-#: durable, so its records may have been acknowledged (see ``RECOVERY_MODES``).
+#: Kinds of ``Damage``: errors, but for a torn tail (the end of the log), a gap a snapshot covers,
+#: and ``copy`` (one copy of a mirrored journal lacking or damaging what the other holds intact).
 CORRUPTION, LSN_GAP, LSN_ORDER, FORMAT, TORN, COVERED_GAP, COPY, DAMAGED_TAIL = (
     "corruption", "lsn-gap", "lsn-order", "format", "torn", "covered-gap", "copy", "damaged-tail")
 
-#: Recovery modes, after RocksDB's ``WALRecoveryMode`` (man/kvj-journal.5, RECOVERY MODES):
-#: what ends the log and what is an error, for ``kvj recover`` and ``kvj fsck``.
-#: tolerate-torn-tail (the default): a torn tail is the end of the log (cut, its bytes kept);
-#: a damaged tail is an error. absolute-consistency: both are errors (a journal shut down
-#: cleanly has neither). point-in-time: recovery stops just before the first damage, wherever
-#: it is, and says what is lost (``kvj.ops.salvage``). RocksDB's fourth mode, skipping
-#: corrupted records, is not offered: damage is never skipped.
+#: Recovery modes, after RocksDB's ``WALRecoveryMode``: what ends the log and what is an error,
+#: for ``kvj recover`` and ``kvj fsck``. Skipping corrupted records is not offered.
 TOLERATE_TORN_TAIL, ABSOLUTE_CONSISTENCY, POINT_IN_TIME = "tolerate-torn-tail", "absolute-consistency", "point-in-time"
 RECOVERY_MODES = (TOLERATE_TORN_TAIL, ABSOLUTE_CONSISTENCY, POINT_IN_TIME)
 
@@ -80,8 +57,7 @@ def decode(raw: RawRecord) -> Record:
 
 
 def payload_of(raw: RawRecord) -> Dict[str, Any]:
-    """The decoded, validated payload of a framed record (``decode`` without the ``Record``
-    around it, for replay's fold); a malformed one is ``CorruptionError``."""
+    """The decoded, validated payload of a framed record; a malformed one is ``CorruptionError``."""
     try:
         return decode_payload(raw.rtype, raw.payload)
     except FormatError as exc:
@@ -89,8 +65,8 @@ def payload_of(raw: RawRecord) -> Dict[str, Any]:
 
 
 def fields_of(raw: RawRecord) -> Any:
-    """The payload of a framed record decoded once and validated, for a fold (``JournalState.apply``
-    takes it): its type's struct, or an unknown type's map; a malformed one is ``CorruptionError``."""
+    """The payload decoded once for a fold (``JournalState.apply`` takes it): its type's struct,
+    or an unknown type's map; a malformed one is ``CorruptionError``."""
     try:
         return decode_fields(raw.rtype, raw.payload)
     except FormatError as exc:
@@ -108,12 +84,8 @@ class Group:
 
 @dataclass
 class TornTail:
-    """Bytes at the end of the newest log file that do not form a valid group.
-
-    ``offset`` 0 means the file's header itself is incomplete (a crash while creating it).
-    ``damaged``: the bytes cannot be a torn write (``framing.tail_evidence``; ``why`` says what
-    was found); ``records``: how many records the group there declares, when known.
-    """
+    """Bytes at the end of the newest log file that are no valid group (``offset`` 0: no header);
+    ``damaged``: no torn write (``why`` says); ``records``: how many its group declares, if known."""
 
     path: str
     offset: int
@@ -144,14 +116,14 @@ Reporter = Callable[[Damage], None]
 
 
 def raise_on_damage(damage: Damage) -> None:
-    """The default reporter: errors raise; a torn tail and a gap a snapshot covers do not."""
+    """The default reporter: errors raise; a torn tail, a gap a snapshot covers and a copy's do not."""
     if damage.kind == FORMAT:
         raise FormatError(f"{damage.path}: {damage.reason}")
     if damage.kind not in (TORN, COVERED_GAP, COPY):
         raise CorruptionError(damage.path, damage.offset, damage.reason)
 
 
-def list_logs(directory: str, files: Files = DIRECT) -> List[str]:
+def list_logs(directory: str, files: Pinned = DIRECT) -> List[str]:
     """Paths of the journal's log files, oldest first."""
     try:
         names = files.listdir(directory)
@@ -161,35 +133,28 @@ def list_logs(directory: str, files: Files = DIRECT) -> List[str]:
 
 
 def log_seq(path: str) -> int:
+    """The number of log file ``path``."""
     return int(os.path.basename(path)[:16])
 
 
-def read_header(path: str, files: Files = DIRECT) -> Optional[FileHeader]:
+def read_header(path: str, files: Pinned = DIRECT) -> Optional[FileHeader]:
     """The header of log file ``path``; None when it is not (yet) a valid one."""
     with files.open(path) as f:
         return decode_file_header(f.read(FILE_HEADER_SIZE))
 
 
 class Scan:
-    """One pass over a journal's log files.
-
-    Iterate it for framed records with LSN > ``after_lsn`` (``records()`` decodes them, and
-    ``groups()`` gives whole commit groups with where each lies in its file); afterwards
-    ``last_lsn``, ``next_lsn``, ``tail`` and ``end_offset`` (valid length of the newest file)
-    describe where the log ends. LSNs up to ``covered_lsn`` (default:
-    ``after_lsn``) are in a snapshot, so log files holding only those may be gone.
-    ``start`` = (path, offset) resumes inside a file at a group boundary an earlier scan
-    ended on, with ``after_lsn`` the last LSN before it (how a follower polls).
-    ``mirror``: True reads the mirror the journal records (if any), False the journal's
-    copy alone, a path that directory as the mirror. ``copies`` lists what one copy lacked
-    or held damaged (also passed to the reporter). ``files``: how it lists and reads them
-    (``pinned.Pinned``: held open since one moment, as replay holds them).
-    """
+    """One pass over a journal's log files: iterate it for framed records with LSN > ``after_lsn``
+    (``records()`` decodes them, ``groups()`` gives commit groups); afterwards ``last_lsn``,
+    ``next_lsn``, ``tail`` and ``end_offset`` say where the log ends. LSNs up to ``covered_lsn``
+    are in a snapshot (their files may be gone). ``start`` = (path, offset) resumes where an
+    earlier scan ended. ``mirror``: True reads the recorded mirror, False the journal's copy
+    alone, a path that mirror; ``copies`` lists what one copy lacked or damaged."""
 
     def __init__(self, directory: str, *, after_lsn: int = 0, strict: bool = False,
                  logs: Optional[List[str]] = None, reporter: Reporter = raise_on_damage,
                  covered_lsn: Optional[int] = None, start: Optional[Tuple[str, int]] = None,
-                 mirror: Union[bool, str] = True, verify_copies: bool = False, files: Files = DIRECT):
+                 mirror: Union[bool, str] = True, verify_copies: bool = False, files: Pinned = DIRECT):
         self.directory = directory
         self.files = files
         self.after_lsn = after_lsn
@@ -211,8 +176,7 @@ class Scan:
 
     @classmethod
     def of_bytes(cls, data: bytes, path: str, **options: Any) -> "Scan":
-        """A walk of one log file given as bytes (a replica's download), named ``path`` (its
-        file name is the file's number); ``options`` as for ``Scan``."""
+        """A walk of one log file given as bytes (a replica's download), named ``path``."""
         scan = cls(os.path.dirname(path), logs=[path], mirror=False, **options)
         scan._given[path] = data
         return scan
@@ -231,7 +195,7 @@ class Scan:
         """The header of log file ``path`` from the first copy that has a valid one."""
         if path in self._given:
             return decode_file_header(self._given[path][:FILE_HEADER_SIZE])
-        for copy in copy_paths(path, self.mirror):
+        for copy in copies(path, self.mirror):
             try:
                 header = read_header(copy, self.files)
             except FileNotFoundError:
@@ -241,29 +205,20 @@ class Scan:
         return None
 
     def live_logs(self) -> List[str]:
-        """The log files the walk reads: those after ``after_lsn``'s snapshot (or from ``start``)."""
-        self._skip_covered()
-        return list(self.logs)
-
-    def _skip_covered(self) -> None:
-        """Begin at ``start``, or drop log files whose records all precede ``after_lsn`` + 1.
-
-        Compaction deletes such files, and a crash may persist its unlinks in any order,
-        so gaps among them are not corruption: start at the last file that begins at or
-        before the first LSN needed.
-        """
+        """The log files the walk reads: from ``start``, else from the last file that begins at or
+        before ``after_lsn`` + 1 (compaction deletes those before, in any order)."""
         if self.start is not None and self.start[0] in self.logs:
             self.logs = self.logs[self.logs.index(self.start[0]):]
-            return
+            return list(self.logs)
         self.start = None
-        if self.after_lsn <= 0:
-            return
-        first = 0
-        for index, path in enumerate(self.logs):
-            header = self.header_of(path)
-            if header is not None and header.base_lsn <= self.after_lsn + 1:
-                first = index
-        self.logs = self.logs[first:]
+        if self.after_lsn > 0:
+            first = 0
+            for index, path in enumerate(self.logs):
+                header = self.header_of(path)
+                if header is not None and header.base_lsn <= self.after_lsn + 1:
+                    first = index
+            self.logs = self.logs[first:]
+        return list(self.logs)
 
     def records(self) -> Iterator[Record]:
         """The decoded records (``decode``), in order."""
@@ -277,14 +232,16 @@ class Scan:
                 if rec.lsn > after:
                     yield rec
 
-    def groups(self) -> Iterator["Group"]:
+    def groups(self) -> Iterator[Group]:
         """The valid commit groups, in order, that hold a record with LSN > ``after_lsn``."""
-        self._skip_covered()
+        self.live_logs()
         self._expected: Optional[int] = None  # next LSN; None until a file tells
         started = False  # whether a file was read (before that, a vanished file was compacted away)
         for index, path in enumerate(self.logs):
             origin = self.start[1] if index == 0 and self.start is not None else 0
-            source = self._source(path, origin)
+            given = self._given.get(path)
+            source = GroupSource([path] if given is not None else copies(path, self.mirror), self._copy,
+                                 self._count, origin=origin, verify=self.verify_copies, data=given, files=self.files)
             if not source.exists():
                 # a concurrent compaction removed a sealed file it had folded into a snapshot
                 if not started:
@@ -294,16 +251,10 @@ class Scan:
             if (yield from self._file(source, index == len(self.logs) - 1, first)):
                 return
 
-    def _source(self, path: str, origin: int) -> GroupSource:
-        """The copies of log file ``path`` the walk reads its groups from, from byte ``origin`` on."""
-        given = self._given.get(path)
-        return GroupSource([path] if given is not None else copy_paths(path, self.mirror), self._copy,
-                           self._count, origin=origin, verify=self.verify_copies, data=given, files=self.files)
-
     def _count(self, n: int) -> None:
         self.bytes_read += n
 
-    def _file(self, source: GroupSource, is_last: bool, first: bool) -> Generator["Group", None, bool]:
+    def _file(self, source: GroupSource, is_last: bool, first: bool) -> Generator[Group, None, bool]:
         """Walk one log file, group by group, checking that LSNs go on from the file before and
         from group to group; True when the log ends in it."""
         path, origin = source.paths[0], source.origin
@@ -394,8 +345,7 @@ class Scan:
 
     def _torn(self, path: str, offset: int, length: int, why: str = "", records: Optional[int] = None,
               damaged: bool = False) -> None:
-        """The end of the log: a torn tail (or, ``damaged``, a damaged one, an error) of ``length``
-        bytes; ``why`` says what its bytes are, ``records`` how many records its group declares."""
+        """The end of the log: a torn tail (or, ``damaged``, a damaged one: an error) of ``length`` bytes."""
         said = f": {why}" if why else ""
         if damaged:
             self.tail = self.tail or TornTail(path, offset, length, True, records, why)
@@ -422,8 +372,8 @@ class LogEnd:
 
 
 def newest_first(logs: List[str]) -> Iterator[Tuple[str, FileHeader, bool]]:
-    """The log files ``logs`` names, newest first, with their headers and whether each is the
-    newest file: one removed meanwhile (compaction) or still without a header is passed over."""
+    """The log files ``logs`` names, newest first, with their headers and whether each is the newest
+    (one removed meanwhile or without a header is passed over)."""
     for index in range(len(logs) - 1, -1, -1):
         try:
             header = read_header(logs[index])
@@ -434,13 +384,8 @@ def newest_first(logs: List[str]) -> Iterator[Tuple[str, FileHeader, bool]]:
 
 
 def log_end(directory: str, snapshot_lsn: int = 0, mirror: Union[bool, str] = True) -> LogEnd:
-    """The last complete group of the log, reading only the newest log files (newest first,
-    until one holds a group): what ``kvj status`` shows as the last durable write and its age.
-
-    Complete is not durable for a live writer, whose last group may await its fdatasync;
-    for a journal no writer holds, it is what replay will return. ``mirror`` is as for
-    ``Scan``: False reads the one copy at ``directory`` (how far each copy reaches).
-    """
+    """The last complete group of the log, from the newest log files only: what ``kvj status`` shows
+    as the last durable write. ``mirror`` as for ``Scan``."""
     tail: Optional[TornTail] = None
     for path, header, newest in newest_first(list_logs(directory)):
         scan = Scan(directory, after_lsn=header.base_lsn - 1, logs=[path], reporter=lambda _d: None, mirror=mirror)

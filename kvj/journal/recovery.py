@@ -1,47 +1,106 @@
-"""Open-time recovery: where a writer resuming a journal goes on, and the repairs it makes
-first (spec: man/kvj-journal.5, THE END OF THE LOG and MIRROR).
-
-``find_end`` walks the newest log file: a torn tail left by a crash is cut (its bytes kept in
-``torn/`` first: ``cut_torn_tail``), the two copies of a mirrored journal are evened out (a
-file only one copy has is given to the other, a newest file the copies hold differently is
-made the same), what was read is made durable, and the writer continues that file or starts
-the next. Mid-log corruption raises, as the reader reports it: that is fsck's. An I/O error on
-the mirror's side is ``MirrorDown``, for the mirror policy to decide (``Journal.open``).
+"""Open-time recovery, as LevelDB's ``DB::Recover``: the journal directory's locks, and where a
+writer resuming a journal goes on (``find_end``), with the repairs it makes first: a torn tail
+cut (its bytes kept in ``torn/``), the two copies of a mirrored journal evened out, what was read
+made durable. Mid-log corruption raises: that is fsck's (spec: man/kvj-journal.5, THE END OF THE LOG).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Tuple
 
-from kvj.errors import CorruptionError, FormatError, KvjError
-from kvj.fileio import FS, REAL_FS, atomic_write, fsync_path, makedirs_durable, open_read
+from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, UnsafePath
+from kvj.fileio import (FS, REAL_FS, DurabilityError, atomic_write, fsync_path, makedirs_durable, open_read,
+                        open_regular)
 from kvj.journal.framing import FORMAT_VERSION
-from kvj.journal.mirror import copies
+from kvj.journal.mirror import DEGRADE, copies, log, mirror_of, resolve
 from kvj.journal.reader import TORN, Damage, Scan, TornTail, log_seq, raise_on_damage
 from kvj.journal.snapshot import list_snapshots
 
+#: Held by the one process that appends to the journal (``Journal.open``, recovery).
+LOCK_NAME = "LOCK"
+#: Held by the one process that compacts the journal (``kvj compact``, recovery, fsck --repair).
+COMPACT_LOCK = "COMPACT"
 #: Where cut tails' bytes are kept, inside the journal.
 TORN_DIR = "torn"
+#: Where ``kvj recover`` writes its manifests (``manifest-<epoch>.json``).
+RECOVERY_DIR = "recovery"
+#: A recovery (or handoff) manifest is at most this large (a plan for every request and block in flight).
+MAX_MANIFEST_BYTES = 256 << 20
+#: A salvage's report while it is not yet in a durable recovery-epoch record.
+PENDING_NAME = "SALVAGE.json"
+
+#: Where a writer goes on: (log file seq, next LSN, the copy of a cut tail, the salt of the
+#: file when the writer appends to it: None for a new file).
+End = Tuple[int, int, Optional[str], Optional[int]]
+
+
+class DirLock:
+    """A flock on a file in the journal directory recording the holder's pid (a second holder gets
+    ``JournalLocked`` naming it); the kernel releases a killed holder's lock."""
+
+    def __init__(self, directory: str, name: str, what: str):
+        self.path = os.path.join(directory, name)
+        self.directory, self.what = directory, what
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "DirLock":
+        """Take the lock exclusively, without waiting."""
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def acquire_shared(self) -> Optional["DirLock"]:
+        """Hold the lock shared, for a reader that must not run beside its holder, never creating or
+        writing the file (a read-only mount); None without one: no holder ever ran."""
+        try:
+            fd = open_regular(self.path)
+        except FileNotFoundError:
+            return None
+        self._flock(fd, fcntl.LOCK_SH)
+        self.fd = fd
+        return self
+
+    def _flock(self, fd: int, mode: int) -> None:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise JournalLocked(self.directory, self._holder_pid(), self.what) from None
+            raise
+
+    def _holder_pid(self) -> Optional[int]:
+        try:
+            with open_read(self.path) as f:
+                return int(f.read(32).strip() or 0) or None
+        except (OSError, ValueError, UnsafePath):
+            return None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
 
 
 def cut_torn_tail(tail: TornTail, fs: FS = REAL_FS) -> str:
-    """Move a torn tail's bytes aside into ``torn/`` (durably), then truncate the log file.
-
-    Returns the path of the copy. The copy is durable before the truncation, so the
-    cut never loses bytes, and a crash in between leaves the log as it was.
-    """
+    """Move a torn tail's bytes aside into ``torn/``, then truncate the log file; returns the
+    copy's path. The copy is durable first, so a crash in between leaves the log as it was."""
     aside = keep_torn_bytes(tail, fs)
     truncate_log(tail, fs)
     return aside
 
 
 def keep_torn_bytes(tail: TornTail, fs: FS = REAL_FS) -> str:
-    """Copy a torn tail's bytes into ``torn/``, durably, leaving the log as it is; returns the
-    copy's path. The one step of a cut that needs free space."""
-    journal_dir = os.path.dirname(tail.path)
-    aside_dir = os.path.join(journal_dir, TORN_DIR)
+    """Copy a torn tail's bytes into ``torn/``, durably, leaving the log as it is (the one step
+    of a cut that needs free space); returns the copy's path."""
+    aside_dir = os.path.join(os.path.dirname(tail.path), TORN_DIR)
     makedirs_durable(aside_dir, fs)
     with open_read(tail.path) as f:
         f.seek(tail.offset)
@@ -93,34 +152,30 @@ def mirror_side(mirror: Optional[str]) -> Iterator[None]:
         raise MirrorDown(mirror, exc) from exc
 
 
-def _restore_copies(directory: str, mirror: str, fs: FS) -> None:
-    """Give each copy what only the other holds: the newest snapshot, and every log file the
-    log still needs (a copy lost with a replaced disk, or by a crash while creating it)."""
-    newest = max((snaps[0] for d in (directory, mirror) for snaps in [list_snapshots(d)] if snaps), default=None)
-    names = [] if newest is None else [os.path.basename(newest[1])]
-    names += [os.path.basename(p) for p in Scan(directory, after_lsn=newest[0] if newest else 0,
-                                                mirror=mirror).live_logs()]
-    for name in names:
-        have = [p for p in copies(directory, mirror, name) if os.path.exists(p)]
-        for target in copies(directory, mirror, name):
-            if have and target not in have:
-                with open_read(have[0]) as f:
-                    data = f.read()
-                with mirror_side(mirror if target.startswith(mirror + os.sep) else None):
-                    atomic_write(target, data, fs)
+def open_end(path: str, fs: FS, file_size_limit: int, mirror: Optional[str], mirror_policy: str,
+             locks: List[DirLock]) -> Tuple[End, Optional[str]]:
+    """With the journal's writer lock held (``locks``), lock its mirror (``mirror.resolve``) and find
+    where a writer goes on: (``find_end``'s answer, the mirror used). An I/O error on the mirror's
+    side fails the open, or under mirror policy degrade drops the mirror."""
+    try:
+        with mirror_side(mirror if mirror is not None else mirror_of(path)):
+            chosen = resolve(path, mirror, mirror_policy, fs)
+            if chosen is not None:
+                locks.append(DirLock(chosen, LOCK_NAME, "writer").acquire())
+        return find_end(path, fs, file_size_limit, chosen), chosen
+    except MirrorDown as down:
+        if mirror_policy != DEGRADE:
+            raise DurabilityError(down.error.errno or errno.EIO, str(down)) from down.error
+        log.warning("journal %s: %s; writing the primary copy only (mirror policy degrade)", path, down)
+        for lock in locks[1:]:
+            lock.release()
+        del locks[1:]
+        return find_end(path, fs, file_size_limit), None
 
 
-def find_end(directory: str, fs: FS, file_size_limit: int,
-              mirror: Optional[str] = None) -> Tuple[int, int, Optional[str], Optional[int]]:
-    """Where a writer resuming this journal goes on: (file seq, next LSN, copy of any cut
-    tail, and the salt of that file when the writer appends to it, None for a new file).
-
-    The newest log file is continued when its tail is clean, it is in the current format
-    and below the size limit, and, with a ``mirror``, its two copies are the same; otherwise
-    (a torn tail was cut, a 0.1.0 file, a full one, copies that differ) a new file follows
-    it. With a mirror, torn tails are cut in each copy, and a copy that lacks a file the log
-    needs gets it from the other first.
-    """
+def find_end(directory: str, fs: FS, file_size_limit: int, mirror: Optional[str] = None) -> End:
+    """Where a writer resuming this journal goes on: the newest log file when its tail is clean, it
+    is in the current format, below the size limit and the same in every copy, else a new file."""
     if mirror is not None:
         _restore_copies(directory, mirror, fs)
     snaps = [lsn for d in (directory, mirror) if d is not None for lsn, _p in list_snapshots(d)[:1]]
@@ -129,7 +184,7 @@ def find_end(directory: str, fs: FS, file_size_limit: int,
     if not listing.logs:
         return 1, snap_lsn + 1, None, None
     last = listing.logs[-1]
-    paths = copies(directory, mirror, os.path.basename(last))
+    paths = copies(last, mirror)
     header = listing.header_of(last)
     torn: List[Damage] = []
 
@@ -161,11 +216,9 @@ def find_end(directory: str, fs: FS, file_size_limit: int,
         _even_out(paths, scan.end_offset, header.base_lsn, mirror, fs)
     for path in paths:
         if path not in cut and os.path.exists(path):
-            # What was just read may sit unsynced in the page cache (a writer killed between a
-            # group's write and its fdatasync, or between creating the file and syncing its
-            # directory). The new writer builds on it, so make it and its directory entry
-            # durable before any later record is acknowledged (a file cut above was fsynced, and
-            # the new file that follows it syncs the directory).
+            # What was read may sit unsynced in the page cache (a writer killed before its
+            # fdatasync, or before syncing the directory): the new writer builds on it, so make it
+            # durable before any later record is acknowledged (a cut file was fsynced already).
             with mirror_side(mirror if path != last else None):
                 fsync_path(path, fs)
                 fs.fsync_dir(os.path.dirname(path))
@@ -176,12 +229,28 @@ def find_end(directory: str, fs: FS, file_size_limit: int,
     return log_seq(last) + 1, max(next_lsn, snap_lsn + 1), aside, None
 
 
+def _restore_copies(directory: str, mirror: str, fs: FS) -> None:
+    """Give each copy what only the other holds: the newest snapshot, and every log file the
+    log still needs (a copy lost with a replaced disk, or by a crash while creating it)."""
+    newest = max((snaps[0] for d in (directory, mirror) for snaps in [list_snapshots(d)] if snaps), default=None)
+    names = [] if newest is None else [os.path.basename(newest[1])]
+    names += [os.path.basename(p) for p in Scan(directory, after_lsn=newest[0] if newest else 0,
+                                                mirror=mirror).live_logs()]
+    for name in names:
+        both = copies(os.path.join(directory, name), mirror)
+        have = [p for p in both if os.path.exists(p)]
+        for target in both:
+            if have and target not in have:
+                with open_read(have[0]) as f:
+                    data = f.read()
+                with mirror_side(mirror if target.startswith(mirror + os.sep) else None):
+                    atomic_write(target, data, fs)
+
+
 def _even_out(paths: List[str], end: int, base_lsn: int, mirror: str, fs: FS) -> None:
-    """Give every copy of the newest log file the bytes of one that holds all of it (up to
-    ``end``) intact on its own. The copies differ after a crash between the two copies'
-    writes or syncs; left so, the shorter copy would hold a damaged group in a sealed file
-    once the log goes on, and could not stand in alone for the other. Copies that are
-    each damaged somewhere are left as they are (the log goes on in a new file)."""
+    """Give every copy of the newest log file the bytes of one that holds all of it (up to ``end``)
+    intact (else, once sealed, the shorter copy would hold a damaged group); copies each damaged
+    somewhere are left as they are (the log goes on in a new file)."""
     for path in paths:
         if not os.path.exists(path):
             continue

@@ -1,11 +1,6 @@
-"""Replay: fold a journal (snapshot plus log files) into state.
-
-By default replay recovers to the last consistent point: a torn tail ends the log and is
-reported in ``state.tail``. ``strict=True`` fails on any damage. Damage in the middle of
-the log is always an error (``CorruptionError`` with file and offset), never skipped. In
-a mirrored journal, what one copy lacks or holds damaged is read from the other, and
-``state.warnings`` says which copy was bad. A seed-era JSON-lines journal is refused
-(``LegacyJournal``, see ``check_journal``): only ``kvj migrate`` reads it.
+"""Replay: fold a journal (its newest snapshot, then the log after it) into a ``JournalState``. A
+torn tail ends the log (``state.tail``); damage elsewhere is always an error, never skipped; what
+one copy of a mirrored journal lacks is read from the other (``state.warnings``).
 """
 
 from __future__ import annotations
@@ -18,10 +13,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from kvj.errors import CorruptionError, FormatError, KvjError
 from kvj.journal.legacy import SEED_SUFFIXES, is_seed, refused
 from kvj.journal.mirror import mirror_of
-from kvj.journal.pinned import DIRECT, Files, Pinned
 from kvj.journal.reader import LOG_RE, Group, Record, Scan, fields_of
-from kvj.journal.snapshot import SNAP_RE, list_snapshots, load_latest, snapshot_name
+from kvj.journal.snapshot import SNAP_RE, all_snapshots, load_latest, snapshot_name
+from kvj.journal.source import DIRECT, Pinned
 from kvj.journal.state import JournalState
+
+#: Fresh passes replay makes when a compaction changes the journal under it.
+COMPACTION_RETRIES = 20
+#: Log files a pass holds open (one descriptor per copy); it opens any after them by path.
+MAX_PINNED_LOGS = 64
 
 
 def holds_journal(directory: str, names: Optional[List[str]] = None) -> bool:
@@ -32,10 +32,8 @@ def holds_journal(directory: str, names: Optional[List[str]] = None) -> bool:
 
 
 def check_journal(path: str) -> None:
-    """Refuse, before anything reads or writes it, a ``path`` that is a seed-era JSON-lines
-    journal (``LegacyJournal``, pointing at ``kvj migrate``): the file, or a directory holding
-    one and no kvj journal. Any other file is ``FormatError``; a missing path or another
-    directory passes."""
+    """Refuse, before anything reads or writes it, a seed-era journal at ``path`` (the file, or a
+    directory holding one and no kvj journal: ``LegacyJournal``) or another file (``FormatError``)."""
     if os.path.isfile(path):
         if is_seed(os.path.realpath(path)):  # through a link the caller named
             raise refused(path)
@@ -52,7 +50,7 @@ def check_journal(path: str) -> None:
 class RecordStream:
     """Decoded records of a kvj journal after ``after_lsn``; ``tail`` is known once exhausted."""
 
-    def __init__(self, path: str, *, after_lsn: int = 0, strict: bool = False, files: Files = DIRECT):
+    def __init__(self, path: str, *, after_lsn: int = 0, strict: bool = False, files: Pinned = DIRECT):
         if not os.path.exists(path):
             raise FormatError(f"no journal at {path}")
         check_journal(path)
@@ -74,10 +72,8 @@ class RecordStream:
 
     def fold(self, state: JournalState, at_lsn: Optional[int] = None,
              on_group: Optional[Callable[[Group], None]] = None) -> None:
-        """Apply the records (up to ``at_lsn``) to ``state``: what iterating and applying each
-        does, group by group, without a ``Record`` per record, each payload decoded once
-        (``fields_of``), and with the cycle collector paused (see ``collector_paused``).
-        ``on_group`` is shown each commit group read, before its records are applied."""
+        """Apply the records (up to ``at_lsn``) to ``state``, group by group, each payload decoded
+        once and with the cycle collector paused; ``on_group`` sees each group first."""
         apply = state.apply
         after = self._scan.after_lsn
         last = float("inf") if at_lsn is None else at_lsn
@@ -95,15 +91,9 @@ class RecordStream:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause Python's cycle collector (replay's fold and fsck's walk): a fold allocates a few acyclic objects per record and
-    keeps many of them, and the collector's passes over the growing state took ~40% of
-    replay's time (1,000,000 records: hundreds of passes). Nothing a fold builds is a cycle,
-    so nothing waits for the collector; it runs again afterwards (unless it was off).
-
-    What the fold kept is then moved to the collector's oldest generation without a pass
-    (``gc.freeze`` and ``gc.unfreeze``): else the first allocation after it walked every
-    object the fold made (~10% of a replay of 10^5 records). Not in a process that froze
-    objects of its own (a server may, after loading its model): unfreezing would move them too."""
+    """Pause Python's cycle collector for a fold: its passes over the growing state took ~40% of
+    replay's time, and a fold builds no cycle. What it kept then moves to the oldest generation
+    without a pass (``gc.freeze``, unless the process froze objects of its own)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -118,14 +108,9 @@ def collector_paused() -> Iterator[None]:
 
 def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False,
            on_group: Optional[Callable[[Group], None]] = None) -> JournalState:
-    """Fold the kvj journal directory at ``path`` into a ``JournalState``, up to ``at_lsn`` if
-    given. A seed-era JSON-lines journal is ``LegacyJournal`` (``kvj migrate`` converts it).
-    ``on_group`` sees each commit group folded (``kvj status`` counts the last minute's from
-    the same walk); a pass repeated after a concurrent compaction shows its groups again.
-
-    The pass reads the files it held open first (``hold``), so a compaction running meanwhile
-    does not disturb it; only a compaction that writes its snapshot while they are being
-    held (milliseconds), or deletes a log file beyond those held, makes a fresh pass."""
+    """Fold the kvj journal directory at ``path`` into a ``JournalState``, up to ``at_lsn`` if given;
+    ``on_group`` sees each commit group folded. The pass reads the files it held open first
+    (``pin``), so a compaction meanwhile does not disturb it, unless it deletes one beyond them."""
     if not os.path.exists(path):
         raise FormatError(f"no journal at {path}")
     check_journal(path)
@@ -142,33 +127,20 @@ def replay(path: str, *, at_lsn: Optional[int] = None, strict: bool = False,
     raise _kept_changing(path)
 
 
-#: Fresh passes replay makes when a compaction changes the journal under it.
-COMPACTION_RETRIES = 20
-#: Log files a pass holds open (one descriptor per copy); it opens any after them by path.
-MAX_PINNED_LOGS = 64
-
-
 def _dirs(path: str) -> List[str]:
     mirror = mirror_of(path)
     return [path] + ([mirror] if mirror else [])
 
 
-def newest_snapshot_lsn(path: str, files: Files = DIRECT) -> Optional[int]:
+def newest_snapshot_lsn(path: str, files: Pinned = DIRECT) -> Optional[int]:
     """The LSN of the newest snapshot in the journal or its mirror (None: there is none)."""
-    found = []
-    for d in _dirs(path):
-        try:
-            found += [lsn for lsn, _ in list_snapshots(d, files)]
-        except FileNotFoundError:
-            continue
-    return max(found, default=None)
+    return max(all_snapshots(path, files), default=None)
 
 
 def pin(path: str) -> Optional[Tuple[Pinned, Optional[int]]]:
-    """Hold the journal's listings, its newest snapshot and its log files (both copies) open,
-    with that snapshot's LSN; None when a newer snapshot appeared meanwhile. Else every file
-    the listings name and the pass cannot open was deleted by a compaction whose snapshot
-    the held one covers: unlinks follow their snapshot (``kvj.ops.compact``)."""
+    """Hold the journal's listings, newest snapshot and log files (both copies) open, with that
+    snapshot's LSN; None when a newer snapshot appeared meanwhile (else a file held as missing
+    was deleted by a compaction the held snapshot covers)."""
     pinned = Pinned()
     try:
         dirs = _dirs(path)
@@ -206,7 +178,7 @@ def _kept_changing(path: str) -> KvjError:
 
 
 def _replay_once(path: str, at_lsn: Optional[int], strict: bool,
-                 on_group: Optional[Callable[[Group], None]], files: Files) -> JournalState:
+                 on_group: Optional[Callable[[Group], None]], files: Pinned) -> JournalState:
     state = load_latest(path, files)
     if state is None:
         state = JournalState()

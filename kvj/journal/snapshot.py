@@ -1,13 +1,6 @@
-"""Snapshots: the folded state as of an LSN, written by compaction (spec: man/kvj-journal.5).
-
-    header  magic[8] version:u16 flags:u16 lsn:u64 body_len:u64 crc:u32
-    body    msgpack map (JournalState.to_dict without ended requests)
-
-The CRC32C covers the header's first 28 bytes and the body. A snapshot is written with
-``atomic_write`` (temp file, fsync, rename, fsync directory) before any log file it
-covers is deleted. A mirrored journal's snapshot is written to its mirror too, which then
-drops the log files and older snapshots it covers; reading takes the mirror's copy of the
-newest snapshot when the journal's is missing or damaged.
+"""Snapshots: the folded state as of an LSN, written by compaction (spec: man/kvj-journal.5,
+SNAPSHOTS). A snapshot is written durably before any log file it covers is deleted, into the
+mirror too; reading takes the mirror's copy when the journal's is missing or damaged.
 """
 
 from __future__ import annotations
@@ -15,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import msgspec
 from crc32c import crc32c
@@ -23,22 +16,23 @@ from crc32c import crc32c
 from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import FS, REAL_FS, atomic_write
 from kvj.journal.mirror import log, mirror_of
-from kvj.journal.pinned import DIRECT, Files
 from kvj.journal.reader import list_logs, read_header
+from kvj.journal.source import DIRECT, Pinned
 from kvj.journal.state import JournalState
 
 SNAP_MAGIC = b"\x89KVJSNP\n"
 SNAP_VERSION = 1
-SNAP_HEADER = struct.Struct("<8sHHQQI")
+SNAP_HEADER = struct.Struct("<8sHHQQI")  # magic version flags lsn body_len crc (over the rest and the body)
 SNAP_RE = re.compile(r"^snapshot-(\d{16})\.snap$")
 MAX_SNAPSHOT = 1 << 31
 
 
 def snapshot_name(lsn: int) -> str:
+    """File name of the snapshot at ``lsn``."""
     return f"snapshot-{lsn:016d}.snap"
 
 
-def list_snapshots(directory: str, files: Files = DIRECT) -> List[Tuple[int, str]]:
+def list_snapshots(directory: str, files: Pinned = DIRECT) -> List[Tuple[int, str]]:
     """(lsn, path) of every snapshot file, newest first."""
     found = []
     for name in files.listdir(directory):
@@ -49,12 +43,15 @@ def list_snapshots(directory: str, files: Files = DIRECT) -> List[Tuple[int, str
 
 
 def encode_snapshot(state: JournalState) -> bytes:
+    """The snapshot file of ``state`` (without its ended requests)."""
     body = msgspec.msgpack.encode(state.to_dict(include_ended=False))
     head = SNAP_HEADER.pack(SNAP_MAGIC, SNAP_VERSION, 0, state.last_lsn, len(body), 0)[:-4]
     return head + struct.pack("<I", crc32c(body, crc32c(head))) + body
 
 
 def decode_snapshot(data: bytes, path: str) -> JournalState:
+    """The state snapshot file ``path`` holds; anything else is ``CorruptionError`` (``FormatError``
+    for an unknown version)."""
     if len(data) < SNAP_HEADER.size:
         raise CorruptionError(path, 0, "snapshot shorter than its header")
     magic, version, _flags, lsn, body_len, crc = SNAP_HEADER.unpack_from(data, 0)
@@ -69,9 +66,8 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
         raise CorruptionError(path, 0, "snapshot checksum mismatch")
     try:
         state = JournalState.from_dict(msgspec.msgpack.decode(body))
-        # exercise what replay, fsck and compaction do with a state (fold, serialise into the
-        # next snapshot and read that back), so that a body with wrong-typed fields fails
-        # here, as corruption, and not later as a TypeError or as an unreadable snapshot
+        # do what replay, fsck and compaction do with a state, so that wrong-typed fields fail
+        # here, as corruption, not later as a TypeError or an unreadable next snapshot
         msgspec.msgpack.decode(msgspec.msgpack.encode(state.to_dict()))
         state.referenced_keys()
     except Exception as exc:  # a valid CRC over a malformed body: written by a buggy or hostile tool
@@ -83,24 +79,29 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
 
 
 def _reason(exc: Exception) -> str:
-    """``exc`` as a reason that is never empty (an exception may have no text): its type, then
-    its text or else the first line of its type's docstring."""
+    """``exc`` as a reason that is never empty: its type, then its text or its type's docstring."""
     text = str(exc) or (type(exc).__doc__ or "").strip().partition("\n")[0]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def load_latest(directory: str, files: Files = DIRECT) -> Optional[JournalState]:
-    """The newest snapshot's state, or None. A damaged newest snapshot is an error, not
-    skipped, unless the journal's mirror holds an intact copy of it (then a warning says so).
-    ``files``: how the snapshots are listed and read (``pinned.Pinned``: as replay held them)."""
+def all_snapshots(directory: str, files: Pinned = DIRECT) -> Dict[int, List[str]]:
+    """LSN -> the paths of the snapshots at it, in the journal and its mirror (the journal's first)."""
     mirror = mirror_of(directory)
-    found: dict = {}
+    found: Dict[int, List[str]] = {}
     for d in [directory] + ([mirror] if mirror else []):
         try:
             for lsn, path in list_snapshots(d, files):
                 found.setdefault(lsn, []).append(path)
         except FileNotFoundError:
             continue
+    return found
+
+
+def load_latest(directory: str, files: Pinned = DIRECT) -> Optional[JournalState]:
+    """The newest snapshot's state, or None. A damaged newest snapshot is an error, never skipped,
+    unless the mirror holds an intact copy (then a warning says so)."""
+    found = all_snapshots(directory, files)
+    mirror = mirror_of(directory)
     if not found:
         return None
     paths = found[max(found)]

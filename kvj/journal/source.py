@@ -1,46 +1,102 @@
-"""Where the reader takes each commit group of one log file from: the file's copies, arbitrated
-(spec: man/kvj-journal.5, MIRROR and THE END OF THE LOG).
-
-A mirrored journal keeps two copies of each log file, byte for byte the same. A
-``GroupSource`` holds the copies of one file, the journal's first, and gives the walk
-(``reader.Scan``) each group from the first copy that holds it intact, reporting each copy
-that lacks it, holds it damaged or differs (not an error: the data is intact). Only damage
-in every copy is damage, and a tail is damaged only when every copy holding bytes there
-shows damage (a group is acknowledged only once written in every copy, so one copy's torn
-write proves it was not). A copy is read only when the walk needs it, unless ``verify``
-(fsck) reads and checks every copy. A journal without a mirror is the case of one copy; a
-file given as bytes (a replica's download) is one copy that is never read from the disk.
+"""Where a read pass takes each commit group from: which copy of a log file (spec: man/kvj-journal.5,
+MIRROR), through which files (held open since one moment, or by path). Only damage in every copy
+is damage; a tail is damaged only if it is in every copy holding bytes there (a group is
+acknowledged only once in every copy). A journal without a mirror is the case of one copy.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import BinaryIO, Callable, Dict, List, Optional, Tuple
 
-from kvj.journal.framing import (FILE_HEADER_SIZE, FileHeader, RawRecord, TailEvidence, decode_file_header,
-                                 header_torn, later_group_exists, parse_group, tail_evidence)
-from kvj.journal.pinned import DIRECT, Files
-
-#: Told of each copy that lacks, damages or differs from what the walk reads from another:
-#: (that copy's path, the offset or None, why).
-CopyReport = Callable[[str, Optional[int], str], None]
-
-#: Told of the bytes each read of a copy brought in (how a walk counts its progress).
-ReadCount = Callable[[int], None]
+from kvj.errors import KvjError
+from kvj.fileio import open_read, open_regular
+from kvj.journal.framing import (FILE_HEADER_SIZE, FileHeader, RawRecord, decode_file_header, header_torn,
+                                 later_group_exists, parse_group)
+from kvj.journal.tail import TailEvidence, tail_evidence
 
 
-def copy_paths(path: str, mirror: Optional[str]) -> List[str]:
-    """The copies of log file ``path``: itself, and the mirror's file of the same name."""
-    return [path] + ([os.path.join(mirror, os.path.basename(path))] if mirror else [])
+class Pinned:
+    """The listings and files one read pass sees: a compaction unlinks the files its snapshot covers,
+    so replay holds them open first (as LevelDB's readers pin a ``Version``). A held file is read
+    through its descriptor (from byte 0 at each ``open``: one pass, one thread), a held name that
+    did not exist then does not exist for the pass, and anything not held is read by path."""
 
+    def __init__(self) -> None:
+        self._listings: Dict[str, Optional[List[str]]] = {}
+        self._fds: Dict[str, Optional[int]] = {}
+
+    def hold_listing(self, directory: str) -> Optional[List[str]]:
+        """List ``directory`` now and keep that listing (None: it does not exist)."""
+        try:
+            names: Optional[List[str]] = os.listdir(directory)
+        except FileNotFoundError:
+            names = None
+        self._listings[directory] = names
+        return names
+
+    def hold(self, path: str) -> bool:
+        """Open ``path`` now and keep it; False when it does not exist or cannot be opened (then it
+        is not held, and fails as before if the pass opens it)."""
+        try:
+            fd: Optional[int] = open_regular(path)
+        except FileNotFoundError:
+            fd = None
+        except (OSError, KvjError):
+            return False
+        self._fds[path] = fd
+        return fd is not None
+
+    def listdir(self, directory: str) -> List[str]:
+        if directory not in self._listings:
+            return os.listdir(directory)
+        names = self._listings[directory]
+        if names is None:
+            raise FileNotFoundError(errno.ENOENT, "no such directory when the pass began", directory)
+        return list(names)
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds[path]
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file when the pass began", path)
+        return fd
+
+    def open(self, path: str) -> BinaryIO:
+        if path not in self._fds:
+            return open_read(path)
+        fd = os.dup(self._fd(path))
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.fdopen(fd, "rb")
+
+    def size(self, path: str) -> int:
+        return os.fstat(self._fd(path)).st_size if path in self._fds else os.stat(path).st_size
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "Pinned":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+#: Holding nothing: every file by path, as it is now.
+DIRECT = Pinned()
 
 class GroupSource:
-    """The copies of one log file, read from byte ``origin`` on (a group boundary)."""
+    """The copies of one log file (the journal's first), read from byte ``origin`` on (a group
+    boundary), each only when the walk needs it unless ``verify`` (fsck); ``data``: the one copy's
+    bytes, given (a replica's download). ``report`` is told of each copy that lacks, damages or
+    differs from what another holds (path, offset, why), ``counted`` of the bytes each read brings."""
 
-    def __init__(self, paths: List[str], report: CopyReport, counted: ReadCount, *, origin: int = 0,
-                 verify: bool = False, data: Optional[bytes] = None, files: Files = DIRECT):
-        """``paths``: the copies, the journal's first; ``data``: the one copy's bytes, given;
-        ``files``: how they are opened."""
+    def __init__(self, paths: List[str], report: Callable[[str, Optional[int], str], None],
+                 counted: Callable[[int], None], *, origin: int = 0, verify: bool = False,
+                 data: Optional[bytes] = None, files: Pinned = DIRECT):
         self.paths = paths
         self.files = files
         self.origin = origin
@@ -55,18 +111,20 @@ class GroupSource:
         self._order: List[int] = []
         self._main_head = b""
 
-    # -- the copies' bytes ---------------------------------------------------------------
-
-    def _head(self, i: int) -> Optional[bytes]:
-        """The first bytes of copy ``i`` (enough for its header), or None when it does not exist."""
-        loaded = self._load(i)
-        return None if loaded is None else loaded[0]
-
     def _load(self, i: int) -> Optional[Tuple[bytes, bytes]]:
         """(head, bytes from ``origin`` on) of copy ``i``, or None when it does not exist."""
         if i not in self._read:
             try:
-                self._read[i] = self._read_file(self.paths[i])
+                with self.files.open(self.paths[i]) as f:
+                    if self.origin == 0:
+                        data = f.read()
+                        head = data[:FILE_HEADER_SIZE + 1]
+                    else:
+                        head = f.read(FILE_HEADER_SIZE + 1)
+                        f.seek(self.origin)
+                        data = f.read()
+                    self.counted(len(data))
+                self._read[i] = (head, data)
             except FileNotFoundError:
                 self._read[i] = None
             except OSError as exc:  # a copy that cannot be read (EIO): the other one can stand in
@@ -76,17 +134,9 @@ class GroupSource:
                 self.report(self.paths[i], None, f"this copy cannot be read ({exc}); the other is read")
         return self._read[i]
 
-    def _read_file(self, path: str) -> Tuple[bytes, bytes]:
-        with self.files.open(path) as f:
-            if self.origin == 0:
-                data = f.read()
-                self.counted(len(data))
-                return data[:FILE_HEADER_SIZE + 1], data
-            head = f.read(FILE_HEADER_SIZE + 1)
-            f.seek(self.origin)
-            data = f.read()
-            self.counted(len(data))
-            return head, data
+    def _head(self, i: int) -> Optional[bytes]:
+        loaded = self._load(i)
+        return None if loaded is None else loaded[0]
 
     def _size(self, i: int) -> int:
         """Bytes of copy ``i`` past ``origin`` (-1: it does not exist), without reading it."""
@@ -98,15 +148,13 @@ class GroupSource:
         except FileNotFoundError:
             return -1
 
-    # -- what the walk asks --------------------------------------------------------------
-
     def exists(self) -> bool:
         """Whether any copy of the file exists."""
         return any(self._size(i) >= 0 for i in range(len(self.paths)))
 
     def open(self) -> Optional[FileHeader]:
-        """The file header, from the first copy that has a valid one (the copies before it are
-        reported and not read again); None when no copy has one."""
+        """The file header, from the first copy that has a valid one (those before it are reported
+        and dropped); None when no copy has one."""
         main = 0
         for i in range(len(self.paths)):
             head = self._head(i)
@@ -137,9 +185,8 @@ class GroupSource:
         return len(self._order)
 
     def group(self, pos: int) -> Optional[Tuple[List[RawRecord], int]]:
-        """The group at ``pos`` (relative to ``origin``) from the first copy that holds it
-        intact, as (records, end); the copies before it that did not (and, with ``verify``,
-        those after it that differ) are reported. None when no copy holds one."""
+        """The group at ``pos`` (from ``origin``) as (records, end), from the first copy holding it
+        intact (the others that do not are reported), or None when no copy does."""
         parsed, src, missing = self._arbitrate(pos)
         if parsed is not None:
             for i, why in missing:
@@ -150,8 +197,8 @@ class GroupSource:
         return parsed
 
     def _arbitrate(self, pos: int) -> Tuple[Optional[Tuple[List[RawRecord], int]], int, List[Tuple[int, str]]]:
-        """(the group at ``pos`` from the first copy holding it intact, that copy, [(copy, why)
-        for the copies before it that did not, and with ``verify`` those after it too])."""
+        """(the group at ``pos``, the copy it is from, [(copy, why) for those that lack it, damage it
+        or, with ``verify``, differ])."""
         header = self.header
         assert header is not None
         order = self._order
@@ -197,8 +244,8 @@ class GroupSource:
         return not any(self._size(i) > pos for i in self._order)
 
     def later_group(self, pos: int, after_lsn: int) -> Optional[int]:
-        """Offset (relative to ``origin``) of a valid group header past ``pos`` with LSNs after
-        ``after_lsn`` in any copy: proof that what is at ``pos`` is damage, not a torn tail."""
+        """Offset of a valid group past ``pos`` with LSNs after ``after_lsn`` in any copy: proof that
+        what is at ``pos`` is damage, not a torn tail."""
         header = self.header
         assert header is not None
         for _i, data in self._beyond(pos):
@@ -208,9 +255,8 @@ class GroupSource:
         return None
 
     def tail(self, pos: int) -> Tuple[bool, List[Tuple[str, int, TailEvidence]]]:
-        """What the bytes from ``pos`` to the end of each copy are, where groups stop and none
-        follows: (damaged, [(copy's path, bytes, evidence)]). Damaged only when every copy
-        holding bytes there shows damage."""
+        """What the bytes from ``pos`` to the end of each copy are: (damaged in every copy, [(copy's
+        path, bytes, evidence)])."""
         header = self.header
         assert header is not None
         evidence = [(self.paths[i], len(data) - pos, tail_evidence(data, pos, header.salt, header.version,

@@ -28,9 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, SegmentMissing
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, fsync_path
-from kvj.journal.config import config_max_store_bytes
-from kvj.journal.journal import default_store_path
-from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.journal.config import config_max_store_bytes, default_store_path
+from kvj.journal.recovery import COMPACT_LOCK, DirLock
 from kvj.journal.reader import Scan, fields_of, list_logs, read_header
 from kvj.journal.replay import RecordStream, check_journal, collector_paused
 from kvj.journal.snapshot import encode_snapshot, list_snapshots, load_latest, snapshot_name, write_snapshot

@@ -29,7 +29,7 @@ from kvj.journal.follow import Follower
 from kvj.journal.journal import segment_keys
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import replay
-from kvj.journal.entries import MAX_MANIFEST_BYTES, RECOVERY_DIR
+from kvj.journal.recovery import MAX_MANIFEST_BYTES, RECOVERY_DIR
 from kvj.ops.recover import MANIFEST_RE, manifest_keys
 from kvj.untrusted import read_json
 

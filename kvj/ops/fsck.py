@@ -51,10 +51,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
-from kvj.journal.config import config_policy
-from kvj.journal.journal import default_store_path
-from kvj.journal.recovery import TORN_DIR, cut_torn_tail
-from kvj.journal.locks import LOCK_NAME, DirLock
+from kvj.journal.config import config_policy, default_store_path
+from kvj.journal.recovery import LOCK_NAME, TORN_DIR, DirLock, cut_torn_tail
 from kvj.journal.reader import (
     ABSOLUTE_CONSISTENCY,
     COPY,
@@ -504,7 +502,7 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
     ``NotFound`` when there is no journal at ``path``; ``FormatError`` when its ``kvj.conf``
     is not valid (bad JSON, a commit policy that cannot work), as every reader refuses it.
     """
-    from kvj.journal.locks import COMPACT_LOCK
+    from kvj.journal.recovery import COMPACT_LOCK
 
     check_mode(mode)
     if repair and preen:

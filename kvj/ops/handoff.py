@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kvj.errors import KvjError
 from kvj.fileio import atomic_write, makedirs_durable
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import default_store_path
 from kvj.journal.replay import replay
 from kvj.journal.state import JournalState, RequestState
 from kvj.names import check_request_id

@@ -17,11 +17,10 @@ from typing import Any, Dict, List, Optional
 
 from kvj.errors import FormatError, InvalidArgument, NotFound
 from kvj.fileio import atomic_write, makedirs_durable
-from kvj.journal.config import CONFIG, CONFIG_VERSION
+from kvj.journal.config import CONFIG, CONFIG_VERSION, CommitPolicy
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import LegacyScan
 from kvj.journal.records import RecordType
-from kvj.journal.policy import CommitPolicy
 from kvj.trust import check_owner
 
 def init(journal: str, *, store: Optional[str] = None, policy: Optional[CommitPolicy] = None,

@@ -18,11 +18,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from kvj.errors import InvalidArgument, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, list_dir
-from kvj.journal.recovery import TORN_DIR
-from kvj.journal.locks import COMPACT_LOCK, DirLock
+from kvj.journal.recovery import COMPACT_LOCK, RECOVERY_DIR, TORN_DIR, DirLock
 from kvj.journal.ranks import RANKS_FILE, holds_ranks
 from kvj.journal.replay import check_journal
-from kvj.journal.entries import RECOVERY_DIR
 from kvj.ops.recover import MANIFEST_RE
 from kvj.segments.check import opened_store
 

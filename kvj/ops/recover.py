@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
 from kvj.journal import ranks
-from kvj.journal.entries import RECOVERY_DIR
-from kvj.journal.journal import Journal, default_store_path
-from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
+from kvj.journal.recovery import COMPACT_LOCK, LOCK_NAME, RECOVERY_DIR, DirLock
+from kvj.journal.config import default_store_path
+from kvj.journal.journal import Journal
 from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, check_mode, list_logs
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.snapshot import list_snapshots

@@ -33,9 +33,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import CorruptionError, FormatError
 from kvj.fileio import FS, REAL_FS, atomic_write, list_dir, makedirs_durable, rename_durable
-from kvj.journal.entries import MAX_MANIFEST_BYTES, PENDING_NAME
+from kvj.journal.recovery import MAX_MANIFEST_BYTES, PENDING_NAME, TORN_DIR, keep_torn_bytes, truncate_log
 from kvj.journal.framing import FORMAT_VERSION, GROUP_HEADERS, RECORD_HEADER_SIZE
-from kvj.journal.recovery import TORN_DIR, keep_torn_bytes, truncate_log
 from kvj.journal.mirror import mirror_of
 from kvj.journal.reader import (
     COPY,

@@ -15,10 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from kvj.errors import CorruptionError, FormatError, JournalLocked, KvjError, SegmentMissing
 from kvj.fileio import list_dir
 from kvj.journal.framing import RECORD_HEADER_SIZE, RawRecord
-from kvj.journal.recovery import TORN_DIR
+from kvj.journal.recovery import COMPACT_LOCK, LOCK_NAME, PENDING_NAME, RECOVERY_DIR, TORN_DIR, DirLock
 from kvj.journal.config import config_max_store_bytes, config_policy
-from kvj.journal.entries import PENDING_NAME, RECOVERY_DIR
-from kvj.journal.locks import COMPACT_LOCK, LOCK_NAME, DirLock
 from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Group, LogEnd, Scan, TornTail, list_logs, log_end, newest_first
 from kvj.journal.records import RecordType

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, UnsafePath
 from kvj.fileio import REAL_FS, atomic_write, makedirs_durable, rename_durable
 from kvj.journal.framing import FILE_HEADER_SIZE, decode_file_header, encode_group_header, encode_record, group_header_at
-from kvj.journal.journal import STORE_DIR, default_store_path
+from kvj.journal.config import STORE_DIR, default_store_path
 from kvj.journal.reader import FORMAT, LOG_RE, Damage, Scan
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import SNAP_RE, decode_snapshot, snapshot_name

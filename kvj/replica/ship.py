@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvj.errors import FormatError, KvjError, SegmentMissing
 from kvj.fileio import open_read
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import default_store_path
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.replica import manifest as mf
 from kvj.replica.lease import DEFAULT_TTL, Lease

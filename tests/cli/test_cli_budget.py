@@ -12,8 +12,8 @@ import pytest
 import torch
 from support.cli_helpers import assert_fails, in_process, kvj, tree
 
-from kvj.journal.config import CONFIG
-from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.config import CONFIG, default_store_path
+from kvj.journal.journal import Journal
 from kvj.segments.store import SegmentStore
 
 

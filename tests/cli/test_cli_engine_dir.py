@@ -19,7 +19,7 @@ from support.cli_helpers import (JOURNAL_REPLAY, KVJ, Holder, append_torn_tail, 
 
 from kvj.journal import ranks
 from kvj.journal.journal import Journal
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import list_snapshots

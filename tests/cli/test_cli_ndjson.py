@@ -121,7 +121,7 @@ def test_meta_nan_stays_text_and_json_output_stays_json(journal, cli):
 
 def test_nan_written_by_an_older_kvj_is_printed_as_json_text(tmp_path, cli):
     from kvj.journal.records import RecordType
-    from kvj.journal.policy import CommitPolicy
+    from kvj.journal.config import CommitPolicy
     from kvj.journal.writer import LogWriter
 
     path = tmp_path / "old"

@@ -19,7 +19,7 @@ from support.cli_helpers import kvj as kvj_proc
 import kvj
 from kvj.journal.journal import Journal
 from kvj.journal.records import RecordType
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 
 def test_record_each_op_is_durable_and_replays(tmp_path, capsys):

@@ -13,7 +13,7 @@ from support.cli_helpers import JOURNAL_REPLAY, append_torn_tail, assert_fails, 
 from kvj.journal.journal import Journal
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import replay
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 USAGE, DATAERR, NOINPUT = 64, 65, 66
 

@@ -16,7 +16,7 @@ from support.cli_helpers import Holder, append_torn_tail, assert_fails, build, i
 from kvj.journal.journal import Journal
 from kvj.journal.replay import RecordStream
 from kvj.journal.snapshot import list_snapshots
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.recover import recover
 

@@ -31,7 +31,8 @@ JOURNAL = "/var/lib/kvj"  # as docs/operations.md writes it
 HISTORY = """
 import sys, torch
 from kvj import replay
-from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.config import default_store_path
+from kvj.journal.journal import Journal
 from kvj.segments.store import SegmentStore
 with Journal.open(sys.argv[1]) as j:
     j.start("old-0")

@@ -276,7 +276,7 @@ def test_kvj_inspect_walks_what_it_held_while_a_compaction_deletes_it(tmp_path):
 def test_a_snapshot_written_while_a_pass_holds_its_files_makes_it_hold_them_again(tmp_path, monkeypatch):
     """A file that vanished while the pass was holding them is one the held snapshot covers,
     unless a newer snapshot appeared meanwhile: then the pass holds them all again."""
-    from kvj.journal.pinned import Pinned
+    from kvj.journal.source import Pinned
     from kvj.ops.compact import compact
     path = str(tmp_path / "j")
     _journal_with_sealed_logs(path, 60)
@@ -301,7 +301,7 @@ def test_replay_under_a_compaction_every_pass_says_the_journal_kept_changing(tmp
     healthy journal (seen once in test_compaction_during_live_writing_full on a loaded machine).
     It says the journal kept changing instead, and a replay after the compactions stop reads it whole."""
     from kvj.errors import CorruptionError
-    from kvj.journal.pinned import Pinned
+    from kvj.journal.source import Pinned
     from kvj.ops.compact import compact
     replay_mod = sys.modules["kvj.journal.replay"]
     path = str(tmp_path / "j")

@@ -5,7 +5,7 @@ the group short, or whole sectors of it zeroed, garbage or missing; one flipped 
 group that was whole on disk is damage, and the records in it may have been acknowledged.
 Checked:
 
-* ``framing.tail_evidence`` never calls a torn write damage, for every way the crash model
+* ``tail.tail_evidence`` never calls a torn write damage, for every way the crash model
   of ``support/crashfs.py`` tears a write (sectors of 512 or 4096 bytes kept, dropped,
   zeroed or garbage; the file cut short), and always calls one flipped bit anywhere in a
   whole last group damage, saying how many records it held (hypothesis);
@@ -32,14 +32,13 @@ from kvj import Journal, RecordType, replay
 from kvj.errors import CorruptionError, InvalidArgument
 from kvj.journal.framing import (
     FILE_HEADER_SIZE,
-    SECTOR,
     encode_file_header,
     encode_group_header,
     encode_record,
     parse_group,
-    tail_evidence,
 )
 from kvj.journal.reader import list_logs
+from kvj.journal.tail import SECTOR, tail_evidence
 from kvj.ops.fsck import fsck
 from kvj.ops.recover import recover
 

@@ -24,7 +24,7 @@ from support.wait import wait_for
 from kvj import CommitPolicy, Journal
 from kvj.errors import JournalFailed, KvjError
 from kvj.fileio import FS
-from kvj.journal.logfile import log_name
+from kvj.journal.writer import log_name
 from kvj.journal.reader import list_logs, log_seq
 from kvj.journal.replay import RecordStream
 

@@ -1,5 +1,5 @@
 """The replay fast paths against the plain ones they stand for: ``parse_group``'s one-pass walk
-against the record walk tail evidence uses (``framing._records``), and ``RecordStream.fold``
+against the record walk tail evidence uses (``tail._records``), and ``RecordStream.fold``
 against decoding every record and applying it, and the fold of each payload's struct (one
 decode) against the fold of its map."""
 
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvj.errors import FormatError
 from kvj.journal import framing as F
 from kvj.journal import records as R
+from kvj.journal import tail as T
 from kvj.journal.journal import Journal
 from kvj.journal.records import RecordType
 from kvj.journal.replay import RecordStream
@@ -30,7 +31,7 @@ def plain_parse(data, off, path, salt):
     body_len, count, first_lsn, time_ns = head
     pos = off + F.GROUP_HEADER_SIZE
     end = pos + body_len
-    spans = F._records(data, pos, end, first_lsn, count) if end <= len(data) else None
+    spans = T._records(data, pos, end, first_lsn, count) if end <= len(data) else None
     if spans is None or not all(good for _a, _b, good in spans):
         return None
     return [(first_lsn + i, F.RECORD_HEADER.unpack_from(data, a)[2], data[a + F.RECORD_HEADER_SIZE:b], path, a,

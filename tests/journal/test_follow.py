@@ -16,7 +16,7 @@ from kvj.journal.follow import Follower
 from kvj.journal.journal import Journal
 from kvj.journal.reader import LOG_RE, list_logs, read_header
 from kvj.journal.snapshot import list_snapshots
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 
 EVERY_GROUP_ROTATES = CommitPolicy(file_size_limit=1)

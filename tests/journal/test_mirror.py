@@ -21,7 +21,7 @@ from kvj.journal.journal import Journal
 from kvj.journal.mirror import MIRROR_NAME, mirror_of
 from kvj.journal.reader import COPY, Scan, list_logs
 from kvj.journal.records import RecordType
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.fsck import fsck
 from kvj.ops.recover import recover

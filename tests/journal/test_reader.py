@@ -8,11 +8,11 @@ import kvj
 from kvj.errors import CorruptionError, FormatError
 from kvj.journal import framing as F
 from kvj.journal.journal import Journal
-from kvj.journal.logfile import log_name
+from kvj.journal.writer import log_name
 from kvj.journal.reader import list_logs
 from kvj.journal.records import RecordType
 from kvj.journal.snapshot import write_snapshot
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 
 def write_journal(path, n, policy=None, sync_every=1):

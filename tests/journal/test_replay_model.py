@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import kvj
 from kvj.journal.journal import Journal
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 IDS = st.sampled_from(["a", "b", "req-7", "x:y@z"])
 KEY = st.integers(0, 5).map(lambda i: f"{i:064x}")

@@ -10,7 +10,7 @@ import kvj
 from kvj.journal import framing as F
 from kvj.journal.journal import Journal
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

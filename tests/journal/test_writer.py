@@ -17,7 +17,7 @@ from kvj.journal import framing as F
 from kvj.journal.journal import Journal
 from kvj.journal.reader import Scan, list_logs
 from kvj.journal.records import RecordType
-from kvj.journal.policy import MAX_COUNT, MAX_DELAY, CommitPolicy
+from kvj.journal.config import MAX_COUNT, MAX_DELAY, CommitPolicy
 
 
 class SlowSyncFS(FS):

@@ -18,11 +18,11 @@ import kvj
 from kvj.errors import JournalLocked
 from kvj.fileio import FS
 from kvj.journal.journal import Journal
-from kvj.journal.locks import DirLock
+from kvj.journal.recovery import DirLock
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import replay
 from kvj.journal.snapshot import list_snapshots
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.recover import recover
 
@@ -148,7 +148,7 @@ def test_second_compactor_is_refused_naming_the_first(tmp_path):
 WRITER = textwrap.dedent("""
     import sys
     from kvj.journal.journal import Journal
-    from kvj.journal.policy import CommitPolicy
+    from kvj.journal.config import CommitPolicy
 
     with Journal.open(sys.argv[1], policy=CommitPolicy(max_delay=0.002, file_size_limit=2048)) as j:
         i = 0

@@ -121,7 +121,7 @@ def test_snapshot_that_disagrees_with_its_log_is_set_aside(journal):
 
 
 def test_damaged_snapshot_after_compaction_cannot_be_replaced(journal):
-    from kvj.journal.policy import CommitPolicy
+    from kvj.journal.config import CommitPolicy
 
     with Journal.open(journal, policy=CommitPolicy(file_size_limit=1)) as j:  # seals the file the build wrote
         j.start("after")
@@ -183,7 +183,7 @@ def test_newest_file_without_a_header(journal):
 def test_fsck_goes_on_past_damage_to_the_end_of_the_log(journal):
     """One damaged sealed file does not hide what comes after it: fsck reads on (one log
     walker with a reporter) and reports the later records and the later damage too."""
-    from kvj.journal.policy import CommitPolicy
+    from kvj.journal.config import CommitPolicy
 
     with Journal.open(journal, policy=CommitPolicy(file_size_limit=1500)) as j:
         for i in range(100):
@@ -203,7 +203,7 @@ def test_fsck_goes_on_past_damage_to_the_end_of_the_log(journal):
 
 
 def test_an_empty_newest_log_is_benign(journal, capsys):
-    from kvj.journal.logfile import log_name
+    from kvj.journal.writer import log_name
 
     last = list_logs(journal)[-1]
     empty = os.path.join(journal, log_name(int(os.path.basename(last)[:16]) + 1))

@@ -11,7 +11,7 @@ from support.cli_helpers import append_torn_tail, build, flip_byte, in_process, 
 import kvj as kvj_lib
 from kvj.journal.journal import Journal
 from kvj.journal.reader import list_logs
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.fsck import fsck
 from kvj.ops.prune import prune

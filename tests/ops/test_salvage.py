@@ -19,7 +19,7 @@ from kvj.journal.journal import Journal
 from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.reader import Scan, decode, list_logs, read_header
 from kvj.journal.records import RecordType
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.recover import recover
 
 

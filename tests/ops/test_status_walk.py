@@ -7,7 +7,7 @@ from kvj.journal.framing import RECORD_HEADER_SIZE
 from kvj.journal.journal import Journal
 from kvj.journal.reader import Scan, list_logs, log_end, read_header
 from kvj.journal.records import RecordType
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.status import WINDOW, _newest
 
 

@@ -19,7 +19,7 @@ import torch
 
 from kvj import Journal
 from kvj.journal.replay import replay
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.replica import manifest as mf
 from kvj.replica.lease import MAX_TTL, Fenced, Lease, LeaseHeld

@@ -14,7 +14,7 @@ from kvj.errors import CorruptionError, FormatError
 from kvj.journal import framing as F
 from kvj.journal.reader import list_logs
 from kvj.journal.replay import RecordStream, replay
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.replica import manifest as mf
 from kvj.replica.pull import trim_log
 

@@ -19,7 +19,7 @@ from obstore.exceptions import GenericError, PreconditionError
 
 from kvj import Journal
 from kvj.journal.replay import replay
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.replica import manifest as mf
 from kvj.replica.lease import LEASE_OBJECT
 from kvj.replica.remote import RemoteUnavailable, open_remote

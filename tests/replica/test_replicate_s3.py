@@ -15,7 +15,7 @@ from obstore.exceptions import GenericError
 from kvj import Journal
 from kvj.errors import CorruptionError
 from kvj.journal.replay import replay
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.replica import manifest as mf
 from kvj.replica.lease import Fenced, LeaseHeld

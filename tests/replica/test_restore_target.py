@@ -18,7 +18,7 @@ import torch
 from kvj import Journal
 from kvj.errors import CorruptionError
 from kvj.journal.replay import replay
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.replica.remote import open_remote
 from kvj.replica.pull import STAGING, restore

@@ -19,7 +19,8 @@ import torch
 from support.wait import wait_for
 
 from kvj.errors import SegmentMissing
-from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.config import default_store_path
+from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 from kvj.ops.compact import compact
 from kvj.ops.evict import needed_keys

@@ -18,7 +18,7 @@ from support.wait import wait_for
 
 import kvj
 from kvj.fileio import FS
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import default_store_path
 from kvj.ops.compact import compact
 from kvj.ops.recover import recover
 from kvj.segments.backend import GC_LOCK

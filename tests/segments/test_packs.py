@@ -328,7 +328,8 @@ def test_compaction_fsck_recovery_and_replication_see_packed_members(tmp_path):
     """Above the backend packs need no special case: a journal whose segments are pack
     members is compacted (the ended request's members collected, its pack removed), checked
     by fsck, recovered, and its stored bytes shipped to another store as replicate does."""
-    from kvj.journal.journal import Journal, default_store_path
+    from kvj.journal.config import default_store_path
+    from kvj.journal.journal import Journal
     from kvj.ops.compact import compact
     from kvj.ops.fsck import fsck
     from kvj.ops.recover import recover

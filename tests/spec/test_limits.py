@@ -9,7 +9,7 @@ import pytest
 
 import kvj
 from kvj.journal import framing, records, writer
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 
 def test_a_record_over_16_mib_is_refused_when_appended_not_lost_after_it_was_acknowledged(tmp_path):

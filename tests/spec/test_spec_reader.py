@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from support.cli_helpers import in_process
 
 import kvj
-from kvj.journal.journal import default_store_path
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy, default_store_path
 from kvj.segments.store import SegmentStore
 from spec import reader
 

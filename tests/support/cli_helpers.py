@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from kvj.journal.journal import Journal, default_store_path
+from kvj.journal.config import default_store_path
+from kvj.journal.journal import Journal
 from kvj.journal.replay import replay
 
 _BIN = os.path.join(os.path.dirname(sys.executable), "kvj")
@@ -154,7 +155,7 @@ def append_torn_tail(journal: str, nbytes: int = 30) -> Tuple[str, int, bytes]:
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from kvj.journal.locks import DirLock
+    from kvj.journal.recovery import DirLock
     from kvj.journal.journal import Journal
     what, path = sys.argv[1], sys.argv[2]
     if what == "writer":

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from kvj.journal.journal import Journal, default_store_path
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy, default_store_path
+from kvj.journal.journal import Journal
 from kvj.segments.load import load
 from kvj.segments.store import SegmentStore
 

@@ -26,7 +26,7 @@ import time
 from typing import Any, Dict, Tuple
 
 from kvj import Journal, RecordType
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 
 ALLOC_DEVICE = "r{run}t{tid}"
 

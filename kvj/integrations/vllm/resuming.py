@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 from kvj.errors import FormatError
-from kvj.journal.entries import MAX_MANIFEST_BYTES
+from kvj.journal.recovery import MAX_MANIFEST_BYTES
 from kvj.untrusted import read_json
 
 if TYPE_CHECKING:

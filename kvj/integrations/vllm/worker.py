@@ -68,7 +68,7 @@ import torch
 import kvj
 from kvj.errors import DeviceOutOfMemory, KvjError, LayoutMismatch, SegmentCorrupt
 from kvj.fileio import FS, atomic_write
-from kvj.journal.journal import default_store_path
+from kvj.journal.config import default_store_path
 from kvj.ops.status import CONNECTOR_STATS
 from kvj.segments import device
 from kvj.segments import tensors as seg

@@ -8,7 +8,7 @@ sys.path.insert(0, sys.argv[1])
 import kvj
 assert kvj.__file__.startswith(sys.argv[1]), kvj.__file__
 from kvj.journal.journal import Journal
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.journal.records import RecordType
 from kvj.ops.compact import compact
 from kvj.journal.replay import replay

@@ -10,7 +10,7 @@ import kvj
 assert kvj.__file__.startswith(sys.argv[1]), kvj.__file__
 import torch
 from kvj.journal.journal import Journal
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.journal.replay import replay
 
