@@ -1,11 +1,8 @@
-"""Content-addressed segment store: durable puts, verified gets, behind a small backend.
+"""The content-addressed segment store: durable, deduplicated puts and verified gets.
 
-A segment's key is the lowercase hex BLAKE3 tree digest defined in ``segfile.py`` (raw bytes,
-dtype, shape and layout), so identical blocks are stored once and a key can only ever name the
-bytes it was computed from. Keys are validated before they touch a path. The bytes live
-behind :class:`StorageBackend`; :class:`LocalDirBackend` (the default) keeps one file per
-segment, written temp file -> fsync -> rename -> fsync directory, and ``put_many`` writes
-many into one pack made durable by one fdatasync and one directory fsync (``man/kvj-segment.5``).
+A segment's key is its digest (``segfile``), so identical blocks are stored once and a key only
+ever names the bytes it was computed from. Keys are validated before they touch a path; the
+bytes live in a :class:`~kvj.segments.local.LocalDirBackend`.
 """
 
 from __future__ import annotations
@@ -18,17 +15,18 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from kvj.errors import (CorruptionError, FormatError, InvalidArgument, LayoutMismatch, SegmentCorrupt, SegmentMissing,
-                        JournalClosed)
+from kvj.errors import InvalidArgument, JournalClosed, SegmentCorrupt, SegmentMissing, FormatError
 from kvj.fileio import FS, REAL_FS, Buffer, DurabilityError
 from kvj.names import check_key
 from kvj.segments import segfile as seg
-from kvj.segments.backend import Keep, LocalDirBackend, ObjectStat, Source, StorageBackend, Upload
 from kvj.segments.codecs import auto
 from kvj.segments.codecs.base import Backpressure, Codec
 from kvj.segments.layout import check_layout
+from kvj.segments.local import Keep, LocalDirBackend, ObjectStat
+from kvj.segments.source import as_source, whole_if_small
+from kvj.segments.tempfiles import TempFile
+from kvj.segments.uses import USE
 from kvj.trust import check_owner
-from kvj.segments.uses import MISS, USE
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so header-only users start without it
     import torch
@@ -88,30 +86,24 @@ def _timed_parts(parts: Iterator[Buffer], waited: List[float]) -> Iterator[Buffe
 class SegmentStore:
     """Durable, deduplicated, verified tensor segments.
 
-    ``threads`` sizes the pool that hashes, compresses and decompresses chunks in parallel.
-    Puts note each key stored or claimed in the backend's use log (``kvj.segments.uses``);
-    ``count_loads=True`` notes every ``get`` and ``verify`` there too, served or not: the
-    last use that eviction under a byte budget orders by, and the hit rate ``kvj status``
-    shows. A serving engine's store counts loads; checks (fsck, verify, restore) do not, so
-    that reading stays read-only and a full check does not make every segment look used.
+    ``threads`` sizes the pool that hashes, compresses and decompresses chunks in parallel. Puts
+    note each key stored or claimed in the use log (``uses``); with ``count_loads`` (a serving
+    engine's store) every ``get`` and ``verify`` is noted too, the last use eviction orders by
+    and the hit rate ``kvj status`` shows. Checks (fsck, verify, restore) leave it off, so that
+    reading stays read-only.
     """
 
     #: Segments up to this size are hashed before anything else (dedup without a write).
     HASH_FIRST_BYTES = 2 * seg.CHUNK_SIZE
 
-    #: Reads refuse segments declaring more raw bytes than this (a hostile header cannot
-    #: make a reader allocate without bound); raise it for larger tensors.
+    #: Reads refuse segments declaring more raw bytes than this (a hostile header cannot make a
+    #: reader allocate without bound); raise it for larger tensors.
     DEFAULT_MAX_SEGMENT_BYTES = 8 << 30
 
-    def __init__(self, root: Union[str, os.PathLike, None] = None, fs: FS = REAL_FS,
-                 backend: Optional[StorageBackend] = None, threads: Optional[int] = None,
+    def __init__(self, root: Union[str, os.PathLike], fs: FS = REAL_FS, threads: Optional[int] = None,
                  max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES, count_loads: bool = False):
-        if backend is None:
-            if root is None:
-                raise InvalidArgument("SegmentStore needs a root directory or a backend")
-            check_owner(root)  # as root, a store another user owns is refused (kvj.trust)
-            backend = LocalDirBackend(root, fs)
-        self.backend = backend
+        check_owner(root)  # as root, a store another user owns is refused (kvj.trust)
+        self.backend = LocalDirBackend(root, fs)
         self.max_segment_bytes = max_segment_bytes
         self.count_loads = count_loads
         self.pool = ThreadPoolExecutor(max_workers=threads or max(2, os.cpu_count() or 2),
@@ -122,8 +114,8 @@ class SegmentStore:
         #: Puts answered by a stored copy (nothing written).
         self.dedup_hits = 0
         self._auto = auto.AutoChoices()
-        #: Whether puts claim what they store until a journal's record names it (``kvj.segments.claims``):
-        #: set by the ``Journal`` that writes through this store, which gives the claims back.
+        #: Whether puts claim what they store until a journal's record names it (``claims``): set by
+        #: the ``Journal`` that writes through this store, which gives the claims back.
         self.journaled = False
         #: Keys a ``put_many`` of this store is writing now -> set once that put is over.
         self._in_flight: Dict[str, threading.Event] = {}
@@ -152,13 +144,15 @@ class SegmentStore:
         return seg.compute_digest(raw, tensors.dtype_name(tensor.dtype), tensor.shape,
                                   seg.canonical_layout(layout), self.pool).hex()
 
+    # -- puts ---------------------------------------------------------------------------
+
     def put(self, tensor: "torch.Tensor", *, layout: Optional[Dict[str, Any]] = None,
             codec: Union[str, Codec] = "auto", pressure: int = Backpressure.NORMAL) -> SegmentInfo:
         """Store a CPU tensor; durable when this returns.
 
-        When the key already exists and its header and chunk CRCs check out, nothing is written
-        (a stored block is never rewritten); a damaged copy is quarantined and written anew.
-        After a failed write or fsync the store refuses further puts (fsync is never retried).
+        A key already stored whose header and chunk CRCs check out is not written again (a
+        damaged copy is quarantined and written anew). After a failed write or fsync the store
+        refuses further puts (fsync is never retried).
         """
         from kvj.segments import tensors
 
@@ -171,12 +165,10 @@ class SegmentStore:
                   layout: Optional[Dict[str, Any]] = None, codec: Union[str, Codec] = "auto",
                   pressure: int = Backpressure.NORMAL,
                   timings: Optional[Dict[str, float]] = None) -> SegmentInfo:
-        """``put`` for the C-order bytes of a tensor (the flusher's staging buffers) of ``dtype``
-        (a torch dtype or its header name).
+        """``put`` for the C-order bytes of a tensor of ``dtype`` (torch or header name).
 
-        ``timings``, when given, receives the seconds spent waiting for ``compression`` (and
-        hashing) and the rest, ``io``: the flusher uses them to tell a CPU-bound queue (step
-        the codec down) from a disk-bound one (keep compressing).
+        ``timings`` receives the seconds spent waiting for ``compression`` (and hashing) and the
+        rest, ``io``: the flusher tells a CPU-bound queue from a disk-bound one by them.
         """
         self._check_alive()
         layout = seg.canonical_layout(layout)
@@ -209,7 +201,7 @@ class SegmentStore:
                         info = SegmentInfo.from_header(enc.header)
             finally:
                 upload.abort()  # none left to drop once committed
-        self._note([(USE, info.key, 0)])
+        self.note_use(info.key)
         if timings is not None:
             total = time.perf_counter() - t0
             timings.update(compression=waited[0], io=max(0.0, total - waited[0]))
@@ -220,13 +212,10 @@ class SegmentStore:
                  timings: Optional[Dict[str, float]] = None) -> List[SegmentInfo]:
         """Store several tensors' bytes as segments made durable together; their infos, in order.
 
-        Each item is (C-order bytes, dtype (torch or header name), shape, layout). Each member
-        is encoded, keyed and checked exactly as by :meth:`put_bytes` (every item is hashed
-        first); members already stored are dedup hits (claimed, not written again), a member
-        repeated within ``items`` is written once, and the new ones go into one pack: one file,
-        one fdatasync, one directory fsync (kvj-segment(5), PACKS). Durable when this returns;
-        on an error none of the new members may be relied on. Items are encoded in parallel
-        on the store's pool. ``timings`` as for :meth:`put_bytes`.
+        Each item (bytes, dtype, shape, layout) is keyed and checked as by :meth:`put_bytes`;
+        stored ones are dedup hits (claimed, not written again), a repeated one is written once,
+        and the new ones go into one pack: one fdatasync, one directory fsync (PACKS). Durable
+        when this returns; on an error none of the new members may be relied on.
         """
         self._check_alive()
         t0 = time.perf_counter()
@@ -250,13 +239,13 @@ class SegmentStore:
             if info is not None:
                 found[key] = info
         new = {key: job for key, job in zip(keys, jobs) if key not in found}
-        mine, theirs = self._claim(new)
+        mine, theirs = self._take_in_flight(new)
         waited = 0.0
         try:
             if mine:
                 waited = self._write_pack(mine, found)
         finally:
-            self._release(mine)
+            self._end_in_flight(mine)
         for key, done in theirs.items():  # written by a concurrent put_many: a dedup hit once it is durable
             done.wait()
             with self._key_lock(key):
@@ -267,54 +256,15 @@ class SegmentStore:
                                       pressure=pressure)
                 self.release([key])
             found[key] = info
-        self._note([(USE, key, 0) for key in found])
+        self.backend.uses.record([(USE, key, 0) for key in found])
         if timings is not None:
             total = time.perf_counter() - t0
             timings.update(compression=waited, io=max(0.0, total - waited))
         return [found[key] for key in keys]
 
-    @contextmanager
-    def _claimed(self, keys: List[str]) -> Iterator[None]:
-        """Claim ``keys`` (one claim each) before they are looked up or written (``kvj.segments.claims``):
-        kept when the block succeeds, for the journal to release once the record naming each is
-        durable; given back when it raises. A store no journal writes through claims nothing."""
-        if not self.journaled:
-            yield
-            return
-        self.backend.claim(keys)
-        try:
-            yield
-        except BaseException:
-            self.release(keys)
-            raise
-
-    def release(self, keys: Iterable[str]) -> None:
-        """Give back one claim on each of ``keys`` (the journal does, once the record that
-        references each is durable)."""
-        self.backend.release(keys)
-
-    def unjournaled(self) -> None:
-        """The journal writing through this store closed: drop the claims still held (their
-        records never came) and claim nothing from now on."""
-        self.journaled = False
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
-
-    def claim_existing(self, key: str) -> bool:
-        """Claim a stored segment to journal it again by reference (``Journal.flush(info=...)``
-        takes the claim over): False, with nothing claimed, when it is gone."""
-        check_key(key)
-        with self._claimed([key]):
-            alive = self.backend.touch(key)  # under the shared collection lock: a collector's unlink is before or after
-        if not alive:
-            self.release([key])
-        return alive
-
-    def _claim(self, new: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, threading.Event]]:
-        """Split ``new`` into the keys this call writes (claimed) and those a concurrent
-        ``put_many`` of this store is writing already (with the event it sets when done), so
-        that blocks shared by concurrent steps are written once."""
+    def _take_in_flight(self, new: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, threading.Event]]:
+        """Split ``new`` into the keys this call writes and those a concurrent ``put_many`` of this
+        store is writing already (with the event it sets when done): shared blocks are written once."""
         mine: Dict[str, Any] = {}
         theirs: Dict[str, threading.Event] = {}
         with self._in_flight_lock:
@@ -326,14 +276,14 @@ class SegmentStore:
                     mine[key] = job
         return mine, theirs
 
-    def _release(self, mine: Dict[str, Any]) -> None:
+    def _end_in_flight(self, mine: Dict[str, Any]) -> None:
         with self._in_flight_lock:
             for key in mine:
                 self._in_flight.pop(key).set()
 
-    def _write_pack(self, new: Dict[str, Any], found: Dict[str, "SegmentInfo"]) -> float:
-        """Encode ``new`` (key -> job) in parallel and write it as one pack, durable on return;
-        the seconds spent waiting for the encoding."""
+    def _write_pack(self, new: Dict[str, Any], found: Dict[str, SegmentInfo]) -> float:
+        """Encode ``new`` (key -> job) in parallel into one pack, durable on return; the seconds
+        spent waiting for the encoding."""
         waited = 0.0
         with self._failing():
             upload = self.backend.begin_many()
@@ -363,50 +313,16 @@ class SegmentStore:
         assert enc.header is not None
         return parts, enc.header
 
-    def _note(self, entries: List[Tuple[int, str, int]]) -> None:
-        """Append ``entries`` (kind, key, count) to the backend's use log, if it keeps one."""
-        uses = self.backend.uses
-        if uses is not None:
-            uses.record(entries)
-
-    def note_use(self, key: str) -> None:
-        """Note that ``key`` was used now (journaled again by reference): the byte budget evicts
-        least recently used segments first."""
-        self._note([(USE, key, 0)])
-
-    def counted_load(self, key: str) -> ContextManager[None]:
-        """With ``count_loads``, note a load of ``key`` (by get, verify, or a caller reading it
-        with read_stored): served, or (when it raises what a missing
-        or damaged segment, or one of another layout, raises) asked and not served."""
-        return self._counting(key) if self.count_loads else nullcontext()
-
-    @contextmanager
-    def _counting(self, key: str) -> Iterator[None]:
-        try:
-            yield
-        except (SegmentMissing, CorruptionError, FormatError, LayoutMismatch):
-            self._note([(MISS, key, 1)])
-            raise
-        self._note([(USE, key, 1)])
-
-    def io_counts(self) -> Dict[str, int]:
-        """The backend's disk work so far: ``file_syncs``, ``dir_syncs``, ``bytes_written``."""
-        return self.backend.io_counts()
-
     def _existing(self, key: str) -> Optional[SegmentInfo]:
-        """The stored copy of ``key`` if it checks out, claimed against collection; else None.
+        """The stored copy of ``key`` if its header and CRCs check out, claimed against collection; else None.
 
-        A damaged copy is quarantined. A copy that garbage collection removes at any point
-        before the claim (``touch``) is simply gone: the caller writes the segment anew.
-        Once claimed, the copy is young, and a collector's ``delete(older_than=...)`` keeps
-        it (the two exclude each other across processes).
+        A damaged copy is quarantined; one collected before the claim (``touch``) is simply gone:
+        the caller writes it anew. Once claimed it is young, and collection keeps it.
         """
         if not self.backend.exists(key):
             return None
         try:
-            header = seg.check_stored(self.backend.get(key), self.backend.describe(key))
-            if header.digest.hex() != key:
-                raise SegmentCorrupt(self.backend.describe(key), None, "header digest does not match the key")
+            header = seg.check_stored(self.backend.get(key), self.backend.describe(key), key)
         except SegmentMissing:
             return None
         except (SegmentCorrupt, FormatError):
@@ -421,14 +337,14 @@ class SegmentStore:
         return SegmentInfo.from_header(header)
 
     def _check_alive(self) -> None:
-        """After a failed write or fsync nothing more is stored (fsync is never retried), nor after ``close``."""
+        """Nothing more is stored after a failed write or fsync (never retried), nor after ``close``."""
         if self._closed:
             raise JournalClosed("the segment store is closed")
         if self._failed is not None:
             raise DurabilityError(self._failed.errno or 0, f"segment store failed earlier: {self._failed}")
 
     @contextmanager
-    def _failing(self, upload: Optional[Upload] = None) -> Iterator[None]:
+    def _failing(self, upload: Any = None) -> Iterator[None]:
         """On an error, drop ``upload``; an I/O error also fails the store for good."""
         try:
             yield
@@ -439,7 +355,7 @@ class SegmentStore:
                 self._failed = exc
             raise
 
-    def _write(self, parts: Iterable[Buffer]) -> Upload:
+    def _write(self, parts: Iterable[Buffer]) -> TempFile:
         with self._failing():
             upload = self.backend.begin()
         with self._failing(upload):
@@ -447,22 +363,21 @@ class SegmentStore:
                 upload.write(part)
         return upload
 
-    def _commit(self, upload: Upload, key: str) -> None:
+    def _commit(self, upload: TempFile, key: str) -> None:
         with self._failing(upload):
-            upload.commit(key)
+            self.backend.commit(upload, key)
 
     def ingest_stored(self, key: str, data: Buffer) -> SegmentInfo:
-        """Store a segment's stored bytes (as :meth:`read_stored` gave them on another node)
-        under ``key``; durable when this returns.
+        """Store a segment's stored bytes (:meth:`read_stored` of another node) under ``key``; durable on return.
 
-        The bytes are verified in full first (header, every chunk CRC, the decoded digest
-        against ``key``): a damaged or mislabelled copy raises ``SegmentCorrupt`` and nothing
-        is written. A good copy already here is kept (and claimed), not rewritten.
+        They are verified in full first (header, every chunk CRC, digest against ``key``): a
+        damaged or mislabelled copy raises ``SegmentCorrupt`` and nothing is written. A good
+        copy already here is kept (and claimed), not rewritten.
         """
         check_key(key)
         self._check_alive()
-        source = seg.as_source(data, f"ingested segment {key}")
-        header = self._keyed_header(source, key)
+        source = as_source(data, f"ingested segment {key}")
+        header = seg.read_header(source, key=key)
         seg.check_raw_limit(header, source.name, self.max_segment_bytes)
         seg.verify(source, pool=self.pool, header=header)
         with self._claimed([key]), self._key_lock(key):
@@ -470,44 +385,87 @@ class SegmentStore:
             if info is None:
                 self._commit(self._write([data]), key)
                 info = SegmentInfo.from_header(header)
-        self._note([(USE, key, 0)])
+        self.note_use(key)
         return info
 
+    # -- claims (man/kvj-segment.5, CLAIMS) -----------------------------------------------
+
+    @contextmanager
+    def _claimed(self, keys: List[str]) -> Iterator[None]:
+        """Claim ``keys`` (one claim each) before they are looked up or written (``kvj.segments.claims``):
+        kept when the block succeeds, for the journal to release once the record naming each is
+        durable; given back when it raises. A store no journal writes through claims nothing."""
+        if not self.journaled:
+            yield
+            return
+        self.backend.claim(keys)
+        try:
+            yield
+        except BaseException:
+            self.release(keys)
+            raise
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Give back one claim on each of ``keys`` (the journal does, once the record that
+        references each is durable)."""
+        self.backend.release(keys)
+
+    def unjournaled(self) -> None:
+        """The journal writing through this store closed: drop the claims still held (their
+        records never came) and claim nothing from now on."""
+        self.journaled = False
+        self.backend.close()
+
+    def claim_existing(self, key: str) -> bool:
+        """Claim a stored segment to journal it again by reference (``Journal.flush(info=...)``
+        takes the claim over): False, with nothing claimed, when it is gone."""
+        check_key(key)
+        with self._claimed([key]):
+            alive = self.backend.touch(key)  # under the shared collection lock: a collector's unlink is before or after
+        if not alive:
+            self.release([key])
+        return alive
+
+    # -- uses (the use log: eviction's last use, the hit rate) --------------------------
+
+    def note_use(self, key: str) -> None:
+        """Note that ``key`` was used now (stored, or journaled again by reference): eviction
+        removes the least recently used segments first."""
+        self.backend.uses.record([(USE, key, 0)])
+
+    def counted_load(self, key: str) -> ContextManager[None]:
+        """With ``count_loads``, note a load of ``key`` (by get, verify, or a reader of read_stored):
+        served, or asked and not served when it raises what a missing or damaged segment raises."""
+        return self.backend.uses.counting(key) if self.count_loads else nullcontext()
+
+    def io_counts(self) -> Dict[str, int]:
+        """The backend's disk work so far: ``file_syncs``, ``dir_syncs``, ``bytes_written``."""
+        return self.backend.io_counts()
+
+    # -- reads ----------------------------------------------------------------------------
+
     def read_stored(self, key: str) -> Buffer:
-        """A segment's stored bytes, as they are on disk (what a replica ships per key, and
-        :meth:`ingest_stored` takes on another node). Nothing is checked here: use
-        ``segfile.check_stored`` (cheap) before shipping them as good."""
+        """A segment's stored bytes as they are on disk (what a replica ships), unchecked:
+        ``segfile.check_stored`` them before shipping them as good."""
         return self.backend.get(check_key(key))
 
     def stat(self, key: str) -> ObjectStat:
         """Stored size and last use (store or dedup claim) of a segment; SegmentMissing if absent."""
         return self.backend.stat(check_key(key))
 
-    @staticmethod
-    def _keyed_header(src: Source, key: str) -> seg.Header:
-        """The header of segment ``key`` in ``src``, refused unless its digest is the key: the
-        cheap check, made before any chunk is read."""
-        header = seg.read_header(src)
-        if header.digest.hex() != key:
-            raise SegmentCorrupt(src.name, None, "header digest does not match the key")
-        return header
-
-    def _header(self, key: str) -> seg.Header:
-        with self.backend.open(key) as src:  # one open; a small file is read once
-            return self._keyed_header(seg.whole_if_small(src), key)
-
     def info(self, key: str) -> SegmentInfo:
         """Header-only look-up (the chunks are not read)."""
-        return SegmentInfo.from_header(self._header(check_key(key)))
+        with self.backend.open(check_key(key)) as src:  # one open; a small file is read once
+            return SegmentInfo.from_header(seg.read_header(whole_if_small(src), key=key))
 
     def get(self, key: str, device: Union[str, "torch.device"] = "cpu",
             expect_layout: Optional[Dict[str, Any]] = None, out: Optional["torch.Tensor"] = None) -> "torch.Tensor":
         """Read, verify (every chunk CRC and the digest) and return the tensor on ``device``.
 
-        ``expect_layout``, when given, must equal the segment's layout (LayoutMismatch
-        otherwise). ``out`` is an optional uint8 CPU staging buffer (e.g. pinned) the data is
-        decoded into; for a CUDA ``device`` this returns only once the copy from ``out`` is
-        done, so the caller may reuse ``out`` at once. A bare ``"cuda"`` is the current device.
+        ``expect_layout``, when given, must equal the segment's layout (LayoutMismatch). ``out``
+        is an optional uint8 CPU staging buffer (e.g. pinned) to decode into; for a CUDA
+        ``device`` this returns once the copy from ``out`` is done, so the caller may reuse it.
+        A bare ``"cuda"`` is the current device.
         """
         from kvj.segments import device as cuda
         from kvj.segments import tensors
@@ -515,8 +473,8 @@ class SegmentStore:
         check_key(key)
         with self.counted_load(key):
             with self.backend.open(key) as opened:
-                src = seg.whole_if_small(opened)
-                header = self._keyed_header(src, key)
+                src = whole_if_small(opened)
+                header = seg.read_header(src, key=key)
                 if expect_layout is not None:
                     check_layout(header.layout, expect_layout, f"segment {src.name}")
                 header, tensor = tensors.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
@@ -531,17 +489,13 @@ class SegmentStore:
         return on_device
 
     def verify(self, key: str) -> SegmentInfo:
-        """Fully check a segment (chunks and digest); SegmentCorrupt on any mismatch.
-
-        The header is checked against the key first; then the chunks are decoded and hashed
-        one at a time (``segfile.verify``), so whatever size a header declares, a check takes
-        a chunk's memory per thread of the pool, never the segment's raw size.
-        """
+        """Fully check a stored segment (``segfile.verify``: every chunk and the digest, a chunk's
+        memory per thread whatever its header declares); SegmentCorrupt on any mismatch."""
         check_key(key)
         with self.counted_load(key):
             with self.backend.open(key) as opened:
-                src = seg.whole_if_small(opened)
-                header = self._keyed_header(src, key)
+                src = whole_if_small(opened)
+                header = seg.read_header(src, key=key)
                 seg.check_raw_limit(header, src.name, self.max_segment_bytes)
                 seg.verify(src, pool=self.pool, header=header)
         return SegmentInfo.from_header(header)
@@ -552,17 +506,16 @@ class SegmentStore:
     def keys(self) -> Iterator[str]:
         return self.backend.keys()
 
+    # -- removal --------------------------------------------------------------------------
+
     def delete(self, key: str, older_than: Optional[float] = None) -> bool:
-        """Remove a segment; with ``older_than``, only if no put stored or deduplicated it since
-        (see ``StorageBackend.delete``). True when it was removed."""
+        """Remove a segment; with ``older_than`` only if no put stored or claimed it since. True if removed."""
         return self.backend.delete(check_key(key), older_than)
 
     def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None,
                     keep: Optional[Keep] = None) -> List[str]:
-        """``delete`` each key (with ``older_than`` as there) that no writer claims and ``keep``
-        does not name (``StorageBackend.delete_many``); the ones removed. The removals are made
-        durable together, once per directory, which is what makes collection linear in cost per
-        segment instead of a directory fsync per segment."""
+        """``delete`` each key (``older_than`` as there) no writer claims and ``keep`` does not name
+        (``LocalDirBackend.delete_many``), made durable together; the ones removed."""
         return self.backend.delete_many([check_key(key) for key in keys], older_than, keep)
 
     def quarantine(self, key: str) -> str:
@@ -570,6 +523,5 @@ class SegmentStore:
         return self.backend.quarantine(check_key(key))
 
     def quarantined_copies(self, key: Optional[str] = None) -> List[str]:
-        """Where damaged copies of ``key`` (of every key, for None) were quarantined (by a
-        repair or a healing put)."""
+        """Where damaged copies of ``key`` (of every key, for None) were quarantined."""
         return self.backend.quarantined_copies(check_key(key) if key is not None else None)

@@ -15,7 +15,7 @@ import torch
 from kvj.errors import FormatError, InvalidArgument
 from kvj.fileio import Buffer
 from kvj.segments import segfile
-from kvj.segments.backend import Source
+from kvj.segments.source import Source, as_source
 from kvj.segments.codecs.base import Element
 
 #: Every dtype with a fixed byte layout this torch has, by the name the header stores.
@@ -95,7 +95,7 @@ def decode_into(data: Union[Buffer, Source], out: Optional[torch.Tensor] = None,
     is allocated. ``header`` is ``segfile.read_header`` of the same segment when the caller
     has parsed it already.
     """
-    source = segfile.as_source(data, name)
+    source = as_source(data, name)
     if header is None:
         header = segfile.read_header(source)
     dtype = torch_dtype(header.dtype)

@@ -22,12 +22,13 @@ import logging
 import os
 import struct
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, Iterable, Optional, Set, Tuple
+from typing import Callable, ContextManager, Dict, Iterable, Iterator, Optional, Set, Tuple
 
 import crc32c
 
-from kvj.errors import UnsafePath
+from kvj.errors import CorruptionError, FormatError, LayoutMismatch, SegmentMissing, UnsafePath
 from kvj.fileio import FS, atomic_write, open_regular
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,17 @@ class UseLog:
             self._broken = True
             logger.warning("kvj: cannot append to %s (%s): segment uses are not recorded from now on; "
                            "eviction falls back to file times", self.path, exc)
+
+    @contextmanager
+    def counting(self, key: str) -> Iterator[None]:
+        """Record a load of ``key``: served, or (when the block raises what a missing or damaged
+        segment, or one of another layout, raises) asked and not served."""
+        try:
+            yield
+        except (SegmentMissing, CorruptionError, FormatError, LayoutMismatch):
+            self.record([(MISS, key, 1)])
+            raise
+        self.record([(USE, key, 1)])
 
     def read(self) -> Uses:
         """What the log records (an empty ``Uses`` when there is none). Read-only."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvj.errors import SegmentCorrupt
+from kvj.segments import chunks
 from kvj.segments import segfile as seg
 from kvj.segments import tensors
 from kvj.segments.codecs import auto, get_codec
@@ -118,7 +119,7 @@ def test_a_check_of_many_chunks_keeps_a_window_of_tasks_not_one_per_chunk():
     pool = _Inline()
     got = seg.compute_digest(raw, "uint8", [len(raw)], None, pool=pool, chunk_size=4096)
     assert got == seg.compute_digest(raw, "uint8", [len(raw)], None, chunk_size=4096)
-    assert pool.submitted == 75 and pool.most <= seg._IN_FLIGHT < 75
+    assert pool.submitted == 75 and pool.most <= chunks.IN_FLIGHT < 75
 
 
 def test_a_dedup_segment_is_verified_without_rebuilding_its_raw_bytes(monkeypatch):

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvj.errors import FormatError, SegmentCorrupt
-from kvj.segments import backend as backend_mod
+from kvj.segments import local as backend_mod
 from kvj.segments import segfile as seg
+from kvj.segments import source
 from kvj.segments.store import SegmentStore
 
 JSON = st.recursive(
@@ -86,7 +87,7 @@ def test_every_flipped_byte_of_a_stored_file_is_caught(tmp_path):
         path = store.backend.path(key)
         with open(path, "rb") as f:
             good = f.read()
-        assert len(good) <= seg.WHOLE_READ_BYTES  # read whole, then parsed from memory
+        assert len(good) <= source.WHOLE_READ_BYTES  # read whole, then parsed from memory
         for pos in range(len(good)):
             bad = bytearray(good)
             bad[pos] ^= 0x10
