@@ -1,19 +1,10 @@
 """The store's use log: when each segment was last used, and how many loads were served.
 
-Eviction under a byte budget (``kvj compact --max-store-bytes``) removes the least recently
-used segments first, and a load counts as use. Why a log of its own rather than file times:
-atime is off or lazy on most servers (noatime, relatime); mtime is the claim time that
-collection's grace period and the dedup race depend on, so a load must not move it; and a
-pack has one mtime for all its members. Appending a 53-byte record costs one ``write``, with
-no fsync: the log is advisory. A record lost in a crash only makes the order slightly stale
-or the hit rate slightly low; what keeps a segment safe is never here (references, the
-claim's mtime and the collection lock are). Specified in ``man/kvj-segment.5`` (USE LOG).
-
-Record (little-endian, 53 bytes): u8 kind, 32-byte key, u64 time (ns since the epoch),
-u64 count, u32 CRC32C of the first 49 bytes. ``USE``: the key was stored, claimed (count 0)
-or loaded (count: loads served); ``MISS``: a load of the key was asked and not served
-(count: how many). Compaction folds the log: one ``USE`` per stored key with its last use,
-and the totals on the all-zero key.
+Eviction under a byte budget removes the least recently used segments first. A log of its own,
+not file times: atime is off or lazy on most servers, mtime is the claim time collection's grace
+depends on, and a pack has one mtime for all its members. Appends are one ``write`` without
+fsync: the log is advisory, and what keeps a segment safe is never here (USE LOG in
+``man/kvj-segment.5``, which specifies the 53-byte record).
 """
 
 from __future__ import annotations

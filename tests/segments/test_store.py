@@ -14,7 +14,7 @@ import torch
 
 from kvj.errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, DurabilityError
-from kvj.segments.check import verify_segment
+from kvj.segments.check import segment_problem
 from kvj.segments.store import SegmentStore, check_key
 from kvj.segments.uses import USES_NAME
 
@@ -405,7 +405,7 @@ def test_a_media_error_is_a_clear_error_and_put_writes_a_good_copy(store, monkey
     for op in (store.get, store.verify):
         with pytest.raises(SegmentCorrupt, match="Input/output error"):
             op(info.key)
-    assert verify_segment(store, info.key)[0] == "segment-damaged"
+    assert segment_problem(store, info.key)[0] == "segment-damaged"
     assert store.put(x) == info  # the unreadable copy is set aside and a good one written
     failing[0] = False
     assert torch.equal(store.get(info.key), x)
