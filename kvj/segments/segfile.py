@@ -1,12 +1,8 @@
-"""The segment file format: one tensor's bytes in checksummed chunks, a header, a verifiable digest.
+"""The segment file format (``man/kvj-segment.5``): one tensor's bytes in CRC'd chunks, a header, a digest.
 
-Pure bytes <-> (header, bytes): no torch (``tensors``) and no storage policy (``store``). The
-format and the constants below are specified in ``man/kvj-segment.5``; ``chunks`` codes the
-chunks in parallel. The three checks of a segment's bytes, cheapest first:
-
-* :func:`match_key`: its header's digest is the key it was asked for;
-* :func:`check_stored`: its header and every stored CRC (no decompression);
-* :func:`verify` (and :func:`decode_into`): every chunk decoded, its CRC and the digest.
+Pure bytes, no torch (``tensors``) and no storage policy (``store``); ``chunks`` codes the chunks.
+The checks, cheapest first: :func:`match_key` (the header's digest is the key asked for),
+:func:`check_stored` (header and every stored CRC) and :func:`verify` (every chunk decoded, the digest).
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ import math
 import struct
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import blake3
 import crc32c
@@ -29,9 +25,6 @@ from kvj.segments.chunks import ChunkDecoder, ChunkEncoder, crc_mismatch, leaf, 
 from kvj.segments.codecs.base import MAX_EXPANSION, Element, Filter, Pipeline, field_int
 from kvj.segments.codecs.registry import FILTERS, filter_class, filter_names, get_codec
 from kvj.segments.source import Source, as_source
-
-if TYPE_CHECKING:
-    import numpy as np
 
 MAGIC = b"\x89KVJSEG\n"
 END_MAGIC = b"KVJSEGOK"
@@ -86,14 +79,10 @@ def _layout_json(layout: Layout) -> str:
 
 def _check_ints(value: Any) -> None:
     """Refuse an integer MessagePack cannot hold before anything is written."""
-    if type(value) is int:
-        if not -(1 << 63) <= value < (1 << 64):
-            raise FormatError(f"layout holds the integer {value}, outside the 64-bit range a segment header holds")
-    elif isinstance(value, dict):
-        for item in value.values():
-            _check_ints(item)
-    elif isinstance(value, list):
-        for item in value:
+    if type(value) is int and not -(1 << 63) <= value < (1 << 64):
+        raise FormatError(f"layout holds the integer {value}, outside the 64-bit range a segment header holds")
+    if isinstance(value, (dict, list)):
+        for item in value.values() if isinstance(value, dict) else value:
             _check_ints(item)
 
 
@@ -160,8 +149,7 @@ class Header:
             "chunks": [list(c) for c in self.chunks], "stored_size": self.stored_size,
             "digest_alg": DIGEST_ALG, "digest": self.digest,
         }
-        for name in FILTERS:  # kvj's own filters' fields are always there, nil when unused
-            out[name] = None
+        out.update(dict.fromkeys(FILTERS))  # kvj's own filters' fields are always there, nil when unused
         if self.filter is not None:
             out[self.filter] = self.filter_field
         return out
@@ -178,8 +166,8 @@ class Header:
 
 
 class EncodedSegment:
-    """A segment being encoded: ``parts()`` yields the file's bytes in order as chunks are done
-    (the writer overlaps disk writes with compression); ``header`` and ``file_size`` are set at its end."""
+    """A segment being encoded: ``parts()`` yields the file's bytes as chunks are done (disk writes
+    overlap compression); ``header`` and ``file_size`` are set at its end."""
 
     def __init__(self, encoder: ChunkEncoder, shape: Tuple[int, ...], layout: Dict[str, Any],
                  digest: Optional[bytes]):
@@ -226,10 +214,8 @@ class EncodedSegment:
 
 def encode(raw: memoryview, *, dtype: str, shape: Sequence[int], layout: Layout, digest: Optional[bytes],
            pipeline: Pipeline, pool: Optional[Executor] = None) -> EncodedSegment:
-    """Encode the C-order bytes of a tensor of ``dtype`` (a header name) through ``pipeline``.
-
-    ``digest`` is :func:`compute_digest` of the same data, or None to compute it alongside compression.
-    """
+    """Encode a tensor's C-order bytes through ``pipeline``; ``digest`` is :func:`compute_digest` of
+    them, or None to compute it alongside compression."""
     elem = element(dtype)
     shape = tuple(int(d) for d in shape)
     if len(raw) != math.prod(shape) * elem.itemsize:
@@ -237,21 +223,6 @@ def encode(raw: memoryview, *, dtype: str, shape: Sequence[int], layout: Layout,
     layout = canonical_layout(layout)
     encoder = ChunkEncoder(raw, elem, CHUNK_SIZE, digest is not None, pipeline, pool)
     return EncodedSegment(encoder, shape, layout, digest)
-
-
-def _header_filter(m: Dict[str, Any], raw_size: int, payload_size: int,
-                   stored_size: int) -> Tuple[Optional[str], Optional[Dict[str, Any]], int]:
-    """The filter a header names (at most one), its field as read back, its side data's size."""
-    named = [name for name in filter_names() if m.get(name) is not None]
-    if len(named) > 1:
-        raise FormatError(f"header names more than one filter ({', '.join(named)})")
-    if not named:
-        if payload_size != raw_size:
-            raise FormatError("payload_size differs from raw_size without a filter")
-        return None, None, 0
-    name = named[0]
-    filt = filter_class(name).from_field(m[name], raw_size, payload_size, stored_size)
-    return name, filt.field(), filt.side_size
 
 
 def _validate(m: Any, file_size: int, header_len: int) -> Header:
@@ -282,7 +253,17 @@ def _validate(m: Any, file_size: int, header_len: int) -> Header:
     if PREAMBLE.size + stored_size + header_len + TRAILER.size != file_size:
         raise FormatError("sizes in header do not add up to the file size")
     payload_size = field_int(m, "payload_size", 0, raw_size)
-    filter_name, filter_field, side = _header_filter(m, raw_size, payload_size, stored_size)
+    named = [name for name in filter_names() if m.get(name) is not None]  # at most one filter
+    if len(named) > 1:
+        raise FormatError(f"header names more than one filter ({', '.join(named)})")
+    filter_name = filter_field = None
+    side = 0
+    if named:
+        filter_name = named[0]
+        filt = filter_class(filter_name).from_field(m[filter_name], raw_size, payload_size, stored_size)
+        filter_field, side = filt.field(), filt.side_size
+    elif payload_size != raw_size:
+        raise FormatError("payload_size differs from raw_size without a filter")
     if payload_size % elem.word:
         raise FormatError("payload is not whole elements")
     table = m.get("chunks")
@@ -417,24 +398,3 @@ def check_raw_limit(header: Header, name: str, max_raw: int) -> None:
     if header.raw_size > max_raw:
         raise FormatError(f"{name} declares {header.raw_size} raw bytes, more than the limit of {max_raw} "
                           "(max_segment_bytes)")
-
-
-def allocate(header: Header, name: str, max_raw: int = MAX_RAW_SIZE) -> "np.ndarray":
-    """A new uint8 buffer for the raw bytes ``header`` declares, at most ``max_raw``."""
-    import numpy as np
-
-    check_raw_limit(header, name, max_raw)
-    try:
-        return np.empty(header.raw_size, np.uint8)  # numpy asks for huge pages
-    except MemoryError:
-        raise FormatError(f"{name} declares {header.raw_size} raw bytes: cannot allocate them") from None
-
-
-def decode(data: Union[Buffer, Source], *, name: str = "<segment>", pool: Optional[Executor] = None,
-           max_raw: int = MAX_RAW_SIZE) -> Tuple[Header, memoryview]:
-    """Decode a whole segment file into a new buffer of at most ``max_raw`` bytes; its header and bytes."""
-    source = as_source(data, name)
-    header = read_header(source)
-    raw = memoryview(allocate(header, source.name, max_raw)).cast("B")
-    decode_into(source, raw, pool=pool, header=header)
-    return header, raw

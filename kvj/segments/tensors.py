@@ -83,13 +83,15 @@ def decode_into(data: Union[Buffer, Source], out: Optional[torch.Tensor] = None,
     if header is None:
         header = segfile.read_header(source)
     dtype = torch_dtype(header.dtype)
+    segfile.check_raw_limit(header, source.name, max_raw)
     if out is None:
-        out = torch.from_numpy(segfile.allocate(header, source.name, max_raw))
-    else:
-        segfile.check_raw_limit(header, source.name, max_raw)
-        if out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
-                or out.numel() < header.raw_size:
-            raise InvalidArgument("out must be a contiguous CPU uint8 tensor of at least raw_size bytes")
+        try:
+            out = torch.from_numpy(np.empty(header.raw_size, np.uint8))  # numpy asks for huge pages
+        except MemoryError:
+            raise FormatError(f"{source.name} declares {header.raw_size} raw bytes: cannot allocate them") from None
+    elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
+            or out.numel() < header.raw_size:
+        raise InvalidArgument("out must be a contiguous CPU uint8 tensor of at least raw_size bytes")
     out = out[:header.raw_size]
     raw = memoryview(out.numpy()).cast("B") if header.raw_size else memoryview(bytearray())
     segfile.decode_into(source, raw, pool=pool, header=header)
