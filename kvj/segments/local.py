@@ -1,7 +1,7 @@
-"""The local directory a segment store keeps its bytes in: loose segment files, packs, and their collection.
+"""The directory a segment store keeps its bytes in: loose segment files, packs, and their collection.
 
-The store above (``store``) decides keys, dedup and checks; this stores and returns bytes under
-the keys it is given, durably (``man/kvj-segment.5``, STORE LAYOUT, CLAIMS, PACKS).
+The store decides keys, dedup and checks; this keeps bytes under the keys it is given, durably
+(``man/kvj-segment.5``, STORE LAYOUT, CLAIMS, PACKS).
 """
 
 from __future__ import annotations
@@ -98,14 +98,8 @@ class _CountedFS(FS):
 
 
 class LocalDirBackend:
-    """Segment files at ``root/objects/<k[:2]>/<key>.kvjseg`` and packs of them in ``root/packs/``;
-    a key resolves to its loose file first, then to a pack.
-
-    New files are written in ``root/tmp/`` (``tempfiles``), fsynced, renamed into place and their
-    directory fsynced; quarantined ones move to ``root/quarantine/<key>.<unix-ns>.kvjseg``.
-    Opening a backend writes nothing; the first write makes the directories and removes the
-    temp files no live writer holds.
-    """
+    """Segment files at ``root/objects/<k[:2]>/<key>.kvjseg`` and packs in ``root/packs/``: a key
+    resolves to its loose file first, then to a pack. Opening one writes nothing."""
 
     def __init__(self, root: Union[str, os.PathLike], fs: FS = REAL_FS):
         self.root = os.path.abspath(os.fspath(root))
@@ -283,32 +277,13 @@ class LocalDirBackend:
                     pass
             return self.packs.touch(key)
 
-    def claim(self, keys: Iterable[str]) -> None:
-        """Claim ``keys`` until :meth:`release` (``claims``)."""
-        self.start_writing()  # the store's root, where the claims file lives
-        self.claims.claim(keys)
-
-    def release(self, keys: Iterable[str]) -> None:
-        self.claims.release(keys)
-
-    def close(self) -> None:
-        """Drop every claim this backend still holds."""
-        self.claims.close()
-
-    def delete(self, key: str, older_than: Optional[float] = None) -> bool:
-        return bool(self.delete_many([key], older_than))
-
     def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None,
                     keep: Optional[Keep] = None) -> List[str]:
-        """Remove every copy of the keys, durably; the keys with no copy left.
+        """Remove every copy of the keys, durably (each directory and dead list synced once); those gone.
 
-        Under the exclusive collection lock, a key some writer claims is kept, then every key
-        ``keep`` names (CLAIMS: a claim is released only once its record is in the log), and
-        with ``older_than`` every copy used since. Loose files are unlinked (each directory
-        fsynced once), packed members named dead (each dead list synced once); packs left with
-        no live member are unlinked, mostly dead ones repacked. Unlinks run on a few threads
-        (an unlink that frees blocks takes ~1 ms on a busy disk), ``UNLINK_BATCH`` keys per
-        hold of the lock, so a writer's dedup touch waits for one batch at most.
+        Under the exclusive collection lock a key some writer claims is kept, then every key
+        ``keep`` names (CLAIMS), and with ``older_than`` every copy used since. Unlinks overlap on
+        a few threads, ``UNLINK_BATCH`` keys per hold of the lock (a dedup touch waits one batch at most).
         """
         keys = list(keys)
         loose: List[str] = []

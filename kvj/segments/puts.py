@@ -335,7 +335,8 @@ class SegmentPuts:
         if not self.journaled:
             yield
             return
-        self.backend.claim(keys)
+        self.backend.start_writing()  # the store's root, where the claims file lives
+        self.backend.claims.claim(keys)
         try:
             yield
         except BaseException:
@@ -344,12 +345,12 @@ class SegmentPuts:
 
     def release(self, keys: Iterable[str]) -> None:
         """Give back one claim on each of ``keys`` (once the record that names each is durable)."""
-        self.backend.release(keys)
+        self.backend.claims.release(keys)
 
     def unjournaled(self) -> None:
         """The journal writing through this store closed: drop the claims still held, claim nothing more."""
         self.journaled = False
-        self.backend.close()
+        self.backend.claims.close()
 
     def claim_existing(self, key: str) -> bool:
         """Claim a stored segment to journal it again by reference (``Journal.flush(info=...)`` takes the

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Union
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from kvj.fileio import FS, REAL_FS, Buffer
 from kvj.names import check_key
@@ -18,7 +18,7 @@ from kvj.segments import segfile as seg
 from kvj.segments.layout import check_layout
 from kvj.segments.local import Keep, LocalDirBackend, ObjectStat
 from kvj.segments.puts import Item, SegmentInfo, SegmentPuts
-from kvj.segments.source import whole_if_small
+from kvj.segments.source import Source, whole_if_small
 from kvj.trust import check_owner
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so header-only users start without it
@@ -82,8 +82,17 @@ class SegmentStore(SegmentPuts):
 
     def info(self, key: str) -> SegmentInfo:
         """Header-only look-up (the chunks are not read)."""
-        with self.backend.open(check_key(key)) as src:  # one open; a small file is read once
-            return SegmentInfo.from_header(seg.read_header(whole_if_small(src), key=key))
+        with self._reading(key, counted=False) as (_src, header):
+            return SegmentInfo.from_header(header)
+
+    @contextmanager
+    def _reading(self, key: str, counted: bool = True) -> Iterator[Tuple[Source, seg.Header]]:
+        """``key``'s bytes (one open; a small file read whole, once) and its header, checked against the
+        key; with ``counted``, a load for the use log whatever the block raises."""
+        check_key(key)
+        with self.counted_load(key) if counted else nullcontext(), self.backend.open(key) as opened:
+            src = whole_if_small(opened)
+            yield src, seg.read_header(src, key=key)
 
     def get(self, key: str, device: Union[str, "torch.device"] = "cpu",
             expect_layout: Optional[Dict[str, Any]] = None, out: Optional["torch.Tensor"] = None) -> "torch.Tensor":
@@ -95,15 +104,11 @@ class SegmentStore(SegmentPuts):
         from kvj.segments import device as cuda
         from kvj.segments import tensors
 
-        check_key(key)
-        with self.counted_load(key):
-            with self.backend.open(key) as opened:
-                src = whole_if_small(opened)
-                header = seg.read_header(src, key=key)
-                if expect_layout is not None:
-                    check_layout(header.layout, expect_layout, f"segment {src.name}")
-                header, tensor = tensors.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
-                                                     header=header)
+        with self._reading(key) as (src, header):
+            if expect_layout is not None:
+                check_layout(header.layout, expect_layout, f"segment {src.name}")
+            header, tensor = tensors.decode_into(src, out, pool=self.pool, max_raw=self.max_segment_bytes,
+                                                 header=header)
         target = cuda.CUDA.resolve(device)
         if target.type == "cpu":
             return tensor
@@ -115,13 +120,9 @@ class SegmentStore(SegmentPuts):
 
     def verify(self, key: str) -> SegmentInfo:
         """Fully check a stored segment (``segfile.verify``); SegmentCorrupt on any mismatch."""
-        check_key(key)
-        with self.counted_load(key):
-            with self.backend.open(key) as opened:
-                src = whole_if_small(opened)
-                header = seg.read_header(src, key=key)
-                seg.check_raw_limit(header, src.name, self.max_segment_bytes)
-                seg.verify(src, pool=self.pool, header=header)
+        with self._reading(key) as (src, header):
+            seg.check_raw_limit(header, src.name, self.max_segment_bytes)
+            seg.verify(src, pool=self.pool, header=header)
         return SegmentInfo.from_header(header)
 
     def exists(self, key: str) -> bool:
@@ -132,7 +133,7 @@ class SegmentStore(SegmentPuts):
 
     def delete(self, key: str, older_than: Optional[float] = None) -> bool:
         """Remove a segment; with ``older_than`` only if no put stored or claimed it since. True if removed."""
-        return self.backend.delete(check_key(key), older_than)
+        return bool(self.backend.delete_many([check_key(key)], older_than))
 
     def delete_many(self, keys: Iterable[str], older_than: Optional[float] = None,
                     keep: Optional[Keep] = None) -> List[str]:

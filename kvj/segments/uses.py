@@ -38,12 +38,10 @@ class Uses:
     last: Dict[str, float] = field(default_factory=dict)
     served: int = 0
     missed: int = 0
-    #: Bytes after the last valid record (a torn append: what a crash while appending leaves).
+    #: Bytes after the last valid record (a torn append).
     ignored_bytes: int = 0
-    #: Records that fail their CRC (or name no kind) with a valid record after them: damage,
-    #: not a torn append. Skipped; ``kvj fsck`` reports them.
+    #: Records failing their CRC (or naming no kind) before a valid one: damage, skipped (fsck reports it).
     damaged: int = 0
-    #: The offset of the first damaged record (None: none).
     damage_offset: Optional[int] = None
 
     @property
@@ -138,9 +136,7 @@ class UseLog:
         """What the log records (an empty ``Uses`` when there is none). Read-only."""
         try:
             fd = open_regular(self.path)
-        except FileNotFoundError:
-            return Uses()
-        except UnsafePath:  # not a file kvj wrote: it records nothing
+        except (FileNotFoundError, UnsafePath):  # none, or not a file kvj wrote: it records nothing
             return Uses()
         try:
             with os.fdopen(fd, "rb", closefd=False) as f:
