@@ -1,8 +1,5 @@
-"""A segment's chunks coded in parallel: the filter, the chunk codec, each chunk's CRC32C and digest leaf.
-
-``segfile`` frames what this produces (preamble, header, trailer) and checks the digest of the
-leaves it returns; this module knows chunks, not the file around them.
-"""
+"""A segment's chunks coded in parallel: the filter, the chunk codec, each chunk's CRC32C and digest leaf
+(``segfile`` frames them and checks the digest of the leaves)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ from kvj.segments.source import Source
 if TYPE_CHECKING:
     from kvj.segments.segfile import Header
 
-#: Tasks :func:`pmap` keeps submitted at once: enough to keep any pool busy, few enough that a
-#: header of millions of tiny chunks does not become millions of futures.
+#: Tasks :func:`pmap` keeps submitted at once (millions of tiny chunks are not millions of futures).
 IN_FLIGHT = 64
 
 
@@ -62,9 +58,8 @@ def leaf(view: memoryview) -> bytes:
 class ChunkEncoder:
     """One tensor's raw bytes through a pipeline: the filter over the whole, then the codec per chunk.
 
-    The digest leaves come *given* (the caller knows the digest), *fused* (no filter: each chunk
-    task hashes what it encodes while it is in cache) or as pool tasks started before the
-    filter runs (a filter's payload is not the raw bytes).
+    Digest leaves are not needed (``hashed``), *fused* (no filter: each chunk task hashes what it
+    encodes while in cache) or pool tasks started before the filter runs.
     """
 
     def __init__(self, raw: memoryview, element: Element, chunk_size: int, hashed: bool,
@@ -135,10 +130,8 @@ class _Job(NamedTuple):
 
 
 class ChunkDecoder:
-    """One segment's chunks, each read, CRC-checked and decoded by any thread, and its filter undone.
-
-    The filter's side data is read and checked here; no chunk is read until a task decodes it.
-    """
+    """One segment's chunks, each read, CRC-checked and decoded by any thread (no chunk is read until
+    then), and its filter undone from the side data read and checked here."""
 
     def __init__(self, source: Source, header: "Header", start: int, word: int):
         self.source, self.header, self.name = source, header, source.name

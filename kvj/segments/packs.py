@@ -1,12 +1,9 @@
 """The ``packs/`` directory of a local store: many segments per file, made durable by one fdatasync.
 
-Above the backend a packed member is a segment like any other, found, read, claimed, collected
-and quarantined by key (``man/kvj-segment.5``, PACKS). A pack is written as a temp file and
-renamed into ``packs/`` once durable, so a torn pack is never there. The index (key -> packs
-holding it live) is built from the packs' tails and dead lists on first use and refreshed on a
-miss (another process may have written a pack). Removal appends to a pack's dead list under
-the exclusive collection lock; a pack left with no live member is unlinked, one mostly dead is
-repacked. ``touch`` claims a member by setting its pack's mtime under the shared lock.
+A packed member is found, read, claimed, collected and quarantined by key like a loose segment
+(PACKS). A pack is renamed into ``packs/`` only once durable. The index (key -> packs holding it
+live) is read from tails and dead lists, refreshed on a miss; removal appends to dead lists
+under the exclusive collection lock; ``touch`` sets a pack's mtime under the shared one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""A segment's stored bytes read by offset, from memory or from a file by ``pread``.
-
-Files are never memory-mapped: through a map a media error or a file truncated under the reader
-is a SIGBUS; read, either is a ``SegmentCorrupt`` naming the file.
-"""
+"""A segment's stored bytes read by offset, from memory or a file by ``pread``: never mapped, so a
+media error or a file truncated under the reader is a ``SegmentCorrupt`` naming it, not a SIGBUS."""
 
 from __future__ import annotations
 

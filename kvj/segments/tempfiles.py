@@ -56,12 +56,8 @@ def clean_temps(tmp_dir: str, fs: FS) -> int:
 
 
 class TempFile:
-    """A new ``tmp_dir/<pid>.<random>.tmp``, open and flocked: ``write``, then ``sync`` and
-    ``publish`` under its final name (the flock held until then), or ``abort``.
-
-    With ``sync_every`` the writes are fdatasynced as they go, so the disk works while later
-    chunks are still being compressed and the final sync has little left to do.
-    """
+    """A new ``tmp_dir/<pid>.<random>.tmp``, open and flocked: ``write``, then ``sync`` and ``publish``
+    under its final name, or ``abort``. ``sync_every``: fdatasync as it goes, overlapping compression."""
 
     def __init__(self, tmp_dir: str, fs: FS, what: str, sync_every: int = 0):
         self.fs, self.what, self.sync_every = fs, what, sync_every
