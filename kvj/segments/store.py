@@ -17,14 +17,14 @@ from kvj.names import check_key
 from kvj.segments import segfile as seg
 from kvj.segments.layout import check_layout
 from kvj.segments.local import Keep, LocalDirBackend, ObjectStat
-from kvj.segments.puts import Item, SegmentInfo, SegmentPuts
+from kvj.segments.puts import SegmentInfo, SegmentPuts
 from kvj.segments.source import Source, whole_if_small
 from kvj.trust import check_owner
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so header-only users start without it
     import torch
 
-__all__ = ["Item", "SegmentInfo", "SegmentStore"]
+__all__ = ["SegmentInfo", "SegmentStore"]  # SegmentInfo: what puts and reads return
 
 
 class SegmentStore(SegmentPuts):
