@@ -41,11 +41,11 @@ class _Pack:
         return bool(self.live()) and dead >= share * sum(m.length for m in self.members.values())
 
 
-def _pread(fd: int, length: int, offset: int, path: str) -> bytes:
+def _pread(fd: int, length: int, offset: int, path: str) -> bytearray:
     """Exactly ``length`` bytes at ``offset``; ``SegmentCorrupt`` when the file ends first."""
     out = bytearray(length)
     pread_into(fd, memoryview(out), offset, path)
-    return bytes(out)
+    return out
 
 
 class PackWriter:
