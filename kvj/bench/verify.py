@@ -33,7 +33,7 @@ import blake3
 from kvj.bench.scaling import build_store
 from kvj.ops.fsck import VERIFY_BATCH, FsckResult, fsck, verify_threads
 from kvj.ops.init import init
-from kvj.segments.backend import SEGMENT_SUFFIX
+from kvj.segments.local import SEGMENT_SUFFIX
 
 
 FLOOR = "floor: read + BLAKE3"

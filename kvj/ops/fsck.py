@@ -417,7 +417,7 @@ class _Checker:
     def _verify(self, store: Any, keys: List[str], digests: Dict[str, str]) -> Dict[str, Optional[Problem]]:
         """Each key's problem, in parallel: read in full, or its header only when a
         --read-data-subset sample leaves it out."""
-        from kvj.segments.check import verify_segment
+        from kvj.segments.check import segment_problem
 
         full = self._sampled(keys)
         results: Dict[str, Optional[Problem]] = {}
@@ -430,7 +430,7 @@ class _Checker:
         batches = [keys[i:i + size] for i in range(0, len(keys), size)]
 
         def check(batch: List[str]) -> List[Optional[Problem]]:
-            return [verify_segment(store, key, digests.get(key), key in full) for key in batch]
+            return [segment_problem(store, key, digests.get(key), key in full) for key in batch]
 
         done = 0
         with ThreadPoolExecutor(max_workers=threads) as pool:

@@ -30,7 +30,7 @@ from kvj.journal.state import JournalState, RequestState
 from kvj.names import check_request_id
 from kvj.ops.armed import arm, read_control, write_control
 from kvj.ops.recover import MANIFEST_VERSION, _request_entry, plan_request
-from kvj.segments.check import Problem, opened_store, verify_many
+from kvj.segments.check import Problem, opened_store, segment_problems
 
 #: Where the handoff manifests are written, inside the journal directory.
 MANIFEST_DIR = "handoff"
@@ -51,7 +51,7 @@ def build_manifest(journal: str, to: str, state: Optional[JournalState] = None) 
     problems: Dict[str, Optional[Problem]] = {}
     if needed:
         with opened_store(None, store_root) as store:
-            problems = verify_many(store, needed)
+            problems = segment_problems(store, needed)
     entries = [_request_entry(r, plan_request(r, problems)) for r in requests]
     fallbacks = [f"request {e['id']}: resumes at token {e['resume_position']} instead of {e['recorded_position']}"
                  for e in entries if e["fallback"]]

@@ -47,7 +47,7 @@ from kvj.journal.snapshot import list_snapshots
 from kvj.journal.state import JournalState, RequestState, SegmentRef
 from kvj.ops.salvage import Salvage, clear_pending, find_damage, load_pending
 from kvj.ops.salvage import set_aside as set_aside_damage
-from kvj.segments.check import Problem, opened_store, verify_many
+from kvj.segments.check import Problem, opened_store, segment_problems
 
 if TYPE_CHECKING:
     import torch
@@ -318,7 +318,7 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
     needed = _needed(state)
     if needed:
         with opened_store(store, store_root or "", fs) as seg_store:
-            problems = verify_many(seg_store, needed, progress)
+            problems = segment_problems(seg_store, needed, progress)
     epoch = _next_epoch(state, recovery_dir)
     manifest = build_manifest(state, problems, journal=path, store=store_root, epoch=epoch)
     if cut is not None:

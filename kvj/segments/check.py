@@ -1,7 +1,8 @@
-"""Checking segments against the store: the one adapter recover, fsck, compact and the CLI share.
+"""What is wrong, if anything, with the segments records name: the one check recover, fsck,
+handoff and the CLI share (present, intact, of the digest the record claims).
 
-The store (and through it torch) is imported only when a segment is actually looked at,
-so journal-only commands stay fast.
+The store (and through it torch) is imported only when a segment is looked at, so journal-only
+commands stay fast.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ Problem = Tuple[str, str]
 
 @contextmanager
 def opened_store(store: Any, default_root: str, fs: FS = REAL_FS) -> Iterator[Optional[Any]]:
-    """A ``SegmentStore`` for ``store`` (a store, a root path or None for ``default_root``).
+    """A ``SegmentStore`` for ``store`` (a store, a root path, or None for ``default_root``).
 
-    Yields None when the directory does not exist: a journal that never stored a segment
-    has none (and the store's modules are not imported). A store opened here is closed on
-    exit; one passed in is left open.
+    None when the directory does not exist (a journal that never stored a segment has none).
+    A store opened here is closed on exit; one passed in is left open.
     """
     if store is not None and not isinstance(store, (str, os.PathLike)):
         yield store  # a SegmentStore
@@ -42,11 +42,11 @@ def opened_store(store: Any, default_root: str, fs: FS = REAL_FS) -> Iterator[Op
         opened.close()
 
 
-def verify_segment(store: Optional[Any], key: str, digest: Optional[str] = None,
-                   full: bool = True) -> Optional[Problem]:
+def segment_problem(store: Optional[Any], key: str, digest: Optional[str] = None,
+                    full: bool = True) -> Optional[Problem]:
     """None when segment ``key`` is present, intact and (if given) has ``digest``; else why not.
 
-    ``full=False`` checks its header only (fsck's unsampled segments), not its data.
+    ``full`` verifies its data (``SegmentStore.verify``); without it only its header is read.
     """
     if store is None:
         return "segment-missing", "no segment store"
@@ -61,9 +61,9 @@ def verify_segment(store: Optional[Any], key: str, digest: Optional[str] = None,
     return None
 
 
-def verify_many(store: Optional[Any], wanted: Iterable[Tuple[str, Optional[str]]],
-                progress: Optional[Callable[[str, int, int], None]] = None) -> Dict[str, Optional[Problem]]:
-    """Verify each distinct key once, in parallel (hashing releases the GIL); key -> problem."""
+def segment_problems(store: Optional[Any], wanted: Iterable[Tuple[str, Optional[str]]],
+                     progress: Optional[Callable[[str, int, int], None]] = None) -> Dict[str, Optional[Problem]]:
+    """:func:`segment_problem` of each distinct key once, in parallel (hashing releases the GIL)."""
     unique: Dict[str, Optional[str]] = {}
     for key, digest in wanted:
         if key not in unique or unique[key] is None:
@@ -73,7 +73,7 @@ def verify_many(store: Optional[Any], wanted: Iterable[Tuple[str, Optional[str]]
     if not total:
         return results
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        futures = {key: pool.submit(verify_segment, store, key, digest) for key, digest in unique.items()}
+        futures = {key: pool.submit(segment_problem, store, key, digest) for key, digest in unique.items()}
         for done, (key, future) in enumerate(futures.items(), 1):
             results[key] = future.result()
             if progress:
@@ -82,13 +82,11 @@ def verify_many(store: Optional[Any], wanted: Iterable[Tuple[str, Optional[str]]
 
 
 def require_segments(root: str, keys: List[Tuple[str, Optional[str]]]) -> None:
-    """Raise ``SegmentMissing`` or ``CorruptionError`` unless every key is in the store, intact.
-
-    A record must never point at a segment that is not durable (data before metadata).
-    """
+    """Raise ``SegmentMissing`` or ``CorruptionError`` unless every key is in the store, intact
+    (a record never points at a segment that is not durable)."""
     with opened_store(root, root) as store:
         for key, digest in keys:
-            problem = verify_segment(store, key, digest)
+            problem = segment_problem(store, key, digest)
             if problem is None:
                 continue
             kind, reason = problem

@@ -1,19 +1,12 @@
-"""Claims: a writer's hold on segments it stored or deduplicated but has not yet journaled durably.
+"""Claims: a writer's hold on segments it stored or deduplicated but has not journaled durably yet.
 
-Between a put (or a dedup hit) and the durable journal record that references the segment,
-nothing in the journal says the segment is needed: a collector that replays the journal in
-that window sees an unreferenced segment. A claim closes the window (spec: man/kvj-segment.5,
-CLAIMS). The writer takes it before the put looks the key up or writes it, and the journal
-releases it once the record that references the segment is durable. Every collector (compaction,
-eviction) checks the claims of the keys it is about to remove under the store's exclusive
-collection lock, then reads the journal's records appended since its replay, and keeps what
-either names: a claim released before the check means its record was already in the log.
-
-A claim is a shared open-file-description (OFD) byte-range lock, one byte per key
-(offset: the key's first 60 bits), on ``root/claims.lock``: it costs one ``fcntl`` without I/O,
-works across threads and processes, and the kernel drops it when the writer dies, so a crash
-never leaves a stale claim. A collector tests for one through a descriptor of its own, so it
-sees the claims of its own process too. Linux (and any system with OFD locks) only.
+Between a put (or dedup hit) and the durable record naming the segment, a collector replaying the
+journal sees it unreferenced; a claim closes that window (``man/kvj-segment.5``, CLAIMS). The
+writer claims before the put looks the key up, the journal releases once the record is durable;
+a collector, under the exclusive collection lock, keeps what is claimed, then what the records
+appended since its replay name. A claim is a shared OFD byte-range lock on one byte of
+``root/claims.lock``: no I/O, across threads and processes, dropped by the kernel when the writer
+dies. A collector tests through a descriptor of its own, so it sees its own process's claims.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ def _offset(key: str) -> int:
 
 
 def _lock(fd: int, kind: int, key: str, test: bool = False) -> int:
-    """Set (or, with ``test``, look for a conflict with) lock ``kind`` on ``key``'s byte; the
-    conflicting lock's type when testing (``F_UNLCK``: none)."""
+    """Set lock ``kind`` on ``key``'s byte, or with ``test`` the type of a conflicting one (``F_UNLCK``: none)."""
     arg = _FLOCK.pack(kind, os.SEEK_SET, _offset(key), 1, 0)
     out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK if test else fcntl.F_OFD_SETLK, arg)
     return _FLOCK.unpack(out)[0]
@@ -77,11 +69,6 @@ class Claims:
                     del self._count[key]
                 elif n > 1:
                     self._count[key] = n - 1
-
-    def held(self) -> Set[str]:
-        """The keys this handle claims now."""
-        with self._lock:
-            return set(self._count)
 
     def close(self) -> None:
         """Release every claim (closing the descriptor drops its locks)."""

@@ -1,37 +1,12 @@
-"""A KV block: the unit in which kvj journals a request's KV cache, owned by this one module.
+"""A KV block: ``block_size`` token positions of every layer of one rank's KV cache, stored as one segment.
 
-A block is ``block_size`` token positions of every layer of one rank's KV cache, stored as
-one segment (spec: ``man/kvj-segment.5``, KV BLOCKS). This module owns what a block is:
-
-* its **layout** (:class:`KVBlockLayout`): the model, dtype and geometry, the order of its
-  axes (``L2NHD``: ``[layers, 2, block, kv_heads, head_dim]``, K then V, as kvj's own paged
-  cache and the transformers integration hold it; ``LHNC``: ``[layers, kv_heads, block,
-  2*head_dim]``, K and V side by side, vLLM's standardized per-layer view), and the rank
-  (tensor- and pipeline-parallel rank, and the pipeline stage's layers);
-* its **chained key**: ``chain[b] = BLAKE3(chain[b-1] || token ids of block b)`` from a seed
-  that is the layout's rank-free identity, so a block loads only into the model, dtype and
-  geometry it came from, whatever rank of a tensor- or pipeline-parallel engine asks (the
-  seed holds the parallel sizes, not the rank: one scheduler names a block for every rank);
-* the **check on load**: :meth:`KVBlockLayout.check` accepts a segment of this layout and rank
-  (a shard of another rank, or of another parallel size, never loads), and of
-  the tags kvj 0.1.0 wrote (``kvj-kv-block/1``, ``paged_kv_block``), and refuses any other
-  with ``LayoutMismatch``;
-* the **caches** a block moves between (:meth:`KVBlockLayout.check_caches`): one tensor per
-  layer whose first axis is the block id and whose other axes are the block's logical view
-  in the layout's order, with free strides (FlashAttention's NHD-ordered cache is a permuted
-  view, where ``cache[block_id]`` is not contiguous). A stored block is always the logical
-  view in C order, so it loads into any physical layout. Blocks move through
-  ``kvj.segments.device.gather_blocks`` and ``scatter_blocks`` (one indexed copy per layer
-  and one transfer, device-correct), which travel in exactly this ``[n, layers, *block]``
-  form: the restore of paged caches (:func:`restore_paged`), the demo's paged engine and
-  the vLLM connector all use them;
-* its **paged cache** and **scatter**: kvj's own paged cache (vLLM-like) is one tensor per
-  layer shaped ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K at index 0, V at
-  1). :func:`gather_block` takes one block of every layer out of it (to flush, with the layout
-  :func:`paged_layout`), and :func:`restore_paged` scatters a request's blocks into a new
-  cache: block ``i`` into ``new_block_ids[i]``, whatever ids it had before (a block's content
-  does not depend on where it sat, so identical prefix blocks of different requests share one
-  key).
+This module owns what a block is (``man/kvj-segment.5``, KV BLOCKS): its layout (model, dtype,
+geometry, axis order ``L2NHD`` ``[layers, 2, block, kv_heads, head_dim]`` or vLLM's ``LHNC``
+``[layers, kv_heads, block, 2*head_dim]``, and rank), its chained key (``chain[b] =
+BLAKE3(chain[b-1] || token ids of block b)`` from the layout's rank-free identity, so a block
+loads only where it came from), the check on load (0.1.0's tags too), and kvj's own paged cache
+(``[num_blocks, 2, block_size, kv_heads, head_dim]`` per layer): :func:`gather_block` and
+:func:`restore_paged`, which scatters block ``i`` into slot ``new_block_ids[i]``.
 """
 
 from __future__ import annotations
@@ -67,9 +42,8 @@ L2NHD, LHNC = "L2NHD", "LHNC"
 class KVBlockLayout:
     """What a KV block holds: model, element dtype, geometry, axis order and rank.
 
-    ``layers`` and ``kv_heads`` are the whole model's; a rank of a ``tp_size``-way
-    tensor-parallel engine holds ``kv_heads // tp_size`` heads of each block, and a rank of
-    pipeline stage ``pp_rank`` holds the layers ``stage`` = [first, end) (all by default).
+    ``layers`` and ``kv_heads`` are the whole model's; a tensor-parallel rank holds
+    ``kv_heads // tp_size`` heads, a pipeline stage the layers ``stage`` = [first, end).
     """
 
     model: str
@@ -147,9 +121,8 @@ class KVBlockLayout:
         return fingerprint(self.identity())
 
     def segment_layout(self, token_ids: Optional[Sequence[int]] = None, chain: Optional[str] = None) -> Dict[str, Any]:
-        """The layout journaled with one block: identity and rank (tensor rank, pipeline rank and
-        stage); its token ids and the next one when known; for a chained block, its chain key and
-        the chain's seed."""
+        """The layout journaled with one block: identity, rank and stage; its token ids (and the next)
+        when known; for a chained block its chain key and seed."""
         out: Dict[str, Any] = {**self.identity(), "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
                                "stage": list(self.stage)}  # type: ignore[arg-type]
         if token_ids is not None:
@@ -220,12 +193,6 @@ def parse(layout: Mapping[str, Any], where: str = "segment") -> KVBlockLayout:
     raise LayoutMismatch(f"{where} is not a KV block (layout format {tag!r})")
 
 
-def is_block(layout: Optional[Mapping[str, Any]]) -> bool:
-    """Whether a segment layout is a KV block's (any tag)."""
-    tag = (layout or {}).get("format", (layout or {}).get("kind"))
-    return tag in (FORMAT, HF_V1, PAGED_V1)
-
-
 def of_caches(model: str, caches: Sequence[torch.Tensor], order: str = L2NHD) -> KVBlockLayout:
     """The layout of blocks of per-layer caches ``[num_blocks, *block_shape]`` (``order``'s view)."""
     if not caches or caches[0].dim() != (5 if order == L2NHD else 4):
@@ -270,18 +237,13 @@ def gather_block(kv_caches: Sequence[torch.Tensor], block_id: int) -> torch.Tens
 def restore_paged(store: SegmentStore, keys: Sequence[str], kv_caches: Sequence[torch.Tensor],
                   new_block_ids: Sequence[int], *, model: str, workers: Optional[int] = None,
                   staging: Optional[StagingPool] = None) -> None:
-    """Scatter a request's block segments into ``kv_caches`` at ``new_block_ids``.
+    """Scatter a request's block segments into ``kv_caches``: ``keys[i]`` into block ``new_block_ids[i]``.
 
-    ``keys[i]`` (see the module convention) goes to block ``new_block_ids[i]`` of every layer.
-    Every block's header is checked against the cache's layout, shape and dtype first (a
-    segment of another model or layout raises LayoutMismatch with every slot untouched). Then
-    the blocks go in chunk by chunk through one staging buffer of at most the pool's capacity
-    (pinned when the cache is on CUDA; device buffers for one chunk), so memory is bounded
-    whatever the request's length: each chunk's blocks are decoded in parallel, then
-    ``kvj.segments.device.scatter_blocks`` puts them in: on the CPU one row copy per layer, on
-    a GPU one non-blocking transfer on a side stream and one ``index_copy_`` per layer, which
-    the host waits for (its event, not a stream). A damaged segment raises with the chunks
-    before its own written (slots of this restore only).
+    Every block's header is checked against the cache's layout, shape and dtype first
+    (LayoutMismatch leaves every slot untouched); then the blocks go in chunk by chunk through one
+    staging buffer of at most the pool's capacity (pinned for CUDA), decoded in parallel, put in
+    by ``device.scatter_blocks``, the host waiting for its event: memory is bounded whatever the
+    request's length.
     """
     first = _check_caches(kv_caches)
     if len(keys) != len(new_block_ids):

@@ -1,9 +1,5 @@
-"""The one check of whether a segment fits where it is loaded: its layout against the expected one.
-
-A layout names what a segment's tensor belongs to (model, cache geometry, block format); it is
-part of the segment's digest. The store (``get(expect_layout=...)``), paged restore and the
-KV-block integration all ask this module, so "fits" means one thing everywhere.
-"""
+"""The one check of whether a segment fits where it is loaded: its layout (part of its digest)
+against the expected one, so "fits" means one thing to the store, restore and the integrations."""
 
 from __future__ import annotations
 
@@ -16,12 +12,8 @@ _ABSENT = object()
 
 
 def layout_diff(actual: Layout, expected: Layout, fields: Optional[Iterable[str]] = None) -> List[str]:
-    """How ``actual`` differs from ``expected``: one ``key=value (expected value)`` per field.
-
-    Without ``fields`` every field of either counts and the two must be equal after
-    canonicalisation (tuples and lists compare equal; no layout is not an empty one); with
-    ``fields`` only those fields count (say, the ones that identify a model and geometry).
-    """
+    """How ``actual`` differs from ``expected``: one ``key=value (expected value)`` per field; every
+    field after canonicalisation (tuples equal lists), or only ``fields`` when given."""
     a, e = canonical_layout(actual), canonical_layout(expected)
     if fields is None:
         if a == e:

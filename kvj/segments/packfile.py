@@ -1,19 +1,6 @@
-"""The pack file format: many segments in one file, made durable by one fdatasync.
-
-A pack holds whole segment files (kvj-segment(5)) back to back, then an index of their keys,
-offsets and lengths, then a trailer with a CRC and an end magic, so a pack is listed by
-reading its tail alone and each member is read, checked and verified exactly as a segment
-file is. A member removed later is named in the pack's dead list (``NAME.dead``), appended
-to, never rewritten. Pure bytes; the files are the backend's (``packs.py``). Specified in
-``man/kvj-segment.5`` (PACKS).
-
-Pack layout (integers little-endian)::
-
-    preamble  16 B     magic "\\x89KVJPAK\\n", u16 version 1, u16 flags 0, u32 reserved 0
-    members   ...      each a whole segment file, back to back from offset 16
-    index     48 B/m   per member: 32-byte key (its digest), u64 offset, u64 length
-    trailer   24 B     u64 index offset, u32 members, u32 CRC32C(index || first 12 trailer bytes),
-                       end magic "KVJPAKOK"
+"""The pack file format: whole segment files back to back, an index of their keys, offsets and
+lengths, and a CRC'd trailer, so a pack is listed from its tail alone; and its dead list, appended
+to as members are removed. Pure bytes (``packs`` has the files); ``man/kvj-segment.5``, PACKS.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""The packs of a local store: many segments per file, one fdatasync and one directory fsync for all.
+"""The ``packs/`` directory of a local store: many segments per file, made durable by one fdatasync.
 
-``root/packs/NAME.kvjpack`` holds whole segment files (``packfile.py``); its dead list
-``NAME.dead`` names members removed since. Above the backend a packed member is a segment
-like any other: it is found, read, claimed, collected and quarantined by key.
-
-- Writing: a pack is written as a temp file in ``root/tmp`` (flocked, cleaned like any temp
-  file when its writer dies), fdatasynced once, renamed into ``packs/`` and the directory
-  fsynced: only then is any member durable, so a torn pack is never in ``packs/``.
-- Finding: the index (key -> packs holding it live) is built from the packs' tails and dead
-  lists on first use and refreshed on a miss (another process may have written a pack). A
-  copy found through a stale index is checked on disk before it is claimed (``touch``).
-- Removing: under the store's exclusive collection lock a member is named in its pack's dead
-  list (appended; made durable before removal returns). A pack with no live member left is
-  unlinked; one mostly dead is repacked (its live members into a new durable pack first, then
-  the old one unlinked), so dead bytes never exceed live ones for long.
-- Claiming: ``touch`` sets the pack's modification time (every member's last use) while it
-  holds the shared collection lock, after checking the member is not dead: a claim and a
-  collection exclude each other exactly as for a loose segment file.
+A packed member is found, read, claimed, collected and quarantined by key like a loose segment
+(PACKS). A pack is renamed into ``packs/`` only once durable. The index (key -> packs holding it
+live) is read from tails and dead lists, refreshed on a miss; removal appends to dead lists
+under the exclusive collection lock; ``touch`` sets a pack's mtime under the shared one.
 """
 
 from __future__ import annotations
@@ -26,17 +13,14 @@ import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
-from kvj.fileio import Buffer, DurabilityError, atomic_write, discard_temp, list_dir, makedirs_durable, open_regular
+from kvj.fileio import FS, Buffer, atomic_write, list_dir, open_regular
 from kvj.segments import packfile
 from kvj.segments.packfile import Member
-
-if TYPE_CHECKING:
-    from kvj.segments.backend import LocalDirBackend
-
-PACKS_DIR = "packs"
+from kvj.segments.source import pread_into
+from kvj.segments.tempfiles import TempFile
 
 
 @dataclass
@@ -51,64 +35,37 @@ class _Pack:
     def live(self) -> List[Member]:
         return sorted((m for k, m in self.members.items() if k not in self.dead), key=lambda m: m.offset)
 
-    def dead_bytes(self) -> int:
-        return sum(self.members[k].length for k in self.dead if k in self.members)
+    def crowded(self, share: float) -> bool:
+        """Whether its dead members hold at least ``share`` of its member bytes (and some live)."""
+        dead = sum(self.members[k].length for k in self.dead if k in self.members)
+        return bool(self.live()) and dead >= share * sum(m.length for m in self.members.values())
 
-    def member_bytes(self) -> int:
-        return sum(m.length for m in self.members.values())
 
-
-def _pread(fd: int, length: int, offset: int, path: str) -> bytes:
+def _pread(fd: int, length: int, offset: int, path: str) -> bytearray:
     """Exactly ``length`` bytes at ``offset``; ``SegmentCorrupt`` when the file ends first."""
-    parts, got = [], 0
-    while got < length:
-        try:
-            part = os.pread(fd, length - got, offset + got)
-        except OSError as exc:
-            raise SegmentCorrupt(path, offset + got, f"read failed: {exc.strerror or exc}") from None
-        if not part:
-            raise SegmentCorrupt(path, offset + got, f"file ended after {offset + got} bytes, "
-                                 f"{offset + length} expected")
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
+    out = bytearray(length)
+    pread_into(fd, memoryview(out), offset, path)
+    return out
 
 
 class PackWriter:
-    """One pack being written: ``add`` members (each a whole segment file's bytes), then
-    ``commit`` (durable when it returns) or ``abort``."""
+    """One pack being written: ``add`` members (whole segment files), then ``commit`` or ``abort``."""
 
     def __init__(self, packs: "PackDir"):
         self.packs = packs
-        self.fs = packs.fs
-        self.tmp, self.fd = packs.backend.new_temp()
+        self.tmp = TempFile(packs.tmp_dir, packs.fs, "pack")
         self.members: List[Member] = []
         self.keys: Set[str] = set()
-        self.pos = 0
-        self._write([packfile.preamble()])
-
-    def _failed(self, exc: OSError, what: str) -> DurabilityError:
-        self.abort()
-        return DurabilityError(exc.errno or 0, f"{what} pack temp file {self.tmp}: {exc.strerror or exc}")
-
-    def _write(self, parts: Iterable[Buffer]) -> int:
-        assert self.fd is not None
-        n = 0
-        try:
-            for part in parts:
-                self.fs.write(self.fd, part)
-                n += len(part)
-        except OSError as exc:
-            raise self._failed(exc, "writing") from exc
-        self.pos += n
-        return n
+        self.tmp.write(packfile.preamble())
 
     def add(self, key: str, parts: Iterable[Buffer]) -> None:
         """Append one member; a key already in this pack is not written twice."""
         if key in self.keys:
             return
-        start = self.pos
-        self.members.append(Member(key, start, self._write(parts)))
+        start = self.tmp.size
+        for part in parts:
+            self.tmp.write(part)
+        self.members.append(Member(key, start, self.tmp.size - start))
         self.keys.add(key)
 
     def commit(self) -> Optional[str]:
@@ -117,43 +74,29 @@ class PackWriter:
         if not self.members:
             self.abort()
             return None
-        self._write([packfile.tail(self.members, self.pos)])
-        assert self.fd is not None
-        try:
-            self.fs.fdatasync(self.fd)
-        except OSError as exc:
-            raise self._failed(exc, "fsyncing") from exc
+        self.tmp.write(packfile.tail(self.members, self.tmp.size))
+        self.tmp.sync(data_only=True)
         packs = self.packs
-        try:
-            makedirs_durable(packs.dir, self.fs)
-            while True:
-                name = secrets.token_hex(8)
-                if not os.path.lexists(packs.path(name)):
-                    break
-            self.fs.rename(self.tmp, packs.path(name))  # still flocked: no cleaner takes it from under us
-            self.fs.fsync_dir(packs.dir)
-        finally:
-            fd, self.fd = self.fd, None
-            self.fs.close(fd)
+        while True:
+            name = secrets.token_hex(8)
+            if not os.path.lexists(packs.path(name)):
+                break
+        self.tmp.publish(packs.path(name))
         packs.added(_Pack(name, packs.path(name), {m.key: m for m in self.members}))
         return packs.path(name)
 
     def abort(self) -> None:
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            discard_temp(self.fs, fd, self.tmp)
+        self.tmp.abort()
 
 
 class PackDir:
-    """The ``packs/`` directory of a ``LocalDirBackend``: its index, writes, dead lists, repacks."""
+    """The index, writes, dead lists and repacks of ``root/packs/``; ``lock`` is the collection lock."""
 
     #: A pack is repacked once its dead members hold at least this share of its member bytes.
     REPACK_DEAD_SHARE = 0.5
 
-    def __init__(self, backend: "LocalDirBackend"):
-        self.backend = backend
-        self.fs = backend.counted_fs
-        self.dir = os.path.join(backend.root, PACKS_DIR)
+    def __init__(self, root: str, tmp_dir: str, fs: FS, lock: Callable[[bool], ContextManager[None]]):
+        self.dir, self.tmp_dir, self.fs, self.lock = os.path.join(root, "packs"), tmp_dir, fs, lock
         self._lock = threading.Lock()
         self._packs: Dict[str, _Pack] = {}
         self._holders: Dict[str, List[str]] = {}  # key -> names of the packs where it is live
@@ -172,24 +115,17 @@ class PackDir:
 
     # -- the index (callers of the underscored methods hold self._lock) ----------------------
 
-    def _names(self) -> Set[str]:
-        names = set()
-        for entry in list_dir(self.dir):
-            stem = entry[:-len(packfile.SUFFIX)]
-            if entry.endswith(packfile.SUFFIX) and packfile.NAME_RE.fullmatch(stem):
-                names.add(stem)
-        return names
+    def _names(self, suffix: str = packfile.SUFFIX) -> Set[str]:
+        stems = (entry[:-len(suffix)] for entry in list_dir(self.dir) if entry.endswith(suffix))
+        return {stem for stem in stems if packfile.NAME_RE.fullmatch(stem)}
 
     def _read_dead(self, name: str) -> Set[str]:
         try:
             fd = open_regular(self.dead_path(name))
-        except FileNotFoundError:
-            return set()
-        except UnsafePath:  # not a file kvj wrote: it names nothing
+        except (FileNotFoundError, UnsafePath):  # none, or not a file kvj wrote: it names nothing
             return set()
         try:
-            size = os.fstat(fd).st_size
-            return packfile.parse_dead(_pread(fd, size, 0, self.dead_path(name)))
+            return packfile.parse_dead(_pread(fd, os.fstat(fd).st_size, 0, self.dead_path(name)))
         finally:
             os.close(fd)
 
@@ -244,8 +180,8 @@ class PackDir:
         self._unindex(pack, new)
 
     def _refresh(self, dead_lists: bool) -> None:
-        """Catch up with the directory: packs written or removed since, and (``dead_lists``)
-        members other processes removed."""
+        """Catch up with the directory (packs written or removed since) and, with ``dead_lists``,
+        with members other processes removed."""
         names = self._names()
         for name in set(self._packs) - names:
             self._forget(name)
@@ -331,11 +267,6 @@ class PackDir:
             return
         raise SegmentMissing(f"segment {key} not in any pack")
 
-    def read(self, key: str) -> bytes:
-        """A member's bytes."""
-        with self.open(key) as (fd, member, path):
-            return _pread(fd, member.length, member.offset, path)
-
     def touch(self, key: str) -> bool:
         """Claim ``key``'s packed copy (the caller holds the shared collection lock): True once
         a pack holding it live on disk has a new modification time."""
@@ -360,10 +291,10 @@ class PackDir:
     # -- removal ------------------------------------------------------------------------
 
     def mark_dead(self, keys: Iterable[str], older_than: Optional[float]) -> Tuple[Set[str], Set[str], Set[str]]:
-        """Name ``keys``' packed copies in their packs' dead lists (the caller holds the
-        exclusive collection lock); with ``older_than`` only copies whose pack was not used
-        after it. Returns (keys with every packed copy now dead, keys with a copy kept, the
-        packs whose dead lists grew); not yet durable: :meth:`finish` makes it so."""
+        """Name ``keys``' packed copies in their dead lists (the caller holds the exclusive
+        collection lock); with ``older_than`` only copies whose pack was not used after it.
+        (keys with every packed copy now dead, keys with a copy kept, packs whose dead lists
+        grew): not durable until :meth:`finish`."""
         marked, kept = set(), set()
         pending: Dict[str, List[str]] = {}
         with self._lock:
@@ -388,16 +319,13 @@ class PackDir:
                         pending.setdefault(name, []).append(key)
                         marked.add(key)
             for name, dead in pending.items():
-                self._append_dead(name, dead)
+                fd = self.fs.open(self.dead_path(name), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                try:
+                    self.fs.write(fd, packfile.dead_entries(dead))
+                finally:
+                    self.fs.close(fd)
                 self._mark_dead(self._packs[name], set(dead))
         return marked - kept, kept, set(pending)
-
-    def _append_dead(self, name: str, keys: List[str]) -> None:
-        fd = self.fs.open(self.dead_path(name), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            self.fs.write(fd, packfile.dead_entries(keys))
-        finally:
-            self.fs.close(fd)
 
     def finish(self, touched: Set[str]) -> None:
         """Make the dead lists appended to durable, then unlink the packs left with no live
@@ -414,14 +342,15 @@ class PackDir:
         with self._lock:
             packs = [self._packs[n] for n in sorted(touched) if n in self._packs]
             empty = [p for p in packs if not p.live()]
-            crowded = [p for p in packs if p.live() and p.dead_bytes() >= self.REPACK_DEAD_SHARE * p.member_bytes()]
+            crowded = [p for p in packs if p.crowded(self.REPACK_DEAD_SHARE)]
         for pack in crowded:
             self._repack(pack)
         gone = empty + crowded
         for pack in gone:
             self._unlink(pack.path)
             self.forget(pack.name)
-        orphans = self._orphan_dead_lists()  # these packs' and any a crash (or another collector) left
+        # Dead lists that outlived their pack (these, or a crash's): a pack's name is never reused.
+        orphans = sorted(self._names(packfile.DEAD_SUFFIX) - self._names())
         if gone or orphans:
             # Every pack unlink seen above is made durable before a dead list goes: a crash
             # that kept a pack but lost its dead list would bring its removed members back.
@@ -436,14 +365,6 @@ class PackDir:
             self.fs.unlink(path)
         except FileNotFoundError:
             pass
-
-    def _orphan_dead_lists(self) -> List[str]:
-        """Packs whose dead list outlived them: garbage, since a dead list is only written for
-        a pack that is there and a pack's name is never used again."""
-        packs = self._names()
-        return [entry[:-len(packfile.DEAD_SUFFIX)] for entry in list_dir(self.dir)
-                if entry.endswith(packfile.DEAD_SUFFIX) and entry[:-len(packfile.DEAD_SUFFIX)] not in packs
-                and packfile.NAME_RE.fullmatch(entry[:-len(packfile.DEAD_SUFFIX)])]
 
     def _repack(self, pack: _Pack) -> None:
         """Copy ``pack``'s live members into a new pack, durable before the old one goes."""
@@ -464,9 +385,10 @@ class PackDir:
         writer.commit()
 
     def quarantine(self, key: str, dest: str) -> None:
-        """Copy ``key``'s packed bytes to ``dest`` durably, then name it dead in every pack
-        holding it (the other members stay)."""
-        atomic_write(dest, self.read(key), self.fs)
-        with self.backend.collection_lock(exclusive=True):
+        """Copy ``key``'s packed bytes to ``dest`` durably, then name it dead in every pack holding it."""
+        with self.open(key) as (fd, member, path):
+            data = _pread(fd, member.length, member.offset, path)
+        atomic_write(dest, data, self.fs)
+        with self.lock(True):
             _dead, _kept, grew = self.mark_dead([key], None)
         self.finish(grew)

@@ -1,7 +1,6 @@
-"""Tensors and segment bytes: dtypes by header name, a tensor's bytes, copies, decoding to a tensor.
+"""Tensors and segment bytes: dtypes by header name, a tensor's bytes, copies, decoding into a tensor.
 
-Everything of the segment format that needs torch lives here; the byte format itself
-(``segfile.py``) imports none, so commands that only read headers start without it.
+All of the segment format that needs torch: ``segfile`` imports none, so header-only commands start without it.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import torch
 from kvj.errors import FormatError, InvalidArgument
 from kvj.fileio import Buffer
 from kvj.segments import segfile
-from kvj.segments.backend import Source
-from kvj.segments.codecs.base import Element
+from kvj.segments.source import Source, as_source
 
 #: Every dtype with a fixed byte layout this torch has, by the name the header stores.
 DTYPES: Dict[str, torch.dtype] = {name: getattr(torch, name) for name in segfile.ELEMENTS if hasattr(torch, name)}
@@ -39,11 +37,6 @@ def torch_dtype(name: str) -> torch.dtype:
         raise FormatError(f"unknown dtype {name!r}") from None
 
 
-def element_of(dtype: torch.dtype) -> Element:
-    """What the codecs need to know of ``dtype``."""
-    return segfile.ELEMENTS[dtype_name(dtype)]
-
-
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -55,12 +48,8 @@ def _words(tensor: torch.Tensor) -> Optional[np.ndarray]:
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[...] = src`` for CPU tensors of one shape and dtype: a plain strided byte copy.
-
-    Done by numpy as integers of the element size, in the calling thread: torch copies a
-    strided bfloat16 block element by element (~0.4 GB/s here), and for small copies its
-    intra-op threads can cost more in wake-ups on a busy machine than the copy itself.
-    """
+    """``dst[...] = src`` for CPU tensors of one shape and dtype, by numpy as integers of the element
+    size in this thread (torch copies strided bfloat16 element by element, and wakes threads)."""
     d, s = _words(dst), _words(src)
     if d is None or s is None:
         dst.copy_(src.detach())
@@ -85,27 +74,24 @@ def decode_into(data: Union[Buffer, Source], out: Optional[torch.Tensor] = None,
                 name: str = "<segment>", pool: Optional[Executor] = None,
                 max_raw: int = segfile.MAX_RAW_SIZE,
                 header: Optional[segfile.Header] = None) -> Tuple[segfile.Header, torch.Tensor]:
-    """Check and decode a whole segment file; return its header and tensor (on CPU).
-
-    ``data`` is the file in memory or a :class:`Source` (see ``segfile.decode_into``).
-    ``out``, when given, is a contiguous uint8 CPU tensor (e.g. pinned staging) of at least
-    ``raw_size`` bytes that receives the data; the returned tensor is a view of it. Every
-    chunk CRC and the digest are checked; any failure raises :class:`SegmentCorrupt` naming
-    the segment. A segment declaring more than ``max_raw`` bytes is refused before anything
-    is allocated. ``header`` is ``segfile.read_header`` of the same segment when the caller
-    has parsed it already.
+    """Decode a whole segment file (``segfile.decode_into``: every CRC and the digest checked); its
+    header and CPU tensor, a view of ``out`` when given (a contiguous uint8 CPU tensor of at least
+    ``raw_size`` bytes, e.g. pinned staging). More than ``max_raw`` bytes are refused before any
+    allocation; ``header`` is the segment's ``read_header`` when parsed already.
     """
-    source = segfile.as_source(data, name)
+    source = as_source(data, name)
     if header is None:
         header = segfile.read_header(source)
     dtype = torch_dtype(header.dtype)
+    segfile.check_raw_limit(header, source.name, max_raw)
     if out is None:
-        out = torch.from_numpy(segfile.allocate(header, source.name, max_raw))
-    else:
-        segfile.check_raw_limit(header, source.name, max_raw)
-        if out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
-                or out.numel() < header.raw_size:
-            raise InvalidArgument("out must be a contiguous CPU uint8 tensor of at least raw_size bytes")
+        try:
+            out = torch.from_numpy(np.empty(header.raw_size, np.uint8))  # numpy asks for huge pages
+        except MemoryError:
+            raise FormatError(f"{source.name} declares {header.raw_size} raw bytes: cannot allocate them") from None
+    elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
+            or out.numel() < header.raw_size:
+        raise InvalidArgument("out must be a contiguous CPU uint8 tensor of at least raw_size bytes")
     out = out[:header.raw_size]
     raw = memoryview(out.numpy()).cast("B") if header.raw_size else memoryview(bytearray())
     segfile.decode_into(source, raw, pool=pool, header=header)

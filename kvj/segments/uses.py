@@ -1,19 +1,10 @@
 """The store's use log: when each segment was last used, and how many loads were served.
 
-Eviction under a byte budget (``kvj compact --max-store-bytes``) removes the least recently
-used segments first, and a load counts as use. Why a log of its own rather than file times:
-atime is off or lazy on most servers (noatime, relatime); mtime is the claim time that
-collection's grace period and the dedup race depend on, so a load must not move it; and a
-pack has one mtime for all its members. Appending a 53-byte record costs one ``write``, with
-no fsync: the log is advisory. A record lost in a crash only makes the order slightly stale
-or the hit rate slightly low; what keeps a segment safe is never here (references, the
-claim's mtime and the collection lock are). Specified in ``man/kvj-segment.5`` (USE LOG).
-
-Record (little-endian, 53 bytes): u8 kind, 32-byte key, u64 time (ns since the epoch),
-u64 count, u32 CRC32C of the first 49 bytes. ``USE``: the key was stored, claimed (count 0)
-or loaded (count: loads served); ``MISS``: a load of the key was asked and not served
-(count: how many). Compaction folds the log: one ``USE`` per stored key with its last use,
-and the totals on the all-zero key.
+Eviction under a byte budget removes the least recently used segments first. A log of its own,
+not file times: atime is off or lazy on most servers, mtime is the claim time collection's grace
+depends on, and a pack has one mtime for all its members. Appends are one ``write`` without
+fsync: the log is advisory, and what keeps a segment safe is never here (USE LOG in
+``man/kvj-segment.5``, which specifies the 53-byte record).
 """
 
 from __future__ import annotations
@@ -22,12 +13,13 @@ import logging
 import os
 import struct
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, Iterable, Optional, Set, Tuple
+from typing import Callable, ContextManager, Dict, Iterable, Iterator, Optional, Set, Tuple
 
 import crc32c
 
-from kvj.errors import UnsafePath
+from kvj.errors import CorruptionError, FormatError, LayoutMismatch, SegmentMissing, UnsafePath
 from kvj.fileio import FS, atomic_write, open_regular
 
 logger = logging.getLogger(__name__)
@@ -46,12 +38,10 @@ class Uses:
     last: Dict[str, float] = field(default_factory=dict)
     served: int = 0
     missed: int = 0
-    #: Bytes after the last valid record (a torn append: what a crash while appending leaves).
+    #: Bytes after the last valid record (a torn append).
     ignored_bytes: int = 0
-    #: Records that fail their CRC (or name no kind) with a valid record after them: damage,
-    #: not a torn append. Skipped; ``kvj fsck`` reports them.
+    #: Records failing their CRC (or naming no kind) before a valid one: damage, skipped (fsck reports it).
     damaged: int = 0
-    #: The offset of the first damaged record (None: none).
     damage_offset: Optional[int] = None
 
     @property
@@ -131,13 +121,22 @@ class UseLog:
             logger.warning("kvj: cannot append to %s (%s): segment uses are not recorded from now on; "
                            "eviction falls back to file times", self.path, exc)
 
+    @contextmanager
+    def counting(self, key: str) -> Iterator[None]:
+        """Record a load of ``key``: served, or (when the block raises what a missing or damaged
+        segment, or one of another layout, raises) asked and not served."""
+        try:
+            yield
+        except (SegmentMissing, CorruptionError, FormatError, LayoutMismatch):
+            self.record([(MISS, key, 1)])
+            raise
+        self.record([(USE, key, 1)])
+
     def read(self) -> Uses:
         """What the log records (an empty ``Uses`` when there is none). Read-only."""
         try:
             fd = open_regular(self.path)
-        except FileNotFoundError:
-            return Uses()
-        except UnsafePath:  # not a file kvj wrote: it records nothing
+        except (FileNotFoundError, UnsafePath):  # none, or not a file kvj wrote: it records nothing
             return Uses()
         try:
             with os.fdopen(fd, "rb", closefd=False) as f:

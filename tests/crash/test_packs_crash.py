@@ -199,7 +199,7 @@ def test_pack_crash_states_fast(tmp_path, seed):
 def test_checker_catches_packs_renamed_before_their_data_is_durable(tmp_path, monkeypatch):
     """The check has teeth: a store that skips the pack's fdatasync (so a pack can be in
     packs/ with its data lost) fails it."""
-    from kvj.segments.backend import _CountedFS
+    from kvj.segments.local import _CountedFS
 
     monkeypatch.setattr(_CountedFS, "fdatasync", lambda self, fd: None)
     with pytest.raises(AssertionError, match="damaged pack|missing|reads back wrong"):

@@ -26,7 +26,7 @@ from kvj.ops.compact import compact
 from kvj.ops.evict import needed_keys
 from kvj.ops.recover import manifest_keys, recover
 from kvj.ops.status import status
-from kvj.segments.backend import GC_LOCK
+from kvj.segments.local import GC_LOCK
 from kvj.segments.store import SegmentStore
 from kvj.segments.uses import UseLog, encode, parse, USE, MISS
 

@@ -8,19 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvj.errors import FormatError
-from kvj.segments.codecs import (
-    Backpressure,
-    BytePlaneCodec,
-    RawCodec,
-    RowDedup,
-    ZstdCodec,
-    auto_codec,
-    codec_names,
-    get_codec,
-    merge_planes,
-    split_planes,
-    zstd_decompress,
-)
+from kvj.segments.codecs import Backpressure, codec_names, get_codec
+from kvj.segments.codecs.auto import auto_codec
+from kvj.segments.codecs.byteplane import BytePlaneCodec, merge_planes, split_planes
+from kvj.segments.codecs.raw import RawCodec
+from kvj.segments.codecs.rowdedup import RowDedup, RowDedupFilter
+from kvj.segments.codecs.zstd import ZstdCodec, zstd_decompress
 
 
 def _codecs_for(itemsize):
@@ -148,10 +141,11 @@ def test_row_dedup_round_trip_and_map_validation():
     buf = memoryview(rows.tobytes())
     src = RowDedup.find(buf, 128)
     assert (src != np.arange(len(src))).sum() == 50
-    unique = RowDedup.gather(buf, 128, src)
-    src2, firsts = RowDedup.decode_map(RowDedup.encode_map(src), len(src))
+    filtered = RowDedupFilter(128).encode(buf, None)  # the first-of-kind rows and the map, as stored
+    undo = RowDedupFilter(128, len(src), 4 * len(src)).decoder(filtered.side, filtered.out_size)
     out = bytearray(len(buf))
-    RowDedup.scatter(unique, memoryview(out), 128, src2, firsts)
+    undo.prepare(memoryview(bytes(filtered.chunk(0, filtered.out_size))), memoryview(out), None)
+    undo.fill(0, len(buf))
     assert bytes(out) == bytes(buf)
     bad = np.zeros(len(src), "<u4")
     bad[3] = 10  # points before row 0

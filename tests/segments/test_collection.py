@@ -21,7 +21,7 @@ from kvj.fileio import FS
 from kvj.journal.config import default_store_path
 from kvj.ops.compact import compact
 from kvj.ops.recover import recover
-from kvj.segments.backend import GC_LOCK
+from kvj.segments.local import GC_LOCK
 from kvj.segments.flusher import Flusher
 from kvj.segments.store import SegmentStore
 

@@ -10,7 +10,8 @@ import torch
 
 from kvj.errors import JournalClosed
 from kvj.fileio import FS, DurabilityError
-from kvj.segments.codecs import Backpressure, RawCodec
+from kvj.segments.codecs import Backpressure
+from kvj.segments.codecs.raw import RawCodec
 from kvj.segments.flusher import Flusher
 from kvj.segments.staging import StagingPool
 from kvj.segments.store import SegmentStore

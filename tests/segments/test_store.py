@@ -14,8 +14,7 @@ import torch
 
 from kvj.errors import InvalidName, LayoutMismatch, SegmentCorrupt, SegmentMissing
 from kvj.fileio import FS, DurabilityError
-from kvj.segments.backend import ObjectStat, StorageBackend, Upload
-from kvj.segments.check import verify_segment
+from kvj.segments.check import segment_problem
 from kvj.segments.store import SegmentStore, check_key
 from kvj.segments.uses import USES_NAME
 
@@ -332,81 +331,6 @@ def test_keys_ignores_strays(store):
     assert list(store.keys()) == [info.key]
 
 
-class DictBackend(StorageBackend):
-    """An object-store stand-in: the store, codecs and restore must work through it unchanged."""
-
-    def __init__(self):
-        self.objects, self.quarantined = {}, {}
-
-    def begin(self):
-        backend = self
-
-        class _Upload(Upload):
-            def __init__(self):
-                self.parts = []
-
-            def write(self, part):
-                self.parts.append(bytes(part))
-
-            def commit(self, key):
-                backend.objects[key] = b"".join(self.parts)
-                return len(backend.objects[key])
-
-            def abort(self):
-                self.parts = []
-
-        return _Upload()
-
-    def _obj(self, key):
-        try:
-            return self.objects[key]
-        except KeyError:
-            raise SegmentMissing(key) from None
-
-    def get(self, key):
-        return self._obj(key)
-
-    def get_range(self, key, offset, length):
-        return self._obj(key)[offset:offset + length]
-
-    def stat(self, key):
-        return ObjectStat(len(self._obj(key)), 0.0)
-
-    def exists(self, key):
-        return key in self.objects
-
-    def delete(self, key, older_than=None):
-        return self.objects.pop(key, None) is not None
-
-    def keys(self):
-        return iter(sorted(self.objects))
-
-    def touch(self, key):
-        return key in self.objects
-
-    def quarantine(self, key):
-        self.quarantined[key] = self.objects.pop(key)
-        return "quarantine/" + key
-
-
-def test_backend_is_swappable():
-    backend = DictBackend()
-    with SegmentStore(backend=backend) as store:
-        big = torch.randn(3_000_000)
-        assert torch.equal(store.get(store.put(big).key), big)
-        x = torch.randn(3000).to(torch.bfloat16)
-        info = store.put(x, layout={"model": "m"})
-        assert _same_bytes(store.get(info.key), x) and len(list(store.keys())) == 2
-        assert store.put(x, layout={"model": "m"}) == info
-        damaged = bytearray(backend.objects[info.key])
-        damaged[30] ^= 1
-        backend.objects[info.key] = bytes(damaged)
-        with pytest.raises(SegmentCorrupt):
-            store.get(info.key)
-        store.put(x, layout={"model": "m"})
-        assert info.key in backend.quarantined and _same_bytes(store.get(info.key), x)
-
-
 def test_put_refuses_device_tensors_it_cannot_read(store):
     with pytest.raises(ValueError):
         store.put(torch.empty(3, device="meta"))
@@ -481,7 +405,7 @@ def test_a_media_error_is_a_clear_error_and_put_writes_a_good_copy(store, monkey
     for op in (store.get, store.verify):
         with pytest.raises(SegmentCorrupt, match="Input/output error"):
             op(info.key)
-    assert verify_segment(store, info.key)[0] == "segment-damaged"
+    assert segment_problem(store, info.key)[0] == "segment-damaged"
     assert store.put(x) == info  # the unreadable copy is set aside and a good one written
     failing[0] = False
     assert torch.equal(store.get(info.key), x)
@@ -532,7 +456,7 @@ def test_ingest_after_a_failed_fsync_is_refused(tmp_path):
 
 
 def test_delete_many_removes_what_is_old_and_syncs_each_directory_once(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvj.segments.backend.UNLINK_BATCH", 7)  # several holds of the lock
+    monkeypatch.setattr("kvj.segments.local.UNLINK_BATCH", 7)  # several holds of the lock
     class CountingFS(FS):
         def __init__(self):
             self.synced = []

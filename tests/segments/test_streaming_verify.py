@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvj.errors import SegmentCorrupt
+from kvj.segments import chunks
 from kvj.segments import segfile as seg
 from kvj.segments import tensors
 from kvj.segments.codecs import auto, get_codec
@@ -48,7 +49,7 @@ def test_verify_accepts_every_codec_and_the_dedup_filter(seed):
         header = seg.read_header(data)
         assert (header.filter == "dedup") == (name == "dedup") and len(header.chunks) > 1, name
         assert seg.verify(data, name=name) == header
-        assert seg.decode(data)[0] == header
+        assert tensors.decode_into(data)[0] == header
 
 
 def _tamper(data: bytes, index: int) -> bytes:
@@ -81,7 +82,7 @@ def test_damage_only_the_digest_sees_is_refused_by_verify_as_by_decoding():
         for index in (0, len(seg.read_header(data).chunks) - 1):
             bad = _tamper(data, index)
             seg.check_stored(bad)  # every CRC holds
-            for check in (seg.verify, seg.decode):
+            for check in (seg.verify, tensors.decode_into):
                 with pytest.raises(SegmentCorrupt, match="digest mismatch"):
                     check(bad, name=name)
 
@@ -118,7 +119,7 @@ def test_a_check_of_many_chunks_keeps_a_window_of_tasks_not_one_per_chunk():
     pool = _Inline()
     got = seg.compute_digest(raw, "uint8", [len(raw)], None, pool=pool, chunk_size=4096)
     assert got == seg.compute_digest(raw, "uint8", [len(raw)], None, chunk_size=4096)
-    assert pool.submitted == 75 and pool.most <= seg._IN_FLIGHT < 75
+    assert pool.submitted == 75 and pool.most <= chunks.IN_FLIGHT < 75
 
 
 def test_a_dedup_segment_is_verified_without_rebuilding_its_raw_bytes(monkeypatch):

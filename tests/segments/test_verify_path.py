@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvj.errors import FormatError, SegmentCorrupt
-from kvj.segments import backend as backend_mod
+from kvj.segments import local as backend_mod
 from kvj.segments import segfile as seg
+from kvj.segments import source, tensors
 from kvj.segments.store import SegmentStore
 
 JSON = st.recursive(
@@ -45,11 +46,11 @@ def test_store_reads_of_random_segments_equal_the_plain_parse(tmp_path_factory, 
     with SegmentStore(tmp_path_factory.mktemp("s")) as store:
         info = store.put(t, layout=layout, codec=codec)
         data = bytes(store.read_stored(info.key))
-        plain, raw = seg.decode(data)
+        plain, raw = tensors.decode_into(data)
         assert plain.descriptor_json == _definition(plain.dtype, plain.shape, plain.layout)
         assert plain.layout == seg.canonical_layout(layout)
         assert store.verify(info.key) == store.info(info.key) == info
-        assert bytes(raw) == t.numpy().tobytes()
+        assert raw.numpy().tobytes() == t.numpy().tobytes()
         assert torch.equal(store.get(info.key).view(torch.int16), t.view(torch.int16))
 
 
@@ -86,7 +87,7 @@ def test_every_flipped_byte_of_a_stored_file_is_caught(tmp_path):
         path = store.backend.path(key)
         with open(path, "rb") as f:
             good = f.read()
-        assert len(good) <= seg.WHOLE_READ_BYTES  # read whole, then parsed from memory
+        assert len(good) <= source.WHOLE_READ_BYTES  # read whole, then parsed from memory
         for pos in range(len(good)):
             bad = bytearray(good)
             bad[pos] ^= 0x10

@@ -686,9 +686,7 @@ class WorkerJournal:
         self.layout.check(layout, f"segment {key}")
         store = entry.get("store") or self.journal.store  # another engine's, read-only: never touched
         with store.counted_load(key), store.backend.open(key) as src:  # read by chunk straight into ``out``
-            header = segfile.read_header(src)
-            if header.digest.hex() != key:
-                raise SegmentCorrupt(src.name, None, "header digest does not match the key")
+            header = segfile.read_header(src, key=key)
             if header.layout != layout or tuple(header.shape) != self.layout.shape or header.dtype != self.layout.dtype:
                 raise LayoutMismatch(f"segment {src.name} holds {header.dtype} {header.shape} {header.layout}, "
                                      f"the journal says {self.layout.shape} {layout}")

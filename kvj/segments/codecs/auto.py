@@ -1,8 +1,7 @@
-"""How a segment is encoded: :func:`choose` picks its pipeline (the row-dedup filter or none,
-then the chunk codec), ``auto`` from a cheap sample, stepping down under backpressure.
+"""How a segment is encoded: :func:`choose` picks its pipeline (row dedup or none, then the chunk
+codec; ``auto`` from a cheap sample), stepping down under backpressure (CODEC CHOICE).
 
-The codecs are imported by the functions that try them, so a store that only reads headers
-(``kvj status``, ``fsck``) does not load numpy for them.
+The codecs are imported where they are tried: a store that only reads headers loads no numpy.
 """
 
 from __future__ import annotations
@@ -31,11 +30,8 @@ def _sample(buf: memoryview, itemsize: int) -> memoryview:
 
 
 def auto_codec(buf: memoryview, itemsize: int, is_float: bool, pressure: int = 0) -> Codec:
-    """Pick a codec for one segment from a sample of at most 256 KiB.
-
-    Float data gets byte planes with a per-plane choice; everything is compared against plain
-    zstd and raw. Returns raw when nothing saves ``_MIN_GAIN`` (more under pressure).
-    """
+    """A codec for one segment from a sample of at most 256 KiB: byte planes (for floats, chosen per
+    plane), zstd or raw, whichever is smallest; raw unless one saves ``_MIN_GAIN`` (more under pressure)."""
     from kvj.segments.codecs.byteplane import BytePlaneCodec, split_planes
     from kvj.segments.codecs.zstd import ZstdCodec, compressor
 
@@ -69,10 +65,10 @@ def choose(raw: memoryview, element: Element, shape: Tuple[int, ...], *, codec: 
            memo: Optional["AutoChoices"] = None) -> Pipeline:
     """The pipeline for one segment's raw bytes.
 
-    ``codec`` is a registered name (with the defaults for ``element``), a :class:`Codec`, or
-    ``auto`` (:func:`auto_codec`, remembered for like segments in ``memo``). The row-dedup
-    filter runs when ``dedup`` says so, by default when the segment is large enough, the flush
-    path not backed up, and a sample of its rows repeats; whatever the codec.
+    ``codec`` is a registered name (with ``element``'s defaults), a :class:`Codec` or ``auto``
+    (:func:`auto_codec`, remembered for like segments in ``memo``). Row dedup runs when ``dedup``
+    says so; by default when the segment is large enough, the flush path not backed up and a
+    sample of its rows repeats.
     """
     from kvj.segments.codecs.rowdedup import RowDedupFilter
 
@@ -100,13 +96,11 @@ def default_params(name: str, element: Element) -> Dict[str, Any]:
 
 
 class AutoChoices:
-    """``auto`` for a stream of small segments: one sample serves the next ``REUSE`` segments
-    of the same kind (dtype and shape) at the same backpressure level.
+    """``auto`` for a stream of small segments: one sample serves the next ``REUSE`` segments of
+    the same kind (dtype and shape) at the same backpressure level.
 
-    Sampling a small segment costs about as much as compressing it (a 512 KiB KV block is its
-    own 256 KiB sample, tried with four compressions), while one model's blocks are alike, so
-    a flusher writing block after block would spend most of its CPU choosing. Segments over
-    ``SMALL`` bytes are sampled each time (their sample is a small part of them).
+    Sampling a small segment costs about as much as compressing it, and one model's blocks are
+    alike; segments over ``SMALL`` bytes are sampled each time (their sample is a small part).
     """
 
     REUSE = 64

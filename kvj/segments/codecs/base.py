@@ -1,5 +1,5 @@
-"""The codec interfaces: chunk codecs, filters, and the pipeline of the two a segment is
-written with (zarr v3's model: filters are codecs too, run before the chunk codec)."""
+"""The codec interfaces: chunk codecs, filters, and the pipeline of the two a segment is written
+with (zarr v3's model: filters are codecs too, run before the chunk codec)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,8 @@ def field_int(m: Mapping, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
 
 
 class Backpressure:
-    """Shared hint from the flush path to ``auto.choose``: 0 normal, 1 busy, 2 saturated.
-
-    At 1 only codecs that save a lot are kept (and no row dedup search); at 2 everything is
-    stored raw so that compression can never be what holds the queue up.
-    """
+    """The flush path's hint to ``auto.choose``: at BUSY only codecs that save a lot are kept (and
+    no row dedup search); at SATURATED everything is stored raw, so compression never holds the queue up."""
 
     NORMAL, BUSY, SATURATED = 0, 1, 2
 
@@ -44,8 +41,8 @@ class Backpressure:
 
 
 class Element(NamedTuple):
-    """What the codecs need to know of a dtype: its header name, bytes per element, bytes per
-    word the codecs see (half the element for complex types: two floats), floating or not."""
+    """What the codecs know of a dtype: its header name, bytes per element, bytes per word they
+    see (half the element for complex types: two floats), floating or not."""
 
     name: str
     itemsize: int
@@ -54,7 +51,7 @@ class Element(NamedTuple):
 
 
 class Codec(ABC):
-    """One chunk codec. ``encode`` output must decode bit-exactly with the same params."""
+    """One chunk codec, stateless and thread-safe; ``encode``'s output decodes bit-exactly with the same params."""
 
     name: ClassVar[str]
 
@@ -86,13 +83,10 @@ class Codec(ABC):
 
 
 class Filtered(ABC):
-    """One segment's raw bytes through a filter: the payload the chunk codec sees, produced a
-    chunk at a time by the task that compresses it (so it is never built whole), and the side
-    data the filter stores before the chunks."""
+    """One segment's raw bytes through a filter: the payload, made a chunk at a time by the task
+    that compresses it (never whole), and the side data stored before the chunks."""
 
-    #: Bytes of the filtered payload.
     out_size: int
-    #: Stored before the chunks (empty for a filter that needs none).
     side: Buffer
 
     @abstractmethod
@@ -100,14 +94,13 @@ class Filtered(ABC):
         """Payload bytes ``offset .. offset + n``."""
 
     def field(self, side_crc: int) -> Dict[str, Any]:
-        """The header field that describes this filter, once its side data's CRC is known."""
+        """The filter's header field, once its side data's CRC is known."""
         raise FormatError(f"filter {type(self).__name__} is not stored in segment headers")
 
 
 class Unfilter(ABC):
-    """Undoing a filter on one segment: ``prepare`` once the payload is decoded, then ``fill``
-    every range of the output; ranges are independent, so they run in parallel (each is hashed
-    as soon as it is filled, while it is in cache)."""
+    """Undoing a filter: ``prepare`` once the payload is decoded, then ``fill`` the output's
+    ranges, which are independent (run in parallel, each hashed while in cache)."""
 
     @abstractmethod
     def prepare(self, payload: memoryview, out: memoryview, pool: Optional[Executor]) -> None:
@@ -118,12 +111,9 @@ class Unfilter(ABC):
         """Finish ``out[offset:offset + n]``."""
 
     def reader(self, payload: memoryview, raw_size: int, pool: Optional[Executor]) -> Callable[[int, int], memoryview]:
-        """A function giving raw bytes ``offset .. offset + n`` (safe to call from several
-        threads), for a verification that hashes them a piece at a time.
-
-        This one rebuilds all ``raw_size`` of them first; a filter that can rebuild a piece
-        from ``payload`` alone overrides it, so that its segments verify without holding
-        their raw bytes."""
+        """A thread-safe function giving raw bytes ``offset .. offset + n``, for a check that hashes
+        them a piece at a time. This one rebuilds them all first; a filter that can rebuild a
+        piece from ``payload`` alone overrides it, so that its segments verify without them."""
         import numpy as np
 
         out = memoryview(np.empty(raw_size, np.uint8)).cast("B") if raw_size else memoryview(bytearray())
@@ -133,15 +123,15 @@ class Unfilter(ABC):
 
 
 class Filter(ABC):
-    """A transform of a segment's whole raw bytes that runs before the chunk codec.
+    """A transform of a segment's whole raw bytes before the chunk codec.
 
-    A filter stored in segment headers (``registry.register_filter``) is rebuilt from its
-    header field by :meth:`from_field`; one whose reference lies outside the segment (the XOR
-    delta's base) is applied by its caller and named in the segment's layout instead.
+    One stored in segment headers (``registry.register_filter``) is rebuilt from its header
+    field by :meth:`from_field`; one whose reference lies outside the segment (the XOR delta's
+    base) is applied by its caller and named in the segment's layout.
     """
 
     name: ClassVar[str]
-    #: Stored bytes of side data before the chunks, and their CRC32C (from a header field).
+    #: Bytes of side data stored before the chunks, and their CRC32C (from a header field).
     side_size: int = 0
     side_crc: int = 0
     #: What the side data is, for error messages.
@@ -149,28 +139,26 @@ class Filter(ABC):
 
     @abstractmethod
     def encode(self, raw: memoryview, pool: Optional[Executor]) -> Optional[Filtered]:
-        """``raw`` through this filter, or None when the filter would not pay for these bytes."""
+        """``raw`` through this filter, or None when it would not pay for these bytes."""
 
     @abstractmethod
     def decoder(self, side: Buffer, out_size: int) -> Unfilter:
-        """How to undo this filter given its side data (CRC checked) and the payload size;
-        FormatError when they do not fit together."""
+        """How to undo this filter from its (CRC-checked) side data; FormatError if they do not fit."""
 
     @classmethod
     def from_field(cls, field: Any, in_size: int, out_size: int, stored_size: int) -> "Filter":
-        """The filter a header field describes, checked against the segment's sizes (raw bytes
-        in, payload bytes out, stored bytes in all); FormatError when they do not fit."""
+        """The filter a header field describes, checked against the segment's raw, payload and
+        stored sizes; FormatError when they do not fit."""
         raise FormatError(f"filter {cls.name} is not stored in segment headers")
 
     def field(self) -> Dict[str, Any]:
-        """The header field that describes this filter (:meth:`from_field`'s inverse)."""
+        """The filter's header field (:meth:`from_field`'s inverse)."""
         raise FormatError(f"filter {self.name} is not stored in segment headers")
 
 
 @dataclass(frozen=True)
 class Pipeline:
-    """How one segment is encoded: an optional filter over its raw bytes, then the chunk codec
-    on each chunk of what comes out (``codecs.auto.choose`` picks both)."""
+    """How one segment is encoded: an optional filter over its raw bytes, then the chunk codec."""
 
     codec: Codec
     filter: Optional[Filter] = None

@@ -1,10 +1,6 @@
-"""``byteplane``: floating-point elements split into byte planes, each coded on its own.
-
-The sign bit of each element moves down beside the mantissa (so the top byte holds the
-exponent, or its high bits for fp16/fp64), the elements are split into byte planes, and each
-plane is stored raw (``r``), entropy-coded (``e``: zstd tuned so that it is close to
-Huffman-only on literals) or zstd-compressed (``z``). A plane that does not shrink in a chunk
-is stored raw there.
+"""``byteplane``: elements split into byte planes, each stored raw (``r``), entropy-coded (``e``)
+or zstd-compressed (``z``); for floats the sign bit first moves down beside the mantissa, so the
+top plane holds the exponent. A plane that does not shrink in a chunk is stored raw there.
 """
 
 from __future__ import annotations
@@ -28,11 +24,7 @@ _BLOCK = 1 << 17  # elements per numpy pass: keeps temporaries in cache
 
 
 def _scratch(name: str, size: int, dtype: Any = np.uint8) -> np.ndarray:
-    """A per-thread reusable array of at least ``size`` elements (first ``size`` returned).
-
-    The plane and word temporaries are reused across chunks, so the split and merge passes
-    run in cache-warm memory with no allocation and no page faults.
-    """
+    """A per-thread reusable array's first ``size`` elements (cache-warm, no page faults)."""
     cache = getattr(_local, "scratch", None)
     if cache is None:
         cache = _local.scratch = {}
@@ -45,12 +37,10 @@ def _scratch(name: str, size: int, dtype: Any = np.uint8) -> np.ndarray:
 
 def split_planes(buf: memoryview, itemsize: int, fp: bool,
                  out: Optional[Sequence[np.ndarray]] = None) -> List[np.ndarray]:
-    """Byte planes of the elements in ``buf``, least significant first.
+    """Byte planes of the elements in ``buf``, least significant first (into ``out`` when given).
 
-    With ``fp`` the sign bit moves to bit 7 of plane 0 (beside the low mantissa bits) and the
-    bits below it move up by one, so plane ``k-1`` holds the exponent's top 8 bits (all of it
-    for bf16 and fp32) with no sign mixed in. ``out``, when given, holds one uint8 array of
-    ``len(buf) // itemsize`` bytes per plane to write into (and is returned).
+    With ``fp`` the sign bit moves to bit 7 of plane 0 and the bits below it up by one, so the
+    top plane holds the exponent's top 8 bits (all of it for bf16 and fp32) with no sign.
     """
     if itemsize == 1:
         src = np.frombuffer(buf, np.uint8)
@@ -118,15 +108,8 @@ def merge_planes(planes: Sequence[np.ndarray], out: memoryview, itemsize: int, f
 
 @register
 class BytePlaneCodec(Codec):
-    """Byte planes of the elements, each plane coded on its own.
-
-    ``planes`` has one letter per byte plane, least significant first: ``r`` raw, ``e``
-    entropy-coded, ``z`` zstd at ``level``. ``fp`` applies the float bit move of
-    :func:`split_planes` first (exponent alone in the top plane).
-
-    Encoded chunk: ``u8 nplanes`` then per plane ``u8 mode, u32le length`` (mode 0 raw, 1 zstd
-    frame), then the plane bodies in order.
-    """
+    """Byte planes, one letter each in ``planes`` (least significant first): ``r``, ``e`` or ``z``
+    (zstd at ``level``); ``fp``: :func:`split_planes`'s float bit move first (CODECS)."""
 
     name = "byteplane"
 

@@ -1,8 +1,7 @@
-"""Row dedup: a segment filter (``dedup``) that stores each distinct row once.
+"""Row dedup: the ``dedup`` filter, which stores each distinct row of a tensor once.
 
-It finds rows repeated anywhere in a tensor, as prompts sharing a prefix produce in a KV cache.
-``RowDedup`` holds the search and the map; ``RowDedupFilter`` is the filter the codec pipeline
-runs (``man/kvj-segment.5``, ROW DEDUP).
+Rows repeat anywhere in a KV cache of prompts sharing a prefix. ``RowDedup`` is the search and
+the map, ``ScatterPlan`` the rebuild, ``RowDedupFilter`` the filter (``man/kvj-segment.5``, ROW DEDUP).
 """
 
 from __future__ import annotations
@@ -27,13 +26,9 @@ _FIELDS = ("row_bytes", "rows", "map_raw", "map_stored", "map_crc")
 
 
 class RowDedup:
-    """Segment filter that stores each distinct row once.
-
-    The tensor is viewed as rows of ``row_bytes``; ``src[i]`` is the index of the first row
-    equal to row ``i`` (``i`` itself when row ``i`` is the first of its kind). The filtered
-    payload is the first-of-kind rows in order; the map is stored as ``i - src[i]`` (uint32,
-    mostly zeros or a constant stride, so it compresses to almost nothing).
-    """
+    """The search: over rows of ``row_bytes``, ``src[i]`` is the first row equal to row ``i`` (``i``
+    itself for the first of its kind); the map stores ``i - src[i]`` (uint32, mostly zeros or a
+    constant stride: it compresses to almost nothing)."""
 
     #: Smallest row worth deduplicating; shorter rows cost more in map than they save.
     MIN_ROW_BYTES = 64
@@ -173,21 +168,6 @@ class RowDedup:
         if n_rows and (src.min() < 0 or (back[src] != 0).any()):
             raise FormatError("dedup map points outside the first-of-kind rows")
         return src, np.flatnonzero(back == 0)
-
-    @staticmethod
-    def gather(buf: memoryview, row_bytes: int, src: np.ndarray) -> np.ndarray:
-        """The first-of-kind rows of ``buf`` in order, as one contiguous array."""
-        rows = np.frombuffer(buf, np.uint8).reshape(-1, row_bytes)
-        return rows[np.flatnonzero(src == np.arange(len(src)))]
-
-    @staticmethod
-    def scatter(unique: np.ndarray, out: memoryview, row_bytes: int, src: np.ndarray,
-                firsts: np.ndarray) -> None:
-        """Rebuild every row of ``out`` from the first-of-kind rows."""
-        rows = np.frombuffer(out, np.uint8).reshape(-1, row_bytes)
-        plan = ScatterPlan(src)
-        plan.firsts(rows, unique.reshape(-1, row_bytes), 0, len(src))
-        plan.repeats(rows, 0, len(src))
 
 
 class ScatterPlan:

@@ -1,10 +1,8 @@
-"""XOR delta: a filter that stores a tensor's bits XORed with a base's of the same size.
+"""XOR delta: a filter storing a tensor's bits XORed with a base's of the same size.
 
-Values that change little keep their sign and exponent, so the XOR's high byte planes are
-nearly all zeros and the chunk codec (byte planes) stores them in almost nothing. The base is
-another segment, so this filter is not named in a segment header: its caller applies it and
-records the base (``kvj-train-xor/1`` in kvj-segment(5), XOR DELTA):
-``kvj.integrations.training.delta`` for training state, through ``apply``.
+Values that change little keep sign and exponent, so the high byte planes are nearly all zeros.
+The base is another segment: the caller (``kvj.integrations.training.delta``) applies this and
+records the base in the layout (kvj-segment(5), XOR DELTA).
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ class XorDelta(Filter):
         return _Unxor(self.base)
 
     def apply(self, raw: Buffer) -> np.ndarray:
-        """``raw`` XOR the base, whole, in a new byte array (the delta to store, or the bytes a
-        stored delta stands for): training journals its deltas through this."""
+        """``raw`` XOR the base in a new array: the delta to store, or the bytes a stored one stands for."""
         self._check(len(raw))
         return np.bitwise_xor(_u8(raw), self.base)
 

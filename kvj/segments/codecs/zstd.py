@@ -58,11 +58,8 @@ def _check_declared(data: Buffer, raw_len: int) -> None:
 
 
 def zstd_decompress(data: Buffer, raw_len: int) -> bytes:
-    """Decompress one zstd frame that must hold exactly ``raw_len`` bytes.
-
-    The declared size is checked before any allocation, so a hostile frame cannot make the
-    reader allocate more than ``raw_len``.
-    """
+    """One zstd frame that must hold exactly ``raw_len`` bytes, its declared size checked first
+    (a hostile frame cannot make the reader allocate more)."""
     _check_declared(data, raw_len)
     try:
         out = _decompressor().decompress(data, max_output_size=raw_len)
@@ -74,11 +71,7 @@ def zstd_decompress(data: Buffer, raw_len: int) -> bytes:
 
 
 def zstd_decompress_into(data: Buffer, out: memoryview) -> None:
-    """Decompress one zstd frame into ``out``, which it must fill exactly.
-
-    Like :func:`zstd_decompress` (the declared size is checked first), but the frame decodes
-    straight into the caller's buffer: no allocation, no extra copy.
-    """
+    """:func:`zstd_decompress` straight into ``out``, which the frame must fill exactly (no copy)."""
     raw_len = len(out)
     _check_declared(data, raw_len)
     got = 0
