@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from typing import Annotated, Any, Callable, List, Optional
 
 import typer
@@ -25,10 +26,25 @@ def _report(result: Any, as_json: bool, table: Callable[[], str]) -> None:
         out.print(table(), markup=False, highlight=False)
 
 
+def _benchmark(name: str) -> Any:
+    """The module ``benchmarks.<name>`` of kvj's source checkout (benchmarks/ ships with the
+    source, not in the wheel); a kvj installed without one cannot run them: a usage error."""
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.isfile(os.path.join(checkout, "benchmarks", "__init__.py")) and checkout not in sys.path:
+        sys.path.insert(0, checkout)
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", f"benchmarks.{name}"):
+            raise
+        raise usage_error("kvj bench runs the benchmarks of a source checkout of kvj (benchmarks/ is not in the "
+                          "wheel): run it from one") from None
+
+
 def _run(name: str, as_json: bool, *args: Any, **kwargs: Any) -> None:
-    """Run ``kvj.bench.<name>.run(*args, **kwargs)`` and print its result through the module's
+    """Run ``benchmarks.<name>.run(*args, **kwargs)`` and print its result through the module's
     ``format_table``; the module is imported only now, so a benchmark's dependencies load with it."""
-    module = importlib.import_module(f"kvj.bench.{name}")
+    module = _benchmark(name)
     result = module.run(*args, **kwargs)
     _report(result, as_json, lambda: module.format_table(result))
 
@@ -94,11 +110,10 @@ def codecs_command(directory: DirArg = None,
     """Compare kvj's tensor codecs with torch.save, safetensors, zstd (and ZipNN, blosc2 when
     installed) on identical tensors: ratio, durable save GB/s, load GB/s.
     """
-    from kvj.bench.codecs import format_table, load_note, run
-
+    codecs = _benchmark("codecs")
     load_before = os.getloadavg()[0]
-    rows = run(size, directory, dataset)
-    _report(rows, as_json, lambda: format_table(rows) + "\n" + load_note(load_before))
+    rows = codecs.run(size, directory, dataset)
+    _report(rows, as_json, lambda: codecs.format_table(rows) + "\n" + codecs.load_note(load_before))
 
 
 @app.command("replica")
@@ -144,11 +159,10 @@ def scaling_command(directory: DirArg = None,
     RSS, and the growth from one size to the next (linear work grows by the size ratio).
     The default sizes take a long time (tens of minutes on a small machine).
     """
-    from kvj.bench.scaling import JOURNAL_SIZES, SEGMENT_SIZES, format_table, run
-
-    result = run(directory, records or JOURNAL_SIZES, segments or SEGMENT_SIZES,
-                 log=lambda line: err.print(line, markup=False, highlight=False))
-    _report(result, as_json, lambda: format_table(result))
+    scaling = _benchmark("scaling")
+    result = scaling.run(directory, records or scaling.JOURNAL_SIZES, segments or scaling.SEGMENT_SIZES,
+                         log=lambda line: err.print(line, markup=False, highlight=False))
+    _report(result, as_json, lambda: scaling.format_table(result))
 
 
 @app.command("verify")

@@ -2,7 +2,7 @@
 per-block rows (one segment per block, and packs) report blocks per second and the fsyncs
 their saves made, and the table says how they compare with the whole."""
 
-from kvj.bench import codecs as bench
+from benchmarks import codecs as bench
 
 
 def test_codec_benchmark_rows_and_table(tmp_path):

@@ -3,7 +3,7 @@ many records each fdatasync made durable (read back from what it wrote) and its 
 loss; its ratios come from the peers of its own section in the same run (the same records
 per fdatasync), round by round; the latency rows are ordered; the table says the load average and threads."""
 
-from kvj.bench import journal as bench
+from benchmarks import journal as bench
 
 
 def test_journal_benchmark_rows_and_table(tmp_path):

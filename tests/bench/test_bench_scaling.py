@@ -4,7 +4,7 @@ shows cost per unit and growth between sizes."""
 
 import os
 
-from kvj.bench import scaling
+from benchmarks import scaling
 from kvj.journal.replay import replay
 from kvj.segments.store import SegmentStore
 

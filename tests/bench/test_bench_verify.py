@@ -2,7 +2,7 @@
 full (or, headers only, all but one), the floor reads every file, and the table names the
 threads and the load."""
 
-from kvj.bench import verify as bench
+from benchmarks import verify as bench
 
 
 def test_verify_benchmark_rows_and_table(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvj.bench.vllm import format_table, summarize
+from benchmarks.vllm import format_table, summarize
 
 
 def _run(seconds: float, generated: int, prompt: int = 0, **counters: int) -> dict:
@@ -67,7 +67,7 @@ def test_cli_refuses_extra_config_that_is_not_an_object() -> None:
 def test_loads_per_block_whole_and_floor_side_by_side(tmp_path) -> None:
     """The connector's per-block load, a whole load of the same bytes and the floor, in one run:
     every figure a rate of the same bytes, the ratios paired by round, all in the printed lines."""
-    from kvj.bench import vllm_loads
+    from benchmarks import vllm_loads
     from kvj.segments.kvblock import LHNC, KVBlockLayout
 
     layout = KVBlockLayout("bench-small", "bfloat16", 4, 2, 64, 16, LHNC)

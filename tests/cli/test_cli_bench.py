@@ -11,10 +11,10 @@ import sys
 import pytest
 from support.cli_helpers import assert_fails, env, kvj
 
-from kvj.bench import codecs as bench_codecs
-from kvj.bench import disk as bench_disk
-from kvj.bench import journal as bench_journal
-from kvj.bench import replica as bench_replica
+from benchmarks import codecs as bench_codecs
+from benchmarks import disk as bench_disk
+from benchmarks import journal as bench_journal
+from benchmarks import replica as bench_replica
 
 
 @pytest.mark.parametrize("module", [bench_codecs, bench_disk, bench_journal, bench_replica],

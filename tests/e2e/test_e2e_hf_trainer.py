@@ -160,7 +160,7 @@ def test_the_benchmark_runs_and_measures_crash_loss_as_it_says(tmp_path):
     """kvj bench training, shrunk: every method ran, DCP loads are bit-exact both ways, and
     the crash-loss column means what it says (no checkpoints loses every step done, Trainer
     saving every step loses none). Its timings are not asserted: they are the benchmark's."""
-    from kvj.bench.training import METHODS, run
+    from benchmarks.training import METHODS, run
 
     with workload_threads():
         result = run(str(tmp_path), steps=4, rounds=1, mib=1, tensors=16)

@@ -1,4 +1,4 @@
-"""An engine process of ``kvj bench vllm`` (``kvj.bench.vllm`` starts it): one vLLM engine, a job
+"""An engine process of ``kvj bench vllm`` (``benchmarks.vllm`` starts it): one vLLM engine, a job
 per stdin line, a JSON line per job on the file descriptor it is given (vLLM's own processes
 share its stdout).
 

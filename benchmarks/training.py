@@ -1,4 +1,4 @@
-"""Training benchmark (``kvj bench training``, or ``python -m kvj.bench.training``), side by side.
+"""Training benchmark (``kvj bench training``, or ``python -m benchmarks.training``), side by side.
 
 1. The LoRA fine-tune of the tests (random Llama, tiny by default; PEFT LoRA on q/v; CPU,
    one torch thread) four ways: no checkpointing; kvj's ``KvjCallback`` journaling every

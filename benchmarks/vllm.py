@@ -2,7 +2,7 @@
 is durable, sustained generation, time to first token, and after a restart.
 
 ``kvj bench vllm [--dir DIR] [--rounds N] [--sustain SECONDS]`` builds a small random-weight
-Llama and runs each engine in a process of its own (``kvj.bench.vllm_engine``, which
+Llama and runs each engine in a process of its own (``benchmarks.vllm_engine``, which
 ``Engine`` starts; vLLM in its usual processes there). Engines that are compared stay up side
 by side and take turns, round after round, on the same prompts (each round new ones, so vLLM's
 own prefix cache never answers), so that a neighbour's load on a shared machine falls on all
@@ -23,7 +23,7 @@ alike; the table gives each system's median over the rounds:
   finishes, a fixed number in flight): tokens generated per second, tokens made durable per
   second (TOKENS records) and KV blocks computed and made durable per second (each timed until
   all of it is durable); the backlog of blocks gathered but not yet durable, at its largest;
-* loads (``kvj.bench.vllm_loads``, first, before any engine starts): the connector's per-block
+* loads (``benchmarks.vllm_loads``, first, before any engine starts): the connector's per-block
   load of a prompt's KV against a whole load of the same bytes, and against the floor (read,
   CRC, decompress on as many threads).
 
@@ -44,8 +44,8 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from kvj.bench import vllm_loads
-from kvj.bench.vllm_engine import BLOCK, VOCAB
+from benchmarks import vllm_loads
+from benchmarks.vllm_engine import BLOCK, VOCAB
 
 #: Seconds for an engine that just served to settle before the next one's turn.
 IDLE = 1.5
@@ -72,9 +72,11 @@ class Engine:
         self._log = open(os.path.join(work, f"{name}.log"), "w")
         # Results come on a pipe of their own: vLLM's processes share the child's stdout.
         read, write = os.pipe()
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvj.bench.vllm_engine", path, str(write)], text=True,
+        checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not installed
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen([sys.executable, "-m", "benchmarks.vllm_engine", path, str(write)], text=True,
                                       stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
-                                      pass_fds=(write,), start_new_session=True)
+                                      pass_fds=(write,), start_new_session=True, env=env)
         os.close(write)
         self._results = os.fdopen(read, encoding="utf-8")
         ENGINES.append(self)

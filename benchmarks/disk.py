@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
-from kvj.bench.journal import sample_payload
+from benchmarks.journal import sample_payload
 from kvj.journal.journal import Journal
 from kvj.journal.records import RecordType
 from kvj.journal.config import CommitPolicy
@@ -80,7 +80,7 @@ def journal_rate(directory: str, seconds: float, policy: CommitPolicy, durable_e
 
 def codec_speeds(directory: str, size_mib: int) -> List[Dict[str, object]]:
     """Durable save and verified load GB/s of each kvj codec on Gaussian bf16 (the hard case)."""
-    from kvj.bench import codecs as bench_codecs  # torch: only when codecs are measured
+    from benchmarks import codecs as bench_codecs  # torch: only when codecs are measured
 
     tensor = bench_codecs.gaussian_bf16(size_mib << 20)
     raw = tensor.numel() * tensor.element_size()

@@ -34,6 +34,7 @@ import kvj
 from kvj.integrations.vllm.worker import Load, Save, Start, StepPlan, WorkerJournal, durable_blocks
 from kvj.journal.config import default_store_path
 from kvj.segments import kvblock, segfile
+from kvj.segments.chunks import ChunkDecoder
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 from kvj.segments.store import SegmentStore
 
@@ -121,7 +122,8 @@ def _floor(store: SegmentStore, keys: List[str], threads: int) -> float:
     ``threads`` threads, a block a task (each chunk decoded into a scratch buffer)."""
     def one(key: str) -> None:
         source = segfile.as_source(store.read_stored(key), key)
-        chunks = segfile._Chunks(source, segfile.read_header(source))
+        header = segfile.read_header(source)
+        chunks = ChunkDecoder(source, header, segfile.PREAMBLE.size, segfile.element(header.dtype).word)
         scratch = memoryview(np.empty(chunks.header.chunk_size, np.uint8)).cast("B")
         for job in chunks.jobs:
             chunks.decode(job, scratch[:job.raw_len])

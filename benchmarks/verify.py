@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import blake3
 
-from kvj.bench.scaling import build_store
+from benchmarks.scaling import build_store
 from kvj.ops.fsck import VERIFY_BATCH, FsckResult, fsck, verify_threads
 from kvj.ops.init import init
 from kvj.segments.local import SEGMENT_SUFFIX

@@ -1,1 +1,0 @@
-"""Benchmarks: each module has ``run(...)`` and ``format_*`` functions; ``kvj bench`` runs them."""
