@@ -168,7 +168,8 @@ def _summary(result: FsckResult, path: str) -> str:
     span = lsn_span(result.first_lsn, result.last_lsn)
     records = f"{result.records} records" + (f" ({span})" if result.first_lsn is not None else "")
     return (f"{path}: {result.logs} log files, {records}, {result.snapshots} snapshots, {checked}, "
-            f"{len(result.orphans)} orphans; {_verdict(result.findings)}")
+            f"{len(result.orphans)} orphans" + (f", {result.cached} cached KV blocks" if result.cached else "")
+            + f"; {_verdict(result.findings)}")
 
 
 def _print_findings(findings: List[Finding], rank: Optional[str] = None) -> None:
@@ -252,6 +253,7 @@ class _Engine:
                 **{name: self.total(name) for name in ("logs", "records", "snapshots", "segments_checked",
                                                          "data_verified", "headers_checked")},
                 "orphans": [key for r in checked for key in r.orphans],
+                "cached": sum(r.cached for r in checked),
                 "writer_live": any(r.writer_live for r in checked),
                 "findings": [{"rank": name, **f.to_dict()} for name, f in self.findings]}
 

@@ -197,13 +197,14 @@ def when_all(futures: Sequence["Future[Any]"]) -> "Future[None]":
 
 
 def durable_blocks(state: "kvj.JournalState", seed: str) -> Dict[str, Dict[str, Any]]:
-    """chain key -> {"key", "layout"} of every KV block segment of this chain seed in the journal."""
+    """chain key -> {"key", "layout"} of every KV block segment of this chain seed in the journal
+    (its requests', and its prefix cache's: blocks of requests that ended, ``JournalState.cache``)."""
     found: Dict[str, Dict[str, Any]] = {}
-    for req in state.requests.values():
-        for ref in req.segments.values():
-            lay = ref.layout or {}
-            if ref.key and lay.get("seed") == seed and lay.get("chain") and lay.get("format") == kvblock.FORMAT:
-                found[lay["chain"]] = {"key": ref.key, "layout": lay}
+    refs = [ref for req in state.requests.values() for ref in req.segments.values()] + list(state.cache.values())
+    for ref in refs:
+        lay = ref.layout or {}
+        if ref.key and lay.get("seed") == seed and lay.get("chain") and lay.get("format") == kvblock.FORMAT:
+            found[lay["chain"]] = {"key": ref.key, "layout": lay}
     return found
 
 
