@@ -96,6 +96,10 @@ class Load:
     blocks: List[Tuple[int, str]]  #: (block id, chain key), in order from the request's first loaded block
 
 
+#: A ``Finish`` status that journals nothing: the request stays in flight (kvj serve resumes it).
+PARKED = "parked"
+
+
 @dataclass
 class Finish:
     vllm_id: str
@@ -492,7 +496,7 @@ class WorkerJournal:
         try:
             if saved.exception() is not None:
                 self._fail(saved.exception())  # type: ignore[arg-type]
-            if self._failed is None:
+            if self._failed is None and fin.status != PARKED:  # parked: no END, it stays in flight
                 for earlier in fin.resumes:
                     self.journal.end(earlier, "resumed")
                 if fin.to is not None:
