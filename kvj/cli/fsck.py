@@ -32,6 +32,8 @@ from kvj.cli.launch import on_interrupt
 from kvj.cli.render import lsn_span
 from kvj.ops.fsck import Finding, FsckResult
 from kvj.ops.fsck import fsck as check_journal
+from kvj.journal.replay import holds_journal
+from kvj.serve.paths import REPLIES_DIR
 
 STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
 
@@ -263,7 +265,8 @@ def _check_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: Di
     """Check each rank journal of the engine directory ``path`` as ``kvj fsck -j`` checks one; an
     operational error in one (one line on stderr, naming its rank) does not stop the others."""
     engine = _Engine(path, options)
-    for name, journal in ranks:
+    replies = os.path.join(path, REPLIES_DIR)  # kvj serve's reply journal, checked as a journal of its own
+    for name, journal in ranks + ([(REPLIES_DIR, replies)] if holds_journal(replies) else []):
         rank = _Rank(name, journal or os.path.join(path, name))
         engine.ranks.append(rank)
         if journal is None:  # as kvj recover takes it: this rank holds nothing, its blocks are recomputed

@@ -30,10 +30,12 @@ CACHED_FORMATS = frozenset({"kvj-kv-block/2"})
 
 class _Fields:
     """A payload map read by field name, as ``apply`` reads a record's struct: the map is the
-    object's attribute dict (no copy, looked up in C); the one field a map may leave out, an
-    epoch's salvage, defaults to None as in the struct."""
+    object's attribute dict (no copy, looked up in C); the fields a map may leave out (an
+    epoch's salvage, a reply's optional ones) default as in the struct."""
 
     salvage = None
+    finish_reason = stop_reason = to = None  # a reply record's fields left at their defaults
+    cached_tokens = 0
 
     def __init__(self, payload: Dict[str, Any]):
         self.__dict__ = payload

@@ -543,8 +543,26 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
         state = checker.logs(checker.snapshots())
         checker.replay_warnings(state)
         checker.segments(state)
-        return checker.result
     finally:
         for lock in reversed(locks):
             lock.release()
+    _replies(checker.result, dict(repair=repair, preen=preen, sample=sample, fs=fs, progress=progress, mode=mode))
+    return checker.result
+
+
+def _replies(result: FsckResult, options: Dict[str, Any]) -> None:
+    """kvj serve's reply journal (``JOURNAL/replies/``), checked as any journal is, into ``result``."""
+    from kvj.journal.replay import holds_journal
+    from kvj.serve.paths import REPLIES_DIR
+
+    path = os.path.join(result.path, REPLIES_DIR)
+    if os.path.basename(result.path) == REPLIES_DIR or not holds_journal(path):
+        return
+    sub = fsck(path, None, **options)
+    for finding in sub.findings:
+        finding.message = f"replies/ (kvj serve's reply journal): {finding.message}"
+        result.findings.append(finding)
+    result.logs += sub.logs
+    result.records += sub.records
+    result.snapshots += sub.snapshots
 
