@@ -266,7 +266,7 @@ def _check_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: Di
     operational error in one (one line on stderr, naming its rank) does not stop the others."""
     engine = _Engine(path, options)
     replies = os.path.join(path, REPLIES_DIR)  # kvj serve's reply journal, checked as a journal of its own
-    for name, journal in ranks + ([(REPLIES_DIR, replies)] if holds_journal(replies) else []):
+    for name, journal in ranks + ([(REPLIES_DIR, replies)] if os.path.isdir(replies) and holds_journal(replies) else []):
         rank = _Rank(name, journal or os.path.join(path, name))
         engine.ranks.append(rank)
         if journal is None:  # as kvj recover takes it: this rank holds nothing, its blocks are recomputed

@@ -556,7 +556,7 @@ def _replies(result: FsckResult, options: Dict[str, Any]) -> None:
     from kvj.serve.paths import REPLIES_DIR
 
     path = os.path.join(result.path, REPLIES_DIR)
-    if os.path.basename(result.path) == REPLIES_DIR or not holds_journal(path):
+    if os.path.basename(result.path) == REPLIES_DIR or not os.path.isdir(path) or not holds_journal(path):
         return
     sub = fsck(path, None, **options)
     for finding in sub.findings:

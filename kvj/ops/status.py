@@ -189,7 +189,7 @@ def replies_status(journal: str, now: float) -> Optional[Dict[str, Any]]:
     from kvj.serve.paths import replies_dir
 
     path = replies_dir(journal)
-    if not holds_journal(path):
+    if not os.path.isdir(path) or not holds_journal(path):
         return None
     info: Dict[str, Any] = {"path": path, "writer": _holder(path, LOCK_NAME, "writer"), "damage": None}
     try:
