@@ -23,8 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import kvj
 from kvj.journal import ranks
-from kvj.journal.reader import list_logs
-from kvj.journal.snapshot import list_snapshots
+from kvj.ops.abandon import engine_journals
 from kvj.serve import shm
 from kvj.serve.paths import CANCEL_DIR, replies_dir
 from kvj.serve.replies import REPLY_FORMAT, Reply, ReplyLog
@@ -97,13 +96,6 @@ def join(replies: "kvj.JournalState", engine: List[Incarnation]) -> Join:
         if inc.in_flight:
             (out.supersede if inc.client in continued else out.abandon).append(inc.jid)
     return out
-
-
-def engine_journals(journal: str) -> List[str]:
-    """The engine's journal, or its rank journals (a tensor/pipeline-parallel engine's)."""
-    if ranks.holds_ranks(journal):
-        return [j for j in ranks.rank_journals(journal).values() if os.path.isdir(j)]
-    return [journal] if os.path.isdir(journal) and (list_logs(journal) or list_snapshots(journal)) else []
 
 
 def _recover(journal: str, journals: List[str], mode: str) -> Optional[str]:
