@@ -90,10 +90,12 @@ def parse(argv: List[str]) -> Tuple[Any, Any]:
 
     cli_env_setup()
     parser = make_parser()
-    args = parser.parse_args(argv)
-    if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv) or \
-            getattr(args, "kv_transfer_config", None) is not None:
+    parser.error = _refuse  # type: ignore[method-assign]  # one line, as every kvj command's
+    if any(a in ("--kv-transfer-config", "-kvtc") or a.startswith("--kv-transfer-config=") for a in argv):
         parser.error("kvj serve configures the KV connector itself: leave --kv-transfer-config out")
+    args = parser.parse_args(argv)
+    if getattr(args, "kv_transfer_config", None) is not None:  # from a --config file
+        parser.error("kvj serve configures the KV connector itself: leave kv-transfer-config out of --config")
     why = refusal(args)
     if why is not None:
         parser.error(f"kvj serve does not run {why}")
@@ -112,6 +114,12 @@ def parse(argv: List[str]) -> Tuple[Any, Any]:
         args.model = args.model_tag
     validate_parsed_serve_args(args)
     return args, options
+
+
+def _refuse(message: str) -> None:
+    """argparse's error, as one line (``kvj serve: error: ...``) and the usage status."""
+    report(PROG, message)
+    raise SystemExit(2)
 
 
 def main(argv: List[str]) -> int:
