@@ -180,10 +180,11 @@ def _load(url: str, model: str, prompts: List[List[Dict[str, str]]], tokens: int
 
     def one(messages: List[Dict[str, str]]) -> None:
         body = {"model": model, "messages": messages, "stream": True, "max_tokens": tokens, "temperature": 0,
-                "ignore_eos": True}
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
         status, events = sse("POST", f"{url}/v1/chat/completions", body)
-        if status != 200 or len(events) < tokens:
-            errors.append(f"{status}: {events[:1]}")
+        usage = [json.loads(e["data"]).get("usage") for e in events if e.get("data", "").startswith("{")]
+        if status != 200 or not usage or (usage[-1] or {}).get("completion_tokens") != tokens:
+            errors.append(f"{status}: {events[-2:]}")
         else:
             ttft.append(events[0]["t"])
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Annotated, Any, Callable, List, Optional, Tuple
 
 import typer
@@ -43,6 +42,9 @@ OPTIONS: List[Tuple[str, Any, Optional[str], str]] = [
      "cache evicted least recently used first beyond it (default: the journal's kvj.conf budget, else 16GiB)."),
     ("--recovery-mode", RECOVERY_MODES, "tolerate-torn-tail", "How the start-up recovery judges the end of "
      "the engine journal's log, as kvj recover --recovery-mode."),
+    ("--from", "DIR", None, "The journal of a kvj serve that handed its running replies off to this one (kvj "
+     "handoff -j DIR --to NAME --url URL): they continue here, their KV loaded read-only from DIR's store, and "
+     "their clients re-attach here with the same ids."),
 ]
 DEFAULT_STORE_BYTES = 16 << 30
 
@@ -106,8 +108,11 @@ def parse(argv: List[str]) -> Tuple[Any, Any]:
             budget = config_max_store_bytes(journal)
         except Exception:  # a kvj.conf every command refuses: the start-up says so, in one line
             budget = None
+    source = os.path.abspath(getattr(args, "from")) if getattr(args, "from") else None
+    if source == journal:
+        parser.error("--from names this server's own journal")
     options = Options(journal, args.retention, args.retention_bytes, args.admission,
-                      DEFAULT_STORE_BYTES if budget is None else budget, args.recovery_mode)
+                      DEFAULT_STORE_BYTES if budget is None else budget, args.recovery_mode, source)
     # parsed by vLLM exactly as the flag would be
     args = parser.parse_args(argv + ["--kv-transfer-config", json.dumps(transfer_config(options))])
     if args.model_tag is not None:
@@ -161,7 +166,8 @@ def serve(ctx: typer.Context,
           store_bytes: Annotated[Optional[str], typer.Option("--store-bytes", metavar="SIZE",
                                                              help=OPTIONS[4][3])] = None,
           recovery_mode: Annotated[str, typer.Option("--recovery-mode", metavar="|".join(RECOVERY_MODES),
-                                                     help=OPTIONS[5][3])] = "tolerate-torn-tail") -> None:
+                                                     help=OPTIONS[5][3])] = "tolerate-torn-tail",
+          source: Annotated[Optional[str], typer.Option("--from", metavar="DIR", help=OPTIONS[6][3])] = None) -> None:
     """Serve MODEL with vLLM's OpenAI-compatible server; replies survive kill -9 and power loss.
 
     kvj serve MODEL --journal DIR [any vllm serve option] runs vLLM's own server (its app, its
@@ -178,7 +184,8 @@ def serve(ctx: typer.Context,
     """
     argv = ([model] if model else []) + (["--journal", journal] if journal else []) + [
         "--retention", retention, "--retention-bytes", retention_bytes, "--admission", admission,
-        "--recovery-mode", recovery_mode] + (["--store-bytes", store_bytes] if store_bytes else []) + list(ctx.args)
+        "--recovery-mode", recovery_mode] + (["--store-bytes", store_bytes] if store_bytes else []) + \
+        (["--from", source] if source else []) + list(ctx.args)
     raise typer.Exit(main(argv))
 
 

@@ -35,6 +35,7 @@ class Options:
     admission: str = "arrival"
     store_bytes: Optional[int] = None
     recovery_mode: str = "tolerate-torn-tail"
+    source: Optional[str] = None  #: ``--from``: the journal of a kvj serve that handed its replies off here
 
 
 def transfer_config(options: Options) -> Dict[str, Any]:
@@ -42,6 +43,8 @@ def transfer_config(options: Options) -> Dict[str, Any]:
     extra: Dict[str, Any] = {"journal": options.journal}
     if options.store_bytes is not None:
         extra["max_store_bytes"] = options.store_bytes
+    if options.source is not None:
+        extra["sources"] = [options.source]  # its blocks load read-only
     return {**CONNECTOR, "kv_connector_extra_config": extra}
 
 
@@ -80,7 +83,7 @@ def run(args: Any, options: Options, say: Any = None) -> None:
         log.setLevel(logging.INFO)
         log.propagate = False
     say = say or (lambda line: print(f"kvj serve: {line}", file=sys.stderr, flush=True))
-    reply_log, done, lines = prepare(options.journal, options.recovery_mode)
+    reply_log, done, lines = prepare(options.journal, options.recovery_mode, options.source)
     for line in lines:
         say(line)
     server = Server(options.journal, reply_log, done.replies, options.admission)

@@ -108,9 +108,38 @@ def _recover(journal: str, journals: List[str], mode: str) -> Optional[str]:
     return result.manifest_path
 
 
-def prepare(journal: str, mode: str = "tolerate-torn-tail") -> Tuple[ReplyLog, Join, List[str]]:
+def take_over(log_: ReplyLog, source: str) -> Tuple[List[str], List[Incarnation]]:
+    """``--from SOURCE``: the replies the kvj serve of ``SOURCE`` handed off to this one (its last
+    ``kvj handoff``'s target) and this journal does not hold yet, copied in (their START, their
+    tokens): the join continues them. Returns their keys and their engine requests in ``SOURCE``
+    (ended there, moved: their tokens count). ``SOURCE`` is read, never written."""
+    from kvj.ops.armed import read_control
+
+    control = read_control(source) or {}
+    to = control.get("to")
+    theirs = replies_dir(source)
+    if to is None or not os.path.isdir(theirs):
+        return [], []
+    have = kvj.replay(log_.path).requests
+    keys = []
+    for req in kvj.replay(theirs).in_flight():
+        end = req.reply or {}
+        if end.get("status") != "handoff" or end.get("to") != to or req.id in have:
+            continue
+        log_.journal.start(req.id, req.prompt_hash, None, dict(req.meta))
+        tokens = list(req.output[:end["count"]])
+        if tokens:
+            log_.journal.tokens(req.id, 0, tokens)
+        keys.append(req.id)
+    log_.sync()
+    moved = [inc for j in engine_journals(source) for inc in incarnations(kvj.replay(j)) if inc.client in keys]
+    return keys, [Incarnation(inc.jid, inc.client, inc.generated, False) for inc in moved]
+
+
+def prepare(journal: str, mode: str = "tolerate-torn-tail",
+            source: Optional[str] = None) -> Tuple[ReplyLog, Join, List[str]]:
     """Everything before vLLM starts (module docstring): the reply journal open for writing, the join
-    carried out, and one line per thing done."""
+    carried out, and one line per thing done. ``source``: see ``take_over``."""
     lines = []
     os.makedirs(journal, exist_ok=True)
     log_ = ReplyLog.open(replies_dir(journal))  # first: an unwritable journal fails here, nothing else done
@@ -123,6 +152,11 @@ def prepare(journal: str, mode: str = "tolerate-torn-tail") -> Tuple[ReplyLog, J
         if manifest is not None:
             lines.append(f"recovered the engine journal: {manifest}")
         engine: Dict[str, Incarnation] = {}
+        if source is not None:
+            keys, moved = take_over(log_, source)
+            engine.update((inc.jid, inc) for inc in moved)
+            if keys:
+                lines.append(f"took over {len(keys)} replies handed off by the kvj serve of {source}")
         for j in journals:  # every rank journals every request's tokens; keep the longest
             for inc in incarnations(kvj.replay(j)):
                 if inc.jid not in engine or len(inc.generated) > len(engine[inc.jid].generated):

@@ -114,7 +114,8 @@ def make_router(originals: Originals) -> APIRouter:
         if server.closing:
             return JSONResponse(wire.error_body("the server is shutting down", HTTPStatus.SERVICE_UNAVAILABLE),
                                 status_code=HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
-        base = raw.headers.get("X-Request-Id") or request.request_id
+        # chat and completions take X-Request-Id as vLLM does; a response's id is its request_id
+        base = request.request_id if kind == "responses" else raw.headers.get("X-Request-Id") or request.request_id
         key = base if kind == "responses" else f"{prefix}{base}"
         try:
             check_request_id(key)
@@ -125,6 +126,8 @@ def make_router(originals: Originals) -> APIRouter:
         if known is not None:  # a retry, or a client that lost its stream: re-attach, generate nothing twice
             if known.kind != kind:
                 return _bad(f"request id {base!r} names a reply of another kind", "X-Request-Id")
+            if known.status == "handoff":
+                return _moved(known)
             return await reattach(server, known, raw, None, bool(request.stream))
         request.request_id = key if kind == "responses" else base
         reply = server.new(key, kind, request.model_dump(mode="json"), bool(request.stream))
@@ -173,6 +176,8 @@ def make_router(originals: Originals) -> APIRouter:
         reply = server.replies.get(key)
         if reply is None or reply.kind != kind:
             return _error(wire.not_found(key, "response_id" if kind == "responses" else "completion_id"))
+        if reply.status == "handoff":
+            return _moved(reply)
         return await reattach(server, reply, raw, starting_after, (stream or "").lower() in ("true", "1"))
 
     @router.get("/v1/chat/completions/{completion_id}")
@@ -214,11 +219,43 @@ def make_router(originals: Originals) -> APIRouter:
         server.forget(reply, "abandoned")
         return JSONResponse({"id": reply_id, "status": "abandoned", "tokens": len(reply.tokens)})
 
+    @router.post("/v1/kvj/handoff")
+    async def handoff(raw_request: Request, mode: str = "abort"):
+        """``kvj handoff --url``: hand the running replies off (no vLLM dev mode, no pause)."""
+        from kvj.ops.armed import armed_target
+
+        server = raw_request.app.state.kvj_server
+        if not _admin(raw_request):
+            return _error(wire.error_body("kvj's admin routes answer loopback clients only (or set --api-key)",
+                                          HTTPStatus.FORBIDDEN))
+        running = sum(1 for r in server.replies.values() if r.end is None)
+        if mode == "finish":
+            return JSONResponse({"mode": "finish", "running": running, "accepting": True,
+                                 "message": f"kvj serve lets its {running} running replies finish here and keeps "
+                                            "accepting new requests: nothing is handed off"})
+        to = armed_target(server.journal)
+        if mode != "abort" or to is None:
+            return _bad("arm the handoff first (kvj handoff -j JOURNAL --to NAME --url URL arms it and calls this); "
+                        "mode is abort or finish", "mode")
+        moved = await server.hand_off(to)
+        return JSONResponse({"mode": "abort", "to": to, "moved": moved, "accepting": True,
+                             "message": f"{len(moved)} running replies handed off to {to}; kvj serve keeps "
+                                        "accepting new requests"})
+
     @router.get("/v1/kvj/status")
     async def kvj_status(raw_request: Request):
         return JSONResponse(raw_request.app.state.kvj_server.status())
 
     return router
+
+
+def _moved(reply: Reply) -> JSONResponse:
+    """A reply handed off to another engine: 410, naming it (its clients re-attach there)."""
+    to = (reply.end or {}).get("to")
+    body = wire.error_body(f"reply {reply.key} was handed off to {to}: re-attach there with the same id",
+                           HTTPStatus.GONE, "id", "moved")
+    body["error"]["moved_to"] = to
+    return _error(body)
 
 
 def _admin(raw: Request) -> bool:

@@ -54,7 +54,8 @@ class Server:
         self.engine: Optional[Engine] = None
         self.state: Any = None
         self.closing = False
-        self.counters = {"replies": 0, "resumed": 0, "derived": 0}
+        self.counters = {"replies": 0, "resumed": sum(1 for r in restored if not r.finished), "derived": 0,
+                         "held_at_start": sum(1 for r in restored if r.finished)}
 
     def attach(self, engine_client: Any, state: Any) -> None:
         """Engine up (vLLM's ``init_state``): take the choke point; run the restored replies' drives."""
@@ -65,7 +66,6 @@ class Server:
                 continue  # held: its events are derived when asked for
             reply.frames = []
             self.start(reply, "live")
-            self.counters["resumed"] += 1
 
     # ------------------------------------------------------------------ drives
 
@@ -152,14 +152,17 @@ class Server:
         await self.log.durable(lsn)
 
     async def cancel(self, reply: Reply, status: str = "cancelled", to: Optional[str] = None) -> bool:
-        """Cancel a running reply where it is (its tokens released so far); False if it had finished."""
+        """Stop a running reply where it is (its tokens released so far): cancelled, or handed off to
+        engine ``to`` (a handoff armed: the connector journals its engine request as moved). False if
+        it had finished."""
         if reply.end is not None:
             return False
         reply.end = {"status": status, "count": len(reply.tokens), "at": time.time(), "to": to}
         lsn = self.log.finished(reply, reply.end)
         task = reply.task
         if task is not None and not task.done():
-            mark_cancel(self.journal, reply.key)  # vLLM's abort of its engine request is journaled "cancelled"
+            if status == "cancelled":
+                mark_cancel(self.journal, reply.key)  # vLLM's abort of its engine request is journaled "cancelled"
             task.cancel()
             try:
                 await task
@@ -169,6 +172,15 @@ class Server:
         reply.done = True
         reply.notify()
         return True
+
+    async def hand_off(self, to: str) -> List[str]:
+        """Hand every running reply off to engine ``to`` (armed by ``kvj handoff``); new requests are
+        still served here. Their streams end with no terminal event; the other kvj serve (``--from``
+        this journal) continues them and their clients re-attach there."""
+        moving = [r for r in self.replies.values() if r.end is None and r.task is not None and not r.task.done()]
+        for reply in moving:
+            await self.cancel(reply, "handoff", to)
+        return [r.key for r in moving]
 
     def forget(self, reply: Reply, status: str) -> None:
         """END a finished reply (expired, evicted, abandoned): gone from the journal at its next compaction."""
@@ -216,9 +228,7 @@ class Server:
         running = [r for r in self.replies.values() if not r.finished]
         held = [r for r in self.replies.values() if r.finished]
         return {"journal": self.journal, "admission": self.admission, "running": len(running), "held": len(held),
-                "held_bytes": sum(r.held_bytes() for r in held), "closing": self.closing,
-                "restored": {"resumed": sum(1 for r in self.restored if not r.finished),
-                             "held": sum(1 for r in self.restored if r.finished)}, **self.counters}
+                "held_bytes": sum(r.held_bytes() for r in held), "closing": self.closing, **self.counters}
 
     # ------------------------------------------------------------------ shutdown
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import httpx
 
 from support.e2e import rng
-from support.serve_server import KVJ, WORKTREE, Server, data, serving, sse
+from support.serve_server import Server, data, kvj, normal, serving, sse, tokens_and_text
 
 MAX_TOKENS = 1600
 MESSAGES = [{"role": "user", "content": "Write the journal of a long day at the harbour, with the boats and the gulls."}]
@@ -60,36 +58,6 @@ def start(server: Server, name: str, route: str, body: Dict[str, Any], rid: str,
         except httpx.TimeoutException:
             return None  # a client that gave up: it comes back once the reply finished
     return sse("POST", server.url + route, body, {"X-Request-Id": rid}, limit=limit)[1]
-
-
-def normal(events: List[Dict[str, Any]], k: str) -> List[str]:
-    """Events without what a reply's key and the server's clock stamp on them."""
-    out = []
-    for e in events:
-        text = e["data"].replace(k, "KEY")
-        text = re.sub(r'"(created|created_at)":\d+', '"created":0', text)
-        out.append(re.sub(r"\b(msg|resp)_[0-9a-f]{16}\b", r"\1_X", text))
-    return out
-
-
-def tokens_and_text(name: str, events: List[Dict[str, Any]]) -> Any:
-    toks, text = [], ""
-    for e in events:
-        d = data(e)
-        if d is None:
-            continue
-        if name == "responses":
-            text += d.get("delta", "") if d.get("type") == "response.output_text.delta" else ""
-            continue
-        for c in d.get("choices", []):
-            toks += c.get("token_ids") or []
-            text += (c.get("delta") or {}).get("content") or c.get("text") or ""
-    return toks, text
-
-
-def kvj(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": WORKTREE}
-    return subprocess.run([KVJ, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_clients_reattach_after_the_server_group_is_killed_and_get_the_uninterrupted_reply(serve_model, tmp_path):

@@ -7,13 +7,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import subprocess
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
 from kvj.bench.serve import ENGINE, ServerProcess, sse
 from support.wait import wait_for
 
-__all__ = ["KVJ", "WORKTREE", "Server", "data", "serving", "sse"]
+__all__ = ["KVJ", "WORKTREE", "Server", "data", "kvj", "normal", "serving", "sse", "tokens_and_text"]
 
 WORKTREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KVJ = os.path.join(os.path.dirname(sys.executable), "kvj")
@@ -76,3 +78,35 @@ def serving(*args: Any, **kwargs: Any) -> Iterator[Server]:
 def data(event: Dict[str, Any]) -> Any:
     """An event's JSON (None for ``[DONE]``)."""
     return None if event["data"] == "[DONE]" else json.loads(event["data"])
+
+
+def normal(events: List[Dict[str, Any]], k: str) -> List[str]:
+    """Events without what a reply's key and the server's clock stamp on them."""
+    out = []
+    for e in events:
+        text = e["data"].replace(k, "KEY")
+        text = re.sub(r'"(created|created_at)":\d+', '"created":0', text)
+        out.append(re.sub(r"\b(msg|resp)_[0-9a-f]{16}\b", r"\1_X", text))
+    return out
+
+
+def tokens_and_text(name: str, events: List[Dict[str, Any]]) -> Any:
+    """The token ids (``return_token_ids``) and the text a stream's events carry."""
+    toks, text = [], ""
+    for e in events:
+        d = data(e)
+        if d is None:
+            continue
+        if name == "responses":
+            text += d.get("delta", "") if d.get("type") == "response.output_text.delta" else ""
+            continue
+        for c in d.get("choices", []):
+            toks += c.get("token_ids") or []
+            text += (c.get("delta") or {}).get("content") or c.get("text") or ""
+    return toks, text
+
+
+def kvj(*args: str) -> subprocess.CompletedProcess:
+    """The ``kvj`` command of this worktree."""
+    env = {**os.environ, "PYTHONPATH": WORKTREE}
+    return subprocess.run([KVJ, *args], capture_output=True, text=True, env=env, timeout=300)
