@@ -98,8 +98,14 @@ def test_durable_admission_cancel_abandon_retention_and_the_prefix_cache_across_
     journal = str(tmp_path / "j")
     responses = {"model": serve_model, "input": "Tell the story of the harbour at night.", "background": True,
                  "max_output_tokens": 3000, "temperature": 0}
-    extra = ("--admission", "durable", "--retention", "20s")
-    with serving(serve_model, journal, str(tmp_path / "s1.log"), *extra) as server:
+    with serving(serve_model, journal, str(tmp_path / "s1.log"), "--admission", "durable", "--retention", "20s") as server:
+        # retention: a reply nobody comes back for is collected
+        forgotten = sse("POST", f"{server.url}/v1/chat/completions", chat(serve_model, 64), {"X-Request-Id": "gone"})
+        assert forgotten[0] == 200
+        wait_for(lambda: httpx.get(f"{server.url}/v1/chat/completions/chatcmpl-gone").status_code == 404,
+                 "the forgotten reply's retention to end it", timeout=300, interval=1)
+        gone = lib.replay(replies_dir(journal)).requests.get("chatcmpl-gone")
+        assert gone is None or gone.status == "expired"  # ended, or already compacted away
         # durable admission: acknowledged once its start record is durable
         created = httpx.post(f"{server.url}/v1/responses", json={**responses, "request_id": "resp_cancel"},
                              timeout=120).json()
@@ -114,8 +120,6 @@ def test_durable_admission_cancel_abandon_retention_and_the_prefix_cache_across_
         body = {"model": serve_model, "prompt": ids, "max_tokens": 96, "temperature": 0, "ignore_eos": True}
         whole = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": "ids"}, timeout=300)
         assert whole.status_code == 200
-        forgotten = sse("POST", f"{server.url}/v1/chat/completions", chat(serve_model, 64), {"X-Request-Id": "gone"})
-        assert forgotten[0] == 200
         running_one = sse("POST", f"{server.url}/v1/chat/completions", chat(serve_model, 3000),
                           {"X-Request-Id": "dropme"}, limit=5)[1]
         assert running_one
@@ -123,7 +127,7 @@ def test_durable_admission_cancel_abandon_retention_and_the_prefix_cache_across_
         assert dropped["status"] == "abandoned"
         assert httpx.get(f"{server.url}/v1/chat/completions/chatcmpl-dropme").status_code == 404
         server.kill()
-    with serving(serve_model, journal, str(tmp_path / "s2.log"), *extra) as server:
+    with serving(serve_model, journal, str(tmp_path / "s2.log"), "--admission", "durable") as server:
         poll = httpx.get(f"{server.url}/v1/responses/resp_cancel").json()
         assert poll["status"] == "cancelled"  # the cancel survived the restart, with the output it had
         events = sse("GET", f"{server.url}/v1/responses/resp_cancel?stream=true")[1]
@@ -136,11 +140,6 @@ def test_durable_admission_cancel_abandon_retention_and_the_prefix_cache_across_
         params = httpx.post(f"{server.url}/v1/completions", json=resend, timeout=300).json()["kv_transfer_params"]
         full = (len(ids) + len(tokens) - 1) // 32 * 32
         assert params["kvj_restored_tokens"] + params["kvj_reused_tokens"] == full, (params, full, output)
-        # retention: a reply nobody came back for is collected
-        wait_for(lambda: httpx.get(f"{server.url}/v1/chat/completions/chatcmpl-gone").status_code == 404,
-                 "the forgotten reply's retention to end it", timeout=300, interval=1)
-        gone = lib.replay(replies_dir(journal)).requests.get("chatcmpl-gone")
-        assert gone is None or gone.status == "expired"  # ended, or already compacted away
     check = kvj("fsck", "-j", journal, "--json")
     assert check.returncode == 0 and json.loads(check.stdout)["orphans"] == []
 
