@@ -42,10 +42,6 @@ def streams(server: Server, bodies: Dict[str, Dict[str, Any]], limits: Dict[str,
     return got
 
 
-def running(server: Server) -> int:
-    return httpx.get(f"{server.url}/v1/kvj/status", timeout=30).json()["running"]
-
-
 def reattach(server: Server, key: str, before: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return before + sse("GET", f"{server.url}/v1/chat/completions/{key}?stream=true",
                         headers={"Last-Event-ID": str(before[-1]["id"])})[1]
@@ -54,19 +50,29 @@ def reattach(server: Server, key: str, before: List[Dict[str, Any]]) -> List[Dic
 def test_sigterm_with_open_streams_then_a_second_kill_during_the_resume(serve_model, tmp_path):
     pick = rng("test_serve_slow_sigterm")
     journal = str(tmp_path / "j")
-    bodies = {"greedy": chat(serve_model), "seeded": chat(serve_model, temperature=1.0, seed=77)}
+    bodies = {"greedy": chat(serve_model, 3000), "seeded": chat(serve_model, 3000, temperature=1.0, seed=77)}
     with serving(serve_model, journal, str(tmp_path / "s1.log")) as server:
         ref = streams(server, {f"ref-{n}": b for n, b in bodies.items()}, {})
         cut = {n: pick.randint(10, 60) for n in bodies}
-        opened: Dict[str, List] = {}
+        opened: Dict[str, List] = {n: [] for n in bodies}
 
         def hold(name: str) -> None:  # a client still reading when the server stops
-            opened[name] = sse("POST", f"{server.url}/v1/chat/completions", bodies[name], {"X-Request-Id": name})[1]
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=bodies[name],
+                              headers={"X-Request-Id": name}, timeout=600) as r:
+                event: Dict[str, Any] = {}
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        event["id"] = int(line[4:])
+                    elif line.startswith("data: "):
+                        event["data"] = line[6:]
+                    elif line == "" and event:
+                        opened[name].append(event)
+                        event = {}
 
         holders = [threading.Thread(target=hold, args=(n,)) for n in bodies]
         for t in holders:
             t.start()
-        wait_for(lambda: running(server) == 2, "both streams to run", timeout=120)
+        wait_for(lambda: all(len(opened[n]) > 60 for n in bodies), "both streams to run", timeout=300)
         took = server.terminate(timeout=60)
         for t in holders:
             t.join(timeout=60)
