@@ -99,6 +99,9 @@ class Server:
                 request.background = bool(reply.body.get("background"))  # read lazily: the client's flag
             if type(result).__name__ == "ErrorResponse":
                 reply.error, reply.status_code = result.model_dump(mode="json"), result.error.code
+                if reply.prompt_hash is not None:  # a reply accepted earlier that this server cannot continue
+                    log.error("kvj serve: reply %s cannot continue on this server: %s", reply.key,
+                              result.error.message)
             elif hasattr(result, "model_dump_json"):  # a whole (non-stream) response
                 reply.frames.append(f"data: {result.model_dump_json()}\n\n")
             else:

@@ -151,19 +151,25 @@ def test_durable_admission_cancel_abandon_retention_and_the_prefix_cache_across_
 
 
 def test_a_journal_of_another_model_loads_nothing_and_its_replies_are_prefilled_again(serve_model, tmp_path):
+    """Restarted on other weights under the same served name, a reply is prefilled again (no KV of the
+    first model loads: blocks are keyed by the weights); one naming a model no longer served is
+    refused in one line and ends failed."""
     from support.serve_model import make_model
 
     other = make_model(str(tmp_path / "other"), seed=5)  # same tokenizer, other weights
     journal = str(tmp_path / "j")
-    with serving(serve_model, journal, str(tmp_path / "s1.log")) as server:
-        before = streams(server, {"m": chat(serve_model, 800)}, {"m": 40})["m"]
+    with serving(serve_model, journal, str(tmp_path / "s1.log"), "--served-model-name", "tiny", "alias") as server:
+        before = streams(server, {"m": chat("tiny", 800), "n": chat("alias", 800)}, {"m": 40, "n": 40})
         server.kill()
-    with serving(other, journal, str(tmp_path / "s2.log")) as server:
+    with serving(other, journal, str(tmp_path / "s2.log"), "--served-model-name", "tiny") as server:
         rest = sse("GET", f"{server.url}/v1/chat/completions/chatcmpl-m?stream=true",
-                   headers={"Last-Event-ID": str(before[-1]["id"])})[1]
-        both = before + rest
+                   headers={"Last-Event-ID": str(before["m"][-1]["id"])})[1]
+        both = before["m"] + rest
         assert [e["id"] for e in both] == list(range(len(both))) and both[-1]["data"] == "[DONE]"
         assert len(tokens_and_text("chat", both)[0]) == 800
+        refused = httpx.get(f"{server.url}/v1/chat/completions/chatcmpl-n").json()
+        assert refused["status"] == "failed"
+        assert sum("reply chatcmpl-n cannot continue on this server" in line for line in open(server.log)) == 1
     engine = lib.replay(journal)
     seeds = {ref.layout.get("seed") for req in engine.requests.values() for ref in req.segments.values()}
     assert len(seeds) == 2  # each model's blocks under its own seed: nothing of the first loaded into the second
