@@ -381,7 +381,8 @@ def _mirror_row(m: Dict[str, Any], disk: Dict[str, int]) -> Text:
 def replies_row(r: Dict[str, Any], now: float) -> Any:
     """``kvj status``'s line for kvj serve's reply journal: replies running and held."""
     if r["damage"]:
-        return Text(f"reply journal {r['path']}: {r['damage']} (kvj fsck -j {r['path']})", style="bold red")
+        return Text(f"the reply journal is damaged: {r['damage']} (kvj fsck -j {os.path.dirname(r['path'])})",
+                    style="bold red")
     oldest = f", oldest finished {ago(now - r['oldest_held_age'], now)}" if r["oldest_held_age"] is not None else ""
     server = f"kvj serve running (pid {r['writer']['pid']})" if r["writer"] and r["writer"].get("pid") else \
         "no kvj serve running"
