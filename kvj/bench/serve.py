@@ -93,6 +93,7 @@ class ServerProcess:
         self.pgid = self.proc.pid
 
     def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now."""
         import httpx
 
         try:
@@ -112,6 +113,7 @@ class ServerProcess:
         return time.monotonic() - self.started
 
     def group_alive(self) -> bool:
+        """Whether any process of its group is left."""
         try:
             os.killpg(self.pgid, 0)
             return True
@@ -128,6 +130,7 @@ class ServerProcess:
             time.sleep(0.05)
 
     def close(self) -> None:
+        """Whatever happened: nothing of it is left running."""
         if self.proc.poll() is None or self.group_alive():
             self.kill()
 

@@ -62,6 +62,7 @@ class Engine:
         return ({p.eos_token_id} if p.eos_token_id is not None else set()) | set(p.stop_token_ids or ())
 
     async def generate(self, prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """vLLM's ``generate`` for a drive's reply: its known tokens, then the engine's, one output each."""
         drive = DRIVE.get()
         if drive is None or not isinstance(prompt, dict) or "prompt_token_ids" not in prompt or \
                 drive.reply.engine_id not in (None, request_id):

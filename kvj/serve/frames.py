@@ -25,6 +25,7 @@ def error_body(message: str, status: int, param: Optional[str] = None, err_type:
 
 
 def not_found(key: str, param: str = "response_id") -> Dict[str, Any]:
+    """The 404 of an id no reply has (unknown, or ended and compacted away)."""
     return error_body(f"No reply with id '{key}' (unknown, or its retention passed).", HTTPStatus.NOT_FOUND, param,
                       NOT_FOUND)
 

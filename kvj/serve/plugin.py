@@ -35,12 +35,14 @@ class KvjPlugin:
         self._loop_task: Optional["asyncio.Task[Any]"] = None
 
     def attach_router(self, app: Any) -> None:
+        """vLLM's ``build_app``: kvj's routes, replacing vLLM's of the same path and method."""
         from kvj.serve.routes import attach
 
         attach(app)
         app.state.kvj_server = self.server
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        """vLLM's ``init_app_state``, the engine up: take over (module docstring)."""
         if engine_client is None:
             raise RuntimeError("kvj serve needs an engine (not vLLM's render-only server)")
         determinism.install()

@@ -68,6 +68,7 @@ class Reply:
 
     @property
     def finished(self) -> bool:
+        """It has its REPLY record: completed, incomplete, cancelled, failed or handed off."""
         return self.end is not None
 
     @property
@@ -122,6 +123,7 @@ class ReplyLog:
 
     @classmethod
     def open(cls, path: str) -> "ReplyLog":
+        """Open (creating) the reply journal at ``path`` for writing: its writer lock, its torn tail cut."""
         return cls(kvj.Journal.open(path, policy=POLICY))
 
     def opened(self, reply: Reply) -> int:

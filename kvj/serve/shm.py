@@ -97,6 +97,7 @@ def mapped(pids: Iterable[int]) -> Set[str]:
 
 
 def ledger_path(journal: str) -> str:
+    """``JOURNAL/replies/shm.json``."""
     return os.path.join(replies_dir(journal), SHM_LEDGER)
 
 
