@@ -15,7 +15,7 @@ from typing import Annotated, Any, Callable, List, Optional, Tuple
 import typer
 
 from kvj.cli.common import parse_duration, parse_size
-from kvj.cli.errors import OK, USAGE, classify, debug, report
+from kvj.cli.errors import INTERRUPTED, OK, USAGE, classify, debug, report
 from kvj.journal.reader import RECOVERY_MODES
 
 PROG = "kvj serve"
@@ -136,6 +136,9 @@ def main(argv: List[str]) -> int:
     except (ValueError, TypeError) as exc:  # vLLM's own checks of its options
         report(PROG, str(exc))
         return USAGE
+    except KeyboardInterrupt:  # Ctrl-C while vLLM imports: nothing was started or written
+        report(PROG, "interrupted")
+        return INTERRUPTED
     from vllm.logger import configure_logging_from_args
 
     from kvj.serve.launch import run
