@@ -205,7 +205,7 @@ def _load(url: str, model: str, prompts: List[List[Dict[str, str]]], tokens: int
             "tokens_per_s": len(prompts) * tokens / wall}
 
 
-def run(directory: Optional[str] = None, rounds: int = 3, clients: int = 8, tokens: int = 256,
+def run(directory: Optional[str] = None, rounds: int = 6, clients: int = 8, tokens: int = 256,
         conversations: int = 4) -> Dict[str, Any]:
     """Both measures (module docstring); work files under ``directory`` or a temporary directory (removed)."""
     work = tempfile.mkdtemp(prefix="kvj-bench-serve-", dir=directory)
@@ -249,7 +249,9 @@ def _bench(work: str, servers: List[ServerProcess], rounds: int, clients: int, t
     rows = []
     for name in names:
         row = {"system": name, **{k: statistics.median(x[k] for x in results[name])
-                                  for k in ("ttft_p50", "ttft_p95", "tokens_per_s")}}
+                                  for k in ("ttft_p50", "ttft_p95", "tokens_per_s")},
+               "tokens_per_s_range": [min(x["tokens_per_s"] for x in results[name]),
+                                      max(x["tokens_per_s"] for x in results[name])]}
         rows.append(row)
     base = rows[0]
     for row in rows:
@@ -326,19 +328,21 @@ def _restart(work: str, servers: List[ServerProcess], kvj: List[str], plain: Ser
         httpx.post(f"{plain.url}/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 1},
                    timeout=600).raise_for_status()
         cold.append(time.monotonic() - t)
+    loaded = [(replies.requests[key].reply or {}).get("cached_tokens", 0) for key in known]
     return {"conversations": len(known), "prompt_tokens": statistics.median(len(p) for p in prompts.values()),
             "known_tokens": statistics.median(known.values()), "engine_start_s": healthy,
-            "first_resumed_s": sorted(firsts), "cold_prefill_s": sorted(cold)}
+            "first_resumed_s": sorted(firsts), "cold_prefill_s": sorted(cold),
+            "kv_loaded_tokens": statistics.median(loaded) if loaded else 0}
 
 
 def format_table(result: Dict[str, Any]) -> str:
     """The table ``kvj bench serve`` prints."""
     head = (f"{result['clients']} concurrent streaming chats x {result['tokens']} tokens, median of "
             f"{result['rounds']} rounds (systems take turns on the same prompts)")
-    header = ["system", "TTFT p50", "TTFT p95", "tokens/s", "tokens/s vs vllm", "TTFT vs vllm"]
+    header = ["system", "TTFT p50", "TTFT p95", "tokens/s", "(rounds' range)", "tokens/s vs vllm", "TTFT vs vllm"]
     cells = [[r["system"], f"{r['ttft_p50'] * 1000:,.0f} ms", f"{r['ttft_p95'] * 1000:,.0f} ms",
-              f"{r['tokens_per_s']:,.0f}", f"{r['tokens_ratio']:.2f}x", f"{r['ttft_ratio']:.2f}x"]
-             for r in result["rows"]]
+              f"{r['tokens_per_s']:,.0f}", "({:,.0f}-{:,.0f})".format(*r["tokens_per_s_range"]),
+              f"{r['tokens_ratio']:.2f}x", f"{r['ttft_ratio']:.2f}x"] for r in result["rows"]]
     widths = [max(len(row[i]) for row in cells + [header]) for i in range(len(header))]
     fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                 for i, (c, w) in enumerate(zip(row, widths)))
@@ -346,7 +350,8 @@ def format_table(result: Dict[str, Any]) -> str:
     s = result["restart"]
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     lines += ["", f"after kill -9: {s['conversations']} conversations of {s['prompt_tokens']:.0f} prompt tokens, "
-                  f"{s['known_tokens']:.0f} tokens generated before the kill",
+                  f"{s['known_tokens']:.0f} tokens generated before the kill, KV of {s['kv_loaded_tokens']:.0f} "
+                  "tokens loaded from the store (median)",
               f"  restart to /health (engine start, recovery)    {s['engine_start_s']:7.1f} s",
               f"  /health to first resumed token, median (max)   {med(s['first_resumed_s']) * 1000:7,.0f} ms "
               f"({max(s['first_resumed_s'], default=float('nan')) * 1000:,.0f} ms)",
