@@ -6,7 +6,8 @@ whatever vLLM runs on here):
 
 * **throughput and TTFT**: plain ``vllm serve`` (through the ``vllm`` metadata shim), ``kvj serve``
   and ``kvj serve --admission durable`` stay up side by side and take turns, round after round
-  (the order rotating), on the same prompts (new ones each round, so no prefix cache answers):
+  (the order rotating; the others stopped with SIGSTOP meanwhile: vLLM's idle CPU workers poll,
+  a core each), on the same prompts (new ones each round, so no prefix cache answers):
   ``--clients`` concurrent streaming chat completions of ``--tokens`` tokens each. Per system,
   the median over rounds of time to first token (p50 and p95 over the clients), of the
   aggregate tokens/s (with its range over the rounds: on a shared machine the neighbours' load
@@ -145,6 +146,16 @@ class ServerProcess:
                 total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / os.sysconf("SC_CLK_TCK")
 
+    def pause(self) -> None:
+        """SIGSTOP its group between its turns: vLLM's idle CPU workers poll (a core each), which would
+        weigh on the system whose turn it is."""
+        os.killpg(self.pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT its group, then wait for ``/health``."""
+        os.killpg(self.pgid, signal.SIGCONT)
+        self.wait_healthy(timeout=120)
+
     def close(self) -> None:
         """Whatever happened: nothing of it is left running."""
         if self.proc.poll() is None or self.group_alive():
@@ -254,6 +265,7 @@ def _bench(work: str, servers: List[ServerProcess], rounds: int, clients: int, t
         up[name] = ServerProcess(argv + ["--port", str(port), *ENGINE], port, os.path.join(work, f"{name}.log"), env)
         servers.append(up[name])
         up[name].wait_healthy()
+        up[name].pause()
     names = list(systems)
     results: Dict[str, List[Dict[str, Any]]] = {name: [] for name in names}
     for r in range(rounds):
@@ -261,10 +273,12 @@ def _bench(work: str, servers: List[ServerProcess], rounds: int, clients: int, t
         prompts = [_prompt(rng, 48) for _ in range(clients)]
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
+            up[name].resume()  # one system up at a time: the others' idle pollers stopped
             cpu = up[name].cpu_seconds()
             load = _load(up[name].url, model, prompts, tokens)
             load["cpu_ms_per_token"] = (up[name].cpu_seconds() - cpu) * 1000 / (len(prompts) * tokens)
             results[name].append(load)
+            up[name].pause()
     rows = []
     for name in names:
         row = {"system": name, **{k: statistics.median(x[k] for x in results[name])
@@ -277,7 +291,7 @@ def _bench(work: str, servers: List[ServerProcess], rounds: int, clients: int, t
         row["tokens_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["ttft_ratio"] = row["ttft_p50"] / base["ttft_p50"]
         row["cpu_ratio"] = row["cpu_ms_per_token"] / base["cpu_ms_per_token"]
-    for name in names[1:]:  # the restart uses the cores alone, with plain vLLM up for the cold re-prefill
+    for name in names[1:]:  # the restart uses the cores alone; plain vLLM resumes for the cold re-prefill
         up[name].kill()
     restart = _restart(work, servers, kvj + [model], up["vllm serve"], model, conversations, env)
     return {"rounds": rounds, "clients": clients, "tokens": tokens, "rows": rows, "restart": restart}
@@ -341,6 +355,8 @@ def _restart(work: str, servers: List[ServerProcess], kvj: List[str], plain: Ser
     for th in threads:
         th.join()
     replies = lib.replay(replies_dir(journal))
+    again.pause()
+    plain.resume()
     cold = []
     for key, prompt in prompts.items():
         ids = prompt + replies.requests[key].output[:known[key]]
