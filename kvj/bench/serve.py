@@ -156,8 +156,15 @@ class ServerProcess:
         os.killpg(self.pgid, signal.SIGCONT)
         self.wait_healthy(timeout=120)
 
-    def close(self) -> None:
-        """Whatever happened: nothing of it is left running."""
+    def close(self, grace: float = 30.0) -> None:
+        """Whatever happened: nothing of it is left running. SIGTERM first (vLLM then removes the
+        ``/dev/shm`` files its processes made), the whole group killed if it is not gone in ``grace``."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pgid, signal.SIGCONT)  # a paused one
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace)
         if self.proc.poll() is None or self.group_alive():
             self.kill()
 
