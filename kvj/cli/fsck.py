@@ -32,6 +32,8 @@ from kvj.cli.launch import on_interrupt
 from kvj.cli.render import lsn_span
 from kvj.ops.fsck import USE_LOG_KIND, Finding, FsckResult
 from kvj.ops.fsck import fsck as check_journal
+from kvj.journal.replay import holds_journal
+from kvj.serve.paths import REPLIES_DIR
 
 STYLE = {"error": "bold red", "warning": "yellow", "note": "dim"}
 
@@ -168,7 +170,8 @@ def _summary(result: FsckResult, path: str) -> str:
     span = lsn_span(result.first_lsn, result.last_lsn)
     records = f"{result.records} records" + (f" ({span})" if result.first_lsn is not None else "")
     return (f"{path}: {result.logs} log files, {records}, {result.snapshots} snapshots, {checked}, "
-            f"{len(result.orphans)} orphans; {_verdict(result.findings)}")
+            f"{len(result.orphans)} orphans" + (f", {result.cached} cached KV blocks" if result.cached else "")
+            + f"; {_verdict(result.findings)}")
 
 
 def _print_findings(findings: List[Finding], rank: Optional[str] = None) -> None:
@@ -264,6 +267,7 @@ class _Engine:
                 **{name: self.total(name) for name in ("logs", "records", "snapshots", "segments_checked",
                                                          "data_verified", "headers_checked")},
                 "orphans": [key for r in checked for key in r.orphans],
+                "cached": sum(r.cached for r in checked),
                 "writer_live": any(r.writer_live for r in checked),
                 "findings": [{"rank": name, **f.to_dict()} for name, f in self.findings]}
 
@@ -273,7 +277,8 @@ def _check_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: Di
     """Check each rank journal of the engine directory ``path`` as ``kvj fsck -j`` checks one; an
     operational error in one (one line on stderr, naming its rank) does not stop the others."""
     engine = _Engine(path, options)
-    for name, journal in ranks:
+    replies = os.path.join(path, REPLIES_DIR)  # kvj serve's reply journal, checked as a journal of its own
+    for name, journal in ranks + ([(REPLIES_DIR, replies)] if os.path.isdir(replies) and holds_journal(replies) else []):
         rank = _Rank(name, journal or os.path.join(path, name))
         engine.ranks.append(rank)
         if journal is None:  # as kvj recover takes it: this rank holds nothing, its blocks are recomputed

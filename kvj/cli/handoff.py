@@ -17,8 +17,10 @@ def handoff(journal: JournalArg = None,
                                                       help="The engine that continues the requests.")] = None,
             mode: Annotated[str, typer.Option(metavar="MODE", help="abort: hand every request off; finish: let "
                                               "them finish here.")] = "abort",
-            url: Annotated[Optional[str], typer.Option(metavar="URL", help="The vllm serve to pause (POST "
-                                                       "URL/pause; needs VLLM_SERVER_DEV_MODE=1).")] = None,
+            url: Annotated[Optional[str], typer.Option(metavar="URL", help="The server whose requests to stop: "
+                                                       "a kvj serve (POST URL/v1/kvj/handoff: no dev mode, it keeps "
+                                                       "accepting requests) or a vllm serve (POST URL/pause; needs "
+                                                       "VLLM_SERVER_DEV_MODE=1).")] = None,
             timeout: Annotated[float, typer.Option(min=0.0, metavar="SECONDS",
                                                    help="How long to wait for the requests.")] = 600.0,
             as_json: JsonArg = False) -> None:
@@ -28,7 +30,9 @@ def handoff(journal: JournalArg = None,
     pause it yourself, with mode=abort), waits until every request in flight is journaled
     as moved (a handoff record after its last blocks) or finished, and writes
     JOURNAL/handoff/manifest-NAME.json, kvj recover's manifest schema: the other engine,
-    started with "sources": [JOURNAL], continues them with resume(llm, MANIFEST). Exit
+    started with "sources": [JOURNAL], continues them with resume(llm, MANIFEST). From a kvj
+    serve, the other one is kvj serve --journal ITS_OWN --from JOURNAL: it continues the
+    replies handed off and their clients re-attach there with the same ids (docs/serve.md). Exit
     status 75 when the requests are not all journaled within --timeout (the handoff stays
     armed; run the command again once the engine is paused).
     """

@@ -111,7 +111,12 @@ def _install(prog: str, argv: List[str]) -> None:
 
 
 def kvj() -> NoReturn:
-    """``kvj``: the console script."""
+    """``kvj``: the console script. ``kvj serve`` is vLLM's server: its parser reads every flag, and
+    Ctrl-C and SIGTERM are its graceful shutdown (``kvj.cli.serve``), so it starts before the above."""
+    if sys.argv[1:2] == ["serve"]:
+        from kvj.cli.serve import main
+
+        sys.exit(main(sys.argv[2:]))
     _start("kvj", "main")
 
 

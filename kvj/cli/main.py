@@ -57,7 +57,7 @@ def root(ctx: typer.Context,
 COMMANDS = {
     "status": ("status", "status"), "init": ("init", "init"), "migrate": ("init", "migrate"),
     "record": ("record", None), "flush": ("flush", "flush"), "replay": ("replay", "replay"),
-    "recover": ("recover", "recover"), "handoff": ("handoff", "handoff"), "inspect": ("inspect", "inspect"),
+    "recover": ("recover", "recover"), "serve": ("serve", "serve"), "handoff": ("handoff", "handoff"), "inspect": ("inspect", "inspect"),
     "compact": ("compact", "compact"), "prune": ("prune", "prune"), "fsck": ("fsck", "fsck"),
     "dump": ("dump", "dump"), "replicate": ("replicate", "replicate"), "restore": ("restore", "restore"),
     "verify": ("verify", "verify"), "bench": ("bench", None), "demo": ("demo", "demo"),
@@ -88,7 +88,8 @@ def _register(typer_app: typer.Typer, argv: Optional[List[str]]) -> None:
         if function is None:
             app.add_typer(loaded.app, name=name)
         else:
-            app.command(name)(getattr(loaded, function))
+            command = getattr(loaded, function)  # kvj serve passes vLLM's options on (its context_settings)
+            app.command(name, context_settings=getattr(command, "context_settings", None))(command)
 
 
 def command(typer_app: typer.Typer, argv: Optional[List[str]] = None) -> "click.Command":

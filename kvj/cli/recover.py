@@ -26,6 +26,13 @@ DeviceOpt = typer.Option("--device", metavar="DEVICE",
                          help="Also load every planned segment onto DEVICE (cpu, cuda:0, ...) and report "
                               "time and GB/s.")
 DryRunOpt = typer.Option("--dry-run", "-n", help="Change nothing: no tail cut, no manifest, no epoch record.")
+AbandonOpt = typer.Option("--abandon", metavar="ID",
+                          help="End this request on purpose instead of resuming it (repeatable): an engine request's "
+                               "journal id, or a kvj serve reply's id (chatcmpl-ID, cmpl-ID, resp_ID), which ends the "
+                               "engine requests behind it too. Journaled (END abandoned) before recovering, so that "
+                               "nothing resumes it and compaction and handoff move on.")
+AbandonAllOpt = typer.Option("--abandon-all", help="As --abandon, for every request in flight and every kvj serve "
+                             "reply (those held for their clients too).")
 UntilDamageOpt = typer.Option("--until-damage", help="Salvage a damaged journal (--recovery-mode point-in-time): "
                               "recover it as of the last record before the damage, set the damage and everything "
                               "after it aside in torn/, and say exactly what is lost (recorded in the epoch record).")
@@ -39,7 +46,9 @@ def recover(journal: JournalArg = None,
             mode: RecoveryModeArg = "tolerate-torn-tail",
             as_json: JsonArg = False,
             mirror: MirrorArg = None,
-            mirror_policy: MirrorPolicyArg = "fail") -> None:
+            mirror_policy: MirrorPolicyArg = "fail",
+            abandon: Annotated[Optional[List[str]], AbandonOpt] = None,
+            abandon_all: Annotated[bool, AbandonAllOpt] = False) -> None:
     """Recover after a crash: verify, plan, and write the recovery manifest.
 
     Takes the writer lock (fails with status 75 while a writer runs), cuts a torn tail
@@ -63,6 +72,14 @@ def recover(journal: JournalArg = None,
     segments (a mistyped --store or KVJ_STORE; not one that quarantined a needed segment)
     is status 66. Exit status 1 when --device could not load everything.
 
+    --abandon ID (repeatable) or --abandon-all first ends requests on purpose, journaled (END
+    abandoned) in the engine journal (every rank's) and in kvj serve's reply journal
+    (JOURNAL/replies/), so that nothing resumes them and compaction and handoff move on: an
+    engine request's id, or a kvj serve reply's (chatcmpl-ID, cmpl-ID, resp_ID), which ends
+    the engine requests behind it too; an id naming nothing in flight is status 66, nothing
+    changed. While kvj serve runs it is status 75: the server's POST
+    /v1/kvj/replies/ID/abandon does it online.
+
     It tells the story: per request the tokens restorable and lost (the first 50 requests,
     the rest counted: --json lists all), the totals, what the journal recorded since the
     previous recovery, and the next step. A journal damaged in
@@ -77,7 +94,29 @@ def recover(journal: JournalArg = None,
     journal that was shut down cleanly.
     """
     mode = "point-in-time" if until_damage else mode
+    if abandon or abandon_all:
+        _abandon(journal_path(journal, ranks_ok=True), None if abandon_all else list(abandon or []), dry_run,
+                 as_json)
     _recover(journal, store, device, dry_run, as_json, mirror, mirror_policy, mode)
+
+
+def _abandon(path: str, ids: Optional[List[str]], dry_run: bool, as_json: bool) -> None:
+    """``--abandon``: END abandoned what ``ids`` name (None: everything in flight), one line each."""
+    from kvj.ops.abandon import abandon as abandon_requests
+
+    if ids is not None and not ids:
+        raise InvalidArgument("--abandon needs an id (or --abandon-all)")
+    ended = abandon_requests(path, ids, dry_run=dry_run)
+    if not dry_run and ended:
+        done(f"abandoned {len(ended)} request(s) and replies in {path}")
+    if not as_json:
+        verb = "would abandon" if dry_run else "abandoned"
+        for a in ended[:ROWS]:
+            out.print(Text(f"{verb} {a.what} {a.id} ({a.journal})"))
+        if len(ended) > ROWS:
+            out.print(Text(f"... and {len(ended) - ROWS} more"))
+        if not ended:
+            out.print(Text("nothing in flight to abandon"))
 
 
 def journal_replay(log: Annotated[Optional[str], typer.Option("--log", metavar="DIR", envvar="KVJ_JOURNAL",
@@ -289,6 +328,9 @@ def _salvaged_requests(requests: List[Dict[str, Any]]) -> List[RenderableType]:
 #: What resumes each kind of work a manifest plans: the one place that says it (a ``kvj serve``
 #: would change the vLLM line). Filled in with the manifest, the journal and the training step.
 RESUMES = {
+    "served": "start kvj serve on this journal again (kvj serve MODEL --journal {journal}): it continues the replies "
+              "of these requests in the background and their clients re-attach (kvj recover --abandon ID ends one "
+              "instead)",
     "vllm": 'resume the vLLM requests in an engine with KvjConnector: resume(llm, "{manifest}") '
             "(kvj.integrations.vllm.resuming)",
     "requests": "start the server: it resumes from {manifest}",
@@ -306,8 +348,11 @@ def next_step(result: RecoveryResult) -> str:
     if result.dry_run:
         return f"kvj recover -j {journal} (this was a dry run: nothing was changed)"
     vllm = [(r.get("meta") or {}).get("format") == START_FORMAT for r in m["requests"]]
+    served = [bool((r.get("meta") or {}).get("client")) for r in m["requests"]]  # kvj serve's (kvj.serve)
     kinds = []
-    if any(vllm):
+    if any(served):
+        kinds.append("served")
+    if any(v and not c for v, c in zip(vllm, served)):
         kinds.append("vllm")
     if not all(vllm):  # requests journaled another way (kvj.integrations.blocks, hf, your own)
         kinds.append("requests")

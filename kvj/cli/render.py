@@ -378,6 +378,18 @@ def _mirror_row(m: Dict[str, Any], disk: Dict[str, int]) -> Text:
     return text
 
 
+def replies_row(r: Dict[str, Any], now: float) -> Any:
+    """``kvj status``'s line for kvj serve's reply journal: replies running and held."""
+    if r["damage"]:
+        return Text(f"the reply journal is damaged: {r['damage']} (kvj fsck -j {os.path.dirname(r['path'])})",
+                    style="bold red")
+    oldest = f", oldest finished {ago(now - r['oldest_held_age'], now)}" if r["oldest_held_age"] is not None else ""
+    server = f"kvj serve running (pid {r['writer']['pid']})" if r["writer"] and r["writer"].get("pid") else \
+        "no kvj serve running"
+    return (f"{r['running']:,} running, {r['held']:,} held ({size(r['held_bytes'])}){oldest}, "
+            f"{r['ended']:,} ended; {server}")
+
+
 def status_view(s: Dict[str, Any]) -> RenderableType:
     """``kvj status`` for a person: what ``kvj.ops.status.status`` found, a line a subject."""
     writer = s["writer"]
@@ -400,6 +412,8 @@ def status_view(s: Dict[str, Any]) -> RenderableType:
         step = f"; training at step {s['training_step']}" if s.get("training_step") is not None else ""
         rows.append(["in flight", f"{s['in_flight']:,} requests ({s['ended']:,} ended), {s['needed_segments']:,} "
                                   f"segments needed{step}"])
+    if s.get("replies"):
+        rows.append(["replies", replies_row(s["replies"], s["now"])])
     compaction = (f"; snapshot at LSN {s['last_compaction']['snapshot_lsn']} ({size(s['snapshot_bytes'])}), "
                   f"compacted {ago(s['last_compaction']['time'], s['now'])}" if s["last_compaction"]
                   else "; never compacted")

@@ -83,6 +83,10 @@ def _engine_view(info: Dict[str, Any]) -> "RenderableType":
     trouble = [f"damaged: {', '.join(t['damaged'])}"] if t["damaged"] else []
     trouble += [f"torn or damaged tail: {', '.join(t['tails'])}"] if t["tails"] else []
     trouble += [f"no journal: {', '.join(t['missing'])}"] if t["missing"] else []
+    if info.get("replies"):
+        from kvj.cli.render import replies_row
+
+        parts.append(Text.assemble(("replies ", "bold"), replies_row(info["replies"], info["now"])))
     parts.append(Text.assemble(
         ("engine ", "bold"), (info["journal"], "bold"),
         f": {t['journals']} of {t['ranks']} rank journals; {writers}, {last}; last minute "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import types
 from enum import IntEnum
-from typing import Annotated, Any, Dict, List, Mapping, Optional, Set, Tuple, Type
+from typing import Annotated, Any, Dict, List, Mapping, Optional, Set, Tuple, Type, Union
 
 import msgspec
 
@@ -35,6 +35,7 @@ class RecordType(IntEnum):
     EPOCH = 8  # recovery epoch, written by recovery
     TOKENS = 9  # tokens a request generated (durable whatever its KV)
     HANDOFF = 10  # request end: handed off to another engine, which continues it
+    REPLY = 11  # a served reply finished (kvj serve's reply journal): its status and where it stopped
 
 
 #: Short names used by the CLI, NDJSON output and ``kvj record``.
@@ -49,6 +50,7 @@ NAMES: Dict[RecordType, str] = {
     RecordType.EPOCH: "epoch",
     RecordType.TOKENS: "tokens",
     RecordType.HANDOFF: "handoff",
+    RecordType.REPLY: "reply",
 }
 BY_NAME: Dict[str, RecordType] = {v: k for k, v in NAMES.items()}
 
@@ -191,11 +193,29 @@ class Handoff(Schema):
         check_request_id(self.to)  # an engine's name: the characters of a request id
 
 
+class Reply(Schema):
+    id: str
+    status: str  # completed, incomplete, cancelled, failed or handoff
+    count: Token  # tokens that belong to the reply (a cancelled one's: those released before the cancel)
+    at: float  # Unix seconds: when it finished (its retention runs from here)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[None, int, str] = None  # the stop string or stop token id, as vLLM reports it
+    cached_tokens: Token = 0  # prompt tokens whose KV was not computed for it (loaded or cached)
+    to: Optional[str] = None  # with status handoff: the engine that continues it
+
+    def check(self, new: bool) -> None:
+        check_request_id(self.id)
+        if not math.isfinite(self.at):
+            raise FormatError(f"reply record of {self.id}: time {self.at} is not finite")
+        if self.to is not None:
+            check_request_id(self.to)
+
+
 #: The schema: each record type's payload struct.
 SCHEMA: Dict[RecordType, Type[Schema]] = {
     RecordType.START: Start, RecordType.SEGMENT: Segment, RecordType.END: End, RecordType.ALLOC: Alloc,
     RecordType.FREE: Free, RecordType.CHECKPOINT: Checkpoint, RecordType.DELTA: Delta, RecordType.EPOCH: Epoch,
-    RecordType.TOKENS: Tokens, RecordType.HANDOFF: Handoff,
+    RecordType.TOKENS: Tokens, RecordType.HANDOFF: Handoff, RecordType.REPLY: Reply,
 }
 
 _STRUCTS: Dict[int, Type[Schema]] = {int(rtype): struct for rtype, struct in SCHEMA.items()}

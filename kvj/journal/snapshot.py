@@ -70,6 +70,7 @@ def decode_snapshot(data: bytes, path: str) -> JournalState:
         # here, as corruption, not later as a TypeError or an unreadable next snapshot
         msgspec.msgpack.decode(msgspec.msgpack.encode(state.to_dict()))
         state.referenced_keys()
+        state.cached_keys()
     except Exception as exc:  # a valid CRC over a malformed body: written by a buggy or hostile tool
         raise CorruptionError(path, SNAP_HEADER.size, f"malformed snapshot body: {_reason(exc)}") from None
     if state.last_lsn != lsn:

@@ -18,19 +18,24 @@ from kvj.journal.records import NAMES, RecordType
 
 #: The record types as plain ints, and their names: ``apply`` runs once per record, and an
 #: ``IntEnum`` member's lookup and comparison cost more than an int's.
-_START, _SEGMENT, _END, _ALLOC, _FREE, _CHECKPOINT, _DELTA, _EPOCH, _TOKENS, _HANDOFF = (
+_START, _SEGMENT, _END, _ALLOC, _FREE, _CHECKPOINT, _DELTA, _EPOCH, _TOKENS, _HANDOFF, _REPLY = (
     int(t) for t in (RecordType.START, RecordType.SEGMENT, RecordType.END, RecordType.ALLOC, RecordType.FREE,
                      RecordType.CHECKPOINT, RecordType.DELTA, RecordType.EPOCH, RecordType.TOKENS,
-                     RecordType.HANDOFF))
+                     RecordType.HANDOFF, RecordType.REPLY))
 _NAMES: Dict[int, str] = {int(t): name for t, name in NAMES.items()}
+#: Segment layouts whose blocks stay a prefix cache once their request ended (``JournalState.cache``):
+#: the vLLM connector's KV blocks (``kvj.segments.kvblock.FORMAT``), named by a chain key of their tokens.
+CACHED_FORMATS = frozenset({"kvj-kv-block/2"})
 
 
 class _Fields:
     """A payload map read by field name, as ``apply`` reads a record's struct: the map is the
-    object's attribute dict (no copy, looked up in C); the one field a map may leave out, an
-    epoch's salvage, defaults to None as in the struct."""
+    object's attribute dict (no copy, looked up in C); the fields a map may leave out (an
+    epoch's salvage, a reply's optional ones) default as in the struct."""
 
     salvage = None
+    finish_reason = stop_reason = to = None  # a reply record's fields left at their defaults
+    cached_tokens = 0
 
     def __init__(self, payload: Dict[str, Any]):
         self.__dict__ = payload
@@ -80,6 +85,9 @@ class RequestState:
     status: Optional[str] = None
     end_lsn: Optional[int] = None
     moved_to: Optional[str] = None  #: the engine a handoff record moved it to (it ended here, status "handoff")
+    #: a served reply's end (a reply record, kvj serve's reply journal): status, count, finish_reason,
+    #: stop_reason, cached_tokens, at, to; None while it runs
+    reply: Optional[Dict[str, Any]] = None
 
     @property
     def resume_position(self) -> int:
@@ -97,13 +105,14 @@ class RequestState:
                 "end_lsn": self.end_lsn, "resume_position": self.resume_position,
                 "segments": [self.segments[k].to_dict() for k in sorted(self.segments)],
                 **({"output": self.output} if self.output else {}),
-                **({"moved_to": self.moved_to} if self.moved_to else {})}
+                **({"moved_to": self.moved_to} if self.moved_to else {}),
+                **({"reply": self.reply} if self.reply is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RequestState":
         req = cls(d["id"], d.get("prompt_hash"), d.get("tokens"), d.get("meta") or {}, d["start_lsn"],
                   ended=d.get("ended", False), status=d.get("status"), end_lsn=d.get("end_lsn"),
-                  output=list(d.get("output") or []), moved_to=d.get("moved_to"))
+                  output=list(d.get("output") or []), moved_to=d.get("moved_to"), reply=d.get("reply"))
         for s in d.get("segments", []):
             ref = SegmentRef.from_dict(s)
             req.segments[ref.seg] = ref
@@ -134,6 +143,9 @@ class JournalState:
     snapshot_lsn: int = 0
     warnings: List[str] = field(default_factory=list)
     tail: Optional[Dict[str, Any]] = None  # torn tail found by replay: path, offset, length
+    #: chain key -> KV block segment (``CACHED_FORMATS``) of a request that ended: a prefix cache
+    #: that survives restarts, kept under the store's byte budget (``kvj.ops.evict``), not an orphan
+    cache: Dict[str, SegmentRef] = field(default_factory=dict)
 
     def in_flight(self) -> List[RequestState]:
         return [r for r in self.requests.values() if not r.ended]
@@ -179,13 +191,23 @@ class JournalState:
             if req is None:
                 self._warn(lsn, f"end of a request that never started: {p.id}")
                 return
+            if not req.ended:
+                self._cache(req)
             req.ended, req.status, req.end_lsn = True, p.status, lsn
         elif rtype == _HANDOFF:
             req = self.requests.get(p.id)
             if req is None or req.ended:
                 self._warn(lsn, f"handoff of a request that is not in flight: {p.id}")
                 return
+            self._cache(req)
             req.ended, req.status, req.end_lsn, req.moved_to = True, "handoff", lsn, p.to
+        elif rtype == _REPLY:
+            req = self.requests.get(p.id)
+            if req is None or req.ended:
+                self._warn(lsn, f"reply record of a request that is not in flight: {p.id}")
+                return
+            req.reply = {"status": p.status, "count": p.count, "at": p.at, "finish_reason": p.finish_reason,
+                         "stop_reason": p.stop_reason, "cached_tokens": p.cached_tokens, "to": p.to}
         elif rtype == _ALLOC:
             device = self.allocations.setdefault(p.device, {})
             if p.addr in device:
@@ -215,6 +237,18 @@ class JournalState:
             req.output.extend(p.tokens)
         else:
             self._warn(lsn, f"skipped record of unknown type {rtype} (written by a newer kvj?)")
+
+    def _cache(self, req: RequestState) -> None:
+        """Keep an ending request's KV blocks as the prefix cache (``cache``), by chain key."""
+        for ref in req.segments.values():
+            layout = ref.layout
+            if ref.key and layout.get("format") in CACHED_FORMATS and type(layout.get("chain")) is str:
+                self.cache[layout["chain"]] = ref
+
+    def cached_keys(self) -> Dict[str, str]:
+        """Segment keys of the prefix cache (``cache``), mapped to what they hold: kept by compaction's
+        collection, evicted least recently used first under the store's byte budget."""
+        return {ref.key: f"cached KV block {chain[:16]}" for chain, ref in self.cache.items() if ref.key}
 
     def training_step(self) -> Optional[int]:
         """The newest training step the journal holds (checkpoint or delta), if any."""
@@ -252,6 +286,7 @@ class JournalState:
                             for dev, allocs in sorted(self.allocations.items())},
             "checkpoint": self.checkpoint, "deltas": self.deltas, "epochs": self.epochs,
             "counts": self.counts, "warnings": self.warnings, "tail": self.tail,
+            **({"cache": {chain: ref.to_dict() for chain, ref in self.cache.items()}} if self.cache else {}),
         }
 
     @classmethod
@@ -264,6 +299,7 @@ class JournalState:
         for r in d.get("requests", []):
             req = RequestState.from_dict(r)
             state.requests[req.id] = req
+        state.cache = {chain: SegmentRef.from_dict(ref) for chain, ref in (d.get("cache") or {}).items()}
         for dev, allocs in d.get("allocations", {}).items():
             state.allocations[dev] = {a["addr"]: Allocation(a["addr"], a["size"], a["tag"], a["lsn"])
                                       for a in allocs}

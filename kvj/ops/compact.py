@@ -13,7 +13,11 @@ Safe to run from cron while the writer runs:
   naming it is durable (``kvj.segments.claims``), so a segment stored just before its record
   is never collected, whatever the grace period;
 - with a byte budget (``max_store_bytes``, or ``kvj.conf``'s), segments that nothing needs are
-  then evicted least recently used first until the store fits it (``kvj.ops.evict``).
+  then evicted least recently used first until the store fits it (``kvj.ops.evict``);
+- the prefix cache (``JournalState.cache``: the KV blocks of ended requests) is a cache under
+  that budget: with one, collection keeps its blocks and eviction removes them least recently
+  used first; without one, they are collected after the grace period as other unreferenced
+  segments are. A snapshot leaves out cache entries whose segment the store no longer holds.
 
 ``dry_run=True`` says what a compaction would write, remove and reclaim, and changes
 nothing (the compactor lock is held shared, read-only).
@@ -103,9 +107,11 @@ def _unlink_all(paths: List[str], directory: str, fs: FS, dry_run: bool = False)
     return freed
 
 
-def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> JournalState:
+def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS,
+                 holds: Optional[Callable[[str], bool]] = None) -> JournalState:
     """Fold the sealed logs into a durable snapshot, then delete the logs and snapshots it covers
-    (with ``result.dry_run``, only count them)."""
+    (with ``result.dry_run``, only count them). ``holds(key)``: whether the store still holds a
+    segment; the snapshot's prefix cache keeps only those (None: the cache is kept as it is)."""
     logs = list_logs(directory)
     sealed, newest = logs[:-1], logs[-1:]
     state = fold_sealed(directory, sealed)
@@ -117,6 +123,8 @@ def compact_logs(directory: str, result: CompactResult, fs: FS = REAL_FS) -> Jou
             raise CorruptionError(sealed[-1], None, f"sealed logs end at LSN {state.last_lsn} but the "
                                   f"newest log starts at LSN {base}")
         if state.last_lsn > state.snapshot_lsn:
+            if holds is not None:
+                state.cache = {chain: ref for chain, ref in state.cache.items() if ref.key and holds(ref.key)}
             if result.dry_run:
                 result.snapshot = os.path.join(directory, snapshot_name(state.last_lsn))
                 result.snapshot_bytes = len(encode_snapshot(state))
@@ -145,8 +153,10 @@ def _drop_ended(state: JournalState) -> None:
 
 
 def collect_segments(directory: str, store: Any, result: CompactResult, folded: JournalState, *, grace: float,
-                     now: float, progress: Optional[Progress] = None, fs: FS = REAL_FS) -> None:
-    """Delete segments that no live record references and that are older than ``grace`` seconds.
+                     now: float, progress: Optional[Progress] = None, fs: FS = REAL_FS,
+                     keep_cache: bool = False) -> None:
+    """Delete segments that no live record references and that are older than ``grace`` seconds
+    (with ``keep_cache``, under a byte budget, the prefix cache's are kept: eviction's to remove).
 
     ``folded``: the journal's state as ``compact_logs`` left it (its snapshot and sealed logs
     folded), so that only the log after it is read here (and folded into it), not the snapshot
@@ -176,6 +186,8 @@ def collect_segments(directory: str, store: Any, result: CompactResult, folded: 
             young.append(key)
     RecordStream(directory, after_lsn=folded.last_lsn).fold(folded)
     referenced = folded.referenced_keys()
+    if keep_cache:
+        referenced.update(folded.cached_keys())
     doomed = [(key, size) for key, size in aged if key not in referenced]
     result.segments_kept_young = sum(1 for key in young if key not in referenced)
     if result.dry_run:
@@ -229,19 +241,21 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
     fs = READ_ONLY_FS if dry_run else fs  # a dry run that tried to write would fail, not write
     try:
         result = CompactResult(dry_run=dry_run)
-        state = compact_logs(directory, result, fs)
-        if collect:
-            with opened_store(store, default_store_path(directory), fs) as seg_store:
-                if seg_store is not None:
-                    now = time.time() if now is None else now
-                    collect_segments(directory, seg_store, result, state, grace=grace, now=now,
-                                     progress=progress, fs=fs)
-                    if max_store_bytes is not None:
-                        evict_segments(directory, seg_store, result, max_bytes=max_store_bytes, now=now,
-                                       min_age=min(grace, EVICT_MIN_AGE), progress=progress, fs=fs)
-                    uses = seg_store.backend.uses
-                    if not dry_run and uses is not None and os.path.lexists(uses.path):
-                        uses.fold(set(seg_store.keys()))  # bounded: one record per stored key
+        if not collect:
+            compact_logs(directory, result, fs)
+            return result
+        with opened_store(store, default_store_path(directory), fs) as seg_store:
+            state = compact_logs(directory, result, fs, seg_store.exists if seg_store is not None else None)
+            if seg_store is not None:
+                now = time.time() if now is None else now
+                collect_segments(directory, seg_store, result, state, grace=grace, now=now,
+                                 progress=progress, fs=fs, keep_cache=max_store_bytes is not None)
+                if max_store_bytes is not None:
+                    evict_segments(directory, seg_store, result, max_bytes=max_store_bytes, now=now,
+                                   min_age=min(grace, EVICT_MIN_AGE), progress=progress, fs=fs)
+                uses = seg_store.backend.uses
+                if not dry_run and uses is not None and os.path.lexists(uses.path):
+                    uses.fold(set(seg_store.keys()))  # bounded: one record per stored key
         return result
     finally:
         if lock is not None:

@@ -115,6 +115,7 @@ class FsckResult:
     last_lsn: int = 0
     segments_checked: int = 0
     orphans: List[str] = field(default_factory=list)
+    cached: int = 0  # segments held as the prefix cache (KV blocks of ended requests: JournalState.cache)
     writer_live: bool = False
     data_verified: int = 0  # segments read in full (every chunk CRC and the digest)
     headers_checked: int = 0  # segments outside a --read-data-subset sample: header only
@@ -142,7 +143,7 @@ class FsckResult:
                 "first_lsn": self.first_lsn, "last_lsn": self.last_lsn,
                 "segments_checked": self.segments_checked, "data_verified": self.data_verified,
                 "headers_checked": self.headers_checked, "sample_seed": self.sample_seed, "orphans": self.orphans,
-                "writer_live": self.writer_live, "findings": [f.to_dict() for f in self.findings]}
+                "cached": self.cached, "writer_live": self.writer_live, "findings": [f.to_dict() for f in self.findings]}
 
 
 def _canonical(state: JournalState) -> str:
@@ -385,8 +386,10 @@ class _Checker:
             if referenced:
                 self.add("error", "segment-missing", f"no segment store, but {len(referenced)} segments are needed")
             return
-        orphans = sorted(set(store.keys()) - referenced.keys())
-        problems = self._verify(store, sorted(referenced) + orphans, digests)
+        held = set(store.keys())
+        cached = {key: who for key, who in state.cached_keys().items() if key not in referenced}
+        orphans = sorted(held - referenced.keys() - cached.keys())
+        problems = self._verify(store, sorted(referenced) + orphans + sorted(held & cached.keys()), digests)
         for key, who in sorted(referenced.items()):
             problem = problems[key]
             if problem is None:
@@ -405,6 +408,16 @@ class _Checker:
                 self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}; recovery falls back to "
                          "the segments before it")
         self.result.orphans = orphans
+        self.result.cached = len(held & cached.keys())
+        for key in sorted(held & cached.keys()):
+            problem = problems[key]
+            if problem is not None:
+                finding = self.add("error", problem[0], f"{cached[key]}, segment {key}: {problem[1]} (a cached block: "
+                                   "a request that needs it recomputes it)")
+                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}", preen=True)
+        if cached.keys() - held:
+            self.add("note", "cache-evicted", f"{len(cached.keys() - held)} cached KV blocks were evicted from the "
+                     "store (the next kvj compact drops them from the cache)")
         for key in orphans:
             problem = problems[key]
             if problem is not None:
@@ -528,8 +541,26 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
         state = checker.logs(checker.snapshots())
         checker.replay_warnings(state)
         checker.segments(state)
-        return checker.result
     finally:
         for lock in reversed(locks):
             lock.release()
+    _replies(checker.result, dict(repair=repair, preen=preen, sample=sample, fs=fs, progress=progress, mode=mode))
+    return checker.result
+
+
+def _replies(result: FsckResult, options: Dict[str, Any]) -> None:
+    """kvj serve's reply journal (``JOURNAL/replies/``), checked as any journal is, into ``result``."""
+    from kvj.journal.replay import holds_journal
+    from kvj.serve.paths import REPLIES_DIR
+
+    path = os.path.join(result.path, REPLIES_DIR)
+    if os.path.basename(result.path) == REPLIES_DIR or not os.path.isdir(path) or not holds_journal(path):
+        return
+    sub = fsck(path, None, **options)
+    for finding in sub.findings:
+        finding.message = f"replies/ (kvj serve's reply journal): {finding.message}"
+        result.findings.append(finding)
+    result.logs += sub.logs
+    result.records += sub.records
+    result.snapshots += sub.snapshots
 

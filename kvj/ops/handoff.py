@@ -97,12 +97,29 @@ class HandoffTimeout(KvjError):
 
 
 def pause_server(url: str, mode: str) -> None:
-    """Ask a ``vllm serve`` (started with ``VLLM_SERVER_DEV_MODE=1``, which mounts ``POST /pause``)
-    to pause: ``abort`` stops its requests (handed off, the handoff being armed), ``finish`` lets them finish."""
+    """Ask the server at ``url`` to stop its requests: ``abort`` (handed off, the handoff being
+    armed) or ``finish`` (they finish there). A ``kvj serve`` does it through its own route
+    (``POST /v1/kvj/handoff``: no vLLM dev mode, and it keeps accepting requests; ``VLLM_API_KEY``
+    is sent when set); a ``vllm serve`` needs ``VLLM_SERVER_DEV_MODE=1``, which mounts ``POST /pause``
+    (it pauses: no new request is scheduled until it is resumed)."""
     import urllib.error
     import urllib.parse
     import urllib.request
 
+    key = os.environ.get("VLLM_API_KEY")
+    served = url.rstrip("/") + "/v1/kvj/handoff?" + urllib.parse.urlencode({"mode": mode})
+    request = urllib.request.Request(served, method="POST",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            reply.read()
+        return
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:  # a kvj serve that refused: say why
+            raise KvjError(f"kvj serve at {url} refused the handoff: {exc.read().decode(errors='replace')[:300]}") \
+                from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise KvjError(f"cannot reach the server at {url}: {exc}") from None
     target = url.rstrip("/") + "/pause?" + urllib.parse.urlencode({"mode": "abort" if mode == "abort" else "wait"})
     try:
         with urllib.request.urlopen(urllib.request.Request(target, method="POST"), timeout=600) as reply:

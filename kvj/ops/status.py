@@ -20,7 +20,7 @@ from kvj.journal.config import config_max_store_bytes, config_policy
 from kvj.journal.mirror import mirror_of, recorded
 from kvj.journal.reader import Group, LogEnd, Scan, TornTail, list_logs, log_end, newest_first
 from kvj.journal.records import RecordType
-from kvj.journal.replay import check_journal, replay
+from kvj.journal.replay import check_journal, holds_journal, replay
 from kvj.journal.snapshot import list_snapshots
 from kvj.ops.armed import read_control
 from kvj.untrusted import read_json
@@ -178,7 +178,30 @@ def status(journal: str, store_root: Optional[str], now: Optional[float] = None)
                incomplete_tail=end.tail.length if end.tail else 0, last_minute=last_minute)
     out["store"] = _store(store_root)
     out["store"]["max_store_bytes"] = _budget(journal)
+    out["replies"] = replies_status(journal, now)
     return out
+
+
+def replies_status(journal: str, now: float) -> Optional[Dict[str, Any]]:
+    """kvj serve's reply journal (``JOURNAL/replies/``): its writer, the replies running and held
+    (their bytes as the server's budget counts them: 4 a token and the body), the oldest held.
+    None where there is no reply journal."""
+    from kvj.serve.paths import replies_dir
+
+    path = replies_dir(journal)
+    if not os.path.isdir(path) or not holds_journal(path):
+        return None
+    info: Dict[str, Any] = {"path": path, "writer": _holder(path, LOCK_NAME, "writer"), "damage": None}
+    try:
+        state = replay(path)
+    except (CorruptionError, FormatError) as exc:
+        return {**info, "damage": str(exc)}
+    held = [r for r in state.in_flight() if r.reply is not None]
+    info.update(running=len(state.in_flight()) - len(held), held=len(held),
+                held_bytes=sum(4 * len(r.output) + len(str((r.meta or {}).get("body"))) for r in held),
+                oldest_held_age=(now - min(r.reply["at"] for r in held)) if held else None,
+                ended=len(state.ended()) + state.ended_compacted)
+    return info
 
 
 def _budget(journal: str) -> Optional[int]:
@@ -289,7 +312,8 @@ def engine_status(path: str, ranks: List[Tuple[str, Optional[str], Optional[str]
             shown.append({"rank": name, "journal": os.path.join(path, name), "missing": True})
         else:
             shown.append({"rank": name, "missing": False, **status(journal, store_root, now)})
-    return {"journal": path, "now": now, "ranks": shown, "totals": _totals(path, shown)}
+    return {"journal": path, "now": now, "ranks": shown, "totals": _totals(path, shown),
+            "replies": replies_status(path, now)}
 
 
 def _totals(path: str, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:

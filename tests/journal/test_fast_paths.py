@@ -137,13 +137,18 @@ payloads = st.one_of(
         {"epoch": st.integers(0, 3), "recovered_lsn": st.integers(0, 9), "time": st.floats(0, 1e9),
          "manifest": st.one_of(st.none(), st.just("m"))},
         optional={"salvage": st.one_of(st.none(), meta)})),
+    st.tuples(st.just(RecordType.REPLY), st.fixed_dictionaries(
+        {"id": names, "status": st.sampled_from(["completed", "cancelled"]), "count": st.integers(0, 9),
+         "at": st.floats(0, 1e9)},
+        optional={"finish_reason": st.just("stop"), "stop_reason": st.one_of(st.integers(0, 9), st.just("\n")),
+                  "cached_tokens": st.integers(1, 9), "to": st.just("engine-b")})),
 )
 #: a record as written: a known type's payload, maybe with a field this kvj does not know
 #: (a newer kvj's), or a record of a type it does not know at all
 written = st.one_of(
     st.tuples(payloads, st.one_of(st.none(), meta)).map(
         lambda t: (int(t[0][0]), msgspec.msgpack.encode({**t[0][1], **({"future": t[1]} if t[1] is not None else {})}))),
-    st.tuples(st.integers(11, 60), meta).map(lambda t: (t[0], msgspec.msgpack.encode(t[1]))),
+    st.tuples(st.integers(12, 60), meta).map(lambda t: (t[0], msgspec.msgpack.encode(t[1]))),
 )
 
 

@@ -153,6 +153,12 @@ VALID = {
     RecordType.TOKENS: st.fixed_dictionaries({"id": ids, "at": naturals, "tokens": st.lists(naturals, min_size=1,
                                                                                              max_size=5)}),
     RecordType.HANDOFF: st.fixed_dictionaries({"id": ids, "to": ids}),
+    # the optional fields with values other than their defaults (a default is not written)
+    RecordType.REPLY: st.fixed_dictionaries(
+        {"id": ids, "status": st.text(max_size=8), "count": naturals,
+         "at": st.floats(allow_nan=False, allow_infinity=False)},
+        optional={"finish_reason": st.text(max_size=8), "stop_reason": st.text(max_size=8) | naturals,
+                  "cached_tokens": st.integers(1, 2**63), "to": ids}),
 }
 
 

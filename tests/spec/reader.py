@@ -77,7 +77,7 @@ SNAP_NAME = re.compile(r"snapshot-(\d{16})\.snap")
 REQUEST_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
 KEY = re.compile(r"[0-9a-f]{64}")
 TYPES = {1: "start", 2: "segment", 3: "end", 4: "alloc", 5: "free", 6: "checkpoint", 7: "delta", 8: "epoch",
-         9: "tokens", 10: "handoff"}
+         9: "tokens", 10: "handoff", 11: "reply"}
 
 
 @dataclass
@@ -225,8 +225,13 @@ SCHEMA: Dict[int, Dict[str, Tuple[str, ...]]] = {
     8: {"epoch": (_INT,), "recovered_lsn": (_INT,), "time": (_FLOAT,), "manifest": (_STR, "nil")},
     9: {"id": (_ID,), "at": (_INT,), "tokens": ("ints",)},
     10: {"id": (_ID,), "to": (_ID,)},
+    11: {"id": (_ID,), "status": (_STR,), "count": ("natural",), "at": (_FLOAT,)},
 }
-OPTIONAL = {8: {"salvage": (_MAP,)}}
+OPTIONAL = {8: {"salvage": (_MAP,)},
+            11: {"finish_reason": (_STR,), "stop_reason": (_STR, "natural"), "cached_tokens": ("natural",),
+                 "to": (_ID,)}}
+#: The layout format of KV blocks that stay in the prefix cache once their request ended (REPLAY).
+CACHED_FORMAT = "kvj-kv-block/2"
 
 
 def _fits(kind: str, v: Any) -> bool:
@@ -244,6 +249,8 @@ def _fits(kind: str, v: Any) -> bool:
         return isinstance(v, str) and REQUEST_ID.fullmatch(v) is not None
     if kind == _KEY:
         return isinstance(v, str) and KEY.fullmatch(v) is not None
+    if kind == "natural":
+        return _is_int(v) and v >= 0
     if kind == "ints":
         return isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)
     if kind == "range":
@@ -363,7 +370,9 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
     requests: Dict[str, Dict[str, Any]] = {}
     for r in snap.get("requests", []):
         requests[r["id"]] = {**{k: r[k] for k in ("id", "prompt_hash", "tokens", "meta", "start_lsn")},
-                             "segments": {s["seg"]: dict(s) for s in r["segments"]}, "output": list(r.get("output", []))}
+                             "segments": {s["seg"]: dict(s) for s in r["segments"]}, "output": list(r.get("output", [])),
+                             "reply": r.get("reply")}
+    cache = {chain: dict(s) for chain, s in (snap.get("cache") or {}).items()}
     allocs = {dev: {a["addr"]: dict(a) for a in lst} for dev, lst in snap.get("allocations", {}).items()}
     checkpoint, deltas = snap.get("checkpoint"), list(snap.get("deltas", []))
     epochs, counts = list(snap.get("epochs", [])), dict(snap.get("counts", {}))
@@ -372,13 +381,19 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
         counts[name] = counts.get(name, 0) + 1
         if rec.rtype == 1:
             requests[p["id"]] = {"id": p["id"], "prompt_hash": p["prompt_hash"], "tokens": p["tokens"],
-                                 "meta": p["meta"], "start_lsn": rec.lsn, "segments": {}, "output": []}
+                                 "meta": p["meta"], "start_lsn": rec.lsn, "segments": {}, "output": [], "reply": None}
         elif rec.rtype == 2 and p["id"] in requests:
             requests[p["id"]]["segments"][p["seg"]] = {
                 **{k: p[k] for k in ("seg", "key", "tokens", "layout", "raw_size", "stored_size", "digest", "codec")},
                 "lsn": rec.lsn, "ptr": None}
-        elif rec.rtype in (3, 10):  # an end, or a handoff: it ended here (RECORDS)
-            requests.pop(p["id"], None)
+        elif rec.rtype in (3, 10):  # an end, or a handoff: it ended here (RECORDS); its KV blocks are cached
+            for seg in (requests.pop(p["id"], None) or {"segments": {}})["segments"].values():
+                if seg["layout"].get("format") == CACHED_FORMAT and isinstance(seg["layout"].get("chain"), str):
+                    cache[seg["layout"]["chain"]] = seg
+        elif rec.rtype == 11 and p["id"] in requests:
+            requests[p["id"]]["reply"] = {k: p.get(k) for k in ("status", "count", "at", "finish_reason",
+                                                                 "stop_reason", "to")}
+            requests[p["id"]]["reply"]["cached_tokens"] = p.get("cached_tokens", 0)
         elif rec.rtype == 4:
             allocs.setdefault(p["device"], {})[p["addr"]] = {"addr": p["addr"], "size": p["size"], "tag": p["tag"],
                                                             "lsn": rec.lsn}
@@ -398,7 +413,7 @@ def fold(records: List[Record], snapshot: Optional[Dict[str, Any]] = None) -> Di
                            **({"salvage": p["salvage"]} if p.get("salvage") is not None else {})})
     for r in requests.values():
         r["resume_position"] = _resume_position(r["segments"])
-    return {"requests": requests, "allocations": allocs,
+    return {"requests": requests, "allocations": allocs, "cache": cache,
             "checkpoint": checkpoint, "deltas": deltas, "epochs": epochs, "counts": counts}
 
 

@@ -55,6 +55,9 @@ def same_as_kvj(journal: reader.Journal, path: str) -> None:
     assert theirs["allocations"] == {d: [a for _, a in sorted(v.items())]
                                      for d, v in sorted(mine["allocations"].items())}
     assert theirs["counts"] == mine["counts"]
+    assert {r["id"]: r.get("reply") for r in theirs["requests"]} == {rid: r["reply"] for rid, r in mine["requests"].items()}
+    assert {chain: (s["key"], s["lsn"]) for chain, s in theirs.get("cache", {}).items()} == \
+        {chain: (s["key"], s["lsn"]) for chain, s in mine["cache"].items()}
 
 
 # ---------------------------------------------------------------------------- journals
@@ -77,6 +80,8 @@ def test_every_record_type_over_rotated_files_reads_as_kvj_replays_it(tmp_path, 
         j.end("r-2", "cancelled")
         j.start("r-4", None, [5], {})
         j.handoff("r-4", "engine-b")
+        j.append(kvj.RecordType.REPLY, {"id": "r-1", "status": "completed", "count": 2, "at": 1.5,
+                                        "finish_reason": "stop", "stop_reason": 7})
         j.alloc("cuda:0", 0x1000, 4096, "kv:r-1")
         j.alloc("cuda:0", 0x9000, 512, "kv:r-2")
         j.free("cuda:0", 0x9000)
@@ -91,6 +96,7 @@ def test_every_record_type_over_rotated_files_reads_as_kvj_replays_it(tmp_path, 
     assert {r.rtype for r in journal.records} == set(reader.TYPES)
     assert all(r.time_ns for r in journal.records) and journal.logs[-1].version == 2
     assert set(store) == {r.payload["key"] for r in journal.records if r.rtype == 2} and store_key in store
+    assert kvj.replay(path).requests["r-1"].reply["status"] == "completed"
     same_as_kvj(journal, path)
 
 

@@ -61,3 +61,7 @@ def test_vllm_blocks_carry_their_identity_chain_and_bytes(tmp_path):
     assert ends == [{"id": "r1", "status": "stopped"}]
     state = kvj.replay(path)
     assert state.requests["r1"].output == tokens[7:] and state.requests["r2"].resume_position == BLOCK
+    # r1's blocks, its request ended, are the prefix cache (kvj-journal(5), REPLAY), by chain key
+    cache = reader.fold(journal.records)["cache"]
+    assert sorted(cache) == sorted(chains[:2]) == sorted(state.cache)
+    assert {c: s["key"] for c, s in cache.items()} == {c: ref.key for c, ref in state.cache.items()}

@@ -90,6 +90,7 @@ from kvj.journal import ranks as rank_journals
 from kvj.segments import kvblock
 from kvj.segments.kvblock import chain_keys
 from kvj.integrations.vllm.compat import SLEEP_MODE, SUPPORTED_VLLM, Runner, check_version, find_runner, token_ids
+from kvj.serve.paths import cancel_marker
 from kvj.integrations.vllm.handoff import armed_target, drain
 from kvj.integrations.vllm.layout import FP8, block_layout, journal_id, model_identity, worker_ranks
 from kvj.integrations.vllm.resuming import RESTORED, REUSED, SAMPLING, START_FORMAT, Resumed, ResumePlan, resume, resume_plans
@@ -330,6 +331,8 @@ class KvjConnector(KVConnectorBase_V1):
                 "prompt_len": int(extra.get("kvj_prompt_len", len(prompt))), "resumes": extra.get("kvj_resumes")}
         if extra.get("kvj_from"):  # handed off: the journal it continues from (its ``resumes`` are ids there)
             meta["from"] = str(extra["kvj_from"])
+        if extra.get("kvj_client"):  # kvj serve's reply this request produces (kvj.serve)
+            meta["client"] = str(extra["kvj_client"])
         return Start(request.request_id, tracked.jid, prompt, meta)
 
     def _chains(self, tracked: _Tracked) -> List[str]:
@@ -475,6 +478,8 @@ class KvjConnector(KVConnectorBase_V1):
         # what it resumes is ended here only if it was in flight here (not if another engine's)
         resumes = [r for r in str(extra.get("kvj_resumes") or "").split(",") if r] if not extra.get("kvj_from") else []
         target = armed_target(self.config.journal) if status == "aborted" else None  # one stat per abort
+        if status == "aborted" and target is None and extra.get("kvj_client"):
+            status = _served_abort(self.config.journal, str(extra["kvj_client"]))
         self._finishing.append(Finish(request.request_id, tracked.jid, "handoff" if target else status, resumes,
                                       target))
         return True, {RESTORED: self._restored(tracked), REUSED: tracked.local_hit}
@@ -541,6 +546,20 @@ class KvjConnector(KVConnectorBase_V1):
         """The worker journals what is still held for it and drains everything queued."""
         if self._role == KVConnectorRole.WORKER:
             self.worker.close()
+
+
+def _served_abort(journal: str, client: str) -> str:
+    """How a kvj serve request that vLLM aborted ends: "cancelled" when kvj serve cancelled it
+    (its cancel marker, removed here), else "parked": cut off by a shutdown or the engine's end,
+    it stays in flight (no END) and the next ``kvj serve`` continues its reply."""
+    try:
+        os.unlink(cancel_marker(journal, client))
+        return "cancelled"
+    except FileNotFoundError:
+        return "parked"
+    except (OSError, KvjError):
+        logger.warning("kvj: the cancel marker of %r cannot be read: its request is parked", client)
+        return "parked"
 
 
 def durable_on_all_ranks(path: str, seed: str, tp_size: int, pp_size: int) -> Set[str]:

@@ -121,6 +121,10 @@ class Load:
     blocks: List[Tuple[int, str]]  #: (block id, chain key), in order from the request's first loaded block
 
 
+#: A ``Finish`` status that journals nothing: the request stays in flight (kvj serve resumes it).
+PARKED = "parked"
+
+
 @dataclass
 class Finish:
     vllm_id: str
@@ -222,13 +226,14 @@ def when_all(futures: Sequence["Future[Any]"]) -> "Future[None]":
 
 
 def durable_blocks(state: "kvj.JournalState", seed: str) -> Dict[str, Dict[str, Any]]:
-    """chain key -> {"key", "layout"} of every KV block segment of this chain seed in the journal."""
+    """chain key -> {"key", "layout"} of every KV block segment of this chain seed in the journal
+    (its requests', and its prefix cache's: blocks of requests that ended, ``JournalState.cache``)."""
     found: Dict[str, Dict[str, Any]] = {}
-    for req in state.requests.values():
-        for ref in req.segments.values():
-            lay = ref.layout or {}
-            if ref.key and lay.get("seed") == seed and lay.get("chain") and lay.get("format") == kvblock.FORMAT:
-                found[lay["chain"]] = {"key": ref.key, "layout": lay}
+    refs = [ref for req in state.requests.values() for ref in req.segments.values()] + list(state.cache.values())
+    for ref in refs:
+        lay = ref.layout or {}
+        if ref.key and lay.get("seed") == seed and lay.get("chain") and lay.get("format") == kvblock.FORMAT:
+            found[lay["chain"]] = {"key": ref.key, "layout": lay}
     return found
 
 
@@ -606,7 +611,7 @@ class WorkerJournal:
         try:
             if saved.exception() is not None:
                 self._fail(saved.exception())  # type: ignore[arg-type]
-            if self._failed is None:
+            if self._failed is None and fin.status != PARKED:  # parked: no END, it stays in flight
                 for earlier in fin.resumes:
                     self.journal.end(earlier, "resumed")
                 if fin.to is not None:
