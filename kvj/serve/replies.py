@@ -21,7 +21,7 @@ import blake3
 import numpy as np
 
 import kvj
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.journal.records import RecordType
 
 #: The reply journal's START ``meta.format``.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvj.bench.serve import format_table
+from benchmarks.serve import format_table
 
 
 def test_the_table_gives_each_system_its_ratio_to_plain_vllm_and_the_restart():

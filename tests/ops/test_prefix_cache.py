@@ -11,7 +11,7 @@ import torch
 
 import kvj
 from kvj.integrations.vllm.worker import Finish, Save, Start, StepPlan, WorkerJournal, durable_blocks
-from kvj.journal.policy import CommitPolicy
+from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.fsck import fsck
 from kvj.segments.kvblock import FORMAT, LHNC, KVBlockLayout, chain_keys

@@ -1,9 +1,9 @@
-"""The tiny model kvj serve's tests serve (``kvj.bench.serve.make_model``: a random-weight Llama and a
+"""The tiny model kvj serve's tests serve (``benchmarks.serve.make_model``: a random-weight Llama and a
 BPE tokenizer with a chat template, made offline), as ``python -m support.serve_model DIR`` too."""
 
 from __future__ import annotations
 
-from kvj.bench.serve import make_model
+from benchmarks.serve import make_model
 
 __all__ = ["make_model"]
 

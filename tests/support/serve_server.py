@@ -1,6 +1,6 @@
 """``kvj serve`` for the tests in ``tests/serve``: a server in a process group of its own
-(``kvj.bench.serve.ServerProcess``: waited for through ``/health``, never a fixed sleep, killed as
-a crash with the whole group), always cleaned up; and the SSE client (``kvj.bench.serve.sse``)."""
+(``benchmarks.serve.ServerProcess``: waited for through ``/health``, never a fixed sleep, killed as
+a crash with the whole group), always cleaned up; and the SSE client (``benchmarks.serve.sse``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
-from kvj.bench.serve import ENGINE, ServerProcess, sse
+from benchmarks.serve import ENGINE, ServerProcess, sse
 from support.wait import wait_for
 
 __all__ = ["KVJ", "WORKTREE", "Server", "data", "kvj", "normal", "serving", "sse", "tokens_and_text"]
