@@ -24,6 +24,7 @@ import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, AsyncIterator, List, Optional, Set, Tuple
 
+from kvj.errors import KvjError
 from kvj.fileio import makedirs_durable
 from kvj.serve.determinism import DRIVE
 from kvj.serve.paths import cancel_marker
@@ -122,7 +123,7 @@ class Engine:
                     last = out.finished and j == n - 1
                     finish: Finish = (o.finish_reason, o.stop_reason) if last else None
                     if last and o.finish_reason == "abort":
-                        raise RuntimeError(f"the engine aborted reply {split.reply.key}")
+                        raise KvjError(f"the engine aborted reply {split.reply.key}")
                     res = await split.token(int(t), finish, out.num_cached_tokens or 0)
                     if res is not None:
                         yield res

@@ -15,6 +15,8 @@ import json
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional
 
+from kvj.errors import InvalidArgument
+
 #: Error types, as OpenAI names them.
 INVALID, NOT_FOUND = "invalid_request_error", "not_found_error"
 
@@ -47,15 +49,15 @@ def error_frame(error: Dict[str, Any]) -> str:
 
 def parse_position(value: Optional[str], name: str) -> Optional[int]:
     """A ``starting_after`` or ``Last-Event-ID`` value: an integer >= -1, or None when absent.
-    Raises ``ValueError`` with the message a 400 carries."""
+    Raises ``InvalidArgument`` (a ``ValueError``) with the message a 400 carries."""
     if value is None or value == "":
         return None
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"{name} must be an integer event number, not {value!r}") from None
+        raise InvalidArgument(f"{name} must be an integer event number, not {value!r}") from None
     if n < -1:
-        raise ValueError(f"{name} must be -1 or more, not {n}")
+        raise InvalidArgument(f"{name} must be -1 or more, not {n}")
     return n
 
 

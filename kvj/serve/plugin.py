@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import Any, Optional
 
+from kvj.errors import KvjError
 from kvj.serve import determinism, shm
 from kvj.serve.retention import Retention
 from kvj.serve.server import Server
@@ -44,7 +45,7 @@ class KvjPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """vLLM's ``init_app_state``, the engine up: take over (module docstring)."""
         if engine_client is None:
-            raise RuntimeError("kvj serve needs an engine (not vLLM's render-only server)")
+            raise KvjError("kvj serve needs an engine (not vLLM's render-only server)")
         determinism.install()
         state.kvj_server = self.server
         self.server.attach(engine_client, state)

@@ -23,7 +23,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 
-from kvj.errors import InvalidName
+from kvj.errors import InvalidName, KvjError
 from kvj.names import check_request_id
 from kvj.serve import frames as wire
 from kvj.serve.replies import Reply
@@ -277,5 +277,5 @@ def attach(app: FastAPI) -> None:
             originals[("POST", route.path)] = route.endpoint
     missing = [p for p in DURABLE_POSTS if ("POST", p) not in originals]
     if missing:
-        raise RuntimeError(f"kvj serve: vLLM's app has no POST {missing[0]} (a vLLM kvj serve does not know)")
+        raise KvjError(f"kvj serve: vLLM's app has no POST {missing[0]} (a vLLM kvj serve does not know)")
     app.include_router(make_router(originals))
