@@ -6,7 +6,7 @@ the ``kvj`` command installs its Ctrl-C handler first (``kvj.cli.launch``).
 
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: Public name -> the module that defines it.
 _LAZY = {

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from benchmarks.serve import ENGINE, ServerProcess, sse
 from support.wait import wait_for
 
-__all__ = ["KVJ", "WORKTREE", "Server", "data", "kvj", "normal", "serving", "sse", "tokens_and_text"]
+__all__ = ["KVJ", "WORKTREE", "Server", "ballast", "data", "kvj", "normal", "serving", "sse", "tokens_and_text"]
 
 WORKTREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KVJ = os.path.join(os.path.dirname(sys.executable), "kvj")
@@ -39,7 +39,7 @@ class Server(ServerProcess):
         argv = (command or [KVJ, "serve"]) + [model] + (["--journal", journal] if journal else []) + \
             ["--port", str(port), *ENGINE, *extra]
         super().__init__(argv, port, log, {"PYTHONPATH": WORKTREE + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                           **(env or {})})
+                                           **SAME_BITS, **(env or {})})
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> float:
         """Seconds from the start to ``/health``; fails, with the log's tail, if the server exits."""
@@ -73,6 +73,44 @@ def serving(*args: Any, **kwargs: Any) -> Iterator[Server]:
         yield server
     finally:
         server.close()
+
+
+#: vLLM's CPU attention splits a long sequence's keys among threads as the batch allows, so a
+#: token's attention sums in an order that depends on what else ran in its step: off in every
+#: test server. (One token a step, ``--long-prefill-token-threshold 1``, would also compute a
+#: resumed reply's tail as it was first computed, but vLLM 0.32's CPU runner then fails seeded
+#: requests: "CPU Generator does not use offset".)
+SAME_BITS = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
+#: Settings for a test that runs its ``ballast`` beside its own requests.
+ROOMY = ("--max-num-seqs", "16")
+
+
+def ballast(server: Server, model: str, tag: str, count: int = 4, tokens: int = 3900) -> List[str]:
+    """``count`` background replies of ``tokens`` tokens, started and generating, that keep every
+    engine step at ``count`` rows or more while a test's own requests run beside them.
+
+    Why: MKL's float32 GEMM computes a row with other bits when a matrix has 1 to 3 rows than when
+    it has 4 or more (torch 2.13, MKL 2024.2: ``(x[:m] @ w)[0]`` differs from ``(x @ w)[0]`` for
+    m <= 3 only), so on vLLM's CPU backend a greedy reply is the same from run to run only when
+    every step it takes part in has 4 rows or more. The test's requests arrive one by one and end
+    one by one; without ballast their first and last steps have fewer rows, and a near-tie in a
+    random model's logits turns the other way (a chat reply once differed at its 172nd token)."""
+    import httpx
+
+    ids = [f"resp_ballast_{tag}_{i}" for i in range(count)]
+    for rid in ids:
+        created = httpx.post(server.url + "/v1/responses", timeout=120, json={
+            "model": model, "input": f"Ballast {rid}: the tide tables of the harbour.", "background": True,
+            "max_output_tokens": tokens, "temperature": 0, "ignore_eos": True, "request_id": rid}).json()
+        assert created["status"] == "queued", created
+
+    def generating(rid: str) -> bool:
+        reply = httpx.get(f"{server.url}/v1/responses/{rid}", timeout=60).json()
+        text = "".join(c.get("text", "") for item in reply.get("output") or [] for c in item.get("content") or [])
+        return reply["status"] == "in_progress" and text != ""
+    wait_for(lambda: all(generating(rid) for rid in ids), "the ballast replies generating", timeout=300,
+             interval=0.1)
+    return ids
 
 
 def data(event: Dict[str, Any]) -> Any:
