@@ -61,6 +61,15 @@ def refusal(args: Any) -> Optional[str]:
     return None
 
 
+def engine_environment(env: Dict[str, str]) -> None:
+    """vLLM's CPU settings kvj serve needs, where the operator set none: a core for the API
+    process, and no split of a long sequence's keys among threads, whose sums depend on the batch
+    (a resumed reply's tail, computed again in one prefill, would not match the decode steps that
+    first computed it: docs/serve.md). Both are read only by vLLM's CPU backend."""
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    env.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+
+
 def run(args: Any, options: Options, say: Any = None) -> None:
     """Resume, then serve until vLLM's server exits (SIGTERM, SIGINT)."""
     import uvloop
@@ -74,7 +83,7 @@ def run(args: Any, options: Options, say: Any = None) -> None:
     gone = determinism.missing()
     if gone:
         raise KvjError(f"kvj serve does not know this vLLM ({gone[0]} is gone): it supports vLLM 0.32")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    engine_environment(os.environ)
     if not log.handlers:  # kvj serve's lines among vLLM's, in their form
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("(APIServer pid=%(process)d) %(levelname)s %(asctime)s [kvj serve] "

@@ -39,7 +39,7 @@ class Server(ServerProcess):
         argv = (command or [KVJ, "serve"]) + [model] + (["--journal", journal] if journal else []) + \
             ["--port", str(port), *ENGINE, *extra]
         super().__init__(argv, port, log, {"PYTHONPATH": WORKTREE + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                           **SAME_BITS, **(env or {})})
+                                           **(env or {})})
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> float:
         """Seconds from the start to ``/health``; fails, with the log's tail, if the server exits."""
@@ -75,12 +75,6 @@ def serving(*args: Any, **kwargs: Any) -> Iterator[Server]:
         server.close()
 
 
-#: vLLM's CPU attention splits a long sequence's keys among threads as the batch allows, so a
-#: token's attention sums in an order that depends on what else ran in its step: off in every
-#: test server. (One token a step, ``--long-prefill-token-threshold 1``, would also compute a
-#: resumed reply's tail as it was first computed, but vLLM 0.32's CPU runner then fails seeded
-#: requests: "CPU Generator does not use offset".)
-SAME_BITS = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
 #: Settings for a test that runs its ``ballast`` beside its own requests.
 ROOMY = ("--max-num-seqs", "16")
 
