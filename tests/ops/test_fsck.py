@@ -424,3 +424,33 @@ def test_a_torn_append_to_the_use_log_is_a_note_not_damage(journal, capsys):
             f.write(good + tail)
         status, out, _err = run_cli(capsys, "fsck", "-j", journal)
         assert status == 0 and f"note: the store's use log ends in {len(tail)} bytes of a torn append" in out, out
+
+
+def test_a_crash_that_kept_some_of_compactions_unlinks_is_not_damage(journal):
+    """Regression (crash suite, seed 21, plan reorder-subset): compaction wrote its snapshot, made
+    it durable, then crashed while unlinking the files it covered; the directory kept the unlink of
+    every file but the oldest, and the writer's next file had no header yet. What is left
+    ends before the snapshot: fsck called that damage ("snapshot ahead of the log"), where
+    recovery and the writer rightly go on from the snapshot. A note now, and nothing is lost."""
+    import shutil
+
+    from kvj.journal.config import CommitPolicy
+
+    with Journal.open(journal, policy=CommitPolicy(file_size_limit=1)) as j:  # a file per group
+        for n in range(4):
+            j.start(f"r{n}")
+    logs = list_logs(journal)
+    assert len(logs) >= 3
+    kept = shutil.copy(logs[0], logs[0] + ".kept")
+    compact(journal, collect=False)
+    (snap_lsn, _snap), = list_snapshots(journal)
+    os.replace(kept, logs[0])  # the oldest file's unlink did not reach the disk
+    assert list_logs(journal)[-1] == logs[-1] and os.path.getsize(logs[-1]) > 0
+    os.truncate(logs[-1], 0)  # the writer's next file: created, its header not yet on the disk
+    result = fsck(journal)
+    assert not errors(result) and not warnings(result), result.findings
+    assert any(f.kind == "covered-gap" and f"snapshot at LSN {snap_lsn}" in f.message for f in result.findings)
+    assert kvj.replay(journal).last_lsn == snap_lsn
+    with Journal.open(journal) as j:
+        lsn = j.start("after-the-crash")
+    assert lsn == snap_lsn + 1 and "after-the-crash" in kvj.replay(journal).requests
