@@ -258,15 +258,6 @@ def warn(message: str) -> None:
     err.print(f"kvj: warning: {' '.join(message.split())}", markup=False)
 
 
-def warn_past_end(at: Optional[int], last_lsn: Optional[int], rank: Optional[str] = None) -> None:
-    """Say so when ``--at LSN`` names a point after the journal's last record: what is shown
-    is the journal's end, not a state that ever existed at that LSN. ``rank`` names a rank journal."""
-    if at is not None and (last_lsn or 0) < at:
-        end = f"LSN {last_lsn}" if last_lsn else "no record"
-        warn(f"{rank + ': ' if rank else ''}--at {at} is past the journal's last record ({end}): this is the state "
-             "at its end")
-
-
 def usage_error(message: str) -> Exception:
     """A usage error (exit status 64; 16 for fsck) tied to the command being run."""
     return click.exceptions.UsageError(message, ctx=get_current_context(silent=True))
@@ -502,17 +493,6 @@ def parse_range(text: str, what: str = "range") -> Tuple[int, int]:
     if not m or int(m.group(1)) > int(m.group(2)):
         raise typer.BadParameter(f"{text!r} is not a {what} START:END with START <= END")
     return int(m.group(1)), int(m.group(2))
-
-
-def parse_int(text: str) -> int:
-    """A non-negative int, decimal or 0x-hex (addresses)."""
-    try:
-        value = int(text, 0)
-    except ValueError:
-        raise typer.BadParameter(f"{text!r} is not an integer (decimal or 0x hex)") from None
-    if value < 0:
-        raise typer.BadParameter(f"{text!r} is negative")
-    return value
 
 
 def parse_pairs(items: Optional[list], what: str, typed: bool = True) -> dict:

@@ -156,12 +156,11 @@ def test_pickle_in_pt_files_is_refused(tmp_path, journal):
 
 def test_bad_record_arguments(journal):
     assert_fails(kvj("record", "start", "../etc", "-j", journal), USAGE, "invalid request id")
-    assert_fails(kvj("record", "alloc", "cuda:0", "zz", "10", "-j", journal), USAGE, "zz")
     assert_fails(kvj("record", "checkpoint", "5", "--key", "w=" + "a" * 64, "-j", journal), DATAERR, "not in the store")
 
 
 @pytest.mark.parametrize("args, status", [(["replay", "--bogus"], USAGE), (["fsck", "--bogus"], 16),
-                                          (["inspect", "--stats", "--layout"], USAGE),
+                                          (["inspect", "--stats", "--follow"], USAGE),
                                           (["inspect", "--export", "x.png"], USAGE), (["nosuch"], USAGE),
                                           (["compact", "--grace", "soon"], USAGE)],
                          ids=lambda a: str(a))
