@@ -1,8 +1,8 @@
 """Generate the man pages (``man/kvj.1``, ``man/kvj-<command>.1``, ``man/journal_replay.1``) and
 the shell completions (``completions/``) from the CLI definition itself.
 
-    python -m kvj.cli.gen_docs            # rewrite man/ and completions/ in this checkout
-    python -m kvj.cli.gen_docs --check    # exit 1 if any generated file is stale
+    python scripts/gen_docs.py            # rewrite man/ and completions/ in this checkout
+    python scripts/gen_docs.py --check    # exit 1 if any generated file is stale
 
 Output is deterministic (no dates), so a test can regenerate into a temporary directory and
 compare. The format pages (kvj-journal.5, kvj-segment.5, ...) are written by hand, not here.
@@ -320,15 +320,15 @@ def stale(target: str) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvj.cli.gen_docs", description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    parser = argparse.ArgumentParser(prog="python scripts/gen_docs.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         help="checkout to write into (default: this one)")
     parser.add_argument("--check", action="store_true", help="only report stale files; exit 1 if any")
     args = parser.parse_args(argv)
     if args.check:
         bad = stale(args.root)
         for rel in bad:
-            print(f"stale: {rel} (run python -m kvj.cli.gen_docs)", file=sys.stderr)
+            print(f"stale: {rel} (run python scripts/gen_docs.py)", file=sys.stderr)
         return 1 if bad else 0
     for rel in write(args.root):
         print(rel)
