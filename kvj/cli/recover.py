@@ -33,16 +33,12 @@ AbandonOpt = typer.Option("--abandon", metavar="ID",
                                "nothing resumes it and compaction and handoff move on.")
 AbandonAllOpt = typer.Option("--abandon-all", help="As --abandon, for every request in flight and every kvj serve "
                              "reply (those held for their clients too).")
-UntilDamageOpt = typer.Option("--until-damage", help="Salvage a damaged journal (--recovery-mode point-in-time): "
-                              "recover it as of the last record before the damage, set the damage and everything "
-                              "after it aside in torn/, and say exactly what is lost (recorded in the epoch record).")
 
 
 def recover(journal: JournalArg = None,
             store: StoreArg = None,
             device: Annotated[Optional[str], DeviceOpt] = None,
             dry_run: Annotated[bool, DryRunOpt] = False,
-            until_damage: Annotated[bool, UntilDamageOpt] = False,
             mode: RecoveryModeArg = "tolerate-torn-tail",
             as_json: JsonArg = False,
             mirror: MirrorArg = None,
@@ -86,14 +82,13 @@ def recover(journal: JournalArg = None,
     the middle of its log is refused (status 65), and so is a damaged tail: a last group
     that a torn write cannot leave (one flipped bit, a record failing its CRC where its
     sectors verify, bytes after it), whose records may have been acknowledged; the error
-    says how many it held. --recovery-mode point-in-time (or --until-damage) is the
+    says how many it held. --recovery-mode point-in-time is the
     explicit way forward (as pg_resetwal): recovery as of the last record before the
     damage, the damage and everything after it kept in torn/, and the LSNs, requests,
     tokens and training steps lost stated and recorded in the recovery-epoch record.
     --recovery-mode absolute-consistency refuses a torn tail too (status 65), for a
     journal that was shut down cleanly.
     """
-    mode = "point-in-time" if until_damage else mode
     if abandon or abandon_all:
         _abandon(journal_path(journal, ranks_ok=True), None if abandon_all else list(abandon or []), dry_run,
                  as_json)
@@ -165,7 +160,7 @@ def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: b
             if mode == "point-in-time":
                 raise
             raise CorruptionError(exc.path, exc.offset, f"{exc.reason}; nothing was changed (kvj recover "
-                                  "--until-damage recovers what precedes the damage: recovery mode point-in-time, "
+                                  "--recovery-mode point-in-time recovers what precedes the damage, "
                                   "see kvj-recover(1))") from None
         if not result.dry_run:
             epoch = f", epoch record at LSN {result.epoch_lsn}" if result.epoch_lsn is not None else ""

@@ -326,7 +326,7 @@ def status_view(s: Dict[str, Any]) -> RenderableType:
                                      style="bold red")])
     if s.get("salvage_pending"):
         rows.append(["salvage", Text("a salvaging recovery was interrupted after setting files aside (kvj recover, "
-                                     "with --until-damage while the log is damaged, completes its report of what "
+                                     "with --recovery-mode point-in-time while the log is damaged, completes its report of what "
                                      "was lost)", style="bold red")])
     if s["damage"]:
         rows.append(["damage", Text(f"{s['damage']} (kvj fsck -j {s['journal']} says what it is and what to do)",

@@ -1,7 +1,7 @@
 """Salvage: recover a journal damaged in the middle of its log, or at its end where the bytes
 cannot be a torn write (a damaged tail), as of the last record before the damage, in the
 spirit of ``pg_resetwal``: explicitly, loudly, and saying what is lost. This is recovery
-mode point-in-time (``kvj recover --recovery-mode point-in-time``, or ``--until-damage``).
+mode point-in-time (``kvj recover --recovery-mode point-in-time``).
 
 Replay refuses damage anywhere but the tail, because records after it cannot be trusted
 to follow from what came before. ``find_damage`` walks the whole log past the damage (the
@@ -18,7 +18,7 @@ From the moment it sets anything aside until the recovery-epoch record that carr
 durable, the salvage's report is kept in the journal's ``SALVAGE.json``: a recovery
 interrupted in between (a crash, a full disk while writing the manifest) would otherwise
 leave a journal that ends cleanly and a retry that says nothing was lost. The next recovery
-reports the pending salvage, with or without ``--until-damage``, and removes the file once
+reports the pending salvage, in point-in-time mode or not, and removes the file once
 its own epoch record is durable.
 """
 
@@ -168,7 +168,7 @@ def load_pending(journal: str) -> Optional[Salvage]:
         return None
     except FormatError as exc:  # written atomically: anything else is damage, not a torn write
         raise CorruptionError(path, None, f"not a pending salvage report ({exc}); it says what an interrupted "
-                                          "kvj recover --until-damage set aside and lost: keep it for the record, "
+                                          "kvj recover --recovery-mode point-in-time set aside and lost: keep it for the record, "
                                           "then move it away to recover") from None
     return Salvage(**{**d, "resumed": True})
 
