@@ -254,7 +254,7 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
                     evict_segments(directory, seg_store, result, max_bytes=max_store_bytes, now=now,
                                    min_age=min(grace, EVICT_MIN_AGE), progress=progress, fs=fs)
                 uses = seg_store.backend.uses
-                if not dry_run and uses is not None and os.path.lexists(uses.path):
+                if not dry_run and os.path.lexists(uses.path):
                     uses.fold(set(seg_store.keys()))  # bounded: one record per stored key
         return result
     finally:

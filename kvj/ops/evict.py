@@ -111,7 +111,7 @@ def evict_segments(journal: str, store: Any, result: Any, *, max_bytes: int, now
     result.max_store_bytes = max_bytes
     if total > max_bytes:
         needed, lsn = needed_keys(journal)  # read after the listing: a segment stored since is no candidate
-        uses = store.backend.uses.read().last if store.backend.uses is not None else {}
+        uses = store.backend.uses.read().last
         candidates = sorted(((uses.get(key, used), key, size) for key, size, used in listed
                              if key not in needed and used <= cutoff))
         total -= _evict(journal, store, result, candidates, total - max_bytes, cutoff, progress, fs,

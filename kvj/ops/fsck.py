@@ -363,7 +363,7 @@ class _Checker:
 
         with opened_store(self.store_arg, default_store_path(self.path), self.fs) as store:
             self._segments(state, store)
-            if store is not None and store.backend.uses is not None:
+            if store is not None:
                 self._use_log(store.backend.uses)
 
     def _use_log(self, log: Any) -> None:
