@@ -368,19 +368,6 @@ def engine_ranks(path: str, store: Optional[str]) -> Optional[List[Tuple[str, Op
             for (t, p), journal in rank_journals(path).items()]
 
 
-def rank_failed(rank: str, exc: BaseException) -> Tuple[int, str]:
-    """Report ``exc``, which stopped the command on rank journal ``rank`` (the others go on), as one
-    line naming the rank; returns its exit status and message."""
-    from kvj.cli.errors import classify, debug, report
-
-    status, message = classify(exc)
-    if debug():
-        import traceback
-        traceback.print_exception(exc)
-    report("kvj", f"{rank}: {message}")
-    return status, message
-
-
 def store_path(journal: str, store: Optional[str]) -> str:
     """The store directory: ``--store`` (or KVJ_STORE), else the journal's own, as
     ``Journal.open`` finds it: the one its kvj.conf names, or ``segments/`` inside it (never

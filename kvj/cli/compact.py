@@ -8,22 +8,9 @@ from typing import Annotated, Any, Dict, Iterator, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    StoreArg,
-    click,
-    done,
-    engine_ranks,
-    journal_path,
-    parse_duration,
-    parse_size,
-    progress,
-    rank_failed,
-    show,
-    store_path,
-    usage_error,
-)
+from kvj.cli.common import (JournalArg, JsonArg, StoreArg, click, done, engine_ranks, journal_path, parse_duration,
+                            parse_size, progress, show, store_path, usage_error)
+from kvj.cli.errors import fail
 from kvj.ops.compact import DEFAULT_GRACE, CompactResult
 from kvj.ops.compact import compact as compact_journal
 from kvj.ops.inspection import human_size
@@ -104,7 +91,7 @@ def _compact_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: 
             except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
                 raise
             except Exception as exc:
-                status, message = rank_failed(name, exc)
+                status, message = fail("kvj", exc, name)
                 engine.status = engine.status or status
                 engine.ranks.append({**entry, "error": message})
                 continue

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Dict, Iterator, List
 import typer
 
 from kvj.cli.common import (JournalArg, JsonArg, StoreArg, click, done, engine_ranks, journal_path, parse_duration,
-                            rank_failed, show, store_path, usage_error)
+                            show, store_path, usage_error)
+from kvj.cli.errors import fail
 from kvj.ops.inspection import human_size
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class _Engine:
         except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
             raise
         except Exception as exc:
-            status, self.errors[name] = rank_failed(name, exc)
+            status, self.errors[name] = fail("kvj", exc, name)
             self.status = self.status or status
             return None
         return self.results[name]
