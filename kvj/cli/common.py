@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar
 
 import typer
 
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 JOURNAL_ENV = "KVJ_JOURNAL"
 STORE_ENV = "KVJ_STORE"
 MIRROR_ENV = "KVJ_MIRROR"
+
+T = TypeVar("T")
 
 JournalOpt = typer.Option("--journal", "-j", envvar=JOURNAL_ENV, show_envvar=True, metavar="DIR",
                           help="Journal directory.")
@@ -366,6 +368,33 @@ def engine_ranks(path: str, store: Optional[str]) -> Optional[List[Tuple[str, Op
                               f"applies to one journal (-j {os.path.join(path, rank_name(0, 0))})")
     return [(rank_name(t, p), journal_path(journal) if os.path.isdir(journal) and holds_journal(journal) else None)
             for (t, p), journal in rank_journals(path).items()]
+
+
+def on_rank(name: str, run: Callable[[], T]) -> Tuple[Optional[T], int, str]:
+    """``run()`` on rank journal ``name`` of an engine directory: its result, or (None, exit status,
+    message) once the failure is reported naming the rank, so that the other ranks go on."""
+    from kvj.cli.errors import fail
+
+    try:
+        return run(), 0, ""
+    except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
+        raise
+    except Exception as exc:
+        status, message = fail("kvj", exc, name)
+        return None, status, message
+
+
+def rank_lines(ranks: List[Dict[str, Any]], lines: Callable[[str], Iterable[str]], verb: str,
+               verbed: str) -> Iterator[str]:
+    """Each rank's lines after its name (``lines(name)``), or why it has none (missing, its error)."""
+    for rank in ranks:
+        name = rank["rank"]
+        if rank.get("missing"):
+            yield f"{name}: no journal, nothing to {verb}"
+        elif "error" in rank:
+            yield f"{name}: not {verbed}: {rank['error']}"
+        else:
+            yield from (f"{name}: {line}" for line in lines(name))
 
 
 def store_path(journal: str, store: Optional[str]) -> str:

@@ -11,7 +11,7 @@ import typer
 from rich.text import Text
 
 from kvj.cli.common import (JournalArg, JsonArg, OutputClosed, OutputFailed, RecoveryModeArg, StoreArg, click,
-                            emit_json, engine_ranks, journal_path, out, progress, store_path, usage_error)
+                            emit_json, engine_ranks, journal_path, on_rank, out, progress, store_path, usage_error)
 from kvj.cli.errors import FSCK_CANCELED, FSCK_CLEAN, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
 from kvj.cli.render import lsn_span
@@ -271,15 +271,9 @@ def _check_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: Di
                 Finding("warning", "rank-missing", "this rank has no journal (it made nothing durable): kvj recover "
                         "resumes every request at token 0 on all ranks", rank.path)])
             continue
-        try:
-            rank.result = check_journal(journal, store_path(journal, None), progress=update, **options)
-        except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
-            raise
-        except Exception as exc:
-            status, rank.error = fail("kvj", exc, name)
-            rank.status = fsck_status(status)
-        else:
-            rank.status = rank.result.exit_code
+        rank.result, status, rank.error = on_rank(name, lambda: check_journal(journal, store_path(journal, None),
+                                                                              progress=update, **options))
+        rank.status = rank.result.exit_code if rank.result is not None else fsck_status(status)
     return engine
 
 
