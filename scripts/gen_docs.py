@@ -18,7 +18,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from kvj import __version__
-from kvj.cli.common import DURATION_RULE, TIME_RULE
+from kvj.cli.parse import DURATION_RULE, TIME_RULE
 from kvj.cli.errors import EXIT_CODES, FSCK_CODES
 from kvj.cli.main import app, command, legacy_app
 

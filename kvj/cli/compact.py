@@ -8,8 +8,10 @@ from typing import Annotated, Any, Dict, Iterator, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, engine_ranks, journal_path, on_rank, parse_duration,
-                            parse_size, progress, rank_lines, show, store_path, usage_error)
+from kvj.cli.options import (JournalArg, JsonArg, StoreArg, engine_ranks, journal_path, on_rank, rank_lines, store_path,
+                             usage_error)
+from kvj.cli.output import done, progress, show
+from kvj.cli.parse import parse_duration, parse_size
 from kvj.ops.compact import DEFAULT_GRACE, CompactResult
 from kvj.ops.compact import compact as compact_journal
 from kvj.ops.inspection import human_size

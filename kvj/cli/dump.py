@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, done, emit_json, journal_path, out, store_path, usage_error
+from kvj.cli.options import JournalArg, JsonArg, StoreArg, journal_path, store_path, usage_error
+from kvj.cli.output import done, emit_json, out
 from kvj.errors import InvalidArgument, NotFound
 from kvj.ops.inspection import human_size, short_key
 

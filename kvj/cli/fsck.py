@@ -10,8 +10,9 @@ from typing import Annotated, Any, Callable, Dict, List, NoReturn, Optional, Tup
 import typer
 from rich.text import Text
 
-from kvj.cli.common import (JournalArg, JsonArg, OutputClosed, OutputFailed, RecoveryModeArg, StoreArg, click,
-                            emit_json, engine_ranks, journal_path, on_rank, out, progress, store_path, usage_error)
+from kvj.cli.options import (JournalArg, JsonArg, RecoveryModeArg, StoreArg, click, engine_ranks, journal_path, on_rank,
+                             store_path, usage_error)
+from kvj.cli.output import OutputClosed, OutputFailed, emit_json, out, progress
 from kvj.cli.errors import FSCK_CANCELED, FSCK_CLEAN, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
 from kvj.cli.render import lsn_span

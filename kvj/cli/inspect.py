@@ -13,27 +13,10 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    StoreArg,
-    emit_json,
-    engine_ranks,
-    journal_path,
-    out,
-    parse_time,
-    store_path,
-    usage_error,
-)
-from kvj.cli.render import (
-    EXPORT_SUFFIXES,
-    export,
-    record_line,
-    record_row,
-    record_table,
-    segment_view,
-    stats_view,
-)
+from kvj.cli.options import JournalArg, JsonArg, StoreArg, engine_ranks, journal_path, store_path, usage_error
+from kvj.cli.output import emit_json, out
+from kvj.cli.parse import parse_time
+from kvj.cli.render import EXPORT_SUFFIXES, export, record_line, record_row, record_table, segment_view, stats_view
 from kvj.cli.launch import on_interrupt
 from kvj.errors import NotFound
 from kvj.journal.follow import Follower

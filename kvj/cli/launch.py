@@ -21,7 +21,7 @@ signal landed in, sends it on to the main thread, which that wakes.
 
 It also gives a closed standard descriptor (``kvj ... >&-``) /dev/null, so that no file kvj
 opens later can become descriptor 1 and receive output meant for the terminal; writing
-the output then fails as ``OutputFailed`` (see ``kvj.cli.common``).
+the output then fails as ``OutputFailed`` (see ``kvj.cli.output``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from typing import Annotated, Callable, List, NoReturn, Optional
 import typer
 
 from kvj import __version__
-from kvj.cli.common import OutputClosed, OutputFailed, StdoutGuard, click, reset_done, usage_and_exit, work_done
+from kvj.cli.options import click, usage_and_exit
+from kvj.cli.output import OutputClosed, OutputFailed, StdoutGuard, reset_done, work_done
 from kvj.cli.errors import DONE_UNREPORTED, EXIT_CODES, FSCK_USAGE, INTERRUPTED, IOERR, OK, USAGE, fail, report
 
 EXIT_STATUS_HELP = "Exit status: " + "; ".join(f"{code} {text.split(':')[0].split(' (')[0]}"

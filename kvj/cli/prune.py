@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Dict, Iterator, List
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, engine_ranks, journal_path, on_rank, parse_duration,
-                            rank_lines, show, store_path, usage_error)
+from kvj.cli.options import (JournalArg, JsonArg, StoreArg, engine_ranks, journal_path, on_rank, rank_lines, store_path,
+                             usage_error)
+from kvj.cli.output import done, show
+from kvj.cli.parse import parse_duration
 from kvj.ops.inspection import human_size
 
 if TYPE_CHECKING:

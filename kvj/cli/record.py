@@ -8,8 +8,10 @@ from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, done, emit_json, journal_path,
-                            loads_strict, out, parse_pairs, store_path, usage_and_exit)
+from kvj.cli.options import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, journal_path, store_path,
+                             usage_and_exit)
+from kvj.cli.output import done, emit_json, out
+from kvj.cli.parse import loads_strict, parse_pairs
 from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import convert_legacy

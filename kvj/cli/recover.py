@@ -10,8 +10,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, ago,
-                            done, emit_json, journal_path, out, progress, rate, store_path)
+from kvj.cli.options import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, journal_path,
+                             store_path)
+from kvj.cli.output import ago, done, emit_json, out, progress, rate
 from kvj.cli.errors import FAILURE
 from kvj.cli.render import ROWS, more_rows
 from kvj.errors import CorruptionError, InvalidArgument

@@ -15,7 +15,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import ago
+from kvj.cli.output import ago
 from kvj.journal.replay import Record
 from kvj.journal.state import JournalState
 from kvj.ops.inspection import describe, type_name

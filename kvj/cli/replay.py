@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out, warn
+from kvj.cli.options import JournalArg, JsonArg, journal_path
+from kvj.cli.output import emit_json, out, warn
 from kvj.cli.render import state_summary
 from kvj.journal.replay import replay as replay_journal
 

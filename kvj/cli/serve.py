@@ -14,7 +14,7 @@ from typing import Annotated, Any, Callable, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import parse_duration, parse_size
+from kvj.cli.parse import parse_duration, parse_size
 from kvj.cli.errors import INTERRUPTED, OK, USAGE, fail, report
 from kvj.journal.reader import RECOVERY_MODES
 
