@@ -19,8 +19,9 @@ from kvj.errors import CorruptionError, InvalidArgument
 from kvj.integrations.vllm.resuming import START_FORMAT
 from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
-from kvj.ops.recover import RecoveryResult, check_device, load_manifest, recover_ranks
+from kvj.ops.recover import RecoveryResult, check_device, load_manifest
 from kvj.ops.recover import recover as recover_journal
+from kvj.ops.recover_ranks import recover_ranks
 from kvj.journal.recovery import PENDING_NAME
 
 DeviceOpt = typer.Option("--device", metavar="DEVICE",
