@@ -29,8 +29,9 @@ from kvj.journal.journal import Journal
 from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, check_mode
 from kvj.journal.replay import check_journal, replay
 from kvj.journal.state import JournalState, RequestState, SegmentRef
-from kvj.ops.salvage import Salvage, clear_pending, find_damage, load_pending
+from kvj.ops.salvage import find_damage
 from kvj.ops.salvage import set_aside as set_aside_damage
+from kvj.ops.salvage_report import Salvage, clear_pending, load_pending
 from kvj.segments.check import Problem, opened_store, segment_problems
 
 if TYPE_CHECKING:

@@ -361,7 +361,7 @@ def test_a_second_cut_at_the_same_place_keeps_the_first_cuts_bytes(tmp_path):
 
 def test_a_merged_report_keeps_the_training_step_this_recovery_keeps():
     from kvj.journal.state import JournalState
-    from kvj.ops.salvage import Salvage
+    from kvj.ops.salvage_report import Salvage
 
     def report(training, kept_step=None):
         state = JournalState()
