@@ -22,7 +22,7 @@ def dump(key: Annotated[Optional[str], typer.Argument(metavar="KEY", show_defaul
          store: StoreArg = None,
          request: Annotated[Optional[str], typer.Option("--request", "-r", metavar="ID",
                                                         help="The segment of this request (with --segment).")] = None,
-         segment: Annotated[Optional[int], typer.Option("--segment", "--block", metavar="N", min=0,
+         segment: Annotated[Optional[int], typer.Option("--segment", metavar="N", min=0,
                                                         help="Which of the request's segments (its block number).")]
          = None,
          as_json: JsonArg = False) -> None:
