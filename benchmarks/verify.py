@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import blake3
 
 from benchmarks.scaling import build_store
-from kvj.ops.fsck import VERIFY_BATCH, FsckResult, fsck, verify_threads
+from kvj.ops.fsck import FsckResult, fsck
+from kvj.ops.fsck_segments import VERIFY_BATCH, verify_threads
 from kvj.ops.init import init
 from kvj.segments.local import SEGMENT_SUFFIX
 

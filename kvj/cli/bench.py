@@ -10,7 +10,8 @@ from typing import Annotated, Any, Callable, List, Optional
 
 import typer
 
-from kvj.cli.common import JsonArg, emit_json, err, out, usage_error
+from kvj.cli.options import JsonArg, usage_error
+from kvj.cli.output import emit_json, err, out
 
 DirArg = Annotated[Optional[str], typer.Option("--dir", metavar="DIR",
                                                help="A directory on the disk to measure [default: $TMPDIR].")]

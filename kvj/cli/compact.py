@@ -8,22 +8,10 @@ from typing import Annotated, Any, Dict, Iterator, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    StoreArg,
-    click,
-    done,
-    engine_ranks,
-    journal_path,
-    parse_duration,
-    parse_size,
-    progress,
-    rank_failed,
-    show,
-    store_path,
-    usage_error,
-)
+from kvj.cli.options import (JournalArg, JsonArg, StoreArg, engine_ranks, journal_path, on_rank, rank_lines, store_path,
+                             usage_error)
+from kvj.cli.output import done, progress, show
+from kvj.cli.parse import parse_duration, parse_size
 from kvj.ops.compact import DEFAULT_GRACE, CompactResult
 from kvj.ops.compact import compact as compact_journal
 from kvj.ops.inspection import human_size
@@ -99,16 +87,14 @@ def _compact_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: 
             if journal is None:
                 engine.ranks.append({**entry, "missing": True})
                 continue
-            try:
-                engine.results[name] = compact_journal(journal, store_path(journal, None), progress=update, **options)
-            except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
-                raise
-            except Exception as exc:
-                status, message = rank_failed(name, exc)
+            result, status, message = on_rank(name, lambda: compact_journal(journal, store_path(journal, None),
+                                                                             progress=update, **options))
+            if result is None:
                 engine.status = engine.status or status
                 engine.ranks.append({**entry, "error": message})
                 continue
-            engine.ranks.append({**entry, **engine.results[name].to_dict()})
+            engine.results[name] = result
+            engine.ranks.append({**entry, **result.to_dict()})
     if not dry_run and engine.results:
         done(f"compaction of {', '.join(engine.results)} in {path} is done "
              f"({human_size(engine.total('bytes_reclaimed'))} reclaimed)")
@@ -139,14 +125,7 @@ class _Engine:
 
     def lines(self) -> Iterator[str]:
         """Each rank's lines (after its name), then the engine's."""
-        for rank in self.ranks:
-            name = rank["rank"]
-            if rank.get("missing"):
-                yield f"{name}: no journal, nothing to compact"
-            elif "error" in rank:
-                yield f"{name}: not compacted: {rank['error']}"
-            else:
-                yield from (f"{name}: {line}" for line in _lines(self.results[name], self.dry_run))
+        yield from rank_lines(self.ranks, lambda name: _lines(self.results[name], self.dry_run), "compact", "compacted")
         yield (f"engine {self.path}: {len(self.results)} of {len(self.ranks)} rank journals "
                f"{'would be ' if self.dry_run else ''}compacted; {'would reclaim' if self.dry_run else 'reclaimed'} "
                f"{human_size(self.total('bytes_reclaimed'))}")

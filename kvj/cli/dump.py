@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, done, emit_json, journal_path, out, store_path, usage_error
+from kvj.cli.options import JournalArg, JsonArg, StoreArg, journal_path, store_path, usage_error
+from kvj.cli.output import done, emit_json, out
 from kvj.errors import InvalidArgument, NotFound
 from kvj.ops.inspection import human_size, short_key
 
@@ -21,7 +22,7 @@ def dump(key: Annotated[Optional[str], typer.Argument(metavar="KEY", show_defaul
          store: StoreArg = None,
          request: Annotated[Optional[str], typer.Option("--request", "-r", metavar="ID",
                                                         help="The segment of this request (with --segment).")] = None,
-         segment: Annotated[Optional[int], typer.Option("--segment", "--block", metavar="N", min=0,
+         segment: Annotated[Optional[int], typer.Option("--segment", metavar="N", min=0,
                                                         help="Which of the request's segments (its block number).")]
          = None,
          as_json: JsonArg = False) -> None:

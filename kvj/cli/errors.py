@@ -142,11 +142,12 @@ def debug() -> bool:
     return os.environ.get("KVJ_DEBUG", "") not in ("", "0")
 
 
-def fail(prog: str, exc: BaseException) -> int:
-    """Report ``exc`` as one line and return its exit status (for commands that catch their own)."""
+def fail(prog: str, exc: BaseException, rank: Optional[str] = None) -> Tuple[int, str]:
+    """Report ``exc`` as one line (naming the rank journal it stopped, if any: the others go on);
+    returns its exit status and message. The traceback too under KVJ_DEBUG=1."""
     status, message = classify(exc)
     if debug():
         import traceback
         traceback.print_exception(exc)
-    report(prog, message)
-    return status
+    report(prog, f"{rank}: {message}" if rank else message)
+    return status, message

@@ -7,8 +7,10 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, done, emit_json, journal_path,
-                            out, parse_pairs, parse_range, progress, store_path, usage_error)
+from kvj.cli.options import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, journal_path, store_path,
+                             usage_error)
+from kvj.cli.output import done, emit_json, out, progress
+from kvj.cli.parse import parse_pairs, parse_range
 from kvj.journal.journal import Journal
 from kvj.ops.inspection import human_size, short_key
 from kvj.segments.codecs import codec_names

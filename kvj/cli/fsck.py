@@ -10,23 +10,9 @@ from typing import Annotated, Any, Callable, Dict, List, NoReturn, Optional, Tup
 import typer
 from rich.text import Text
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    OutputClosed,
-    OutputFailed,
-    RecoveryModeArg,
-    StoreArg,
-    click,
-    emit_json,
-    engine_ranks,
-    journal_path,
-    rank_failed,
-    out,
-    progress,
-    store_path,
-    usage_error,
-)
+from kvj.cli.options import (JournalArg, JsonArg, RecoveryModeArg, StoreArg, click, engine_ranks, journal_path, on_rank,
+                             store_path, usage_error)
+from kvj.cli.output import OutputClosed, OutputFailed, emit_json, out, progress
 from kvj.cli.errors import FSCK_CANCELED, FSCK_CLEAN, FSCK_OPERATIONAL, fail, fsck_status, report
 from kvj.cli.launch import on_interrupt
 from kvj.cli.render import lsn_span
@@ -123,7 +109,7 @@ def fsck(journal: JournalArg = None,
         report("kvj", "interrupted")
         raise typer.Exit(FSCK_CANCELED) from None
     except Exception as exc:
-        raise typer.Exit(fsck_status(fail("kvj", exc))) from None
+        raise typer.Exit(fsck_status(fail("kvj", exc)[0])) from None
     if ranks is not None:
         _finish(path, engine.exit_code, engine.fixed, lambda: _show_engine(engine, as_json))
     _finish(path, result.exit_code, sum(1 for f in result.findings if f.fixed), lambda: _show(result, path, as_json))
@@ -286,15 +272,9 @@ def _check_engine(path: str, ranks: List[Tuple[str, Optional[str]]], options: Di
                 Finding("warning", "rank-missing", "this rank has no journal (it made nothing durable): kvj recover "
                         "resumes every request at token 0 on all ranks", rank.path)])
             continue
-        try:
-            rank.result = check_journal(journal, store_path(journal, None), progress=update, **options)
-        except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
-            raise
-        except Exception as exc:
-            status, rank.error = rank_failed(name, exc)
-            rank.status = fsck_status(status)
-        else:
-            rank.status = rank.result.exit_code
+        rank.result, status, rank.error = on_rank(name, lambda: check_journal(journal, store_path(journal, None),
+                                                                              progress=update, **options))
+        rank.status = rank.result.exit_code if rank.result is not None else fsck_status(status)
     return engine
 
 

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, done, emit_json, journal_path, out, usage_error
+from kvj.cli.options import JournalArg, JsonArg, journal_path, usage_error
+from kvj.cli.output import done, emit_json, out
 from kvj.cli.errors import TEMPFAIL, report
 from kvj.ops.armed import MODES
 from kvj.ops.handoff import HandoffTimeout, hand_off

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, StoreArg, done, emit_json, out, parse_duration,
-                            parse_size, usage_error)
+from kvj.cli.options import JournalArg, JsonArg, MirrorArg, StoreArg, usage_error
+from kvj.cli.output import done, emit_json, out
+from kvj.cli.parse import parse_duration, parse_size
 from kvj.cli.render import lsn_span
 from kvj.ops.inspection import human_size
 

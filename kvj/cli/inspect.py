@@ -1,4 +1,4 @@
-"""``kvj inspect``: records as a table or NDJSON, statistics, and pictures of a journal."""
+"""``kvj inspect``: records as a table or NDJSON, statistics, and segment headers of a journal."""
 
 from __future__ import annotations
 
@@ -6,37 +6,17 @@ import os
 import sys
 from collections import deque
 from enum import Enum
-from typing import Annotated, Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Annotated, Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import typer
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    StoreArg,
-    emit_json,
-    engine_ranks,
-    journal_path,
-    out,
-    parse_time,
-    store_path,
-    usage_error,
-    warn_past_end,
-)
-from kvj.cli.render import (
-    EXPORT_SUFFIXES,
-    export,
-    layout_picture,
-    record_line,
-    record_row,
-    record_table,
-    segment_view,
-    stats_view,
-    timeline_picture,
-)
+from kvj.cli.options import JournalArg, JsonArg, StoreArg, engine_ranks, journal_path, store_path, usage_error
+from kvj.cli.output import emit_json, out
+from kvj.cli.parse import parse_time
+from kvj.cli.render import EXPORT_SUFFIXES, export, record_line, record_row, record_table, segment_view, stats_view
 from kvj.cli.launch import on_interrupt
 from kvj.errors import NotFound
 from kvj.journal.follow import Follower
@@ -78,18 +58,13 @@ def inspect(
         "10 unless --last or --from-lsn).")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Counts and bytes by type, records per commit, "
                                         "compression ratio, largest requests.")] = False,
-    layout: Annotated[bool, typer.Option("--layout", help="Draw the device memory map from alloc/free records "
-                                         "(as of --at).")] = False,
-    timeline: Annotated[bool, typer.Option("--timeline", help="Draw request lifetimes (as of --at).")] = False,
-    at: Annotated[Optional[int], typer.Option("--at", metavar="LSN", min=0,
-                                              help="Point in time for --layout and --timeline.")] = None,
     segment: Annotated[Optional[str], typer.Option("--segment", metavar="KEY", help="Show one segment's header "
                                                    "(dtype, shape, codec, sizes, digest, layout) and the records that "
                                                    "refer to it, without decoding it; KEY may be a prefix of 8+ hex "
                                                    "digits.")] = None,
     store: StoreArg = None,
     export_to: Annotated[Optional[str], typer.Option("--export", metavar="FILE", callback=_check_export,
-                                                      help="Also write the table or picture to FILE "
+                                                      help="Also write the table or statistics to FILE "
                                                       "(.svg or .html) for an incident report.")] = None,
     as_json: JsonArg = False,
 ) -> None:
@@ -99,23 +74,20 @@ def inspect(
     of its commit group, which --since/--until select on and the listing shows; records
     of kvj 0.1.0 (no times) match when the log file holding them was written in that
     window. --follow tails a live journal and never shows a record that is not completely
-    written. --stats, --layout and --timeline summarise instead of listing (the timeline
-    with a time axis); --export saves what is shown as SVG or HTML.
+    written. --stats summarises instead of listing; --export saves what is shown as SVG
+    or HTML.
 
     A tensor/pipeline-parallel vLLM engine's directory (one journal per rank,
-    JOURNAL/rank-T-P/) is shown rank by rank, each under its name (LSNs, --last and
-    --at are each rank's own), then a line for the engine; in JSON each record carries
-    its "rank", and --stats, --layout, --timeline and --segment print one object with
-    "ranks" (and for --stats "totals"). --follow takes one rank's journal.
+    JOURNAL/rank-T-P/) is shown rank by rank, each under its name (LSNs and --last are
+    each rank's own), then a line for the engine; in JSON each record carries its
+    "rank", and --stats and --segment print one object with "ranks" (and for --stats
+    "totals"). --follow takes one rank's journal.
     """
     path = journal_path(journal, ranks_ok=True)
     ranks = engine_ranks(path, store)
-    modes = [name for name, on in (("--follow", follow), ("--stats", stats), ("--layout", layout),
-                                   ("--timeline", timeline), ("--segment", segment is not None)) if on]
+    modes = [name for name, on in (("--follow", follow), ("--stats", stats), ("--segment", segment is not None)) if on]
     if len(modes) > 1:
         raise usage_error(f"{' and '.join(modes)} cannot be combined")
-    if at is not None and not (layout or timeline):
-        raise usage_error("--at applies to --layout and --timeline (use --to-lsn to cut a listing)")
     if follow and export_to is not None:
         raise usage_error("--follow cannot --export")
     if follow and ranks is not None:
@@ -128,23 +100,6 @@ def inspect(
             _segment(path, store, segment, as_json)
         else:
             _segment_engine(engine, segment)
-        return
-    if layout or timeline:
-        title = "kvj memory layout" if layout else "kvj request timeline"
-        states = {journal: replay(journal, at_lsn=at) for journal in engine.journals().values()}
-        for name, journal in engine.journals().items():
-            warn_past_end(at, states[journal].last_lsn, name)
-        if as_json:
-            engine.emit({journal: {"allocations": state.to_dict()["allocations"]} if layout else
-                         {"requests": [_lifetime(r) for r in state.requests.values()], "epochs": state.epochs,
-                          "last_lsn": state.last_lsn} for journal, state in states.items()})
-        else:
-            live = sum(len(allocs) for state in states.values() for allocs in state.allocations.values())
-            requests = {rid for state in states.values() for rid in state.requests}
-            _show(engine.view({journal: layout_picture(state, at) if layout else
-                               timeline_picture(state, columns=out.size.width, time_of=lsn_times(journal))
-                               for journal, state in states.items()},
-                              f"{live} live allocations" if layout else f"{len(requests)} requests"), export_to, title)
         return
     flt = Filter(requests=set(request or []), types={BY_NAME[t.value] for t in rtype or []},
                  lsn_from=from_lsn, lsn_to=to_lsn,
@@ -323,30 +278,6 @@ def _segment_info(path: str, seg_store: Any, text: str) -> Dict[str, Any]:
     info = seg_store.info(key).to_dict()
     info["users"] = segment_users(replay(path), key)
     return info
-
-
-def lsn_times(path: str) -> Callable[[int], Optional[float]]:
-    """When each LSN was written, from the commit groups' times (None for kvj 0.1.0 records):
-    one pass that keeps only the LSNs where the time changes."""
-    import bisect
-
-    firsts: List[int] = []
-    stamps: List[Optional[float]] = []
-    for entry in Entries(path):  # from the snapshot on: what it folded has no times left
-        rec = entry.record
-        if not stamps or rec.time != stamps[-1]:
-            firsts.append(rec.lsn)
-            stamps.append(rec.time)
-
-    def time_of(lsn: int) -> Optional[float]:
-        i = bisect.bisect_right(firsts, lsn) - 1
-        return stamps[i] if i >= 0 else None
-    return time_of
-
-
-def _lifetime(req) -> dict:  # type: ignore[no-untyped-def]
-    return {"id": req.id, "start_lsn": req.start_lsn, "end_lsn": req.end_lsn, "status": req.status,
-            "segment_lsns": sorted(r.lsn for r in req.segments.values()), "resume_position": req.resume_position}
 
 
 def _print_record(rec, as_json: bool, rank: Optional[str] = None) -> None:  # type: ignore[no-untyped-def]

@@ -1,27 +1,11 @@
 """The console scripts' first code: Ctrl-C is honoured from the first instant kvj runs.
 
-The first thing the ``kvj`` and ``journal_replay`` scripts do, before anything is imported
-that is not loaded already (``import kvj`` itself imports nothing new, see kvj/__init__),
-is to install a SIGINT handler that ends the process at once with one line on stderr and
-status 130 (``kvj fsck``: 32, as e2fsck, known from the command line so that it holds
-from the first instant too; ``kvj inspect -f``: 0, silently, once it follows). Stopping at
-any point is safe: every write kvj makes survives a SIGKILL at any instant (data before
-the metadata that points at it, atomic renames, a torn tail cut and kept on the next
-open), so an interrupt needs no clean-up. Handling it here, rather than as a
-KeyboardInterrupt travelling up the stack, means that no import in progress prints a
-traceback and no thread pool waiting for its workers delays or swallows it. (Before
-this, while the Python interpreter itself starts and reads its site-packages, Ctrl-C
-meets Python's own default; no kvj code has run, nothing has been read or written.)
-
-Python runs a signal's handler in the main thread only, and the kernel may deliver a
-process's SIGINT to any of its threads: one that landed in a worker left a main thread asleep
-for good in a wait without a timeout (a thread pool's result, its shutdown), and ``kvj
-recover`` ran on. So a watcher thread, woken through Python's wakeup fd whichever thread the
-signal landed in, sends it on to the main thread, which that wakes.
-
-It also gives a closed standard descriptor (``kvj ... >&-``) /dev/null, so that no file kvj
-opens later can become descriptor 1 and receive output meant for the terminal; writing
-the output then fails as ``OutputFailed`` (see ``kvj.cli.common``).
+Before anything else is imported, a SIGINT handler ends the process at once with one line and
+status 130 (fsck: 32; ``inspect -f``: 0): every kvj write survives a SIGKILL, so no clean-up
+is needed, and no import or thread pool can swallow or delay it. Python runs handlers in the
+main thread only, so a watcher thread on the wakeup fd forwards a signal that landed in
+another thread. A closed standard descriptor gets /dev/null, so no file kvj opens takes its
+number (writing output then fails as ``kvj.cli.output.OutputFailed``).
 """
 
 from __future__ import annotations

@@ -11,15 +11,14 @@ import copy
 import importlib
 import os
 import sys
-import traceback
 from typing import Annotated, Callable, List, NoReturn, Optional
 
 import typer
 
 from kvj import __version__
-from kvj.cli.common import OutputClosed, OutputFailed, StdoutGuard, click, reset_done, usage_and_exit, work_done
-from kvj.cli.errors import (DONE_UNREPORTED, EXIT_CODES, FSCK_USAGE, INTERRUPTED, IOERR, OK, USAGE, classify, debug,
-                            report)
+from kvj.cli.options import click, usage_and_exit
+from kvj.cli.output import OutputClosed, OutputFailed, StdoutGuard, reset_done, work_done
+from kvj.cli.errors import DONE_UNREPORTED, EXIT_CODES, FSCK_USAGE, INTERRUPTED, IOERR, OK, USAGE, fail, report
 
 EXIT_STATUS_HELP = "Exit status: " + "; ".join(f"{code} {text.split(':')[0].split(' (')[0]}"
                                                 for code, text in EXIT_CODES.items()) + ". See kvj(1)."
@@ -205,11 +204,7 @@ def _invoke(cmd: "click.Command", argv: Optional[List[str]], prog: str) -> int:
         report(prog, exc.format_message())
         return USAGE
     except (Exception, KeyboardInterrupt) as exc:
-        status, message = classify(exc)
-        if debug():
-            traceback.print_exc()
-        report(prog, message)
-        return status
+        return fail(prog, exc)[0]
     return rv if isinstance(rv, int) else 0
 
 

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Dict, Iterator, List
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, StoreArg, click, done, engine_ranks, journal_path, parse_duration,
-                            rank_failed, show, store_path, usage_error)
+from kvj.cli.options import (JournalArg, JsonArg, StoreArg, engine_ranks, journal_path, on_rank, rank_lines, store_path,
+                             usage_error)
+from kvj.cli.output import done, show
+from kvj.cli.parse import parse_duration
 from kvj.ops.inspection import human_size
 
 if TYPE_CHECKING:
@@ -101,15 +103,12 @@ class _Engine:
 
     def attempt(self, name: str, run: Callable[[], "PruneResult"]) -> Optional["PruneResult"]:
         """``run()``'s result, kept under ``name``; None when it failed (reported, its status kept)."""
-        try:
-            self.results[name] = run()
-        except (KeyboardInterrupt, typer.Exit, click.exceptions.ClickException):
-            raise
-        except Exception as exc:
-            status, self.errors[name] = rank_failed(name, exc)
-            self.status = self.status or status
-            return None
-        return self.results[name]
+        result, status, message = on_rank(name, run)
+        if result is None:
+            self.errors[name], self.status = message, self.status or status
+        else:
+            self.results[name] = result
+        return result
 
     @property
     def reclaimed(self) -> int:
@@ -125,14 +124,7 @@ class _Engine:
 
     def lines(self) -> Iterator[str]:
         """Each rank's lines (after its name), the engine's own manifests', then the engine's."""
-        for rank in self.ranks:
-            name = rank["rank"]
-            if rank.get("missing"):
-                yield f"{name}: no journal, nothing to prune"
-            elif "error" in rank:
-                yield f"{name}: not pruned: {rank['error']}"
-            else:
-                yield from (f"{name}: {line}" for line in _lines(self.results[name], self.dry_run))
+        yield from rank_lines(self.ranks, lambda name: _lines(self.results[name], self.dry_run), "prune", "pruned")
         if "error" in self.own:
             yield f"engine {self.path}: its manifests not pruned: {self.own['error']}"
         else:

@@ -8,8 +8,10 @@ from typing import Annotated, Any, Dict, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, done, emit_json, journal_path,
-                            loads_strict, out, parse_int, parse_pairs, store_path, usage_and_exit)
+from kvj.cli.options import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, StoreArg, journal_path, store_path,
+                             usage_and_exit)
+from kvj.cli.output import done, emit_json, out
+from kvj.cli.parse import loads_strict, parse_pairs
 from kvj.errors import FormatError, InvalidArgument, KvjError
 from kvj.journal.journal import Journal
 from kvj.journal.legacy import convert_legacy
@@ -151,30 +153,6 @@ def end(request: Annotated[str, typer.Argument(help="Request id.")],
         mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
     """Record that a request ended (its segments become collectable)."""
     _append(journal, None, [_argument(RecordType.END, {"id": request, "status": status})],
-            as_json, mirror, mirror_policy)
-
-
-@app.command()
-def alloc(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
-          addr: Annotated[str, typer.Argument(help="Address (decimal or 0x hex).")],
-          size: Annotated[str, typer.Argument(help="Size in bytes (decimal or 0x hex).")],
-          journal: JournalArg = None,
-          tag: Annotated[str, typer.Option(help="What the memory holds (e.g. kv:req-42).")] = "",
-          as_json: JsonArg = False,
-          mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
-    """Record a device memory allocation."""
-    _append(journal, None, [_argument(RecordType.ALLOC, {"device": device, "addr": parse_int(addr),
-                                                        "size": parse_int(size), "tag": tag})],
-            as_json, mirror, mirror_policy)
-
-
-@app.command()
-def free(device: Annotated[str, typer.Argument(help="Device, e.g. cuda:0.")],
-         addr: Annotated[str, typer.Argument(help="Address (decimal or 0x hex).")],
-         journal: JournalArg = None, as_json: JsonArg = False,
-         mirror: MirrorArg = None, mirror_policy: MirrorPolicyArg = "fail") -> None:
-    """Record that a device allocation was freed."""
-    _append(journal, None, [_argument(RecordType.FREE, {"device": device, "addr": parse_int(addr)})],
             as_json, mirror, mirror_policy)
 
 

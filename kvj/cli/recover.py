@@ -10,16 +10,18 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, ago,
-                            done, emit_json, journal_path, out, progress, rate, store_path)
+from kvj.cli.options import (JournalArg, JsonArg, MirrorArg, MirrorPolicyArg, RecoveryModeArg, StoreArg, journal_path,
+                             store_path)
+from kvj.cli.output import ago, done, emit_json, out, progress, rate
 from kvj.cli.errors import FAILURE
 from kvj.cli.render import ROWS, more_rows
 from kvj.errors import CorruptionError, InvalidArgument
 from kvj.integrations.vllm.resuming import START_FORMAT
 from kvj.journal.ranks import holds_ranks
 from kvj.ops.inspection import human_size
-from kvj.ops.recover import RecoveryResult, check_device, load_manifest, recover_ranks
+from kvj.ops.recover import RecoveryResult, check_device, load_manifest
 from kvj.ops.recover import recover as recover_journal
+from kvj.ops.recover_ranks import recover_ranks
 from kvj.journal.recovery import PENDING_NAME
 
 DeviceOpt = typer.Option("--device", metavar="DEVICE",
@@ -33,16 +35,12 @@ AbandonOpt = typer.Option("--abandon", metavar="ID",
                                "nothing resumes it and compaction and handoff move on.")
 AbandonAllOpt = typer.Option("--abandon-all", help="As --abandon, for every request in flight and every kvj serve "
                              "reply (those held for their clients too).")
-UntilDamageOpt = typer.Option("--until-damage", help="Salvage a damaged journal (--recovery-mode point-in-time): "
-                              "recover it as of the last record before the damage, set the damage and everything "
-                              "after it aside in torn/, and say exactly what is lost (recorded in the epoch record).")
 
 
 def recover(journal: JournalArg = None,
             store: StoreArg = None,
             device: Annotated[Optional[str], DeviceOpt] = None,
             dry_run: Annotated[bool, DryRunOpt] = False,
-            until_damage: Annotated[bool, UntilDamageOpt] = False,
             mode: RecoveryModeArg = "tolerate-torn-tail",
             as_json: JsonArg = False,
             mirror: MirrorArg = None,
@@ -86,14 +84,13 @@ def recover(journal: JournalArg = None,
     the middle of its log is refused (status 65), and so is a damaged tail: a last group
     that a torn write cannot leave (one flipped bit, a record failing its CRC where its
     sectors verify, bytes after it), whose records may have been acknowledged; the error
-    says how many it held. --recovery-mode point-in-time (or --until-damage) is the
+    says how many it held. --recovery-mode point-in-time is the
     explicit way forward (as pg_resetwal): recovery as of the last record before the
     damage, the damage and everything after it kept in torn/, and the LSNs, requests,
     tokens and training steps lost stated and recorded in the recovery-epoch record.
     --recovery-mode absolute-consistency refuses a torn tail too (status 65), for a
     journal that was shut down cleanly.
     """
-    mode = "point-in-time" if until_damage else mode
     if abandon or abandon_all:
         _abandon(journal_path(journal, ranks_ok=True), None if abandon_all else list(abandon or []), dry_run,
                  as_json)
@@ -165,7 +162,7 @@ def _run(path: str, store: str, device: Optional[str], dry_run: bool, as_json: b
             if mode == "point-in-time":
                 raise
             raise CorruptionError(exc.path, exc.offset, f"{exc.reason}; nothing was changed (kvj recover "
-                                  "--until-damage recovers what precedes the damage: recovery mode point-in-time, "
+                                  "--recovery-mode point-in-time recovers what precedes the damage, "
                                   "see kvj-recover(1))") from None
         if not result.dry_run:
             epoch = f", epoch record at LSN {result.epoch_lsn}" if result.epoch_lsn is not None else ""

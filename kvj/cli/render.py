@@ -1,4 +1,4 @@
-"""Rich renderings: summaries, tables, ``kvj status`` and the two pictures (memory layout, request timeline).
+"""Rich renderings: summaries, tables and ``kvj status``.
 
 Everything here returns a rich renderable; ``export`` writes any of them to SVG or HTML
 for incident reports. Colour follows the console (off with NO_COLOR or when piped).
@@ -9,31 +9,20 @@ from __future__ import annotations
 import os
 import re
 import time
-import zlib
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvj.cli.common import ago
+from kvj.cli.output import ago
 from kvj.journal.replay import Record
 from kvj.journal.state import JournalState
 from kvj.ops.inspection import describe, type_name
 from kvj.ops.inspection import human_size as size
 
-#: One glyph per tag in the memory map (the 16 largest; "#" for the rest), beside its colour.
-GLYPHS = "ABCDEFGHJKLMNPQR"
-
-PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
-           "bright_green", "bright_yellow", "bright_blue", "bright_red"]
 TYPE_STYLE = {"start": "green", "segment": "cyan", "end": "blue", "alloc": "yellow", "free": "magenta",
               "checkpoint": "bright_green", "delta": "bright_cyan", "epoch": "bold red"}
-
-
-def _color(name: str) -> str:
-    """A stable colour per tag or request (crc32, not the per-process salted hash())."""
-    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
 
 
 # -- replay summary ------------------------------------------------------------------------
@@ -201,142 +190,6 @@ def stats_view(stats: Dict[str, Any], path: str) -> RenderableType:
     return Group(*parts)
 
 
-# -- pictures ------------------------------------------------------------------------------
-
-
-def layout_picture(state: JournalState, at: Optional[int], width: int = 64, rows: int = 8) -> RenderableType:
-    """Each device's address range as a grid of cells, coloured by the tag that fills them."""
-    parts: List[RenderableType] = [Text(f"device memory as of LSN {at if at is not None else state.last_lsn}",
-                                        style="bold")]
-    if not state.allocations or not any(state.allocations.values()):
-        parts.append(Text("no live allocations"))
-        return Group(*parts)
-    for device, allocs in sorted(state.allocations.items()):
-        if not allocs:
-            continue
-        spans = sorted(allocs.values(), key=lambda a: a.addr)
-        lo, hi = spans[0].addr, max(a.addr + a.size for a in spans)
-        used = sum(a.size for a in spans)
-        cells = width * rows
-        per_cell = max(1, -(-(hi - lo) // cells))
-        parts.append(Text(f"\n{device}  {lo:#x}..{hi:#x}  {size(used)} in {len(spans)} allocations, "
-                          f"{100 * used / max(1, hi - lo):.1f}% of the span; one cell = {size(per_cell)}",
-                          style="bold"))
-        by_tag: Dict[str, List[int]] = {}
-        for a in spans:
-            by_tag.setdefault(a.tag or "(untagged)", []).append(a.size)
-        ranked = [tag for tag, _sizes in sorted(by_tag.items(), key=lambda kv: -sum(kv[1]))]
-        # a glyph per tag as well as a colour, so that the map reads without colour too
-        glyph = {tag: GLYPHS[i] if i < len(GLYPHS) else "#" for i, tag in enumerate(ranked)}
-        owner: List[Optional[str]] = [None] * cells
-        fill = [0] * cells
-        for a in spans:
-            first, last = (a.addr - lo) // per_cell, min(cells - 1, (a.addr + a.size - 1 - lo) // per_cell)
-            for c in range(first, last + 1):
-                start, stop = lo + c * per_cell, lo + (c + 1) * per_cell
-                covered = min(stop, a.addr + a.size) - max(start, a.addr)
-                if covered > fill[c]:
-                    owner[c], fill[c] = a.tag or "(untagged)", covered
-        grid = Text()
-        for r in range(-(-(-(-(hi - lo) // per_cell)) // width)):
-            grid.append(f"{lo + r * width * per_cell:#14x} ", style="dim")
-            for c in range(r * width, min(cells, (r + 1) * width)):
-                tag = owner[c]
-                grid.append(glyph[tag] if tag else "·", style=_color(tag) if tag else "dim")
-            grid.append("\n")
-        parts.append(grid)
-        legend = Table(box=None, pad_edge=False, header_style="bold")
-        for col in ("", "tag", "allocations", "bytes"):
-            legend.add_column(col, justify="right" if col in ("allocations", "bytes") else "left")
-        for tag in ranked[:len(GLYPHS)]:
-            legend.add_row(Text(glyph[tag], style=_color(tag)), tag, str(len(by_tag[tag])), size(sum(by_tag[tag])))
-        if len(ranked) > len(GLYPHS):
-            rest = [s for tag in ranked[len(GLYPHS):] for s in by_tag[tag]]
-            legend.add_row("#", f"({len(ranked) - len(GLYPHS)} more tags)", str(len(rest)), size(sum(rest)))
-        parts.append(legend)
-    return Group(*parts)
-
-
-def short_ids(ids: List[str], limit: int) -> Dict[str, str]:
-    """Each id in at most ``limit`` characters, keeping what tells them apart: a long prefix
-    they all share is elided ("chat…42-b"), then the end is cut."""
-    if all(len(i) <= limit for i in ids):
-        return {i: i for i in ids}
-    common = os.path.commonprefix(ids) if len(ids) > 1 else ""
-    out = {}
-    for i in ids:
-        s = i[:4] + "…" + i[len(common):] if len(common) > 6 else i
-        out[i] = s if len(s) <= limit else s[:limit - 1] + "…"
-    return out
-
-
-#: Longest request id the timeline shows whole; longer ones keep both ends.
-ID_WIDTH = 32
-
-
-def timeline_picture(state: JournalState, columns: int = 80, limit: int = 50,
-                     time_of: Optional[Callable[[int], Optional[float]]] = None) -> RenderableType:
-    """One bar per request from its start to its end (or now), with its segment flushes marked;
-    the bars take the width ``columns`` leaves after the ids and states, so ids stay readable.
-    ``time_of(lsn)`` (when records carry times) puts a time axis under the bars."""
-    reqs = sorted(state.requests.values(), key=lambda r: r.start_lsn)
-    if not reqs:
-        return Text("no requests in the journal (ended requests compacted away are not shown)")
-    shown = reqs[-limit:]
-    statuses = {req.id: f"ended {req.status}" if req.ended else f"in flight @{req.resume_position}" for req in shown}
-    names = short_ids([req.id for req in shown], ID_WIDTH)
-    # the id and state columns are as wide as their widest cell or header; two spaces between columns
-    id_width = max(len("request"), *map(len, names.values()))
-    state_width = max(len("state"), *map(len, statuses.values()))
-    width = max(20, min(100, columns - id_width - state_width - 4))
-    lo = shown[0].start_lsn
-    hi = max(state.last_lsn, lo + 1)
-    scale = (hi - lo) / (width - 1)
-
-    def col(lsn: int) -> int:
-        return min(width - 1, int((lsn - lo) / scale))
-
-    table = Table(box=None, pad_edge=False, header_style="bold",
-                  title=f"request lifetimes, LSN {lo}..{hi} ('=' alive, '#' segment flushed, '|' ended)",
-                  title_justify="left")
-    table.add_column("request", no_wrap=True)
-    table.add_column("lifetime", no_wrap=True)
-    table.add_column("state", no_wrap=True)
-    for req in shown:
-        end = req.end_lsn if req.ended and req.end_lsn is not None else hi
-        bar = [" "] * width
-        for c in range(col(req.start_lsn), col(end) + 1):
-            bar[c] = "="
-        for ref in req.segments.values():
-            bar[col(ref.lsn)] = "#"
-        if req.ended:
-            bar[col(end)] = "|"
-        line = Text("".join(bar), style=_color(req.id))
-        table.add_row(names[req.id], line, statuses[req.id])
-    if time_of is not None and time_of(lo) is not None and time_of(hi) is not None:
-        table.add_row("", Text(_axis(time_of, lo, hi, width), style="dim"), "")
-    parts: List[RenderableType] = [table]
-    if len(reqs) > limit:
-        parts.append(Text(f"(oldest {len(reqs) - limit} requests not shown)", style="dim"))
-    for epoch in state.epochs:
-        if lo <= epoch["lsn"] <= hi:
-            parts.append(Text(f"recovery epoch {epoch['epoch']} at LSN {epoch['lsn']}", style="bold red"))
-    return Group(*parts)
-
-
-def _axis(time_of: Callable[[int], Optional[float]], lo: int, hi: int, width: int) -> str:
-    """A time axis for bars from LSN ``lo`` to ``hi``: the times at both ends and the middle."""
-    def label(lsn: int) -> str:
-        when = time_of(lsn)
-        return time.strftime("%H:%M:%S", time.localtime(when)) if when is not None else "?"
-
-    left, mid, right = label(lo), label((lo + hi) // 2), label(hi)
-    line = [" "] * width
-    for pos, text in ((0, left), (max(0, (width - len(mid)) // 2), mid), (max(0, width - len(right)), right)):
-        line[pos:pos + len(text)] = text
-    return "".join(line[:width])
-
-
 EXPORT_SUFFIXES = (".svg", ".html", ".htm")
 
 
@@ -473,7 +326,7 @@ def status_view(s: Dict[str, Any]) -> RenderableType:
                                      style="bold red")])
     if s.get("salvage_pending"):
         rows.append(["salvage", Text("a salvaging recovery was interrupted after setting files aside (kvj recover, "
-                                     "with --until-damage while the log is damaged, completes its report of what "
+                                     "with --recovery-mode point-in-time while the log is damaged, completes its report of what "
                                      "was lost)", style="bold red")])
     if s["damage"]:
         rows.append(["damage", Text(f"{s['damage']} (kvj fsck -j {s['journal']} says what it is and what to do)",

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JournalArg, JsonArg, emit_json, journal_path, out, warn_past_end
+from kvj.cli.options import JournalArg, JsonArg, journal_path
+from kvj.cli.output import emit_json, out, warn
 from kvj.cli.render import state_summary
 from kvj.journal.replay import replay as replay_journal
 
@@ -26,7 +27,9 @@ def replay(journal: JournalArg = None,
     """
     path = journal_path(journal)
     state = replay_journal(path, at_lsn=at, strict=strict)
-    warn_past_end(at, state.last_lsn)
+    if at is not None and (state.last_lsn or 0) < at:  # what is shown is the end, not a state that existed at ``at``
+        end = f"LSN {state.last_lsn}" if state.last_lsn else "no record"
+        warn(f"--at {at} is past the journal's last record ({end}): this is the state at its end")
     if as_json:
         emit_json({"journal": path, "at_lsn": at, **state.to_dict()})
         return

@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import (JournalArg, JsonArg, StoreArg, done, emit_json, err, journal_path, out, parse_duration,
-                            store_path)
+from kvj.cli.options import JournalArg, JsonArg, StoreArg, journal_path, store_path
+from kvj.cli.output import done, emit_json, err, out
+from kvj.cli.parse import parse_duration
 from kvj.cli.errors import one_line
 from kvj.ops.inspection import human_size
 from kvj.replica.lease import DEFAULT_TTL, UNREADABLE
@@ -79,7 +80,7 @@ def replicate(journal: JournalArg = None,
     region and endpoint come from the AWS environment variables (AWS_ACCESS_KEY_ID,
     AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP) or ~/.aws.
     """
-    from kvj.cli.common import usage_error
+    from kvj.cli.options import usage_error
 
     if not to:
         raise usage_error(f"no replica given: use --to s3://bucket/prefix or set {REPLICA_ENV}")

@@ -8,16 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import (
-    JournalArg,
-    JsonArg,
-    StoreArg,
-    done,
-    parse_time,
-    progress,
-    show,
-    usage_error,
-)
+from kvj.cli.options import JournalArg, JsonArg, StoreArg, usage_error
+from kvj.cli.output import done, progress, show
+from kvj.cli.parse import parse_time
 from kvj.ops.inspection import human_size
 from kvj.replica.remote import open_remote
 from kvj.replica.pull import RestoreResult

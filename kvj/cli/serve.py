@@ -14,8 +14,8 @@ from typing import Annotated, Any, Callable, List, Optional, Tuple
 
 import typer
 
-from kvj.cli.common import parse_duration, parse_size
-from kvj.cli.errors import INTERRUPTED, OK, USAGE, classify, debug, report
+from kvj.cli.parse import parse_duration, parse_size
+from kvj.cli.errors import INTERRUPTED, OK, USAGE, fail, report
 from kvj.journal.reader import RECOVERY_MODES
 
 PROG = "kvj serve"
@@ -147,13 +147,7 @@ def main(argv: List[str]) -> int:
     try:
         run(args, options)
     except (Exception, KeyboardInterrupt) as exc:
-        status, message = classify(exc)
-        if debug():
-            import traceback
-
-            traceback.print_exc()
-        report(PROG, message)
-        return status
+        return fail(PROG, exc)[0]
     return OK
 
 

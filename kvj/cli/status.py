@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from kvj.cli.common import JournalArg, JsonArg, StoreArg, ago, emit_json, engine_ranks, journal_path, out, store_path
+from kvj.cli.options import JournalArg, JsonArg, StoreArg, engine_ranks, journal_path, store_path
+from kvj.cli.output import ago, emit_json, out
 from kvj.errors import FormatError
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvj.cli.common import JsonArg, emit_json, out, progress, usage_error
+from kvj.cli.options import JsonArg, usage_error
+from kvj.cli.output import emit_json, out, progress
 from kvj.cli.errors import DATAERR
 from kvj.replica.remote import open_remote
 from kvj.replica.verify import verify_remote

@@ -1,14 +1,7 @@
-"""Ending in-flight requests on purpose (``kvj recover --abandon``): journaled, so that nothing
-resumes them and compaction and handoff move on.
-
-A request whose client is gone and whose reply nobody will fetch must not live for ever. With
-the server stopped, ``abandon`` appends END ``abandoned`` for the requests named, in the engine
-journal (every rank journal of a tensor-parallel engine) and in ``kvj serve``'s reply journal
-(``JOURNAL/replies/``): an id names an engine request (its journal id), or a reply (its key:
-``chatcmpl-ID``, ``cmpl-ID``, ``resp_ID``), which names the engine requests that produced it too.
-``None`` abandons everything in flight, replies held for their clients included. It takes each
-journal's writer lock: while ``kvj serve`` runs it fails (``JournalLocked``), and the server's
-``POST /v1/kvj/replies/ID/abandon`` does it online.
+"""Ending in-flight requests on purpose (``kvj recover --abandon``): END ``abandoned`` journaled
+in the engine journal (every rank's) and kvj serve's reply journal, so that nothing resumes them
+and compaction and handoff move on. Takes each journal's writer lock: while ``kvj serve`` runs
+it fails, and ``POST /v1/kvj/replies/ID/abandon`` does it online.
 """
 
 from __future__ import annotations

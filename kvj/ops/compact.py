@@ -1,26 +1,11 @@
 """Compaction: fold sealed log files into a snapshot, delete what it replaced, collect segments.
 
-Safe to run from cron while the writer runs:
-
-- a ``COMPACT`` lock admits one compactor at a time (a second gets ``JournalLocked``);
-- only sealed log files are folded: every log file but the newest, which the writer may
-  still be appending to, is never written again;
-- the snapshot is durable (temp file, fsync, rename, fsync directory) before any log file
-  or older snapshot it covers is unlinked, oldest first, so a crash at any point leaves a
-  journal that replays to the same state;
-- a segment is collected only when no live record references it, no writer claims it and
-  its file is older than the grace period: a writer claims what it stores until the record
-  naming it is durable (``kvj.segments.claims``), so a segment stored just before its record
-  is never collected, whatever the grace period;
-- with a byte budget (``max_store_bytes``, or ``kvj.conf``'s), segments that nothing needs are
-  then evicted least recently used first until the store fits it (``kvj.ops.evict``);
-- the prefix cache (``JournalState.cache``: the KV blocks of ended requests) is a cache under
-  that budget: with one, collection keeps its blocks and eviction removes them least recently
-  used first; without one, they are collected after the grace period as other unreferenced
-  segments are. A snapshot leaves out cache entries whose segment the store no longer holds.
-
-``dry_run=True`` says what a compaction would write, remove and reclaim, and changes
-nothing (the compactor lock is held shared, read-only).
+Safe from cron beside a live writer: one compactor at a time (the ``COMPACT`` lock); only
+sealed files are folded; the snapshot is durable before anything it covers is unlinked. A
+segment is collected only when no live record needs it, no writer claims it
+(``kvj.segments.claims``) and it is older than the grace period. With a byte budget, what
+nothing needs (the prefix cache of ended requests included) is then evicted least recently
+used first (``kvj.ops.evict``). ``dry_run`` changes nothing.
 """
 
 from __future__ import annotations
@@ -254,7 +239,7 @@ def compact(directory: str, store: Any = None, *, grace: float = DEFAULT_GRACE,
                     evict_segments(directory, seg_store, result, max_bytes=max_store_bytes, now=now,
                                    min_age=min(grace, EVICT_MIN_AGE), progress=progress, fs=fs)
                 uses = seg_store.backend.uses
-                if not dry_run and uses is not None and os.path.lexists(uses.path):
+                if not dry_run and os.path.lexists(uses.path):
                     uses.fold(set(seg_store.keys()))  # bounded: one record per stored key
         return result
     finally:

@@ -1,11 +1,6 @@
-"""Dumping one segment to a file a person or another tool can open: ``.npy``, ``.safetensors``
-or ``.pt``, as ``restic dump`` and ``pg_waldump -b`` hand out what a repository holds.
-
-The segment is checked by the store first (every chunk CRC and the digest, a chunk at a
-time, so a header declaring more than it holds costs no memory), then read; the file is
-written durably (temp file, fsync, rename) and read back to check that it holds
-exactly the segment's bytes. Also here: finding a segment by a key prefix, and who in the
-journal refers to a segment.
+"""Dumping one segment to ``.npy``, ``.safetensors`` or ``.pt`` (as ``restic dump``): verified by
+the store first, written durably, read back to check it holds exactly the segment's bytes.
+Also here: finding a segment by a key prefix, and who in the journal refers to a segment.
 """
 
 from __future__ import annotations

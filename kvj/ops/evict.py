@@ -1,21 +1,10 @@
 """Eviction under a byte budget: the segment store as a bounded, least-recently-used prefix cache.
 
-After compaction's grace-based collection, a store may still hold the blocks of many ended
-requests (a prefix cache that survives restarts). ``evict_segments`` removes, least recently
-used first, segments that nothing needs until the store holds at most ``max_bytes``:
-
-- never one that an in-flight request or a training checkpoint references (the journal's
-  live state) or that a recovery manifest in ``recovery/`` plans to load;
-- never one a writer claims (stored or deduplicated, its record not yet durable), nor one a
-  record appended since the replay names, nor one stored or claimed less than ``min_age``
-  seconds before ``now``: removal goes through ``SegmentStore.delete_many(older_than=...,
-  keep=...)`` under the store's exclusive collection lock, exactly as collection does, so a
-  writer that claims a segment concurrently either keeps it or finds it gone and writes it anew;
-- last use is the newest record of the key in the store's use log (stored, claimed or
-  loaded; ``kvj.segments.uses``), else its file time (a pack's, for a member).
-
-The budget counts the stored bytes of the segments the store holds (``kvj status``'s store
-size); a pack's dead members are not counted (a pack is repacked once they reach half its bytes).
+Never evicted: what the live state or a recovery manifest needs, what a writer claims or a
+record appended since the replay names, anything younger than ``min_age``; removal goes through
+``SegmentStore.delete_many`` under the store's collection lock, as collection does, so a
+concurrent writer either keeps its segment or writes it anew. Last use comes from the store's
+use log (``kvj.segments.uses``), else the file time.
 """
 
 from __future__ import annotations
@@ -111,7 +100,7 @@ def evict_segments(journal: str, store: Any, result: Any, *, max_bytes: int, now
     result.max_store_bytes = max_bytes
     if total > max_bytes:
         needed, lsn = needed_keys(journal)  # read after the listing: a segment stored since is no candidate
-        uses = store.backend.uses.read().last if store.backend.uses is not None else {}
+        uses = store.backend.uses.read().last
         candidates = sorted(((uses.get(key, used), key, size) for key, size, used in listed
                              if key not in needed and used <= cutoff))
         total -= _evict(journal, store, result, candidates, total - max_bytes, cutoff, progress, fs,

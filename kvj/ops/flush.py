@@ -1,10 +1,7 @@
-"""Flushing tensors from files into a journal as segments (``kvj flush``).
-
-``load_tensors`` reads a .safetensors, .npy or .pt file (no pickle). ``plan_segments`` says
-which tensor becomes which segment of a request in flight and which tokens it covers,
-refusing a plan that does not fit the request (``InvalidArgument``) before anything is
-stored; ``flush_request`` and ``flush_training`` store each tensor durably, then journal
-it (data before the record that points at it), and return once the records are durable.
+"""Flushing tensors from files into a journal as segments (``kvj flush``): ``load_tensors`` reads
+.safetensors, .npy or .pt (no pickle), ``plan_segments`` refuses a plan that does not fit the
+request before anything is stored, ``flush_request``/``flush_training`` store each tensor
+durably before the record that points at it.
 """
 
 from __future__ import annotations

@@ -1,57 +1,28 @@
-"""fsck: check a journal and its segment store end to end, and optionally repair.
+"""fsck: check a journal and its segment store end to end, and optionally repair (kvj-fsck(1)).
 
-Checks every log file's header, framing and CRCs, LSN order within and across files,
-every snapshot (checksum, position in the log, and agreement with the log it was
-compacted from while that log still exists), that every segment the live state needs
-exists with a matching digest, and lists orphan segments.
-
-``repair=True`` cuts a torn tail (its bytes kept in ``torn/``), sets a damaged or
-disagreeing snapshot aside when the log can replace it, and quarantines damaged segments.
-Nothing is deleted: whatever a repair removes from the live journal is kept. ``preen=True``
-(e2fsck's -p) repairs only what needs no decision: what recovery would cut anyway (a torn
-tail, an incomplete newest log header) and damaged segments no record refers to; anything
-else is left as an error for ``--repair`` and a person.
-
-The end of the log is judged by the recovery ``mode`` (``kvj.journal.reader.RECOVERY_MODES``),
-as recovery in that mode would: by default a torn tail (bytes a crash during the last
-write can leave) is a warning and a damaged tail (a last group that was whole on disk:
-one flipped bit, bytes after it, ...) is an error that neither repair touches, since its
-records may have been acknowledged: ``kvj recover --recovery-mode point-in-time`` sets it
-aside and records the loss, and in that mode fsck calls it a warning. Under
-absolute-consistency a torn tail is an error too (``--repair`` cuts it).
-
-Without either nothing is written, not even a lock file: the locks are held shared,
-through lock files opened read-only, and every write goes to ``READ_ONLY_FS``, which
-refuses it, so fsck works on a read-only mount.
-
-Segments are verified in parallel (hashing and decompression release the GIL). With
-``sample`` (restic's --read-data-subset) only that fraction of them, chosen at random,
-are read in full; the others have their header checked (it exists, its CRC, the digest
-the record claims).
-
-The result's ``exit_code`` follows e2fsck: 0 clean, 1 errors corrected, 4 errors left
-uncorrected (1|4 = 5 when both), 8 operational error (raised, not returned); 64 is added
-for damaged records in the store's use log (a warning: eviction order only). What
-recovery (in the same mode) handles by itself is a warning, not an error, so ``kvj fsck
-&& kvj recover`` recovers after a crash: a torn tail (recovery cuts it and keeps the
-bytes), an empty newest log file (a crash while rotating), and a needed segment that an
-earlier repair quarantined (recovery falls back to the segments before it).
+Every log file's header, framing, CRCs and LSN order, every snapshot (and its agreement with
+the log it came from while that log exists), then the store (``kvj.ops.fsck_segments``).
+``repair`` cuts a torn tail, sets a bad snapshot aside when the log can replace it and
+quarantines damaged segments, keeping every byte it removes; ``preen`` (e2fsck's -p) repairs
+only what recovery would do by itself. The end of the log is judged by the recovery ``mode``
+as recovery in that mode would. Without either nothing is written (locks held shared through
+read-only lock files, writes refused by ``READ_ONLY_FS``), so fsck works on a read-only mount.
+``exit_code`` follows e2fsck: 0 clean, 1 corrected, 4 left uncorrected, 8 operational (raised),
+plus 64 for damage in the store's use log. What recovery handles by itself is a warning, so
+``kvj fsck && kvj recover`` recovers after a crash.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvj.errors import CorruptionError, FormatError, InvalidArgument, JournalLocked, NotFound
 from kvj.fileio import FS, READ_ONLY_FS, REAL_FS, makedirs_durable, open_read, rename_durable
-from kvj.journal.config import config_policy, default_store_path
+from kvj.journal.config import config_policy
 from kvj.journal.recovery import LOCK_NAME, TORN_DIR, DirLock, cut_torn_tail
 from kvj.journal.reader import (
     ABSOLUTE_CONSISTENCY,
@@ -72,17 +43,15 @@ from kvj.journal.reader import (
 from kvj.journal.replay import check_journal, collector_paused
 from kvj.journal.snapshot import decode_snapshot, list_snapshots
 from kvj.journal.state import JournalState
+from kvj.ops.fsck_segments import USE_LOG_KIND, check_segments
 
 CLEAN, CORRECTED, UNCORRECTED = 0, 1, 4
 #: Added to the status when the store's use log holds damaged records (a warning: e2fsck leaves 64 unused).
 USE_LOG_DAMAGED = 64
-USE_LOG_KIND = "use-log-damaged"
 #: Replay warnings begin with the LSN of the record they are about.
 _WARNING_LSN = re.compile(r"^LSN (\d+):")
 
 Progress = Callable[[str, int, int], None]
-#: (kind, reason) of a segment that cannot be used, as ``kvj.segments.check`` reports it.
-Problem = Tuple[str, str]
 
 
 @dataclass
@@ -190,8 +159,6 @@ class _Checker:
         elif self.preen:
             finding.action = "left for kvj fsck --repair: it needs a person's decision"
 
-    # -- snapshots -----------------------------------------------------------------------
-
     def snapshots(self) -> List[Tuple[int, str, JournalState]]:
         """Decode every snapshot; returns the valid ones, newest first."""
         valid: List[Tuple[int, str, JournalState]] = []
@@ -218,8 +185,6 @@ class _Checker:
         logs = list_logs(self.path)
         header = read_header(logs[0]) if logs else None
         return header.base_lsn if header is not None else 1 << 62
-
-    # -- logs ----------------------------------------------------------------------------
 
     def logs(self, valid: List[Tuple[int, str, JournalState]]) -> JournalState:
         """Walk every log file, fold the live state, and check the newest snapshot against its log."""
@@ -359,141 +324,12 @@ class _Checker:
             self.add("note", "old-warnings", f"{old} replay warnings about records before the last recovery (LSN "
                      f"{since}) are not repeated (kvj replay --json lists them)")
 
-    # -- segments ------------------------------------------------------------------------
-
-    def segments(self, state: JournalState) -> None:
-        from kvj.segments.check import opened_store
-
-        with opened_store(self.store_arg, default_store_path(self.path), self.fs) as store:
-            self._segments(state, store)
-            if store is not None and store.backend.uses is not None:
-                self._use_log(store.backend.uses)
-
-    def _use_log(self, log: Any) -> None:
-        """The store's use log (``kvj.segments.uses``): records failing their CRC before a
-        valid one are damage (a warning with its own status bit, ``USE_LOG_DAMAGED``); bytes
-        after the last valid record are a torn append, which a crash leaves (a note)."""
-        uses = log.read()
-        if uses.damaged:
-            self.add("warning", USE_LOG_KIND, f"{uses.damaged} records of the store's use log fail their CRC, with "
-                     "valid records after them (damage, not a torn append): eviction order and hit rate leave "
-                     "them out; the next kvj compact rewrites the log", log.path, uses.damage_offset)
-        if uses.ignored_bytes:
-            self.add("note", "use-log-torn", f"the store's use log ends in {uses.ignored_bytes} bytes of a torn "
-                     "append (a crash while appending, or one in progress; the log is advisory): ignored", log.path)
-
-    def _segments(self, state: JournalState, store: Any) -> None:
-        referenced = state.referenced_keys()
-        digests = _record_digests(state)
-        if store is None:
-            if referenced:
-                self.add("error", "segment-missing", f"no segment store, but {len(referenced)} segments are needed")
-            return
-        held = set(store.keys())
-        cached = {key: who for key, who in state.cached_keys().items() if key not in referenced}
-        orphans = sorted(held - referenced.keys() - cached.keys())
-        problems = self._verify(store, sorted(referenced) + orphans + sorted(held & cached.keys()), digests)
-        for key, who in sorted(referenced.items()):
-            problem = problems[key]
-            if problem is None:
-                continue
-            kind, reason = problem
-            aside = store.quarantined_copies(key) if kind == "segment-missing" else []
-            if aside:  # a known loss: an earlier repair (or a healing put) moved the damaged copy aside
-                self.add("warning", "segment-quarantined", f"{who} needs segment {key}, quarantined as damaged "
-                         f"earlier ({aside[-1]}); recovery falls back to the segments before it")
-                continue
-            finding = self.add("error", kind, f"{who} needs segment {key}: {reason}; recovery will fall back "
-                               "to an older segment or recompute")
-            if kind == "segment-damaged":
-                # the bytes are out of harm's way and recovery's plan no longer depends on them;
-                # the tokens the segment held are lost (recovery says which)
-                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}; recovery falls back to "
-                         "the segments before it")
-        self.result.orphans = orphans
-        self.result.cached = len(held & cached.keys())
-        for key in sorted(held & cached.keys()):
-            problem = problems[key]
-            if problem is not None:
-                finding = self.add("error", problem[0], f"{cached[key]}, segment {key}: {problem[1]} (a cached block: "
-                                   "a request that needs it recomputes it)")
-                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}", preen=True)
-        if cached.keys() - held:
-            self.add("note", "cache-evicted", f"{len(cached.keys() - held)} cached KV blocks were evicted from the "
-                     "store (the next kvj compact drops them from the cache)")
-        for key in orphans:
-            problem = problems[key]
-            if problem is not None:
-                finding = self.add("error", problem[0], f"unreferenced segment {key}: {problem[1]}")
-                self.fix(finding, lambda k=key: f"quarantined as {store.quarantine(k)}", preen=True)
-        if orphans:
-            self.add("note", "orphans", f"{len(orphans)} segments no live record references "
-                     "(kvj compact collects them after the grace period)")
-
-    def _verify(self, store: Any, keys: List[str], digests: Dict[str, str]) -> Dict[str, Optional[Problem]]:
-        """Each key's problem, in parallel: read in full, or its header only when a
-        --read-data-subset sample leaves it out."""
-        from kvj.segments.check import segment_problem
-
-        full = self._sampled(keys)
-        results: Dict[str, Optional[Problem]] = {}
-        if not keys:
-            return results
-        threads = verify_threads()
-        # keys in batches, a task each: one task per key cost the main thread more (a future, a
-        # lock, a wake-up: ~40 µs) than a small segment's check, holding the GIL the checks need
-        size = max(1, min(VERIFY_BATCH, -(-len(keys) // (4 * threads))))
-        batches = [keys[i:i + size] for i in range(0, len(keys), size)]
-
-        def check(batch: List[str]) -> List[Optional[Problem]]:
-            return [segment_problem(store, key, digests.get(key), key in full) for key in batch]
-
-        done = 0
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for batch, problems in zip(batches, pool.map(check, batches)):
-                results.update(zip(batch, problems))
-                done += len(batch)
-                if self.progress:
-                    self.progress("verifying segments", done, len(keys))
-        self.result.segments_checked = len(keys)
-        self.result.data_verified = len(full)
-        self.result.headers_checked = len(keys) - len(full)
-        return results
-
-    def _sampled(self, keys: List[str]) -> Set[str]:
-        """The keys to read in full: all of them, or a random ``sample`` fraction (at least one)."""
-        if self.sample is None or not keys:
-            return set(keys)
-        seed = int.from_bytes(os.urandom(4), "little")
-        self.result.sample_seed = seed
-        count = min(len(keys), max(1, math.ceil(len(keys) * self.sample)))
-        return set(random.Random(seed).sample(keys, count))
-
-
-#: The most segments one verification task checks.
-VERIFY_BATCH = 256
-
-
-def verify_threads() -> int:
-    """The threads segments are verified on (their reads and hashing overlap)."""
-    return min(8, os.cpu_count() or 1)
-
 
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
     except OSError:
         return 0
-
-
-def _record_digests(state: JournalState) -> Dict[str, str]:
-    """Digest each live segment record claims for its key."""
-    out: Dict[str, str] = {}
-    for req in state.in_flight():
-        for ref in req.segments.values():
-            if ref.key and ref.digest:
-                out[ref.key] = ref.digest
-    return out
 
 
 def _writer_live(path: str) -> bool:
@@ -510,14 +346,10 @@ def _writer_live(path: str) -> bool:
 def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = False,
          sample: Optional[float] = None, fs: FS = REAL_FS, progress: Optional[Progress] = None,
          mode: str = TOLERATE_TORN_TAIL) -> FsckResult:
-    """Check (with ``repair`` or ``preen``, repair) the journal at ``path``; see the module docstring.
-
-    ``sample`` in (0, 1]: read only that fraction of the segments in full. ``mode``: the
-    recovery mode the end of the log is judged by (``InvalidArgument`` if unknown). Raises
-    ``JournalLocked`` when repairing while a writer runs, or while a compactor runs;
-    ``NotFound`` when there is no journal at ``path``; ``FormatError`` when its ``kvj.conf``
-    is not valid (bad JSON, a commit policy that cannot work), as every reader refuses it.
-    """
+    """Check (with ``repair`` or ``preen``, repair) the journal at ``path``; ``sample`` in (0, 1]
+    reads only that fraction of the segments in full. ``JournalLocked`` when repairing while a
+    writer runs, or while a compactor runs; ``NotFound`` without a journal; ``FormatError`` for
+    a kvj.conf no writer would use."""
     from kvj.journal.recovery import COMPACT_LOCK
 
     check_mode(mode)
@@ -543,7 +375,7 @@ def fsck(path: str, store: Any = None, *, repair: bool = False, preen: bool = Fa
             checker.result.writer_live = _writer_live(path)
         state = checker.logs(checker.snapshots())
         checker.replay_warnings(state)
-        checker.segments(state)
+        check_segments(checker, state)
     finally:
         for lock in reversed(locks):
             lock.release()

@@ -1,18 +1,10 @@
 """Live handoff of a serving engine's requests to another engine: arming, the manifest, the status.
 
-An operator arms a handoff to a named target (``arm``): a small control file,
-``JOURNAL/handoff.json``, written atomically. While it is armed, the vLLM connector journals
-every request vLLM aborts as a HANDOFF record to that target (after its last blocks'
-segments, as an END would be) instead of an END. Once they are all durable, ``write_manifest``
-writes ``JOURNAL/handoff/manifest-<target>.json``: the schema of ``kvj recover``'s manifest
-(its requests are those moved to the target, each with its verified segments, resume
-position and durable tokens), so ``resume(llm_b, manifest)`` takes it as it is. The control
-file then records the result (``state: "done"``, the manifest, the request count), which
-``kvj status`` shows. A request whose HANDOFF record is durable has ended in this journal:
-``kvj recover`` of it never resumes it; one whose record is not durable was never in a
-manifest, and recovery resumes it here.
-
-This module reads journals and writes only the control file (``kvj.ops.armed``) and the manifest.
+While a handoff is armed (``JOURNAL/handoff.json``, ``kvj.ops.armed``) the vLLM connector
+journals each aborted request as a HANDOFF record to the target; once they are durable,
+``write_manifest`` writes ``JOURNAL/handoff/manifest-<target>.json`` in the schema of
+``kvj recover``'s manifest, so the target resumes them as after a recovery. A durable HANDOFF
+has ended the request here; one that is not durable is resumed here by recovery.
 """
 
 from __future__ import annotations

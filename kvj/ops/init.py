@@ -1,10 +1,6 @@
-"""Creating a journal on purpose (``kvj init``), and migrating a seed-era JSON-lines journal
-into a new one (``kvj migrate``).
-
-``init`` makes the directory, writes ``kvj.conf`` (JSON: the commit policy writers use and
-the segment store, so that every later command and ``Journal.open`` find them; see
-``kvj.journal.config``) durably, and opens the journal once, which writes its first log file. Commands that write (``kvj record``, ``kvj flush``)
-refuse a directory that is not a journal instead of creating one at a mistyped path.
+"""Creating a journal on purpose (``kvj init``: the directory, a durable ``kvj.conf``, its first
+log file), so that writing commands can refuse a mistyped path; and ``kvj migrate`` of a
+seed-era JSON-lines journal into a new one.
 """
 
 from __future__ import annotations

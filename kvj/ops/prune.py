@@ -1,11 +1,7 @@
-"""Retention for what kvj keeps aside and never removes by itself: cut tails and set-aside
-files in ``torn/``, recovery manifests in ``recovery/``, damaged segments in the store's
-quarantine. ``prune`` removes those older than a given age, as restic's ``forget --prune``
-or logrotate's ``maxage`` do, and always keeps the newest recovery manifest (the one a
-restarting server reads). It holds the compactor lock, as recovery does when it writes
-manifests; ``dry_run`` lists what would go and changes nothing. ``prune_engine`` does the same
-for the manifests ``recover_ranks`` writes in a tensor/pipeline-parallel engine's directory
-(each rank journal in it is pruned by ``prune``).
+"""Retention for what kvj sets aside and never removes by itself (``torn/``, ``recovery/``, the
+store's quarantine): ``prune`` removes what is older than an age, always keeping the newest
+recovery manifest, under the compactor lock; ``prune_engine`` does it for an engine
+directory's own manifests.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
-"""Recovery after a crash: what to resume, verified, written down durably.
+"""Recovery after a crash: what to resume, verified, written down durably (kvj-recover(1)).
 
-``recover(path)``:
-
-1. takes the writer and compactor locks (so nothing changes underneath) and replays the
-   journal to its last consistent point, before anything is changed; what ends the log is
-   the recovery ``mode``'s decision (``kvj.journal.reader.RECOVERY_MODES``): by default a
-   torn tail does and a damaged tail (a last group a torn write cannot leave) is refused
-   like damage in the middle of the log, absolute-consistency refuses a torn tail too, and
-   point-in-time recovers as of the last record before the first damage, setting the
-   damage and everything after it aside and recording what is lost (``kvj.ops.salvage``);
-2. opens the journal as its writer, which cuts a torn tail left by the crash, keeping
-   the cut bytes in ``torn/``;
-3. verifies the digest of every segment the live state needs;
-4. plans each request in flight: its durable segments, contiguous from token 0, that
-   verified. A request whose newest segment is missing or damaged falls back to its
-   newest good one; its resume position counts good segments only. Training resumes
-   from the checkpoint and the longest chain of deltas whose segments all verified;
-5. writes the plan as a recovery manifest (JSON, ``recovery/manifest-<epoch>.json``,
-   atomically and durably) and then appends a recovery-epoch record pointing at it.
-
-``dry_run=True`` takes no lock and changes nothing; the manifest is returned only.
-``load_manifest`` then loads every planned segment onto a device and times it.
-``recover_ranks`` recovers a directory of rank journals (a tensor/pipeline-parallel engine's,
-``kvj.journal.ranks``) and writes one manifest for all its ranks.
+``recover(path)`` takes the writer and compactor locks, replays the journal to the end the
+recovery ``mode`` allows (point-in-time sets damage aside: ``kvj.ops.salvage``), opens it as
+its writer (which cuts a torn tail into ``torn/``), verifies every segment the live state
+needs, plans each request in flight (its contiguous good segments from token 0; a missing or
+damaged newest segment falls back to the one before) and training (checkpoint plus the
+longest verified chain of deltas), writes the plan as ``recovery/manifest-<epoch>.json`` and
+then appends a recovery-epoch record naming it. ``dry_run`` takes no lock and changes
+nothing. ``load_manifest`` loads the planned segments onto a device and times it;
+``kvj.ops.recover_ranks`` recovers a directory of rank journals.
 """
 
 from __future__ import annotations
@@ -35,18 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from kvj.errors import FormatError, InvalidArgument, KvjError, NotFound, SegmentMissing
+from kvj.errors import InvalidArgument, KvjError, NotFound, SegmentMissing
 from kvj.fileio import FS, REAL_FS, atomic_write, makedirs_durable
-from kvj.journal import ranks
 from kvj.journal.recovery import COMPACT_LOCK, LOCK_NAME, RECOVERY_DIR, DirLock
 from kvj.journal.config import default_store_path
 from kvj.journal.journal import Journal
-from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, check_mode, list_logs
+from kvj.journal.reader import ABSOLUTE_CONSISTENCY, POINT_IN_TIME, TOLERATE_TORN_TAIL, check_mode
 from kvj.journal.replay import check_journal, replay
-from kvj.journal.snapshot import list_snapshots
 from kvj.journal.state import JournalState, RequestState, SegmentRef
-from kvj.ops.salvage import Salvage, clear_pending, find_damage, load_pending
+from kvj.ops.salvage import find_damage
 from kvj.ops.salvage import set_aside as set_aside_damage
+from kvj.ops.salvage_report import Salvage, clear_pending, load_pending
 from kvj.segments.check import Problem, opened_store, segment_problems
 
 if TYPE_CHECKING:
@@ -200,7 +185,7 @@ def _needed(state: JournalState) -> List[Tuple[str, Optional[str]]]:
     return wanted
 
 
-def _next_epoch(state: JournalState, recovery_dir: str) -> int:
+def next_epoch(state: JournalState, recovery_dir: str) -> int:
     known = [e["epoch"] for e in state.epochs]
     if os.path.isdir(recovery_dir):
         for name in os.listdir(recovery_dir):
@@ -213,18 +198,10 @@ def _next_epoch(state: JournalState, recovery_dir: str) -> int:
 def recover(path: str, store: Any = None, *, dry_run: bool = False, mode: str = TOLERATE_TORN_TAIL,
             fs: FS = REAL_FS, progress: Optional[Progress] = None, mirror: Optional[str] = None,
             mirror_policy: str = "fail") -> RecoveryResult:
-    """Recover the kvj journal directory at ``path``; a seed-era JSON-lines journal is
-    ``LegacyJournal`` (``kvj migrate`` converts it), refused before anything is written.
-
-    ``store`` is a ``SegmentStore`` or its root (default ``<journal>/segments``). Raises
-    ``JournalLocked`` while a writer or compactor runs, ``CorruptionError`` (nothing changed)
-    on damage in the middle of the log or a damaged tail, and under ``mode``
-    absolute-consistency on a torn tail too. With ``mode`` point-in-time the journal is
-    recovered as of the last record before the first damage, which and everything after it is
-    set aside into ``torn/`` (``kvj.ops.salvage``); the manifest and the recovery-epoch record
-    say what was lost. ``mirror`` and ``mirror_policy`` are passed to ``Journal.open`` (a
-    journal's recorded mirror is used anyway).
-    """
+    """Recover the journal at ``path`` (``store``: a ``SegmentStore`` or its root, default
+    ``<journal>/segments``). ``JournalLocked`` while a writer or compactor runs;
+    ``CorruptionError`` (nothing changed) for damage the ``mode`` does not end the log at;
+    ``LegacyJournal`` for a seed-era journal. ``mirror``/``mirror_policy`` go to ``Journal.open``."""
     check_mode(mode)
     until_damage = mode == POINT_IN_TIME
     path = os.path.abspath(path)
@@ -319,7 +296,7 @@ def _recover(path: str, store: Any, store_root: Optional[str], recovery_dir: str
     if needed:
         with opened_store(store, store_root or "", fs) as seg_store:
             problems = segment_problems(seg_store, needed, progress)
-    epoch = _next_epoch(state, recovery_dir)
+    epoch = next_epoch(state, recovery_dir)
     manifest = build_manifest(state, problems, journal=path, store=store_root, epoch=epoch)
     if cut is not None:
         manifest["torn_tail"] = {**(manifest["torn_tail"] or {}), "kept_at": cut, "length": os.path.getsize(cut)}
@@ -415,97 +392,3 @@ def load_manifest(manifest: Dict[str, Any], store: Any, device: str, *, workers:
         seconds = time.perf_counter() - start
     return {"device": str(dev), "segments": len(keys) - len(failed), "bytes": nbytes, "seconds": seconds,
             "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "failed": failed}
-
-
-# ---------------------------------------------------------------------------- rank journals
-
-
-def recover_ranks(path: str, *, dry_run: bool = False, mode: str = TOLERATE_TORN_TAIL, fs: FS = REAL_FS,
-                  progress: Optional[Progress] = None) -> RecoveryResult:
-    """Recover every rank journal of a directory of rank journals (``kvj.journal.ranks``), each as
-    ``recover`` does (its own manifest and epoch record), and write one manifest for the engine,
-    ``<path>/recovery/manifest-<epoch>.json`` (``merge_rank_manifests``): each request's resume
-    position is the minimum over the ranks. A rank that never made its journal holds nothing.
-    Holds the directory's compactor lock (``kvj prune`` takes it to remove old engine manifests)."""
-    path = os.path.abspath(path)
-    journals = ranks.rank_journals(path)
-    if not journals:
-        raise NotFound(f"{path} holds no rank journals ({ranks.RANKS_FILE} is missing)")
-    compactor = None if dry_run else DirLock(path, COMPACT_LOCK, "compactor").acquire()
-    try:
-        per_rank: Dict[str, Optional[RecoveryResult]] = {}
-        for (t, p), journal in journals.items():
-            made = os.path.isdir(journal) and bool(list_logs(journal) or list_snapshots(journal))
-            per_rank[ranks.rank_name(t, p)] = (recover(journal, dry_run=dry_run, mode=mode, fs=fs, progress=progress)
-                                               if made else None)
-        recovery_dir = os.path.join(path, RECOVERY_DIR)
-        epoch = _next_epoch(JournalState(), recovery_dir)
-        manifest = merge_rank_manifests({name: r.manifest if r is not None else None for name, r in per_rank.items()},
-                                        journal=path, epoch=epoch)
-        for name, r in per_rank.items():
-            if r is not None:
-                manifest["ranks"][name].update(manifest_path=r.manifest_path, epoch_lsn=r.epoch_lsn)
-        result = RecoveryResult(manifest, dry_run=dry_run)
-        if not dry_run:
-            makedirs_durable(recovery_dir, fs)
-            target = os.path.join(recovery_dir, f"manifest-{epoch:06d}.json")
-            atomic_write(target, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode(), fs)
-            result.manifest_path = target
-        return result
-    finally:
-        if compactor is not None:
-            compactor.release()
-
-
-def merge_rank_manifests(manifests: Dict[str, Optional[Dict[str, Any]]], *, journal: str,
-                         epoch: int) -> Dict[str, Any]:
-    """One engine's manifest from its ranks' (rank name -> manifest; None: that rank has no journal).
-
-    A request is listed if it is in flight on any rank; its resume position is the minimum over
-    all ranks (absent on a rank: 0), its segments those of the rank with the most durable tokens
-    up to that position. Its tokens are that rank's: every rank journaled the same tokens, and
-    any rank's durable ones were generated (a rank whose tokens contradict another's is an error).
-    """
-    names = sorted(manifests)
-    entries: Dict[str, Dict[str, Dict[str, Any]]] = {}  # request id -> rank -> entry
-    for name in names:
-        for entry in (manifests[name] or {}).get("requests", []):
-            entries.setdefault(entry["id"], {})[name] = entry
-    requests, fallbacks = [], []
-    for rid, by_rank in entries.items():
-        ref = max(by_rank.values(), key=lambda e: len(e.get("output") or []))
-        known = (ref.get("tokens") or []) + (ref.get("output") or [])
-        for name, e in by_rank.items():
-            mine = (e.get("tokens") or []) + (e.get("output") or [])
-            if known[:len(mine)] != mine:
-                raise FormatError(f"request {rid}: rank journal {name} holds other tokens than another rank's")
-        positions = {name: (by_rank[name]["resume_position"] or 0) if name in by_rank else 0 for name in names}
-        position = min(positions.values())
-        recorded = max(e["recorded_position"] or 0 for e in by_rank.values())
-        dropped = [{**d, "rank": name} for name, e in by_rank.items() for d in (e.get("fallback") or {}).get("dropped", [])]
-        entry = {**ref, "resume_position": position, "recorded_position": recorded,
-                 "segments": [s for s in ref["segments"] if s["tokens"] and s["tokens"][1] <= position],
-                 "ranks": {name: {"resume_position": positions[name], "in_flight": name in by_rank} for name in names},
-                 "fallback": None}
-        if dropped or position < recorded:
-            entry["fallback"] = {"dropped": dropped, "lost_tokens": [position, recorded]}
-            behind = ", ".join(f"{name} at {n}" for name, n in positions.items() if n == position)
-            fallbacks.append(f"request {rid}: resumes at token {position} instead of {recorded} ({behind})")
-        requests.append(entry)
-    present = [m for m in manifests.values() if m is not None]
-    return {
-        "kvj_recovery_manifest": MANIFEST_VERSION, "journal": journal, "store": None, "epoch": epoch,
-        "created": time.time(), "recovered_lsn": None, "first_lsn": None, "snapshot_lsn": None, "torn_tail": None,
-        "ranks": {name: ({"recovered_lsn": m["recovered_lsn"], "epoch": m["epoch"], "requests": len(m["requests"])}
-                         if m is not None else {"recovered_lsn": None, "epoch": None, "requests": 0})
-                  for name, m in manifests.items()},
-        "requests": requests, "ended_requests": min((m["ended_requests"] for m in present), default=0),
-        "training": {"checkpoint": None, "deltas": [], "step": None, "fallback": None},
-        "segments_verified": sum(m["segments_verified"] for m in present),
-        "segments_unusable": sum(m["segments_unusable"] for m in present),
-        "fallbacks": fallbacks, "warnings": [f"{name}: {w}" for name, m in manifests.items() if m for w in m["warnings"]],
-        "tokens": {"restorable": sum(r["resume_position"] for r in requests),
-                   "lost": sum(r["fallback"]["lost_tokens"][1] - r["fallback"]["lost_tokens"][0]
-                               for r in requests if r["fallback"])},
-        "since_previous": None,
-    }

@@ -292,8 +292,8 @@ def _store(root: Optional[str]) -> Dict[str, Any]:
             except SegmentMissing:  # collected while we listed: not counted
                 continue
         quarantined = store.quarantined_copies()
-        uses = store.backend.uses.read() if store.backend.uses is not None else None
-        loads = {"served": uses.served, "asked": uses.asked, "hit_rate": uses.hit_rate()} if uses else None
+        uses = store.backend.uses.read()
+        loads = {"served": uses.served, "asked": uses.asked, "hit_rate": uses.hit_rate()}
         return {"path": root, "exists": True, "segments": len(sizes), "bytes": sum(sizes),
                 "quarantined": len(quarantined), "quarantined_bytes": _size(quarantined), "disk": _disk(root),
                 "loads": loads}

@@ -100,7 +100,8 @@ def join(replies: "kvj.JournalState", engine: List[Incarnation]) -> Join:
 
 def _recover(journal: str, journals: List[str], mode: str) -> Optional[str]:
     """``kvj recover`` of the engine journal when it has requests in flight; its manifest."""
-    from kvj.ops.recover import recover, recover_ranks
+    from kvj.ops.recover import recover
+    from kvj.ops.recover_ranks import recover_ranks
 
     if not any(kvj.replay(j).in_flight() for j in journals):
         return None

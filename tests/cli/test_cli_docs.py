@@ -6,17 +6,16 @@ import os
 import subprocess
 
 import pytest
-from support.cli_helpers import KVJ, env, kvj
+from support.cli_helpers import KVJ, ROOT, env, gen_docs, kvj
 
-from kvj.cli.gen_docs import generate, stale, write
 from kvj.cli.main import app, command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+generate, stale, write = gen_docs().generate, gen_docs().stale, gen_docs().write
 
 
 def test_man_pages_and_completions_are_current():
     bad = stale(ROOT)
-    assert not bad, f"stale generated files {bad}: run python -m kvj.cli.gen_docs"
+    assert not bad, f"stale generated files {bad}: run python scripts/gen_docs.py"
 
 
 def test_generation_is_deterministic_and_covers_every_command(tmp_path):

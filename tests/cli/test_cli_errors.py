@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from support.cli_helpers import JOURNAL_REPLAY, KVJ, Holder, append_torn_tail, assert_fails, build, kvj
+from support.cli_helpers import tree as files_of
 
 from kvj import __version__ as kvj_version
 from kvj.journal.journal import Journal
@@ -156,17 +157,28 @@ def test_pickle_in_pt_files_is_refused(tmp_path, journal):
 
 def test_bad_record_arguments(journal):
     assert_fails(kvj("record", "start", "../etc", "-j", journal), USAGE, "invalid request id")
-    assert_fails(kvj("record", "alloc", "cuda:0", "zz", "10", "-j", journal), USAGE, "zz")
     assert_fails(kvj("record", "checkpoint", "5", "--key", "w=" + "a" * 64, "-j", journal), DATAERR, "not in the store")
 
 
 @pytest.mark.parametrize("args, status", [(["replay", "--bogus"], USAGE), (["fsck", "--bogus"], 16),
-                                          (["inspect", "--stats", "--layout"], USAGE),
+                                          (["inspect", "--stats", "--follow"], USAGE),
                                           (["inspect", "--export", "x.png"], USAGE), (["nosuch"], USAGE),
                                           (["compact", "--grace", "soon"], USAGE)],
                          ids=lambda a: str(a))
 def test_usage_errors(journal, args, status):
     assert_fails(kvj(*args, "-j", journal), status)
+
+
+@pytest.mark.parametrize("args, needle", [(["inspect", "--layout"], "--layout"), (["inspect", "--timeline"], "--timeline"),
+                                          (["inspect", "--at", "3"], "--at"), (["record", "alloc", "cuda:0", "0", "64"], "alloc"),
+                                          (["record", "free", "cuda:0", "0"], "free"), (["recover", "--until-damage"], "--until-damage"),
+                                          (["dump", "-r", "req-0", "--block", "0", "-o", "x.pt"], "--block")],
+                         ids=lambda a: str(a))
+def test_retired_options_and_commands_are_usage_errors(journal, args, needle):
+    """0.2.0 retired the alloc/free pictures and verbs and two aliases: each is refused, nothing written."""
+    before = files_of(journal)
+    assert_fails(kvj(*args, "-j", journal), USAGE, needle)
+    assert files_of(journal) == before
 
 
 def test_journal_replay_errors_name_the_program(tmp_path):

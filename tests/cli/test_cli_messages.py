@@ -54,10 +54,8 @@ def test_a_point_past_the_journal_s_end_is_named_as_such(tmp_path, capsys):
     with Journal.open(path) as j:
         for i in range(5):
             j.alloc("cuda:0", i, 64)
-    for args in (["replay", "--at", "1200"], ["inspect", "--layout", "--at", "1200"],
-                 ["inspect", "--timeline", "--at", "1200"]):
-        proc = in_process(capsys, *args, "-j", path)
-        assert proc.returncode == 0
-        assert proc.stderr.strip() == ("kvj: warning: --at 1200 is past the journal's last record (LSN 5): this is "
-                                       "the state at its end"), proc.stderr
+    proc = in_process(capsys, "replay", "--at", "1200", "-j", path)
+    assert proc.returncode == 0
+    assert proc.stderr.strip() == ("kvj: warning: --at 1200 is past the journal's last record (LSN 5): this is "
+                                   "the state at its end"), proc.stderr
     assert in_process(capsys, "replay", "--at", "5", "-j", path).stderr == ""

@@ -139,7 +139,7 @@ def test_a_planted_salvage_report_file_is_refused_in_one_line(tmp_path, clean, w
     journal = journal_copy(tmp_path, clean)
     before = tree(journal)
     needle = plant(journal / "SALVAGE.json", what)
-    for args in (["recover"], ["recover", "--until-damage", "--dry-run"]):
+    for args in (["recover"], ["recover", "--recovery-mode", "point-in-time", "--dry-run"]):
         proc = bounded(*args, "-j", journal)
         assert_fails(proc, STATUS.get(what, DATAERR), "SALVAGE.json", needle)
     os.unlink(journal / "SALVAGE.json")

@@ -12,8 +12,8 @@ from support.cli_helpers import JOURNAL_REPLAY, KVJ, append_torn_tail, build, en
 
 from kvj.ops.compact import compact
 
-READERS = [["status"], ["status", "--json"], ["replay"], ["replay", "--json"], ["inspect"], ["inspect", "--stats"], ["inspect", "--layout"],
-           ["inspect", "--timeline", "--json"], ["fsck"], ["fsck", "--json"], ["recover", "--dry-run"],
+READERS = [["status"], ["status", "--json"], ["replay"], ["replay", "--json"], ["inspect"], ["inspect", "--stats"],
+           ["inspect", "--stats", "--json"], ["fsck"], ["fsck", "--json"], ["recover", "--dry-run"],
            ["recover", "--dry-run", "--device", "cpu", "--json"]]
 
 

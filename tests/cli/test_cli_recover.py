@@ -198,7 +198,7 @@ def test_a_salvage_names_the_requests_that_lose_tokens_and_counts_the_rest(tmp_p
     data = bytearray(open(victim, "rb").read())
     data[-3] ^= 0xFF  # a sealed file: damage in the middle of the log
     open(victim, "wb").write(data)
-    proc = in_process(capsys, "recover", "-j", path, "--until-damage")
+    proc = in_process(capsys, "recover", "-j", path, "--recovery-mode", "point-in-time")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     named = [line for line in lines if line.startswith("  lost-")]

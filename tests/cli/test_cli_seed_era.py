@@ -15,7 +15,7 @@ from kvj.errors import LegacyJournal
 
 SEED = b'{"op": "start", "id": "a", "prompt_hash": "p"}\n{"op": "end", "id": "a"}\n{"op": "sta'
 
-COMMANDS = [["status"], ["replay"], ["replay", "--json"], ["inspect"], ["inspect", "--stats"], ["inspect", "--layout"],
+COMMANDS = [["status"], ["replay"], ["replay", "--json"], ["inspect"], ["inspect", "--stats"], ["inspect", "--json"],
             ["recover"], ["recover", "--dry-run"], ["fsck"], ["fsck", "--repair"], ["compact", "--grace", "0"],
             ["prune", "--older-than", "0"], ["dump", "-r", "a", "--segment", "0", "-o", "{out}"],
             ["record", "start", "x"], ["flush", "{block}", "--checkpoint", "1"],

@@ -9,11 +9,10 @@ import time
 from datetime import datetime, timezone
 
 import pytest
-from support.cli_helpers import assert_fails, build, in_process
+from support.cli_helpers import assert_fails, build, gen_docs, in_process
 
-from kvj.cli import common
-from kvj.cli.common import parse_duration, parse_time
-from kvj.cli.gen_docs import generate
+from kvj.cli import parse
+from kvj.cli.parse import parse_duration, parse_time
 
 USAGE = 64
 
@@ -50,8 +49,8 @@ def test_each_form_of_a_time_means_one_thing(capsys, journal):
 
 
 def test_every_man_page_of_a_command_taking_times_states_the_rule():
-    pages = generate()
-    rule = f"{common.DURATION_RULE}; {common.TIME_RULE}"
+    pages = gen_docs().generate()
+    rule = f"{parse.DURATION_RULE}; {parse.TIME_RULE}"
     for name in ("kvj", "kvj-init", "kvj-inspect", "kvj-compact", "kvj-prune", "kvj-replicate", "kvj-restore"):
         text = " ".join(pages[f"man/{name}.1"].split())
         assert "TIME ARGUMENTS" in text and rule in text, name

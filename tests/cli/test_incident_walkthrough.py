@@ -172,7 +172,7 @@ def test_incident_walkthrough(disk):
             if argv[1] == "recover":  # it took the locks (its pid in LOCK and COMPACT) before it stopped
                 for lock in ("LOCK", "COMPACT"):
                     before.pop(lock), after.pop(lock)
-            if "--until-damage" in argv:  # the salvage made torn/ for the copy the full disk refused
+            if "point-in-time" in argv:  # the salvage made torn/ for the copy the full disk refused
                 assert os.listdir(os.path.join(here, "torn")) == []
                 after.pop("torn")
             assert after == before, argv
@@ -197,15 +197,15 @@ def check(out, journal: str, durable: int) -> None:
     code, text = out[1]  # kvj fsck -n
     assert code == 4 and f"error: damaged commit group followed by a valid one" in text and log2 in text, text
     code, text = out[2]  # kvj recover
-    assert code == 65 and "nothing was changed (kvj recover --until-damage recovers what precedes the damage" in text
-    code, text = out[3]  # kvj recover --until-damage on the full disk
+    assert code == 65 and "nothing was changed (kvj recover --recovery-mode point-in-time recovers what precedes the damage" in text
+    code, text = out[3]  # kvj recover --recovery-mode point-in-time on the full disk
     # the copy of the damaged part that the full disk refused, named as it would have been kept
     assert code == 74 and re.fullmatch(r"kvj: error: I/O error: \S+/torn/\S+\.torn: No space left on device", text), text
     code, text = out[4]  # kvj prune --dry-run
     assert code == 0 and "would remove 0 from torn, 0 from recovery, 1 from quarantine; would reclaim 425.9 KiB" in text
     code, text = out[5]  # kvj prune
     assert code == 0 and "removed 0 from torn, 0 from recovery, 1 from quarantine; reclaimed 425.9 KiB" in text, text
-    code, text = out[6]  # kvj recover --until-damage
+    code, text = out[6]  # kvj recover --recovery-mode point-in-time
     assert code == 0 and "(epoch 2)" in text and "SALVAGE: the log is damaged at 0000000000000002.log" in text, text
     lost = re.search(r"lost: LSNs (\d+)\.\.(\d+)", text)
     assert lost and int(lost.group(2)) == last, text  # everything after the damage, up to the kill

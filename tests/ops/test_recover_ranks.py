@@ -19,7 +19,7 @@ from kvj.errors import FormatError
 from kvj.integrations.vllm.resuming import START_FORMAT, resume_plans
 from kvj.integrations.vllm.worker import Save, Start, StepPlan, WorkerJournal
 from kvj.journal import ranks
-from kvj.ops.recover import merge_rank_manifests
+from kvj.ops.recover_ranks import merge_rank_manifests
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 

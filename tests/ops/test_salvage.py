@@ -1,4 +1,4 @@
-"""Salvage (kvj recover --until-damage): a journal damaged in the middle of its log is recovered
+"""Salvage (kvj recover --recovery-mode point-in-time): a journal damaged in the middle of its log is recovered
 as of the last record before the damage; the damage and everything after it is kept in torn/,
 and exactly what is lost is said, in the manifest and in the recovery-epoch record."""
 
@@ -55,8 +55,8 @@ def test_salvage_keeps_what_precedes_the_damage_and_sets_the_rest_aside(tmp_path
     with pytest.raises(CorruptionError):
         kvj_lib.replay(path)
     refused = in_process(capsys, "recover", "-j", path)
-    assert refused.returncode == 65 and "--until-damage" in refused.stderr
-    dry = in_process(capsys, "recover", "-j", path, "--until-damage", "--dry-run")
+    assert refused.returncode == 65 and "--recovery-mode point-in-time" in refused.stderr
+    dry = in_process(capsys, "recover", "-j", path, "--recovery-mode", "point-in-time", "--dry-run")
     assert dry.returncode == 0 and "SALVAGE" in dry.stdout and "would set aside" in dry.stdout
     after = tree(path)
     for lock in ("LOCK", "COMPACT"):  # the refused recovery took its locks (its own files, its pid)
@@ -86,7 +86,7 @@ def test_salvage_keeps_what_precedes_the_damage_and_sets_the_rest_aside(tmp_path
 def test_the_story_says_what_is_lost_and_the_epoch_record_keeps_it(tmp_path):
     path = str(tmp_path / "j")
     damaged_journal(path)
-    proc = kvj("recover", "-j", path, "--until-damage", "--json")
+    proc = kvj("recover", "-j", path, "--recovery-mode", "point-in-time", "--json")
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)
     epoch = kvj_lib.replay(path).epochs[-1]
@@ -179,7 +179,8 @@ def test_a_salvage_interrupted_after_setting_files_aside_is_reported_by_the_retr
     for field in LOSS:  # the retry's own walk no longer sees what was set aside; the report does
         assert dry[field] == full[field], field
     still_damaged = where[0] != "open"
-    again = in_process(capsys, "recover", "-j", path, "--until-damage" if still_damaged else "--json")
+    again = in_process(capsys, "recover", "-j", path,
+                       *(["--recovery-mode", "point-in-time"] if still_damaged else ["--json"]))
     assert again.returncode == 0, again.stderr
     state = kvj_lib.replay(path)
     epoch = state.epochs[-1]["salvage"]
@@ -360,7 +361,7 @@ def test_a_second_cut_at_the_same_place_keeps_the_first_cuts_bytes(tmp_path):
 
 def test_a_merged_report_keeps_the_training_step_this_recovery_keeps():
     from kvj.journal.state import JournalState
-    from kvj.ops.salvage import Salvage
+    from kvj.ops.salvage_report import Salvage
 
     def report(training, kept_step=None):
         state = JournalState()

@@ -3,11 +3,13 @@ build small journals with segments, and reach into the store for damage."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from types import ModuleType
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -23,6 +25,18 @@ if not os.path.exists(JOURNAL_REPLAY[0]):
     JOURNAL_REPLAY = [sys.executable, "-c", "from kvj.cli.main import journal_replay_main; journal_replay_main()"]
 
 BLOCK_TOKENS = 16
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def gen_docs() -> ModuleType:
+    """``scripts/gen_docs.py``, the man page and completion generator (a developer tool, not in the wheel)."""
+    if "gen_docs" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gen_docs", os.path.join(ROOT, "scripts", "gen_docs.py"))
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        sys.modules["gen_docs"] = module
+    return sys.modules["gen_docs"]
 
 
 def env(**extra: Optional[str]) -> Dict[str, str]:

@@ -1,8 +1,8 @@
 """Generate the man pages (``man/kvj.1``, ``man/kvj-<command>.1``, ``man/journal_replay.1``) and
 the shell completions (``completions/``) from the CLI definition itself.
 
-    python -m kvj.cli.gen_docs            # rewrite man/ and completions/ in this checkout
-    python -m kvj.cli.gen_docs --check    # exit 1 if any generated file is stale
+    python scripts/gen_docs.py            # rewrite man/ and completions/ in this checkout
+    python scripts/gen_docs.py --check    # exit 1 if any generated file is stale
 
 Output is deterministic (no dates), so a test can regenerate into a temporary directory and
 compare. The format pages (kvj-journal.5, kvj-segment.5, ...) are written by hand, not here.
@@ -18,7 +18,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from kvj import __version__
-from kvj.cli.common import DURATION_RULE, TIME_RULE
+from kvj.cli.parse import DURATION_RULE, TIME_RULE
 from kvj.cli.errors import EXIT_CODES, FSCK_CODES
 from kvj.cli.main import app, command, legacy_app
 
@@ -87,8 +87,7 @@ EXAMPLES: Dict[str, List[Tuple[str, str]]] = {
                 ("One request's records as NDJSON", "kvj inspect -j J --json -r req-42 | jq .lsn"),
                 ("A segment's header and who refers to it, without decoding it",
                  "kvj inspect -j J --segment e8c7997e62d8"),
-                ("Memory map as of LSN 1200, saved for the incident report",
-                 "kvj inspect -j J --layout --at 1200 --export layout.svg")],
+                ("Statistics, saved for the incident report", "kvj inspect -j J --stats --export stats.svg")],
     "dump": [("Block 3 of a request, for a look in numpy or torch", "kvj dump -j J -r req-42 --segment 3 -o b3.pt"),
              ("A segment by the key prefix kvj inspect prints", "kvj dump -j J e8c7997e62d8 -o seg.safetensors")],
     "compact": [("Hourly from cron", "0 * * * * kvj compact -j /var/lib/kvj --grace 1h"),
@@ -321,15 +320,15 @@ def stale(target: str) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvj.cli.gen_docs", description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    parser = argparse.ArgumentParser(prog="python scripts/gen_docs.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         help="checkout to write into (default: this one)")
     parser.add_argument("--check", action="store_true", help="only report stale files; exit 1 if any")
     args = parser.parse_args(argv)
     if args.check:
         bad = stale(args.root)
         for rel in bad:
-            print(f"stale: {rel} (run python -m kvj.cli.gen_docs)", file=sys.stderr)
+            print(f"stale: {rel} (run python scripts/gen_docs.py)", file=sys.stderr)
         return 1 if bad else 0
     for rel in write(args.root):
         print(rel)
