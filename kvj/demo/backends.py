@@ -7,8 +7,8 @@ and a block table per request. ``PagedBackend`` runs a Llama/Qwen2-architecture 
 weights of a transformers model) over that cache in plain PyTorch: a journaled block is one
 block of the pool (all layers), and after a crash the request's blocks are scattered into
 whatever block ids the restarted pool hands out, which are not the ones they had before.
-Block allocations and frees are journaled too (``alloc``/``free`` records), so ``kvj inspect
---layout`` can draw the pool as it was at any LSN. Both are ``GenerationLoop`` backends
+Block allocations and frees are journaled too (``alloc``/``free`` records, listed by ``kvj
+inspect``). Both are ``GenerationLoop`` backends
 (``kvj.demo.generation``); the KV block itself is ``kvj.segments.kvblock``'s.
 """
 

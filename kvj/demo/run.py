@@ -288,7 +288,7 @@ class Demo:
                          f"as XOR vs {_mb(_model_stream(stats)['full_stored'] / stats['fulls'])} full).")
         print_verdict(self.c, ok)
         self.say(f"[dim]Journals and segments are in {os.path.relpath(self.out)}/; try "
-                 f"`kvj inspect --journal {os.path.relpath(self.gen_journal)} --timeline`.")
+                 f"`kvj inspect --journal {os.path.relpath(self.gen_journal)} --stats`.")
         return ok
 
     def run(self) -> bool:
