@@ -105,9 +105,10 @@ def test_a_block_is_durable_only_once_every_rank_reported_it_across_steps(model:
 
 def write_rank(model: str, journal: str, tp_rank: int, chains: List[str], tokens: List[int]) -> None:
     """Rank ``tp_rank``'s worker side journals the blocks of ``chains`` (its shard layout)."""
-    from kvj.integrations.vllm.connector import KvjConfig
+    from kvj.integrations.vllm.config import KvjConfig
     from kvj.integrations.vllm.layout import block_layout, model_identity
-    from kvj.integrations.vllm.worker import Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Save, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
     from kvj.journal import ranks
 
     cfg = config(model, journal)
