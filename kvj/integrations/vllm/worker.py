@@ -24,14 +24,13 @@ import torch
 import kvj
 from kvj.errors import KvjError
 from kvj.fileio import CountedFS
-from kvj.integrations.vllm.budget import BUDGET_EVERY, Budget
 from kvj.integrations.vllm.buffers import GATHER_BYTES, STAGING_BYTES, Buffers
 from kvj.integrations.vllm.cpus import Placement
 from kvj.integrations.vllm.durable import DurableBlocks
 from kvj.integrations.vllm.loads import Loads
 from kvj.integrations.vllm.plan import PARKED, Finish, StepPlan, WorkerNews
 from kvj.integrations.vllm.saves import Saves
-from kvj.integrations.vllm.stats import COUNTERS, StatsFile
+from kvj.integrations.vllm.upkeep import BUDGET_EVERY, COUNTERS, STATS_EVERY, Budget, Every, write_stats
 from kvj.journal.config import default_store_path
 from kvj.segments.flusher import Flusher
 from kvj.segments.kvblock import KVBlockLayout
@@ -73,9 +72,11 @@ class WorkerJournal:
         # Drained at interpreter exit before the thread pools stop taking work (threading's
         # exit hooks run before atexit's, newest first: after concurrent.futures' own).
         threading._register_atexit(_close_at_exit, weakref.ref(self))  # type: ignore[attr-defined]
-        self._budget = Budget(path, store, max_store_bytes, self.stats, budget_every) \
-            if max_store_bytes is not None else None
-        self._stats_file = StatsFile(path, layout.rank, self.stats)
+        self._path = path
+        self._background = [Every("kvj-stats", STATS_EVERY, self._write_stats)]
+        if max_store_bytes is not None:
+            self._background.append(Every("kvj-budget", budget_every,
+                                          Budget(path, store, max_store_bytes, self.stats), now=True))
 
     def register(self, caches: Sequence[torch.Tensor]) -> None:
         """The per-layer paged caches, in layer order; refused unless they fit the block layout.
@@ -143,8 +144,11 @@ class WorkerJournal:
         return self._failed
 
     def counters(self) -> Dict[str, int]:
-        """What this worker did so far (``stats.COUNTERS``), as ``kvj status`` shows it."""
+        """What this worker did so far (``upkeep.COUNTERS``), as ``kvj status`` shows it."""
         return dict(self.stats)
+
+    def _write_stats(self) -> None:
+        write_stats(self._path, self.layout.rank, self.stats)
 
     def start_loads(self, plan: StepPlan) -> None:
         """Queue the plan's loads (``loads``)."""
@@ -202,8 +206,8 @@ class WorkerJournal:
                 self.step(plan)
             self.drain()
         finally:
-            if self._budget is not None:
-                self._budget.close()
+            for thread in self._background:
+                thread.close()
             self.saves.close()
             self.loads.close()
             self.saves.flusher.close()
@@ -214,7 +218,7 @@ class WorkerJournal:
             finally:
                 self.journal.store.close()
                 self.blocks.close()
-                self._stats_file.close()
+                self._write_stats()
 
 
 def _close_at_exit(ref: Callable[[], Optional[WorkerJournal]]) -> None:
