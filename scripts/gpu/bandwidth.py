@@ -127,7 +127,7 @@ def worker_rows(ctx: Ctx, parts: Parts, rows: List[Dict[str, Any]]) -> None:
         t0 = time.perf_counter()
         slots = -(-per_step // worker.buffers.per_round)  # staging slots a step's rounds take
         for at in range(0, n, per_step):
-            while worker.buffers.saves.free() < slots:  # the backlog: slots the flusher still holds
+            while worker.buffers.saves.free < slots:  # the backlog: slots the flusher still holds
                 if common.SIM is not None:
                     common.SIM.advance()
                 time.sleep(0.0005)

@@ -72,11 +72,11 @@ def test_aggregate_is_the_union_of_the_ranks_reports() -> None:
 
 def test_a_block_is_durable_only_once_every_rank_reported_it_across_steps(model: str, tmp_path: Any) -> None:
     sched = scheduler(model, str(tmp_path / "j"))
-    assert sched._ranks == {0, 1}
+    assert sched.scheduler._ranks == {0, 1}
     tokens = list(range(3 * BLOCK + 1))
     r = request("r", tokens)
     sched.on_new_request(r)
-    chains = sched._chains(sched._requests["r"])
+    chains = sched.scheduler._chains(sched.scheduler._requests["r"])
 
     def matched() -> int:
         return sched.get_num_new_matched_tokens(r, 0)[0]
@@ -97,9 +97,9 @@ def test_a_block_is_durable_only_once_every_rank_reported_it_across_steps(model:
 
     # A START counts once every rank's is durable; a load by what every rank loaded.
     step(news(started={"r": [1]}, loaded={"r": {0: 64}}))
-    assert not sched._requests["r"].start_durable
+    assert not sched.scheduler._requests["r"].start_durable
     step(news(started={"r": [0]}, loaded={"r": {1: 32}}))
-    assert sched._requests["r"].start_durable
+    assert sched.scheduler._requests["r"].start_durable
     assert sched.request_finished(r, [0, 1, 2, 3])[1]["kvj_restored_tokens"] == 32
 
 
@@ -125,7 +125,7 @@ def test_at_start_up_only_blocks_durable_in_every_rank_journal_count(model: str,
     tokens = list(range(3 * BLOCK + 1))
     first = scheduler(model, journal)
     first.on_new_request(request("r", tokens))
-    chains = first._chains(first._requests["r"])
+    chains = first.scheduler._chains(first.scheduler._requests["r"])
     write_rank(model, journal, 0, chains, tokens)  # rank 0 made three blocks durable
     write_rank(model, journal, 1, chains[:2], tokens)  # rank 1 two
     again = scheduler(model, journal)
@@ -182,4 +182,4 @@ def test_pipeline_parallel_ranks_hold_their_stage_s_layers(model: str, tmp_path:
     layouts[(0, 1)].check_caches([torch.zeros(4, 1, BLOCK, 32)])
     with pytest.raises(LayoutMismatch):
         layouts[(0, 1)].check_caches([torch.zeros(4, 1, BLOCK, 32)] * 2)
-    assert scheduler(model, str(tmp_path / "pp"), 2, 2)._ranks == {0, 1, 2, 3}
+    assert scheduler(model, str(tmp_path / "pp"), 2, 2).scheduler._ranks == {0, 1, 2, 3}
