@@ -12,7 +12,7 @@ contender runs two rounds in fresh directories, two loads each; the best save an
   fsync) per block through ``Flusher.submit``, and packs, a step's ``STEP_BLOCKS`` blocks as
   one job through ``Flusher.submit_many`` (one file, one fdatasync, one directory fsync per
   step); their load reads every block back as the vLLM connector's load does
-  (``WorkerJournal._read_block``: the stored bytes, decoded with every chunk CRC and the digest
+  (``Loads._read_block``: the stored bytes, decoded with every chunk CRC and the digest
   checked into its slot of one host buffer) on the connector's loader threads (``min(8, CPUs)``),
   what it does before its device copy (the scatter into a paged cache is left out here as the
   whole tensor's is). The kvj rows count the fsyncs
@@ -258,7 +258,7 @@ def bench_kvj_blocks(kv: torch.Tensor, d: str, packed: bool) -> Result:
             first_of.setdefault(key, i)
 
         def read_block(i: int) -> None:
-            # what the vLLM connector's load does per block (``WorkerJournal._read_block``): the
+            # what the vLLM connector's load does per block (``Loads._read_block``): the
             # stored bytes, every chunk CRC and the digest checked while decoding into the slot
             key = keys[i]
             header, _ = tensors.decode_into(store.read_stored(key), slots[i], name=store.backend.describe(key),

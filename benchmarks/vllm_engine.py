@@ -25,10 +25,14 @@ VOCAB = 4096
 
 
 def worker_counters(worker: Any) -> Dict[str, int]:
-    """In vLLM's worker process (``collective_rpc``): the connector's counters."""
+    """In vLLM's worker process (``collective_rpc``): the connector's counters, with the syncs of its
+    journal and store (its counted file layer) and the bytes its store wrote."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group().worker.counters()
+    journal = get_kv_transfer_group().worker
+    fs = journal.fs.counts
+    return {**journal.counters(), "fsyncs": fs["file_syncs"] + fs["dir_syncs"],
+            "bytes_stored": journal.journal.store.io_counts()["bytes_written"]}
 
 
 class _Journal:

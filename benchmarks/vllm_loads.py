@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 import kvj
-from kvj.integrations.vllm.worker import Load, Save, Start, StepPlan, WorkerJournal, durable_blocks
+from kvj.integrations.vllm.durable import durable_blocks
+from kvj.integrations.vllm.plan import Load, Save, Start, StepPlan
+from kvj.integrations.vllm.worker import WorkerJournal
 from kvj.journal.config import default_store_path
 from kvj.segments import kvblock, segfile
 from kvj.segments.chunks import ChunkDecoder

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import stat
+import threading
 from typing import BinaryIO, Callable, List, Union
 
 from kvj.errors import FormatError, UnsafePath
@@ -177,6 +178,53 @@ class ReadOnlyFS(FS):
 
 
 READ_ONLY_FS = ReadOnlyFS()
+
+
+class CountedFS(FS):
+    """``inner``'s file operations, counting syncs and bytes written (``counts``: the benchmarks' figures)."""
+
+    def __init__(self, inner: FS = REAL_FS):
+        self.inner = inner
+        self._lock = threading.Lock()
+        self.counts = {"file_syncs": 0, "dir_syncs": 0, "bytes_written": 0}
+
+    def _add(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[what] += n
+
+    def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
+        return self.inner.open(path, flags, mode)
+
+    def write(self, fd: int, data: Buffer) -> None:
+        self.inner.write(fd, data)
+        self._add("bytes_written", len(memoryview(data).cast("B")))
+
+    def fsync(self, fd: int) -> None:
+        self.inner.fsync(fd)
+        self._add("file_syncs")
+
+    def fdatasync(self, fd: int) -> None:
+        self.inner.fdatasync(fd)
+        self._add("file_syncs")
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        self.inner.ftruncate(fd, length)
+
+    def close(self, fd: int) -> None:
+        self.inner.close(fd)
+
+    def rename(self, src: PathLike, dst: PathLike) -> None:
+        self.inner.rename(src, dst)
+
+    def unlink(self, path: PathLike) -> None:
+        self.inner.unlink(path)
+
+    def mkdir(self, path: PathLike, mode: int = DEFAULT_DIR_MODE) -> None:
+        self.inner.mkdir(path, mode)
+
+    def fsync_dir(self, path: PathLike) -> None:
+        self.inner.fsync_dir(path)
+        self._add("dir_syncs")
 
 
 def makedirs_durable(path: PathLike, fs: FS = REAL_FS, mode: int = DEFAULT_DIR_MODE) -> None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from kvj.errors import SegmentCorrupt, SegmentMissing, UnsafePath
-from kvj.fileio import (DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, FS, REAL_FS, Buffer, PathLike, list_dir,
-                        makedirs_durable, open_regular, rename_durable)
+from kvj.fileio import (FS, REAL_FS, Buffer, CountedFS, list_dir, makedirs_durable, open_regular,
+                        rename_durable)
 from kvj.names import KEY_RE
 from kvj.segments.claims import Claims, claimed
 from kvj.segments.packs import PackDir, PackWriter
@@ -46,57 +46,6 @@ class ObjectStat:
     used: float
 
 
-class _CountedFS(FS):
-    """``inner``'s file operations, counting syncs and bytes written (``io_counts``: the benchmark's figures)."""
-
-    def __init__(self, inner: FS):
-        self.inner = inner
-        self._lock = threading.Lock()
-        self.counts = {"file_syncs": 0, "dir_syncs": 0, "bytes_written": 0}
-
-    def _add(self, what: str, n: int = 1) -> None:
-        with self._lock:
-            self.counts[what] += n
-
-    def open(self, path: PathLike, flags: int, mode: int = DEFAULT_FILE_MODE) -> int:
-        return self.inner.open(path, flags, mode)
-
-    def write(self, fd: int, data: Buffer) -> None:
-        self.inner.write(fd, data)
-        self._add("bytes_written", len(memoryview(data).cast("B")))
-
-    def writev(self, fd: int, parts: "list[Buffer]") -> None:
-        for part in parts:
-            self.write(fd, part)
-
-    def fsync(self, fd: int) -> None:
-        self.inner.fsync(fd)
-        self._add("file_syncs")
-
-    def fdatasync(self, fd: int) -> None:
-        self.inner.fdatasync(fd)
-        self._add("file_syncs")
-
-    def ftruncate(self, fd: int, length: int) -> None:
-        self.inner.ftruncate(fd, length)
-
-    def close(self, fd: int) -> None:
-        self.inner.close(fd)
-
-    def rename(self, src: PathLike, dst: PathLike) -> None:
-        self.inner.rename(src, dst)
-
-    def unlink(self, path: PathLike) -> None:
-        self.inner.unlink(path)
-
-    def mkdir(self, path: PathLike, mode: int = DEFAULT_DIR_MODE) -> None:
-        self.inner.mkdir(path, mode)
-
-    def fsync_dir(self, path: PathLike) -> None:
-        self.inner.fsync_dir(path)
-        self._add("dir_syncs")
-
-
 class LocalDirBackend:
     """Segment files at ``root/objects/<k[:2]>/<key>.kvjseg`` and packs in ``root/packs/``: a key
     resolves to its loose file first, then to a pack. Opening one writes nothing."""
@@ -105,7 +54,7 @@ class LocalDirBackend:
         self.root = os.path.abspath(os.fspath(root))
         self.fs = fs
         #: Every operation of this backend goes through it (counted: ``io_counts``).
-        self.counted_fs = _CountedFS(fs)
+        self.counted_fs = CountedFS(fs)
         self.objects = os.path.join(self.root, "objects")
         self.tmp_dir = os.path.join(self.root, "tmp")
         self.quarantine_dir = os.path.join(self.root, "quarantine")

@@ -109,7 +109,8 @@ def worker_rows(ctx: Ctx, parts: Parts, rows: List[Dict[str, Any]]) -> None:
     the zeroed cache, chunk by chunk through its staging; against pinned ``copy_`` of as many bytes."""
     import torch
 
-    from kvj.integrations.vllm.worker import Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Save, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
 
     n = ctx.sizes.load_blocks
     layout = kv_layout(ctx, "bandwidth")
@@ -124,8 +125,9 @@ def worker_rows(ctx: Ctx, parts: Parts, rows: List[Dict[str, Any]]) -> None:
         worker = WorkerJournal(journal, layout, codec="raw", gather_bytes=gather, staging_bytes=staging)
         worker.register(caches)
         t0 = time.perf_counter()
+        slots = -(-per_step // worker.buffers.per_round)  # staging slots a step's rounds take
         for at in range(0, n, per_step):
-            while worker.progress()["backlog_blocks"] * layout.nbytes > staging - gather:
+            while worker.buffers.saves.free < slots:  # the backlog: slots the flusher still holds
                 if common.SIM is not None:
                     common.SIM.advance()
                 time.sleep(0.0005)
@@ -169,7 +171,7 @@ def worker_rows(ctx: Ctx, parts: Parts, rows: List[Dict[str, Any]]) -> None:
 
 def poll_until_loaded(worker: Any, chains: List[str], n: int) -> float:
     """Seconds for ``worker`` to load blocks 0..n-1 back into the same ids, polled."""
-    from kvj.integrations.vllm.worker import Load, StepPlan
+    from kvj.integrations.vllm.plan import Load, StepPlan
 
     t0 = time.perf_counter()
     worker.start_loads(StepPlan(loads=[Load("r1", [(b, chains[b]) for b in range(n)])]))

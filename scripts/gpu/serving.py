@@ -84,7 +84,8 @@ def decode_loop(ctx: Ctx, caches: List[Any], with_kvj: bool) -> Dict[str, Any]:
     (on a GPU) the GPU's idle time between the end of one step's work and the start of the next."""
     import torch
 
-    from kvj.integrations.vllm.worker import Finish, Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Finish, Save, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
 
     requests, steps, burst, cache_blocks = ctx.sizes.decode
     layout = kv_layout(ctx, "serving")

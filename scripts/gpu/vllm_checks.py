@@ -95,7 +95,8 @@ def one_allocation(ctx: Ctx, dtype: str, quant: str) -> Dict[str, Any]:
     same blocks viewed as ``float8_e4m3fn``."""
     import torch
 
-    from kvj.integrations.vllm.worker import Load, Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Load, Save, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
     from kvj.segments import device as kd
 
     layers, heads, dim, block = ctx.sizes.kv
@@ -170,7 +171,8 @@ def worker_journal(ctx: Ctx, caches: List[Any], ids: List[int], new_ids: List[in
     step's saves with the blocks overwritten right after, a finish, then a restarted worker's
     asynchronous load polled to completion: the loaded blocks are what the cache held."""
 
-    from kvj.integrations.vllm.worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Finish, Load, Save, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
     from kvj.segments import kvblock
 
     L, _nb, N, H, C, step = ctx.sizes.vllm

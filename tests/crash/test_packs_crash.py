@@ -199,9 +199,9 @@ def test_pack_crash_states_fast(tmp_path, seed):
 def test_checker_catches_packs_renamed_before_their_data_is_durable(tmp_path, monkeypatch):
     """The check has teeth: a store that skips the pack's fdatasync (so a pack can be in
     packs/ with its data lost) fails it."""
-    from kvj.segments.local import _CountedFS
+    from kvj.fileio import CountedFS
 
-    monkeypatch.setattr(_CountedFS, "fdatasync", lambda self, fd: None)
+    monkeypatch.setattr(CountedFS, "fdatasync", lambda self, fd: None)
     with pytest.raises(AssertionError, match="damaged pack|missing|reads back wrong"):
         run_seed(str(tmp_path), 1, steps=14, n_random=2, limit=60)
 

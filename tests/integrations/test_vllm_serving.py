@@ -25,7 +25,9 @@ from support.fakecuda import gpu  # noqa: F401 - the fixture
 from support.wait import wait_for
 
 import kvj
-from kvj.integrations.vllm.worker import CountingFS, Finish, Load, Save, Start, StepPlan, WorkerJournal
+from kvj.fileio import CountedFS
+from kvj.integrations.vllm.plan import Finish, Load, Save, Start, StepPlan
+from kvj.integrations.vllm.worker import WorkerJournal
 from kvj.ops.status import status
 from kvj.segments import device, kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
@@ -69,15 +71,15 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch, journal: str) -> threading.Event:
             gate.wait(HOLD_S)
 
     for name in ("fsync", "fdatasync"):
-        def slow(fs: CountingFS, fd: int, _orig=getattr(CountingFS, name)) -> None:
+        def slow(fs: CountedFS, fd: int, _orig=getattr(CountedFS, name)) -> None:
             held(os.readlink(f"/proc/self/fd/{fd}"))
             _orig(fs, fd)
-        monkeypatch.setattr(CountingFS, name, slow)
+        monkeypatch.setattr(CountedFS, name, slow)
 
-    def slow_dir(fs: CountingFS, path, _orig=CountingFS.fsync_dir) -> None:
+    def slow_dir(fs: CountedFS, path, _orig=CountedFS.fsync_dir) -> None:
         held(str(path))
         _orig(fs, path)
-    monkeypatch.setattr(CountingFS, "fsync_dir", slow_dir)
+    monkeypatch.setattr(CountedFS, "fsync_dir", slow_dir)
     return gate
 
 

@@ -22,8 +22,9 @@ from support.fakecuda import gpu  # noqa: F401 - the fixture
 from support.wait import wait_for
 
 import kvj
-from kvj.integrations.vllm import worker as worker_module
-from kvj.integrations.vllm.worker import Finish, Load, Save, Start, StepPlan, WorkerJournal
+from kvj.integrations.vllm import buffers
+from kvj.integrations.vllm.plan import Finish, Load, Save, Start, StepPlan
+from kvj.integrations.vllm.worker import WorkerJournal
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 from kvj.segments.store import SegmentStore
@@ -165,7 +166,7 @@ def test_no_room_for_the_gather_buffer_skips_the_steps_journaling_never_the_step
     again after ROOM_RETRY seconds), the blocks of later steps are journaled, but never one
     after a request's skipped block: its journaled blocks stay a prefix."""
     sim = gpu
-    monkeypatch.setattr(worker_module, "ROOM_RETRY", 0.0)
+    monkeypatch.setattr(buffers, "ROOM_RETRY", 0.0)
     src = make_caches("NHD", dev="cuda:0")
     tokens, other = tokens_of(2 * BS + 1), tokens_of(BS + 1, base=300)
     worker = WorkerJournal(str(tmp_path / "j"), LAYOUT, threads=2)
@@ -208,7 +209,8 @@ def test_an_fp8_cache_round_trips_as_bytes(tmp_path):
 
 EXIT = """
 import sys, torch
-from kvj.integrations.vllm.worker import Finish, Save, Start, StepPlan, WorkerJournal
+from kvj.integrations.vllm.plan import Finish, Save, Start, StepPlan
+from kvj.integrations.vllm.worker import WorkerJournal
 from kvj.segments import kvblock
 from kvj.segments.kvblock import LHNC, KVBlockLayout
 from kvj.segments.store import SegmentStore

@@ -10,7 +10,9 @@ import time
 import torch
 
 import kvj
-from kvj.integrations.vllm.worker import Finish, Save, Start, StepPlan, WorkerJournal, durable_blocks
+from kvj.integrations.vllm.durable import durable_blocks
+from kvj.integrations.vllm.plan import Finish, Save, Start, StepPlan
+from kvj.integrations.vllm.worker import WorkerJournal
 from kvj.journal.config import CommitPolicy
 from kvj.ops.compact import compact
 from kvj.ops.fsck import fsck

@@ -17,7 +17,8 @@ import torch
 
 from kvj.errors import FormatError
 from kvj.integrations.vllm.resuming import START_FORMAT, resume_plans
-from kvj.integrations.vllm.worker import Save, Start, StepPlan, WorkerJournal
+from kvj.integrations.vllm.plan import Save, Start, StepPlan
+from kvj.integrations.vllm.worker import WorkerJournal
 from kvj.journal import ranks
 from kvj.ops.recover_ranks import merge_rank_manifests
 from kvj.segments import kvblock

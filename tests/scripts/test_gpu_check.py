@@ -96,7 +96,7 @@ SURVIVORS = {"device.Cuda.settle: stream.synchronize() -> None",
              "device.Cuda.finish: self.settle(stream) -> None",
              "device.Cuda.download: self.keep_alive(tensor, side) -> None",
              # a load's pinned allocation on the serving thread: the serving check's loop loads nothing
-             "worker.WorkerJournal._start_reads: slot = pool.take() if pool is not None else None -> "
+             "loads.Loads._start_reads: slot = pool.take() if pool is not None else None -> "
              "slot = device.CUDA.pinned(pool.slot_bytes)"}
 
 

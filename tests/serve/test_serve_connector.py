@@ -80,7 +80,8 @@ def test_a_served_request_journals_its_reply_key_and_an_abort_is_parked_or_cance
 
 
 def test_the_worker_journals_no_end_for_a_parked_request(tmp_path):
-    from kvj.integrations.vllm.worker import Finish, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Finish, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
     from kvj.segments.kvblock import LHNC, KVBlockLayout
 
     path = str(tmp_path / "j")

@@ -19,7 +19,8 @@ LAYERS, HEADS, BLOCK, HEAD = 2, 2, 4, 8
 
 
 def test_vllm_blocks_carry_their_identity_chain_and_bytes(tmp_path):
-    from kvj.integrations.vllm.worker import Finish, Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Finish, Save, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
     from kvj.segments.kvblock import LHNC, KVBlockLayout, chain_keys
 
     path = str(tmp_path / "j")

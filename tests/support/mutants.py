@@ -59,7 +59,7 @@ class Site:
 D, R, F, S = "kvj.segments.device", "kvj.segments.load", "kvj.segments.flusher", "kvj.segments.store"
 K = "kvj.segments.kvblock"
 T, TR = "kvj.integrations.training.host", "kvj.integrations.training.recover"
-V = "kvj.integrations.vllm.worker"
+VS, VL = "kvj.integrations.vllm.saves", "kvj.integrations.vllm.loads"
 NO_EVENT = "torch.cuda.Event()"  # never recorded: waits on it return at once, queries say done
 
 #: Every host wait, GPU-side wait, event and record_stream on kvj's device paths.
@@ -112,14 +112,14 @@ SITES: List[Site] = [
     Site(TR, "_placed", 'cuda.CUDA.finish(last, cuda.CUDA.side_stream(target, "h2d"))',
          hint=("recovered_onto_the_device",)),
     # the vLLM connector's worker side (a step's saves written from pinned staging; a load reported done)
-    Site(V, "WorkerJournal._write_round", "moved.wait()", hint=("device_a_step_saves",)),
-    Site(V, "WorkerJournal._advance", "ch.copy.done()", "True", hint=("device_a_step_saves",)),
+    Site(VS, "Saves._write_round", "moved.wait()", hint=("device_a_step_saves",)),
+    Site(VL, "Loads._advance", "ch.copy.done()", "True", hint=("device_a_step_saves",)),
     # ... and never makes the serving thread wait (a wait reintroduced: issue 39 item 3)
-    Site(V, "WorkerJournal._gather_round", "job.add_done_callback(self._round_done)",
+    Site(VS, "Saves._gather_round", "job.add_done_callback(self._round_done)",
          "job.add_done_callback(self._round_done); job.result()", hint=("slow_disk",)),
-    Site(V, "WorkerJournal._gather_round", "slot = self._save_slots.take() if self._save_slots is not None else None",
-         "slot = device.CUDA.pinned(self._save_slots.slot_bytes)", hint=("slow_disk",)),
-    Site(V, "WorkerJournal._start_reads", "slot = pool.take() if pool is not None else None",
+    Site(VS, "Saves._gather_round", "slot = self.buffers.saves.take() if self.buffers.saves is not None else None",
+         "slot = device.CUDA.pinned(self.buffers.saves.slot_bytes)", hint=("slow_disk",)),
+    Site(VL, "Loads._start_reads", "slot = pool.take() if pool is not None else None",
          "slot = device.CUDA.pinned(pool.slot_bytes)", hint=("larger_than_the_staging",)),
 ]
 

@@ -43,7 +43,7 @@ class RecordingKvjConnector(KvjConnector):
         return {k: v for k, v in extra.items() if k not in _OWN}
 
     def _dump(self, kind: str, block_id: int, chain: str) -> None:
-        raw = torch.stack([cache[block_id] for cache in self.worker._caches]).view(torch.uint8).numpy()
+        raw = torch.stack([cache[block_id] for cache in self.worker.buffers.caches]).view(torch.uint8).numpy()
         np.save(os.path.join(self._record, f"{kind}-{chain}.r{self.layout.rank}.npy"), raw, allow_pickle=False)
 
     def _stats(self) -> None:
@@ -70,7 +70,7 @@ class RecordingKvjConnector(KvjConnector):
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         sending, recving = super().get_finished(finished_req_ids)
         if self._record and recving:
-            failed = self.worker._load_errors  # reported in this same pass
+            failed = self.worker.loads._errors  # reported in this same pass
             for req_id in recving:
                 blocks: List[Tuple[int, str]] = self._loads.pop(req_id, [])
                 for block_id, chain in blocks:

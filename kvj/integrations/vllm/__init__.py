@@ -1,10 +1,6 @@
 """kvj's vLLM KV connector: ``kv_connector_module_path="kvj.integrations.vllm"`` loads ``KvjConnector``.
 
-``connector`` is the connector (scheduler and worker sides; it imports vLLM), ``worker`` carries
-each step's plan out on a worker (without vLLM), ``layout`` names the model and its KV blocks,
-``compat`` holds what differs between vLLM releases, ``resuming`` continues the requests in flight
-after ``kvj recover`` and ``handoff`` moves live requests to another engine (both import without
-vLLM). Names are imported on first use, so ``resume`` and ``drain`` need no vLLM.
+Names are imported on first use, so ``resume`` and ``drain`` need no vLLM.
 """
 
 import importlib

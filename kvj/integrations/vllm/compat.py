@@ -1,32 +1,10 @@
 """What differs between the vLLM releases kvj's connector supports (0.32, 0.33, 0.34), in one place.
 
-Per concern, read from each release's Python:
-
-- **Releases**: :func:`check_version` (``0.32 <= v < 0.35``; pyproject's ``vllm`` extra says the same).
-- **Model runners**: :func:`find_runner`. Model Runner V1 (``vllm/v1/worker/gpu_model_runner.py``,
-  the CPU build's ``cpu_model_runner.py``; 0.32 and 0.33) gives a seeded request a
-  ``torch.Generator`` that its sampler draws from, once per token: a resumed request's is
-  advanced by the draws it had made (:func:`sampler_draw`). Model Runner V2
-  (``vllm/v1/worker/gpu/``: vLLM's CUDA default from 0.32 whenever Triton is present, and
-  0.34's only runner, its CPU runners included) draws Gumbel noise from a hash of the
-  request's seed, the absolute position of the token whose logits are sampled and the token
-  id (``gumbel_noised_argmax``, fed ``input_batch.positions[logits_indices]``, which are
-  ``num_computed_tokens`` onwards): a resumed request, whose prompt is its prompt and the
-  tokens it had generated, samples its next token at the very position it had, so it needs
-  nothing.
-- **Token ids**: 0.34 keeps ``Request.prompt_token_ids`` and ``_all_token_ids`` as a
-  ``TokenBuffer`` (an ``array('i')``: not JSON, and a plain ``array + list`` raises):
-  :func:`token_ids` is what the connector journals and compares.
-- **Sleep mode**: 0.33 makes it the default (``supports_sleep_mode``) and remaps the KV cache
-  under a connector; kvj's worker keeps views of the cache and gathers from them at each step,
-  so the connector refuses it (:data:`SLEEP_MODE`).
-- Not used by kvj, so nothing to adapt: 0.34's ``skip_reading_prefix_cache`` →
-  ``prefix_cache_hit_limit``, ``CachedRequestData.resumed_req_ids`` / ``all_token_ids`` (dropped),
-  ``NewRequestData.prefill_token_ids`` (required), ``kv_cache_access`` (the default,
-  ``IN_PROCESS``, is how kvj reaches the cache) and ``may_load_async`` (the default, False,
-  keeps kvj's requests in vLLM's ordinary waiting queue). 0.33's ``finalize_step`` moves
-  ``wait_for_save`` after ``get_finished`` only when a speculator runs, which the connector
-  refuses; and kvj's ``wait_for_save`` does nothing either way.
+Releases (``check_version``); model runners (``find_runner``: Model Runner V1 gives a seeded request a
+``torch.Generator``, advanced on resume by the draws it had made; V2 keys its noise on the seed and the
+token's absolute position, which a resumed request keeps); token ids (0.34 keeps them in an
+``array('i')``: ``token_ids``); sleep mode (refused: ``SLEEP_MODE``). docs/vllm.md has the details,
+read from each release's source.
 """
 
 from __future__ import annotations
@@ -41,13 +19,11 @@ from vllm import __version__ as VLLM_VERSION
 
 from kvj.errors import KvjError
 
-#: The vLLM releases this connector supports: ``SUPPORTED_VLLM[0] <= (major, minor) < SUPPORTED_VLLM[1]``
-#: (pyproject's "vllm" extra says the same).
+#: ``SUPPORTED_VLLM[0] <= (major, minor) < SUPPORTED_VLLM[1]`` (pyproject's "vllm" extra says the same).
 SUPPORTED_VLLM: Tuple[Tuple[int, int], Tuple[int, int]] = ((0, 32), (0, 35))
 
-#: What ``KvjConnector.supports_sleep_mode`` answers (vLLM 0.33 and later ask it at start-up): no,
-#: sleep mode remaps the KV cache under the connector, whose worker gathers each step's blocks from
-#: the views of it that it registered.
+#: ``KvjConnector.supports_sleep_mode`` (0.33 and later ask): no, sleep mode remaps the KV cache under
+#: the views of it the worker gathers from.
 SLEEP_MODE = False
 
 #: Model runner kinds (:class:`Runner`).

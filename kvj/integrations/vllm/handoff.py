@@ -1,34 +1,9 @@
-"""Hand a vLLM engine's live requests off to another engine (imports without vLLM).
+"""Hand a vLLM engine's live requests off to another engine (imports without vLLM; docs/handoff.md).
 
-Engine A (journal ``JA``) runs ``KvjConnector``; engine B runs it with a journal of its own and
-``"sources": [JA]``, so that it may load A's durable blocks, read-only (it never writes there).
-
-**Drain A.** ``drain(llm_a, "B")`` (an offline ``LLM``), or for a server ``kvj handoff JA --to B``
-followed by vLLM's pause with ``mode=abort``:
-
-1. ``kvj.ops.armed.arm`` writes ``JA/handoff.json`` (atomically): armed, target ``B``;
-2. vLLM aborts every request (``drain``: ``LLMEngine.abort_request`` of all it has;
-   a server: ``pause_scheduler(mode="abort")``, which calls ``scheduler.finish_requests``):
-   for each, the connector's ``request_finished`` sees the control file (one ``stat`` per
-   aborted request; nothing on the steps' hot path) and plans a HANDOFF to ``B`` instead of an
-   END. The worker saves the blocks it computed and not yet saved, journals its tokens, and
-   appends the HANDOFF record after its segments, exactly where an END would go;
-3. once every aborted request's record is durable (read from the journal on disk, lock-free,
-   as ``kvj status`` reads it), ``kvj.ops.handoff.write_manifest`` writes
-   ``JA/handoff/manifest-B.json``, ``kvj recover``'s manifest schema, and records the result.
-
-**Continue on B.** ``resume(llm_b, manifest)``: B's connector counts A's durable blocks of its own
-layout seed as loadable, so each request loads its blocks from A's store and vLLM computes only
-what follows its last durable block; B's START names the request it continues (``resumes``)
-and A's journal (``from``), and B never writes an END for A's id (it ended in A's journal).
-
-**Keys.** Blocks are named by chain keys from the layout seed (weights' digest, dtypes,
-geometry, block size, parallel sizes: ``kvj.segments.kvblock``; the digest is of the weight
-files' bytes, not their path), so B loads A's blocks only when they agree; when they do not,
-B logs one line naming both seeds and loads nothing (its counters show nothing restored).
-
-Limits: engines of one rank (tensor- and pipeline-parallel handoff is refused by ``arm``);
-``mode="finish"`` lets vLLM finish the requests and hands nothing off.
+``drain(llm_a, "B")`` arms the handoff (``kvj.ops.armed``: ``JA/handoff.json``), aborts every request
+(the connector then journals a HANDOFF to B after each request's segments instead of an END), waits
+until every HANDOFF is durable and writes the manifest (``kvj.ops.handoff``) that ``resume(llm_b,
+manifest)`` continues from, B's connector loading A's blocks read-only (``"sources": [JA]``).
 """
 
 from __future__ import annotations

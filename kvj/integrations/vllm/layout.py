@@ -19,7 +19,7 @@ from kvj.untrusted import read_json
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from kvj.integrations.vllm.connector import KvjConfig
+    from kvj.integrations.vllm.config import KvjConfig
 
 #: Weight files whose bytes identify a local model directory.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

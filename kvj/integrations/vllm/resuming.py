@@ -1,14 +1,8 @@
-"""Resume the requests a vLLM engine had in flight, from a ``kvj recover`` manifest.
+"""Resume the requests a vLLM engine had in flight, from a ``kvj recover`` (or handoff) manifest.
 
-``resume_plans`` reads the manifest (plain JSON; this module imports vLLM only inside
-``resume``): each request journaled by ``KvjConnector`` continues as its prompt plus every
-token it generated that is durable (its TOKENS records, and the tokens its durable blocks
-hold), with the rest of its token budget. ``resume`` resubmits
-them to an ``LLM`` whose KvjConnector loads the durable blocks and lets vLLM compute the rest;
-a seeded request's sampler continues where it stopped (under Model Runner V1 its generator is
-advanced by the draws it had made, one per generated token, ``kvj_draws``; Model Runner V2 keys
-its noise on the seed and the absolute position, which the resumed request keeps), so a resumed
-request's tokens are those of an uninterrupted run, greedy or seeded.
+Each continues as its prompt plus every durable generated token, with the rest of its budget; the
+connector loads its durable blocks and a seeded sampler continues where it stopped (``compat``), so
+the tokens equal an uninterrupted run's. This module imports vLLM only inside ``resume``.
 """
 
 from __future__ import annotations

@@ -145,13 +145,13 @@ def test_the_scheduler_side_journals_this_releases_requests(model: str, tmp_path
     assert [(s.block, s.block_id) for s in plan.saves] == [(0, 4), (1, 9)]
     assert all(type(s.token_ids) is list for s in plan.saves)
     assert plan.saves[1].token_ids == prompt[BLOCK:2 * BLOCK + 1]
-    assert [s.chain for s in plan.saves] == chain_keys(conn._seed, prompt, BLOCK)[:2]
+    assert [s.chain for s in plan.saves] == chain_keys(conn.layout.seed(), prompt, BLOCK)[:2]
     r.num_computed_tokens = 3 * BLOCK + 5
     r.append_output_token_ids([200, 201])
     plan = conn.build_connector_meta(scheduled(ids, {"r1": 1}))
     assert plan.tokens == [(start.jid, len(prompt), [200, 201])] and type(plan.tokens[0][2][0]) is int
     assert [(s.block, s.token_ids[-1]) for s in plan.saves] == [(2, prompt[3 * BLOCK])]
-    durable = chain_keys(conn._seed, prompt, BLOCK)[:2]
+    durable = chain_keys(conn.layout.seed(), prompt, BLOCK)[:2]
     conn.update_connector_output(_output(KvjWorkerMetadata(durable={c: [0] for c in durable})))
     again = Request("r2", prompt + [200], SamplingParams(max_tokens=4), None)
     conn.on_new_request(again)

@@ -28,7 +28,7 @@ def request(rid: str, tokens: List[int]) -> Any:
 
 
 def test_refused_features_get_one_line_naming_them(model: str, tmp_path: Any) -> None:
-    from kvj.integrations.vllm.connector import refusal
+    from kvj.integrations.vllm.config import refusal
 
     config = engine_config(model, str(tmp_path / "j"))
     assert refusal(config, None) is None
@@ -104,7 +104,7 @@ def test_a_hub_id_is_named_with_its_resolved_revision(tmp_path: Any, monkeypatch
     """A hub id is the commit its cached snapshot is of; without one it is refused in one line."""
     import huggingface_hub.constants
 
-    from kvj.integrations.vllm.connector import KvjConfig
+    from kvj.integrations.vllm.config import KvjConfig
     from kvj.integrations.vllm.layout import model_identity
 
     cache = tmp_path / "hub"
@@ -198,7 +198,7 @@ def test_a_finish_needs_no_wait_for_save(model: str, tmp_path: Any) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvj.integrations.vllm import KvjConnector
-    from kvj.integrations.vllm.worker import Finish, Start
+    from kvj.integrations.vllm.plan import Finish, Start
 
     journal = str(tmp_path / "j")
     worker = KvjConnector(engine_config(model, journal), KVConnectorRole.WORKER, None)

@@ -253,7 +253,8 @@ def test_journaled_stop_tokens_are_those_vllm_stops_on(models: Dict[str, str], t
         request = types.SimpleNamespace(request_id=f"r{ignore_eos}", prompt_token_ids=[1, 2, 3],
                                         sampling_params=params, all_token_ids=[1, 2, 3], num_tokens=3)
         connector.on_new_request(request)
-        assert connector._start(connector._requests[request.request_id]).meta["stop_ids"] == want
+        side = connector.scheduler
+        assert side._start(side._requests[request.request_id]).meta["stop_ids"] == want
 
 
 @pytest.mark.slow

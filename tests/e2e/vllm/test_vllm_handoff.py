@@ -242,7 +242,7 @@ def test_keys_travel_between_paths_and_not_between_layouts(models: Dict[str, str
 
 def test_sources_are_checked(tmp_path) -> None:
     from kvj.errors import InvalidArgument
-    from kvj.integrations.vllm.connector import KvjConfig
+    from kvj.integrations.vllm.config import KvjConfig
 
     own = str(tmp_path / "b")
     config = KvjConfig.from_extra({"journal": own, "sources": [str(tmp_path / "a")]})

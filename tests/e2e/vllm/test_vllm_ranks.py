@@ -72,11 +72,11 @@ def test_aggregate_is_the_union_of_the_ranks_reports() -> None:
 
 def test_a_block_is_durable_only_once_every_rank_reported_it_across_steps(model: str, tmp_path: Any) -> None:
     sched = scheduler(model, str(tmp_path / "j"))
-    assert sched._ranks == {0, 1}
+    assert sched.scheduler._ranks == {0, 1}
     tokens = list(range(3 * BLOCK + 1))
     r = request("r", tokens)
     sched.on_new_request(r)
-    chains = sched._chains(sched._requests["r"])
+    chains = sched.scheduler._chains(sched.scheduler._requests["r"])
 
     def matched() -> int:
         return sched.get_num_new_matched_tokens(r, 0)[0]
@@ -97,17 +97,18 @@ def test_a_block_is_durable_only_once_every_rank_reported_it_across_steps(model:
 
     # A START counts once every rank's is durable; a load by what every rank loaded.
     step(news(started={"r": [1]}, loaded={"r": {0: 64}}))
-    assert not sched._requests["r"].start_durable
+    assert not sched.scheduler._requests["r"].start_durable
     step(news(started={"r": [0]}, loaded={"r": {1: 32}}))
-    assert sched._requests["r"].start_durable
+    assert sched.scheduler._requests["r"].start_durable
     assert sched.request_finished(r, [0, 1, 2, 3])[1]["kvj_restored_tokens"] == 32
 
 
 def write_rank(model: str, journal: str, tp_rank: int, chains: List[str], tokens: List[int]) -> None:
     """Rank ``tp_rank``'s worker side journals the blocks of ``chains`` (its shard layout)."""
-    from kvj.integrations.vllm.connector import KvjConfig
+    from kvj.integrations.vllm.config import KvjConfig
     from kvj.integrations.vllm.layout import block_layout, model_identity
-    from kvj.integrations.vllm.worker import Save, Start, StepPlan, WorkerJournal
+    from kvj.integrations.vllm.plan import Save, Start, StepPlan
+    from kvj.integrations.vllm.worker import WorkerJournal
     from kvj.journal import ranks
 
     cfg = config(model, journal)
@@ -124,7 +125,7 @@ def test_at_start_up_only_blocks_durable_in_every_rank_journal_count(model: str,
     tokens = list(range(3 * BLOCK + 1))
     first = scheduler(model, journal)
     first.on_new_request(request("r", tokens))
-    chains = first._chains(first._requests["r"])
+    chains = first.scheduler._chains(first.scheduler._requests["r"])
     write_rank(model, journal, 0, chains, tokens)  # rank 0 made three blocks durable
     write_rank(model, journal, 1, chains[:2], tokens)  # rank 1 two
     again = scheduler(model, journal)
@@ -181,4 +182,4 @@ def test_pipeline_parallel_ranks_hold_their_stage_s_layers(model: str, tmp_path:
     layouts[(0, 1)].check_caches([torch.zeros(4, 1, BLOCK, 32)])
     with pytest.raises(LayoutMismatch):
         layouts[(0, 1)].check_caches([torch.zeros(4, 1, BLOCK, 32)] * 2)
-    assert scheduler(model, str(tmp_path / "pp"), 2, 2)._ranks == {0, 1, 2, 3}
+    assert scheduler(model, str(tmp_path / "pp"), 2, 2).scheduler._ranks == {0, 1, 2, 3}
