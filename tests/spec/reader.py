@@ -223,7 +223,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[str, ...]]] = {
     6: {"step": (_INT,), "keys": ("keys",), "meta": (_MAP,)},
     7: {"step": (_INT,), "base_step": (_INT,), "keys": ("keys",), "meta": (_MAP,)},
     8: {"epoch": (_INT,), "recovered_lsn": (_INT,), "time": (_FLOAT,), "manifest": (_STR, "nil")},
-    9: {"id": (_ID,), "at": (_INT,), "tokens": ("ints",)},
+    9: {"id": (_ID,), "at": ("natural",), "tokens": ("ints",)},
     10: {"id": (_ID,), "to": (_ID,)},
     11: {"id": (_ID,), "status": (_STR,), "count": ("natural",), "at": (_FLOAT,)},
 }
