@@ -296,9 +296,7 @@ class _Checker:
                         valid: List[Tuple[int, str, JournalState]]) -> None:
         spath = next(p for s_lsn, p, _s in valid if s_lsn == lsn)
         if expected is not None and lsn > expected - 1:
-            # compaction unlinks the files it covered and a crash may keep any of those unlinks: what
-            # is left ends before the snapshot, which holds what they held (recovery and the writer
-            # go on from it, at LSN snapshot + 1)
+            # a crash kept some of compaction's unlinks: the snapshot holds what the files held
             self.add("note", "covered-gap", f"the log ends at LSN {expected - 1}, before the snapshot at LSN {lsn}: "
                      "the files after it were compacted into the snapshot", spath)
             return
