@@ -15,19 +15,14 @@ import torch
 import kvj
 from kvj.serve.engine import mark_cancel
 from kvj.serve.paths import cancel_marker
+from support.vllm_config import tiny_model
 
 BLOCK = 32
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("model"))
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
-    return path
+    return tiny_model(str(tmp_path_factory.mktemp("model")))
 
 
 def scheduler(model: str, journal: str) -> Any:

@@ -14,19 +14,14 @@ import pytest
 import torch
 
 from kvj.errors import KvjError, LayoutMismatch
+from support.vllm_config import tiny_model
 
 BLOCK = 32
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("model"))
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
-    return path
+    return tiny_model(str(tmp_path_factory.mktemp("model")))
 
 
 def config(model: str, journal: str, tp: int = 2, pp: int = 1) -> Any:
