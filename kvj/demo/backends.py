@@ -25,7 +25,7 @@ from kvj.segments import device
 from kvj.segments.kvblock import KVBlockLayout, gather_block
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import DynamicCache, PreTrainedModel
 
     from kvj.journal.journal import Journal
     from kvj.journal.state import JournalState
