@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 from support.cli_helpers import (
     BLOCK_TOKENS,
     JOURNAL_REPLAY,
