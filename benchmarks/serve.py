@@ -76,7 +76,7 @@ def make_model(out: str, seed: int = 0) -> str:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     save_random_model(out, LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
                                        eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
                                        pad_token_id=fast.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None,
                                        torch_dtype="float32"), seed)

@@ -21,8 +21,9 @@ import httpx
 from support.e2e import rng
 from support.serve_server import ROOMY, Server, ballast, data, kvj, normal, serving, sse, tokens_and_text
 
-MAX_TOKENS = 2400  # long enough that no victim can finish before the last client's cut point; shorter than
-# the ballast's 3900 by more than the ballast runs ahead (up to 2 s alone: about 800 tokens)
+MAX_TOKENS = 6000  # no victim can finish before every client reached its cut point, even with the server's
+# API process behind the engine on a loaded machine (at 2400 all five once had); the ballast's 9000 outlasts it
+LONG = ("--max-model-len", "16384", *ROOMY)
 MESSAGES = [{"role": "user", "content": "Write the journal of a long day at the harbour, with the boats and the gulls."}]
 
 
@@ -70,15 +71,15 @@ def test_clients_reattach_after_the_server_group_is_killed_and_get_the_uninterru
     print("clients go away after", cut)
     ref: Dict[str, Any] = {}
     before: Dict[str, Any] = {}
-    with serving(serve_model, journal, str(tmp_path / "server1.log"), *ROOMY) as server:  # first boot, empty dir
-        ballast(server, serve_model, "ref")  # every step has 4 rows or more (see ballast)
+    with serving(serve_model, journal, str(tmp_path / "server1.log"), *LONG) as server:  # first boot, empty dir
+        ballast(server, serve_model, "ref", tokens=9000)  # every step has 4 rows or more (see ballast)
         threads = [threading.Thread(target=lambda n=n: ref.__setitem__(n, start(server, n, *clients[n], f"ref-{n}")))
                    for n in clients]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        ballast(server, serve_model, "victims")  # durable like any reply: it resumes beside the victims
+        ballast(server, serve_model, "victims", tokens=9000)  # durable like any reply: resumes beside the victims
         # the victims: same requests, other ids, all at once; each client goes away after its own number of
         # events; a poll during generation says in_progress with the output so far (vLLM's says queued)
         route, body = clients["responses"]
@@ -104,7 +105,7 @@ def test_clients_reattach_after_the_server_group_is_killed_and_get_the_uninterru
     streams = {n: s for n, s in state.items() if n != "whole"}  # "whole" (400 tokens) may be done
     assert set(streams.values()) == {"in_progress"}, f"not in flight at the kill, the test proves nothing: {state}"
 
-    restart = Server(serve_model, journal, str(tmp_path / "server2.log"), *ROOMY)
+    restart = Server(serve_model, journal, str(tmp_path / "server2.log"), *LONG)
     try:
         took = restart.wait_healthy()
         print(f"restart after kill -9: healthy in {took:.1f} s")
