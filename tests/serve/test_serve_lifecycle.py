@@ -116,8 +116,9 @@ def test_sigterm_with_open_streams_then_a_second_kill_during_the_resume(serve_mo
 def test_durable_admission_cancel_abandon_retention_and_the_prefix_cache_across_a_restart(serve_model, tmp_path):
     journal = str(tmp_path / "j")
     responses = {"model": serve_model, "input": "Tell the story of the harbour at night.", "background": True,
-                 "max_output_tokens": 3000, "temperature": 0}
-    with serving(serve_model, journal, str(tmp_path / "s1.log"), "--admission", "durable", "--retention", "20s") as server:
+                 "max_output_tokens": 15000, "temperature": 0}  # still running when cancelled, however loaded
+    with serving(serve_model, journal, str(tmp_path / "s1.log"), "--admission", "durable", "--retention", "20s",
+                 "--max-model-len", "16384") as server:
         # retention: a reply nobody comes back for is collected
         forgotten = sse("POST", f"{server.url}/v1/chat/completions", chat(serve_model, 64), {"X-Request-Id": "gone"})
         assert forgotten[0] == 200
@@ -148,7 +149,8 @@ def test_durable_admission_cancel_abandon_retention_and_the_prefix_cache_across_
         assert dropped["status"] == "abandoned"
         assert httpx.get(f"{server.url}/v1/chat/completions/chatcmpl-dropme").status_code == 404
         server.kill()
-    with serving(serve_model, journal, str(tmp_path / "s2.log"), "--admission", "durable") as server:
+    with serving(serve_model, journal, str(tmp_path / "s2.log"), "--admission", "durable",
+                 "--max-model-len", "16384") as server:
         poll = httpx.get(f"{server.url}/v1/responses/resp_cancel").json()
         assert poll["status"] == "cancelled"  # the cancel survived the restart, with the output it had
         events = sse("GET", f"{server.url}/v1/responses/resp_cancel?stream=true")[1]
