@@ -32,13 +32,19 @@ def boot_id() -> str:
         return f.read().strip()
 
 
-def start_time(pid: int) -> Optional[int]:
-    """A process's start time in clock ticks since boot (field 22 of its stat); None if it is gone."""
+def _stat(pid: int, field: int) -> Optional[int]:
+    """Field ``field`` (counted from the state, after the command's closing parenthesis) of a
+    process's ``/proc/PID/stat``; None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            return int(f.read().rsplit(")", 1)[1].split()[field])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def start_time(pid: int) -> Optional[int]:
+    """A process's start time in clock ticks since boot (field 22 of its stat); None if it is gone."""
+    return _stat(pid, 19)
 
 
 def _pids() -> List[int]:
@@ -46,11 +52,7 @@ def _pids() -> List[int]:
 
 
 def _parent(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    return _stat(pid, 1)
 
 
 def descendants(pid: int) -> Set[int]:
